@@ -1,0 +1,46 @@
+# kernelgate: `make test` passes the tests, `make bench` runs the perf suite and prints the
+# speedup table, `make baseline` saves this machine's baseline. Each creates .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kernelgate-installed
+PYTEST := $(PY) -m pytest
+# Extra pytest flags, e.g. `make bench PERF_ARGS="--device cuda --perf-size full"`.
+PERF_ARGS ?=
+
+.PHONY: install test lint correctness perf bench baseline report clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+correctness: $(STAMP)
+	$(PYTEST) correctness_tests -q
+
+# The perf suite at smoke size with its speedup floors, no stored baseline involved:
+# ratios measured in one run are what a noisy 2-core runner can gate on.
+perf: $(STAMP)
+	$(PYTEST) perf_tests -q $(PERF_ARGS)
+
+test: lint correctness perf
+
+# Main job: perf suite, gated against this machine's stored baseline when there is one.
+bench: $(STAMP)
+	$(PYTEST) perf_tests -q --benchmark-compare --benchmark-json=bench.json $(PERF_ARGS)
+	$(PY) -m kernels.perfgate.report bench.json --png bench.png --quiet
+
+# Save a new baseline for this machine's fingerprint, named by commit.
+baseline: $(STAMP)
+	$(PYTEST) perf_tests -q --benchmark-save=$$(git rev-parse --short HEAD) $(PERF_ARGS)
+
+report: $(STAMP)
+	$(PY) -m kernels.perfgate.report --png bench.png
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis bench.json bench.png

@@ -1,0 +1,32 @@
+"""kernelgate: optimized PyTorch training kernels, each beside a reference in ``reference``.
+
+Public API (loaded on first use, so ``import kernels`` stays light):
+
+- ``per_sample_grads``, ``per_sample_grad_gram``, ``per_sample_grad_norms`` (kernels.per_sample)
+- ``models``: model definitions shared by kernels, references and workloads
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "per_sample_grads": "kernels.per_sample",
+    "per_sample_grad_gram": "kernels.per_sample",
+    "per_sample_grad_norms": "kernels.per_sample",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -1,0 +1,261 @@
+"""Per-sample gradients, their Gram matrix and their norms, without a loop over samples.
+
+Sample i's gradient is g_i = d/dtheta loss_fn(model(x_i[None]), y_i[None]): its own loss, as a
+batch of one, so the result does not depend on the loss's reduction.
+
+- ``nn.Linear`` layers use the layer identity: g_i(W) = sum_t b_it a_it^T, with a the layer input
+  and b the gradient of the layer output (t runs over extra token dims and repeated calls).
+  One batched forward and one backward to the layer outputs give every a and b.
+  Gram: <g_i(W), g_j(W)> = sum_{t,s} (a_it . a_js)(b_it . b_js) ("ghost" identity), no g_i built.
+- Every other trainable parameter goes through ``torch.func.vmap(grad(...))`` with
+  ``functional_call``, materialized (these are the only per-sample gradients a Gram builds).
+
+Measured on a 2-core CPU (MLP 784-256-256-10, shared/MEASUREMENTS.md): identity 3.0x over a loop
+of backward passes at B=256 (vmap alone 2.3x); ghost Gram 137x over materializing at B=256.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+RANDOMNESS = ("error", "different", "same")
+
+
+@dataclass
+class _Plan:
+    names: list[str]  # trainable parameters, model order (requires_grad False: skipped)
+    linear: dict[str, nn.Linear]  # modules whose trainable params use the layer identity
+    other: list[str]  # trainable parameters that go through vmap
+
+
+def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
+                 randomness: str = "error") -> list[str]:
+    """Validate a per-sample-gradient call; returns the trainable parameter names.
+
+    Shared by the kernel and the reference so both refuse the same inputs the same way.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (output, target) -> scalar, got {loss_fn!r}")
+    if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor):
+        raise TypeError("inputs and targets must be torch.Tensor")
+    if not inputs.is_floating_point():
+        raise TypeError(f"inputs must be a floating-point tensor, got {inputs.dtype}; "
+                        "cast with .float() (integer token ids: embed them before the call)")
+    if inputs.ndim == 0 or targets.ndim == 0:
+        raise ValueError("inputs and targets need a leading batch dimension, got a 0-dim tensor")
+    if inputs.shape[0] != targets.shape[0]:
+        raise ValueError(f"batch size mismatch: inputs has {inputs.shape[0]} samples, targets has "
+                         f"{targets.shape[0]}; pass one target per sample")
+    if randomness not in RANDOMNESS:
+        raise ValueError(f"randomness must be one of {RANDOMNESS}, got {randomness!r}")
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if not names:
+        raise ValueError("model has no parameter with requires_grad=True: nothing to differentiate")
+    for mname, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or not m.track_running_stats):
+            raise ValueError(
+                f"model.{mname} is a {type(m).__name__} using batch statistics (train mode): it "
+                "mixes samples, so per-sample gradients are undefined and it cannot be vmapped; "
+                "call model.eval() or replace it with GroupNorm")
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0 and randomness == "error":
+            raise ValueError(
+                f"model.{mname} is {type(m).__name__}(p={m.p}) in train mode: per-sample gradients "
+                "are random; call model.eval(), or pass randomness='different' (own mask per "
+                "sample) or 'same' (one mask shared by all samples)")
+    params = dict(model.named_parameters())
+    p0 = params[names[0]]
+    if inputs.device != p0.device:
+        raise ValueError(f"inputs are on {inputs.device} but model parameters on {p0.device}; "
+                         "move both to one device")
+    if inputs.dtype != p0.dtype:
+        raise TypeError(f"inputs are {inputs.dtype} but model parameters are {p0.dtype}; "
+                        f"cast inputs with .to({p0.dtype})")
+    return names
+
+
+def _plan(model: nn.Module, names: list[str], randomness: str) -> _Plan:
+    if randomness == "same":  # one shared mask needs vmap's own randomness handling
+        return _Plan(names, {}, names)
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    linear, covered = {}, set()
+    for mname, m in model.named_modules():
+        if type(m) is nn.Linear and any(p.requires_grad for p in m.parameters()):
+            if all(counts[id(p)] == 1 for p in m.parameters()):  # tied weights: vmap
+                linear[mname] = m
+                covered.update(f"{mname}.{n}" if mname else n for n, _ in m.named_parameters())
+    other = [n for n in names if n not in covered]
+    if other and linear and randomness != "error":
+        # Two passes would draw two different dropout masks for one sample: one vmap pass.
+        return _Plan(names, {}, names)
+    return _Plan(names, linear, other)
+
+
+class _Fallback(Exception):
+    """A layer's input does not carry the batch in dim 0: use vmap for everything."""
+
+
+def _layer_terms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
+                 plan: _Plan) -> dict[str, tuple[Tensor, Tensor]]:
+    """Per identity layer: A (B, T, in) layer inputs and G (B, T, out) output gradients.
+
+    T counts extra token dims and repeated calls of one layer. The backward goes to the layer
+    outputs only (no parameter .grad is touched, no weight gradient computed).
+    """
+    batch = inputs.shape[0]
+    seen: dict[str, list[tuple[Tensor, Tensor]]] = {name: [] for name in plan.linear}
+
+    def hook(name: str):
+        def fn(mod: nn.Module, args: tuple, out: Tensor) -> None:
+            if args[0].shape[0] != batch or out.shape[0] != batch:
+                raise _Fallback(name)
+            seen[name].append((args[0].detach(), out))
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in plan.linear.items()]
+    try:
+        outputs = model(inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    losses = vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(outputs, targets)
+    if losses.shape != (batch,):
+        raise ValueError(f"loss_fn must return a scalar per sample, got shape {tuple(losses.shape[1:])}")
+    used = {n: calls for n, calls in seen.items() if calls}
+    outs = [o for calls in used.values() for _, o in calls]
+    grads = iter(torch.autograd.grad(losses.sum(), outs, allow_unused=True, materialize_grads=True))
+    terms = {}
+    for name, calls in used.items():
+        m = plan.linear[name]
+        a = torch.cat([x.reshape(batch, -1, m.in_features) for x, _ in calls], dim=1)
+        g = torch.cat([next(grads).reshape(batch, -1, m.out_features) for _ in calls], dim=1)
+        terms[name] = (a, g)
+    return terms
+
+
+def _vmap_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
+                names: list[str], randomness: str, chunk_size: int | None) -> dict[str, Tensor]:
+    """Per-sample gradients of ``names`` by vmap(grad); other parameters held constant."""
+    params = dict(model.named_parameters())
+    diff = {n: params[n].detach() for n in names}
+    const = {n: p.detach() for n, p in params.items() if n not in diff}
+    buffers = dict(model.named_buffers())
+
+    def loss_one(d: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        out = functional_call(model, (d, const, buffers), (x.unsqueeze(0),))
+        loss = loss_fn(out, y.unsqueeze(0))
+        if loss.ndim != 0:
+            raise ValueError(f"loss_fn must return a scalar per sample, got shape {tuple(loss.shape)}")
+        return loss
+
+    return vmap(grad(loss_one), in_dims=(None, 0, 0), randomness=randomness,
+                chunk_size=chunk_size)(diff, inputs, targets)
+
+
+def _empty(model: nn.Module, names: list[str]) -> dict[str, Tensor]:
+    params = dict(model.named_parameters())
+    return {n: params[n].new_zeros((0, *params[n].shape)) for n in names}
+
+
+def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
+                     chunk_size: int | None = None, randomness: str = "error") -> dict[str, Tensor]:
+    """Gradient of each sample's own loss: ``{name: Tensor(B, *param.shape)}``.
+
+    inputs (B, ...) floating, targets (B, ...). Parameters with requires_grad=False are skipped.
+    ``chunk_size`` bounds how many samples vmap processes at once (non-Linear layers only).
+    ``randomness`` is torch.func's: 'error' refuses active dropout; 'different' or 'same'.
+    """
+    names = check_inputs(model, loss_fn, inputs, targets, randomness)
+    if inputs.shape[0] == 0:
+        return _empty(model, names)
+    plan = _plan(model, names, randomness)
+    try:
+        terms = _layer_terms(model, loss_fn, inputs, targets, plan) if plan.linear else {}
+    except _Fallback:
+        plan, terms = _Plan(names, {}, names), {}
+    out: dict[str, Tensor] = {}
+    for mname, (a, g) in terms.items():
+        prefix = f"{mname}." if mname else ""
+        m = plan.linear[mname]
+        if m.weight.requires_grad:
+            out[prefix + "weight"] = torch.einsum("bto,bti->boi", g, a)
+        if m.bias is not None and m.bias.requires_grad:
+            out[prefix + "bias"] = g.sum(dim=1)
+    for mname, m in plan.linear.items():  # layers never called get zero gradients
+        if mname not in terms:
+            prefix = f"{mname}." if mname else ""
+            for n, p in m.named_parameters():
+                if p.requires_grad:
+                    out[prefix + n] = p.new_zeros((inputs.shape[0], *p.shape))
+    if plan.other:
+        out.update(_vmap_grads(model, loss_fn, inputs, targets, plan.other, randomness, chunk_size))
+    return {n: out[n] for n in names}
+
+
+def _ghost_weight(a: Tensor, g: Tensor, diagonal: bool) -> Tensor:
+    """Gram (B, B), or its diagonal (B,), of one Linear weight's per-sample gradients."""
+    if a.shape[1] == 1:
+        a2, g2 = a[:, 0], g[:, 0]
+        return (a2 * a2).sum(1) * (g2 * g2).sum(1) if diagonal else (a2 @ a2.T) * (g2 @ g2.T)
+    if a.shape[1] ** 2 > a.shape[2] * g.shape[2]:
+        # Long token axis: T^2 dot products cost more than building the (out, in) gradients.
+        w = torch.einsum("bto,bti->boi", g, a).flatten(1)
+        return (w * w).sum(1) if diagonal else w @ w.T
+    spec = "bti,bsi->bts" if diagonal else "bti,csi->bcts"
+    aa, gg = torch.einsum(spec, a, a), torch.einsum(spec.replace("i", "o"), g, g)
+    return (aa * gg).sum((-2, -1))
+
+
+def _gram_of(flat: Tensor, diagonal: bool) -> Tensor:
+    return (flat * flat).sum(1) if diagonal else flat @ flat.T
+
+
+def _gram(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
+          chunk_size: int | None, randomness: str, diagonal: bool) -> Tensor:
+    names = check_inputs(model, loss_fn, inputs, targets, randomness)
+    batch = inputs.shape[0]
+    shape = (batch,) if diagonal else (batch, batch)
+    total = inputs.new_zeros(shape)
+    if batch == 0:
+        return total
+    plan = _plan(model, names, randomness)
+    try:
+        terms = _layer_terms(model, loss_fn, inputs, targets, plan) if plan.linear else {}
+    except _Fallback:
+        plan, terms = _Plan(names, {}, names), {}
+    for mname, (a, g) in terms.items():
+        m = plan.linear[mname]
+        if m.weight.requires_grad:
+            total = total + _ghost_weight(a, g, diagonal)
+        if m.bias is not None and m.bias.requires_grad:
+            total = total + _gram_of(g.sum(1), diagonal)
+    if plan.other:
+        grads = _vmap_grads(model, loss_fn, inputs, targets, plan.other, randomness, chunk_size)
+        flat = torch.cat([t.reshape(batch, -1) for t in grads.values()], dim=1)
+        total = total + _gram_of(flat, diagonal)
+    return total
+
+
+def per_sample_grad_gram(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
+                         chunk_size: int | None = None, randomness: str = "error") -> Tensor:
+    """G (B, B) with G[i, j] = <g_i, g_j> over all trainable parameters.
+
+    Linear layers by the ghost identity, no per-sample gradient built; other layers materialized.
+    """
+    return _gram(model, loss_fn, inputs, targets, chunk_size, randomness, diagonal=False)
+
+
+def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
+                          chunk_size: int | None = None, randomness: str = "error") -> Tensor:
+    """|g_i| (B,) over all trainable parameters: the square root of the Gram's diagonal."""
+    sq = _gram(model, loss_fn, inputs, targets, chunk_size, randomness, diagonal=True)
+    return sq.clamp_min(0).sqrt()  # a sum of squares; rounding must not turn 0 into NaN

@@ -1,0 +1,115 @@
+"""The speedup statistic and the gate's rules.
+
+speedup = median(reference rounds) / median(optimized rounds), both measured in the same run,
+with a percentile-bootstrap interval (the rounds of each side resampled independently).
+The gate fails a row when the interval's lower bound is under the floor, or, when a stored
+baseline is compared, when the speedup fell more than ``tolerance`` under the baseline's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+def speedup_interval(
+    reference: Sequence[float],
+    optimized: Sequence[float],
+    confidence: float = 0.95,
+    n_resamples: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """(speedup, low, high): ratio of medians and its bootstrap interval, fixed seed."""
+    from scipy import stats
+
+    ref = np.asarray(reference, dtype=np.float64)
+    opt = np.asarray(optimized, dtype=np.float64)
+    if ref.size < 2 or opt.size < 2:
+        raise ValueError("a speedup interval needs at least 2 rounds on each side")
+
+    def ratio(r: np.ndarray, o: np.ndarray, axis: int = -1) -> np.ndarray:
+        return np.median(r, axis=axis) / np.median(o, axis=axis)
+
+    point = float(ratio(ref, opt))
+    res = stats.bootstrap(
+        (ref, opt), ratio, n_resamples=n_resamples, confidence_level=confidence,
+        method="percentile", vectorized=True, rng=np.random.default_rng(seed),
+    )
+    low, high = res.confidence_interval
+    return point, float(low), float(high)
+
+
+@dataclass
+class SpeedupRow:
+    """One optimized variant against its reference, measured in one session."""
+
+    kernel: str
+    impl: str
+    size: str
+    label: str
+    device: str
+    reference_ms: float
+    optimized_ms: float
+    speedup: float
+    low: float
+    high: float
+    rounds: tuple[int, int]
+    floor: float | None = None
+    baseline: float | None = None
+    reference_peak_bytes: int | None = None
+    optimized_peak_bytes: int | None = None
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return f"{self.kernel}::{self.impl}"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def gate(row: SpeedupRow, tolerance: float) -> list[str]:
+    """The reasons ``row`` fails the gate (empty when it passes); also stored on the row."""
+    where = f"{row.kernel} [{row.impl}, {row.label or row.size}] on {row.device}"
+    measured = f"speedup {row.speedup:.2f}x (95% CI {row.low:.2f}-{row.high:.2f}x)"
+    failures = []
+    if row.floor is not None and row.low < row.floor:
+        failures.append(
+            f"{where}: {measured} is under the floor {row.floor:.2f}x "
+            "(the interval's lower bound must reach it)"
+        )
+    if row.baseline is not None and row.speedup < (1.0 - tolerance) * row.baseline:
+        failures.append(
+            f"{where}: {measured} fell more than {tolerance:.0%} under the stored baseline's "
+            f"{row.baseline:.2f}x"
+        )
+    row.failures = failures
+    return failures
+
+
+def _mem(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def format_table(rows: Sequence[dict]) -> list[str]:
+    """Rows (``SpeedupRow.as_dict()``) as fixed-width text lines."""
+    header = ("kernel", "impl", "size", "device", "ref ms", "opt ms", "speedup", "95% CI",
+              "floor", "baseline", "peak MiB ref/opt", "gate")
+    body = []
+    for r in rows:
+        body.append((
+            r["kernel"], r["impl"], r["label"] or r["size"], r["device"],
+            f"{r['reference_ms']:.3f}", f"{r['optimized_ms']:.3f}", f"{r['speedup']:.2f}x",
+            f"{r['low']:.2f}-{r['high']:.2f}",
+            "-" if r["floor"] is None else f"{r['floor']:.2f}x",
+            "-" if r["baseline"] is None else f"{r['baseline']:.2f}x",
+            f"{_mem(r['reference_peak_bytes'])}/{_mem(r['optimized_peak_bytes'])}",
+            "FAIL" if r["failures"] else "ok",
+        ))
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *body)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [
+        fmt.format(*b) for b in body
+    ]

@@ -1,0 +1,86 @@
+"""Device-correct timing and peak memory.
+
+CUDA kernels are asynchronous: a clock read without a device synchronize measures only the
+launch. Every timed callable built here synchronizes before it returns, and so does every
+setup, so each clock read of the timer follows a synchronize.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def resolve_device(requested: str) -> str:
+    """``auto`` means cuda when available, else cpu; ``cuda`` without a GPU is an error."""
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {requested}: no CUDA device is available; use --device cpu")
+    if requested != "cpu" and not requested.startswith("cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda[:N], got {requested!r}")
+    return requested
+
+
+def synchronizer(device: str) -> Callable[[], None]:
+    """A no-argument function that waits for all queued work on ``device``."""
+    if device.startswith("cuda"):
+        import torch
+
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def synced(fn: Callable[..., Any], device: str) -> Callable[..., Any]:
+    """``fn`` followed by a device synchronize, so a timer around it sees the real duration."""
+    sync = synchronizer(device)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        sync()
+        return out
+
+    return run
+
+
+def _proc_status_bytes(key: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="utf8") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def peak_memory(fn: Callable[[], Any], device: str) -> int | None:
+    """Peak memory one call of ``fn`` adds, in bytes, above what was in use before it.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` after a reset, minus the allocation before the call.
+    CPU (Linux): the process's resident-set high-water mark is reset (``/proc/self/clear_refs``
+    with 5) and ``VmHWM - VmRSS(before)`` read after the call. This counts real pages touched,
+    allocator caches included, so memory the allocator reuses from earlier calls is not counted
+    again; it is an honest lower bound of the call's footprint. None where neither is available.
+    """
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        synced(fn, device)()
+        return int(torch.cuda.max_memory_allocated(device) - before)
+    before = _proc_status_bytes("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="utf8") as fh:
+            fh.write("5")
+    except OSError:
+        return None
+    fn()
+    after = _proc_status_bytes("VmHWM")
+    if before is None or after is None:
+        return None
+    return max(0, after - before)

@@ -1,0 +1,5 @@
+"""The slow, obviously correct side: same names and signatures as ``kernels``."""
+
+from reference.per_sample import per_sample_grad_gram, per_sample_grad_norms, per_sample_grads
+
+__all__ = ["per_sample_grad_gram", "per_sample_grad_norms", "per_sample_grads"]

@@ -1,0 +1,52 @@
+"""Reference per-sample gradients: one backward pass per sample, Gram and norms materialized."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from kernels.per_sample import LossFn, check_inputs
+
+
+def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
+                     chunk_size: int | None = None, randomness: str = "error") -> dict[str, Tensor]:
+    """Loop over samples: g_i = autograd.grad(loss_fn(model(x_i[None]), y_i[None])).
+
+    ``chunk_size`` is accepted for signature parity and ignored. ``randomness='same'``
+    replays one RNG state for every sample, so each sees the same dropout draw.
+    """
+    names = check_inputs(model, loss_fn, inputs, targets, randomness)
+    params = dict(model.named_parameters())
+    trainable = [params[n] for n in names]
+    per_name: dict[str, list[Tensor]] = {n: [] for n in names}
+    rng = torch.get_rng_state()
+    for i in range(inputs.shape[0]):
+        if randomness == "same":
+            torch.set_rng_state(rng)
+        loss = loss_fn(model(inputs[i : i + 1]), targets[i : i + 1])
+        if loss.ndim != 0:
+            raise ValueError(f"loss_fn must return a scalar per sample, got shape {tuple(loss.shape)}")
+        grads = torch.autograd.grad(loss, trainable, allow_unused=True)
+        for n, p, g in zip(names, trainable, grads):
+            per_name[n].append(torch.zeros_like(p) if g is None else g)
+    return {n: torch.stack(gs) if gs else params[n].new_zeros((0, *params[n].shape))
+            for n, gs in per_name.items()}
+
+
+def _flat(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
+          randomness: str) -> Tensor:
+    grads = per_sample_grads(model, loss_fn, inputs, targets, randomness=randomness)
+    return torch.cat([g.reshape(inputs.shape[0], -1) for g in grads.values()], dim=1)
+
+
+def per_sample_grad_gram(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
+                         chunk_size: int | None = None, randomness: str = "error") -> Tensor:
+    """G = E @ E.T with E (B, P) the materialized, flattened per-sample gradients."""
+    flat = _flat(model, loss_fn, inputs, targets, randomness)
+    return flat @ flat.T
+
+
+def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
+                          chunk_size: int | None = None, randomness: str = "error") -> Tensor:
+    """|g_i| from the materialized per-sample gradients."""
+    return _flat(model, loss_fn, inputs, targets, randomness).norm(dim=1)
