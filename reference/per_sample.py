@@ -27,7 +27,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets:
         if loss.ndim != 0:
             raise ValueError(f"loss_fn must return a scalar per sample, got shape {tuple(loss.shape)}")
         grads = torch.autograd.grad(loss, trainable, allow_unused=True)
-        for n, p, g in zip(names, trainable, grads):
+        for n, p, g in zip(names, trainable, grads, strict=True):
             per_name[n].append(torch.zeros_like(p) if g is None else g)
     return {n: torch.stack(gs) if gs else params[n].new_zeros((0, *params[n].shape))
             for n, gs in per_name.items()}

@@ -19,7 +19,7 @@ class MLP(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         layers: list[nn.Module] = []
-        for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
             layers.append(nn.Linear(fan_in, fan_out, bias=bias))
             if i < len(sizes) - 2:
                 layers.append(nn.ReLU())

@@ -48,7 +48,7 @@ def draw(runs: list[dict], png: Path) -> None:
     ys = range(len(latest))
     err = [[r["speedup"] - r["low"] for r in latest], [r["high"] - r["speedup"] for r in latest]]
     ax1.barh(ys, [r["speedup"] for r in latest], xerr=err, color="tab:blue", capsize=3)
-    for y, r in zip(ys, latest):
+    for y, r in zip(ys, latest, strict=True):
         if r["floor"] is not None:
             ax1.plot([r["floor"]] * 2, [y - 0.4, y + 0.4], color="tab:red", lw=2)
     ax1.set_yticks(list(ys), names, fontsize=8)

@@ -108,7 +108,7 @@ def format_table(rows: Sequence[dict]) -> list[str]:
             f"{_mem(r['reference_peak_bytes'])}/{_mem(r['optimized_peak_bytes'])}",
             "FAIL" if r["failures"] else "ok",
         ))
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *body)]
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *body, strict=True)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [
         fmt.format(*b) for b in body

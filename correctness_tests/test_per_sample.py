@@ -1,0 +1,310 @@
+"""kernels.per_sample == reference.per_sample (== an fp64 oracle), and its refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import kernels
+import reference
+from correctness_tests.conftest import requires_cuda
+from correctness_tests.tolerances import (
+    ELEMENTWISE,
+    REDUCTION,
+    assert_as_accurate,
+    assert_close,
+    assert_dicts_close,
+)
+from kernels.models import MLP
+
+FUNCS = ("per_sample_grads", "per_sample_grad_gram", "per_sample_grad_norms")
+LOSSES = {
+    "ce_mean": lambda o, t: F.cross_entropy(o.flatten(0, -2), t.flatten()),
+    "ce_sum": lambda o, t: F.cross_entropy(o.flatten(0, -2), t.flatten(), reduction="sum"),
+    "mse_mean": F.mse_loss,
+    "mse_sum": lambda o, t: F.mse_loss(o, t, reduction="sum"),
+}
+
+
+class TokenMLP(nn.Module):
+    """Linear layers over (B, T, D) tokens; ``norm`` adds a LayerNorm (no identity: vmap)."""
+
+    def __init__(self, d_in: int, widths: list[int], classes: int, bias: bool, norm: bool) -> None:
+        super().__init__()
+        sizes = [d_in, *widths, classes]
+        self.norm = nn.LayerNorm(d_in) if norm else nn.Identity()
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=bias) for a, b in zip(sizes[:-1], sizes[1:], strict=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return x
+
+
+class ConvNet(nn.Module):
+    """Conv2d (vmap) feeding a Linear (identity): the hybrid path."""
+
+    def __init__(self, classes: int, bias: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 3, 3, bias=bias)
+        self.head = nn.Linear(3 * 4 * 4, classes, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.conv(x)).flatten(1))
+
+
+@st.composite
+def problems(draw: st.DrawFn, dtypes=(torch.float32, torch.float64)) -> dict:
+    """A model, a loss and a batch, all drawn: widths, depth, tokens, bias, dtype, layout."""
+    arch = draw(st.sampled_from(["mlp", "tokens", "tokens_norm", "conv"]))
+    batch = draw(st.integers(1, 64))
+    classes = draw(st.integers(2, 6))
+    bias = draw(st.booleans())
+    dtype = draw(st.sampled_from(dtypes))
+    loss = draw(st.sampled_from(sorted(LOSSES)))
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    if arch == "conv":
+        model, shape = ConvNet(classes, bias), (batch, 1, 6, 6)
+    else:
+        widths = draw(st.lists(st.integers(1, 24), min_size=0, max_size=3))
+        # LayerNorm over 1-3 features is ill-conditioned (x - mean is mostly rounding, then
+        # scaled by 1/sqrt(var + eps)): no fp32 implementation, the loop included, is near fp64.
+        d_in = draw(st.integers(4 if arch == "tokens_norm" else 1, 16))
+        if arch == "mlp":
+            model, shape = MLP([d_in, *widths, classes], bias=bias), (batch, d_in)
+        else:
+            tokens = draw(st.integers(1, 4))
+            model = TokenMLP(d_in, widths, classes, bias, norm=arch == "tokens_norm")
+            shape = (batch, tokens, d_in)
+    model = model.to(dtype)
+    x = torch.randn(*shape, dtype=dtype)
+    if draw(st.booleans()):  # non-contiguous inputs: a transposed copy's view
+        x = x.transpose(0, -1).contiguous().transpose(0, -1)
+    lead = shape[:-1] if arch.startswith("tokens") else (batch,)
+    if loss.startswith("ce"):
+        y = torch.randint(0, classes, lead)
+    else:
+        y = torch.randn(*lead, classes, dtype=dtype)
+    return dict(model=model, loss_fn=LOSSES[loss], inputs=x, targets=y)
+
+
+def _run(side, name: str, p: dict, **kw):
+    return getattr(side, name)(p["model"], p["loss_fn"], p["inputs"], p["targets"], **kw)
+
+
+@given(problems())
+def test_per_sample_grads_match_reference(p: dict) -> None:
+    assert_dicts_close(_run(kernels, FUNCS[0], p), _run(reference, FUNCS[0], p), ELEMENTWISE)
+
+
+@given(problems())
+def test_gram_and_norms_match_materialized(p: dict) -> None:
+    gram, norms = _run(kernels, FUNCS[1], p), _run(kernels, FUNCS[2], p)
+    assert_close(gram, _run(reference, FUNCS[1], p), REDUCTION)
+    assert_close(norms, _run(reference, FUNCS[2], p), REDUCTION)
+    flat = torch.cat([g.flatten(1) for g in _run(kernels, FUNCS[0], p).values()], dim=1)
+    assert_close(gram, flat @ flat.T, REDUCTION, msg="ghost Gram vs kernel's own materialized E E^T")
+
+
+def _to64(p: dict) -> dict:
+    return dict(p, model=copy.deepcopy(p["model"]).double(), inputs=p["inputs"].double())
+
+
+@given(problems(dtypes=(torch.float32,)))
+def test_fp32_sides_close_to_fp64_oracle(p: dict) -> None:
+    oracle = _to64(p)
+    for name in FUNCS:
+        opt, ref, exact = (_run(s, name, q) for s, q in ((kernels, p), (reference, p), (reference, oracle)))
+        if isinstance(exact, dict):
+            opt, ref, exact = (torch.cat([t.flatten() for t in d.values()]) for d in (opt, ref, exact))
+        kind = ELEMENTWISE if name == FUNCS[0] else REDUCTION
+        assert_close(opt, exact.to(opt.dtype), kind, msg=f"{name} vs fp64 oracle")
+        assert_close(ref, exact.to(ref.dtype), kind, msg=f"reference {name} vs fp64 oracle")
+        assert_as_accurate(opt, ref, exact)
+
+
+@given(problems(dtypes=(torch.float64,)))
+def test_sum_of_per_sample_grads_is_batch_grad(p: dict) -> None:
+    """An oracle independent of the loop: sum_i g_i = grad of sum_i loss_i (batch-of-one losses)."""
+    model, loss_fn, x, y = p["model"], p["loss_fn"], p["inputs"], p["targets"]
+    total = sum(loss_fn(model(x[i : i + 1]), y[i : i + 1]) for i in range(x.shape[0]))
+    names = [n for n, q in model.named_parameters()]
+    batch_grads = torch.autograd.grad(total, list(model.parameters()))
+    got = _run(kernels, FUNCS[0], p)
+    for n, g in zip(names, batch_grads, strict=True):
+        assert_close(got[n].sum(0), g, REDUCTION, msg=n)
+
+
+def test_tolerance_catches_wrong_results() -> None:
+    """Negative controls: the comparisons above can fail."""
+    torch.manual_seed(0)
+    model, x, y = MLP([8, 16, 4]), torch.randn(16, 8), torch.randint(0, 4, (16,))
+    p = dict(model=model, loss_fn=F.cross_entropy, inputs=x, targets=y)
+    ref = _run(reference, FUNCS[0], p)
+    off = {n: g * (1 + 1e-3) for n, g in ref.items()}
+    with pytest.raises(AssertionError):
+        assert_dicts_close(off, ref, ELEMENTWISE)
+    # The batch gradient broadcast to every sample is not a per-sample gradient.
+    batch = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))
+    fake = {n: g.expand(16, *g.shape) for n, g in zip(ref, batch, strict=True)}
+    with pytest.raises(AssertionError):
+        assert_dicts_close(fake, ref, ELEMENTWISE)
+    small = ref["net.0.weight"] * 1e-6  # normwise atol: tiny values are compared as strictly
+    with pytest.raises(AssertionError):
+        assert_close(small * (1 + 1e-3), small, ELEMENTWISE)
+
+
+def _both(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, **kw) -> None:
+    p = dict(model=model, loss_fn=F.cross_entropy, inputs=x, targets=y)
+    got, want = _run(kernels, name, p, **kw), _run(reference, name, p, **kw)
+    if isinstance(want, dict):
+        assert_dicts_close(got, want, ELEMENTWISE)
+    else:
+        assert_close(got, want, REDUCTION)
+
+
+class Tied(nn.Module):
+    """One weight used by two Linear layers (no identity for a shared parameter: vmap)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class Reused(nn.Module):
+    """One Linear called twice (weight sharing across depth, as in BDH): calls concatenate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.layer(torch.tanh(self.layer(x)))))
+
+
+class FoldsBatch(nn.Module):
+    """Folds tokens into the batch dim before a Linear: no batch in dim 0, so all vmap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x.reshape(-1, 4)).reshape(x.shape[0], -1, 3).mean(1)
+
+
+@pytest.mark.parametrize("name", FUNCS)
+@pytest.mark.parametrize("model_cls", [Tied, Reused, FoldsBatch])
+def test_shared_and_reshaping_layers(name: str, model_cls: type) -> None:
+    torch.manual_seed(1)
+    model = model_cls().double()
+    shape = (5, 2, 4) if model_cls is FoldsBatch else (5, 6)
+    x = torch.randn(*shape, dtype=torch.float64)
+    _both(name, model, x, torch.randint(0, 3, (5,)))
+
+
+@pytest.mark.parametrize("name", FUNCS)
+def test_frozen_parameters_are_skipped(name: str) -> None:
+    torch.manual_seed(2)
+    model = ConvNet(3, bias=True).double()
+    model.conv.bias.requires_grad_(False)
+    model.head.weight.requires_grad_(False)
+    x, y = torch.randn(7, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (7,))
+    _both(name, model, x, y)
+    grads = kernels.per_sample_grads(model, F.cross_entropy, x, y)
+    assert list(grads) == ["conv.weight", "head.bias"]
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3])
+def test_chunk_size_gives_same_result(chunk_size: int) -> None:
+    torch.manual_seed(3)
+    model = ConvNet(3, bias=True).double()
+    x, y = torch.randn(7, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (7,))
+    _both(FUNCS[0], model, x, y, chunk_size=chunk_size)
+    _both(FUNCS[1], model, x, y, chunk_size=chunk_size)
+
+
+def test_empty_batch_gives_empty_results() -> None:
+    model, x, y = MLP([5, 4, 3]), torch.randn(0, 5), torch.zeros(0, dtype=torch.long)
+    grads = kernels.per_sample_grads(model, F.cross_entropy, x, y)
+    assert {n: tuple(g.shape) for n, g in grads.items()} == {
+        n: (0, *q.shape) for n, q in model.named_parameters()}
+    assert kernels.per_sample_grad_gram(model, F.cross_entropy, x, y).shape == (0, 0)
+    assert kernels.per_sample_grad_norms(model, F.cross_entropy, x, y).shape == (0,)
+    assert {n: g.shape for n, g in reference.per_sample_grads(model, F.cross_entropy, x, y).items()} == {
+        n: g.shape for n, g in grads.items()}
+
+
+def test_zero_gradient_norms_are_zero_not_nan() -> None:
+    model = MLP([4, 3, 2])
+    for q in model.parameters():
+        nn.init.zeros_(q)
+    x, y = torch.randn(3, 4), torch.zeros(3, 2)
+    norms = kernels.per_sample_grad_norms(model, F.mse_loss, x, y)
+    assert torch.isfinite(norms).all()
+
+
+@pytest.mark.parametrize("side", [kernels, reference], ids=["kernels", "reference"])
+@pytest.mark.parametrize("name", FUNCS)
+def test_bad_inputs_are_refused_clearly(side, name: str) -> None:
+    fn = getattr(side, name)
+    mlp, x, y = MLP([5, 4, 3]), torch.randn(4, 5), torch.randint(0, 3, (4,))
+    bn = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    with pytest.raises(ValueError, match=r"BatchNorm1d.*eval\(\).*GroupNorm"):
+        fn(bn, F.cross_entropy, x, y)
+    fn(bn.eval(), F.cross_entropy, x, y)  # running statistics: per-sample again
+    with pytest.raises(ValueError, match=r"Dropout.*randomness="):
+        fn(MLP([5, 4, 3], dropout=0.5), F.cross_entropy, x, y)
+    with pytest.raises(ValueError, match="batch size mismatch"):
+        fn(mlp, F.cross_entropy, x, y[:3])
+    with pytest.raises(TypeError, match="floating-point"):
+        fn(mlp, F.cross_entropy, x.long(), y)
+    with pytest.raises(TypeError, match="inputs are torch.float64"):
+        fn(mlp, F.cross_entropy, x.double(), y)
+    with pytest.raises(TypeError, match="nn.Module"):
+        fn(lambda t: t, F.cross_entropy, x, y)
+    with pytest.raises(ValueError, match="randomness must be one of"):
+        fn(mlp, F.cross_entropy, x, y, randomness="sometimes")
+    with pytest.raises(ValueError, match="scalar per sample"):
+        fn(mlp, lambda o, t: F.cross_entropy(o, t, reduction="none"), x, y)
+    frozen = MLP([5, 4, 3]).requires_grad_(False)
+    with pytest.raises(ValueError, match="requires_grad=True"):
+        fn(frozen, F.cross_entropy, x, y)
+
+
+@pytest.mark.parametrize("randomness", ["different", "same"])
+@pytest.mark.parametrize("name", FUNCS)
+def test_dropout_with_a_randomness_mode_runs(randomness: str, name: str) -> None:
+    torch.manual_seed(4)
+    model, x, y = MLP([5, 8, 3], dropout=0.5), torch.randn(6, 5), torch.randint(0, 3, (6,))
+    out = getattr(kernels, name)(model, F.cross_entropy, x, y, randomness=randomness)
+    tensors = out.values() if isinstance(out, dict) else [out]
+    assert all(torch.isfinite(t).all() for t in tensors)
+    if name == FUNCS[0]:
+        assert out["net.0.weight"].shape == (6, 8, 5)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", FUNCS)
+def test_cuda_matches_cpu_reference(name: str) -> None:
+    torch.manual_seed(5)
+    model, x, y = MLP([12, 16, 4]).double(), torch.randn(9, 12, dtype=torch.float64), torch.randint(0, 4, (9,))
+    want = getattr(reference, name)(model, F.cross_entropy, x, y)
+    got = getattr(kernels, name)(model.cuda(), F.cross_entropy, x.cuda(), y.cuda())
+    if isinstance(want, dict):
+        assert_dicts_close({n: g.cpu() for n, g in got.items()}, want, ELEMENTWISE)
+    else:
+        assert_close(got.cpu(), want, REDUCTION)

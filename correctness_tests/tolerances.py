@@ -1,0 +1,74 @@
+"""The one tolerance table of the project, keyed by (kernel kind, dtype): (atol, rtol).
+
+atol is normwise: it is scaled by the largest magnitude of the expected tensor, since the
+rounding error of a sum or product grows with the size of its terms, not with 1. A test on
+small values is therefore as strict as one on large values, never vacuous. A tolerance here
+is never loosened to make a test pass: find out why the results differ.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+ELEMENTWISE = "elementwise"
+REDUCTION = "reduction"  # sums, matmuls, Gram matrices, norms
+
+TOLERANCES: dict[tuple[str, torch.dtype], tuple[float, float]] = {
+    (ELEMENTWISE, torch.float64): (1e-7, 1e-7),
+    (REDUCTION, torch.float64): (1e-7, 1e-7),
+    (ELEMENTWISE, torch.float32): (1e-5, 1e-5),
+    (REDUCTION, torch.float32): (1e-5, 1e-4),
+    (ELEMENTWISE, torch.bfloat16): (5e-2, 2e-2),
+    (REDUCTION, torch.bfloat16): (5e-2, 2e-2),
+    (ELEMENTWISE, torch.float16): (1e-2, 1e-2),
+    (REDUCTION, torch.float16): (1e-2, 1e-2),
+}
+
+
+def tolerance(kind: str, dtype: torch.dtype) -> tuple[float, float]:
+    try:
+        return TOLERANCES[(kind, dtype)]
+    except KeyError:
+        raise KeyError(f"no tolerance for ({kind!r}, {dtype}); add it to TOLERANCES") from None
+
+
+def _scale(t: Tensor) -> float:
+    m = t.detach().abs().max().item() if t.numel() else 0.0
+    return m if m > 0 else 1.0
+
+
+def assert_close(actual: Tensor, expected: Tensor, kind: str, msg: str = "",
+                 scale: float | None = None) -> None:
+    """actual == expected within the table's tolerance for expected's dtype.
+
+    atol is multiplied by ``scale``: by default the largest magnitude of ``expected``; pass the
+    scale of the whole result when ``expected`` is one part of it (one parameter's gradient).
+    """
+    atol, rtol = tolerance(kind, expected.dtype)
+    scale = _scale(expected) if scale is None else scale
+    torch.testing.assert_close(actual, expected, atol=atol * scale, rtol=rtol,
+                               msg=lambda m: f"{msg}\n{m}" if msg else m)
+
+
+def assert_dicts_close(actual: dict[str, Tensor], expected: dict[str, Tensor], kind: str) -> None:
+    """Per-parameter results (e.g. gradients) compared with the scale of all of them together:
+    a parameter whose exact gradient is 0 still carries the rounding of the whole backward."""
+    assert list(actual) == list(expected), f"keys differ: {list(actual)} vs {list(expected)}"
+    scale = max((_scale(t) for t in expected.values()), default=1.0)
+    for name in expected:
+        assert actual[name].shape == expected[name].shape, name
+        assert_close(actual[name], expected[name], kind, msg=f"parameter {name}", scale=scale)
+
+
+def max_error(actual: Tensor, oracle: Tensor) -> float:
+    """Normwise error of ``actual`` against a higher-precision ``oracle``."""
+    return ((actual.double() - oracle.double()).abs().max() / _scale(oracle)).item()
+
+
+def assert_as_accurate(optimized: Tensor, reference: Tensor, oracle: Tensor, c: float = 4.0) -> None:
+    """err(optimized) <= c * err(reference) against the oracle; each error floored at one ulp."""
+    ulp = torch.finfo(reference.dtype).eps
+    e_opt, e_ref = max_error(optimized, oracle), max_error(reference, oracle)
+    assert e_opt <= c * max(e_ref, ulp), (
+        f"optimized is less accurate than the reference: {e_opt:.3g} > {c} x {e_ref:.3g}")
