@@ -17,8 +17,9 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def fingerprint(device: str, threads: int) -> dict[str, str | int | None]:
-    """The facts that make timings comparable: device model, threads, torch/CUDA, Python."""
+def fingerprint(device: str, threads: int, thp_alloc: bool) -> dict[str, str | int | None]:
+    """The facts that make timings comparable: device model, threads, torch/CUDA, Python, and
+    whether torch's CPU allocator uses transparent huge pages (THP_MEM_ALLOC_ENABLE=1)."""
     import torch
 
     is_cuda = device.startswith("cuda")
@@ -29,6 +30,8 @@ def fingerprint(device: str, threads: int) -> dict[str, str | int | None]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda if is_cuda else None,
         "python": ".".join(platform.python_version_tuple()[:2]),
+        # Huge pages for torch's CPU allocator change fresh-allocation cost several-fold.
+        "thp_alloc": thp_alloc and not is_cuda,
     }
 
 
@@ -38,4 +41,6 @@ def slug(fp: dict[str, str | int | None]) -> str:
     if fp.get("cuda"):
         parts.append(f"cuda{fp['cuda']}")
     parts.append(f"py{fp['python']}")
-    return re.sub(r"[^A-Za-z0-9.+]+", "_", "-".join(str(p) for p in parts).replace("+", "_"))
+    if fp.get("thp_alloc"):
+        parts.append("thp")
+    return re.sub(r"[^A-Za-z0-9.+-]+", "_", "-".join(str(p) for p in parts).replace("+", "_"))

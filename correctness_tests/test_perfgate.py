@@ -1,0 +1,170 @@
+"""The perf gate's own tests: pytester runs small suites whose speedups are known by design.
+
+The timed callables sleep, so their ratio is set by the test, not by the machine's noise:
+reference 8 ms against optimized 2 ms is a 4x pair.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib.pyplot  # noqa: F401  (imported once here: pytester's inline runs unload
+import numpy as np  #                   modules first imported inside them, and C extensions
+import pytest  #                        such as numpy.fft's cannot load twice in one process)
+import scipy.stats  # noqa: F401
+
+from kernels.perfgate.fingerprint import slug
+from kernels.perfgate.report import main as report_main
+from kernels.perfgate.stats import SpeedupRow, gate, speedup_interval
+
+SUITE = """
+import time
+import pytest
+
+SLEEP = {{"reference": 0.008, "optimized": {opt}}}
+
+@pytest.mark.speedup(cpu={floor}, cuda={floor})
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_sleepy(perf, impl):
+    perf(lambda: time.sleep(SLEEP[impl]), label="8ms")
+"""
+FAST = ["--device", "cpu", "--benchmark-max-time=0.15", "--benchmark-min-rounds=12", "-p", "no:cacheprovider"]
+
+
+def _suite(pytester: pytest.Pytester, opt: float = 0.002, floor: float = 2.0) -> None:
+    pytester.makepyfile(test_pair=SUITE.format(opt=opt, floor=floor))
+
+
+def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest(*FAST, *args)
+
+
+def _saved(pytester: pytest.Pytester) -> list[Path]:
+    return sorted((pytester.path / ".benchmarks").rglob("*.json"))
+
+
+def test_pair_with_known_speedup_passes(pytester: pytest.Pytester) -> None:
+    _suite(pytester)
+    result = _run(pytester, "--benchmark-json=out.json")
+    result.assert_outcomes(passed=2)
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["*perfgate speedups*", "*sleepy*optimized*8ms*cpu*2.00x*ok*",
+                                 "*run `make baseline`*", "*gate passed*"])
+    row = json.loads((pytester.path / "out.json").read_text())["kernelgate"]["speedups"][0]
+    assert 3.2 < row["speedup"] < 4.3 and row["low"] <= row["speedup"] <= row["high"]
+    assert row["floor"] == 2.0 and row["failures"] == []
+    assert row["reference_peak_bytes"] is not None
+
+
+def test_slowed_optimized_side_fails_the_session(pytester: pytest.Pytester) -> None:
+    _suite(pytester, opt=0.008)  # the "optimization" lost: 1x against a 2x floor
+    result = _run(pytester)
+    result.assert_outcomes(passed=2)  # each benchmark ran; the gate fails the session
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*GATE FAILED: sleepy [[]optimized, 8ms] on cpu: speedup *x (95% CI *)"
+                                 " is under the floor 2.00x*"])
+
+
+def test_rerun_against_saved_baseline_passes(pytester: pytest.Pytester) -> None:
+    _suite(pytester)
+    assert _run(pytester, "--benchmark-save=base").ret == 0
+    [saved] = _saved(pytester)
+    assert saved.parent.parent.name == json.loads(saved.read_text())["kernelgate"]["slug"]
+    result = _run(pytester, "--benchmark-compare")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["*compared against baseline*", "*gate passed*"])
+
+
+def test_speedup_fallen_under_baseline_fails(pytester: pytest.Pytester) -> None:
+    _suite(pytester, floor=1.5)
+    assert _run(pytester, "--benchmark-save=base").ret == 0
+    _suite(pytester, opt=0.004, floor=1.5)  # 2x: above the floor, but half the baseline's 4x
+    result = _run(pytester, "--benchmark-compare")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*GATE FAILED*fell more than 20% under the stored baseline's*"])
+    assert _run(pytester, "--benchmark-compare", "--speedup-tolerance=0.6").ret == 0
+
+
+def test_baseline_from_another_fingerprint_is_refused(pytester: pytest.Pytester) -> None:
+    _suite(pytester)
+    assert _run(pytester, "--benchmark-save=base").ret == 0
+    [saved] = _saved(pytester)
+    data = json.loads(saved.read_text())
+    data["machine_info"]["kernelgate"]["device_name"] = "Some Other CPU"
+    other = pytester.path / "other.json"
+    other.write_text(json.dumps(data))
+    result = _run(pytester, f"--benchmark-compare={other}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*refuses to compare against a baseline from another machine fingerprint*"])
+
+
+def test_first_run_without_baseline_passes_with_hint(pytester: pytest.Pytester) -> None:
+    _suite(pytester)
+    result = _run(pytester, "--benchmark-compare")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["*no stored baseline compared*run `make baseline`*"])
+
+
+def test_perf_test_without_impl_param_fails_clearly(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_x(perf):\n    perf(lambda: None)\n")
+    result = _run(pytester)
+    result.assert_outcomes(errors=1)  # raised in the fixture's setup
+    result.stdout.fnmatch_lines(["*must be parametrized over 'impl'*"])
+
+
+def test_benchmark_disable_runs_once_and_gates_nothing(pytester: pytest.Pytester) -> None:
+    _suite(pytester, opt=0.008)
+    result = _run(pytester, "--benchmark-disable")
+    assert result.ret == 0
+    result.assert_outcomes(passed=2)
+
+
+def test_unavailable_device_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    _suite(pytester)
+    result = pytester.runpytest("--device", "cuda")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*no CUDA device is available*"])
+
+
+def test_report_prints_table_and_draws_chart(pytester: pytest.Pytester, capsys) -> None:
+    _suite(pytester)
+    assert _run(pytester, "--benchmark-json=a.json").ret == 0
+    assert _run(pytester, "--benchmark-json=b.json").ret == 0
+    png = pytester.path / "chart.png"
+    code = report_main([str(pytester.path / "a.json"), str(pytester.path / "b.json"), "--png", str(png)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "sleepy" in out and "speedup" in out and "floor" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_speedup_interval_covers_the_true_ratio() -> None:
+    rng = np.random.default_rng(0)
+    ref, opt = 4.0 + rng.normal(0, 0.1, 30), 1.0 + rng.normal(0, 0.03, 30)
+    point, low, high = speedup_interval(ref, opt)
+    assert low < 4.0 < high and low <= point <= high and high - low < 0.3
+    with pytest.raises(ValueError, match="at least 2 rounds"):
+        speedup_interval([1.0], [1.0, 2.0])
+
+
+def test_gate_rules() -> None:
+    row = SpeedupRow(kernel="k", impl="optimized", size="smoke", label="", device="cpu",
+                     reference_ms=4.0, optimized_ms=1.0, speedup=4.0, low=3.5, high=4.5, rounds=(9, 9))
+    assert gate(row, 0.2) == []
+    row.floor = 3.6
+    assert "under the floor 3.60x" in gate(row, 0.2)[0]
+    row.floor, row.baseline = 3.0, 5.1
+    assert "fell more than 20%" in gate(row, 0.2)[0]
+    row.baseline = 4.9
+    assert gate(row, 0.2) == []
+
+
+def test_slug_is_a_safe_folder_name() -> None:
+    fp = {"device_type": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "threads": 16,
+          "torch": "2.14.1+cu130", "cuda": "13.0", "python": "3.11", "thp_alloc": False}
+    assert slug(fp) == "cuda-NVIDIA_H100_80GB_HBM3-t16-torch2.14.1_cu130-cuda13.0-py3.11"
