@@ -158,9 +158,9 @@ def test_gate_rules() -> None:
     assert gate(row, 0.2) == []
     row.floor = 3.6
     assert "under the floor 3.60x" in gate(row, 0.2)[0]
-    row.floor, row.baseline = 3.0, 5.1
+    row.floor, row.baseline = 3.0, 5.7  # 0.8 x 5.7 = 4.56 > high 4.5
     assert "fell more than 20%" in gate(row, 0.2)[0]
-    row.baseline = 4.9
+    row.baseline = 5.5  # 0.8 x 5.5 = 4.4: the interval still reaches it
     assert gate(row, 0.2) == []
 
 
