@@ -33,7 +33,7 @@ test: lint correctness perf
 # Main job: perf suite, gated against this machine's stored baseline when there is one.
 bench: $(STAMP)
 	$(PYTEST) perf_tests -q --benchmark-compare --benchmark-json=bench.json $(PERF_ARGS)
-	$(PY) -m kernels.perfgate.report bench.json --png bench.png --quiet
+	$(PY) -m kernels.perfgate.report $$(find .benchmarks -name "*.json" | sort) bench.json --png bench.png --quiet
 
 # Save a new baseline for this machine's fingerprint, named by commit.
 baseline: $(STAMP)

@@ -51,12 +51,16 @@ class TokenMLP(nn.Module):
 
 
 class ConvNet(nn.Module):
-    """Conv2d (vmap) feeding a Linear (identity): the hybrid path."""
+    """Conv2d feeding a Linear. groups 1: both by the identity; groups 3 or padding 'same': the
+    conv through vmap, the Linear by the identity (the hybrid path)."""
 
-    def __init__(self, classes: int, bias: bool) -> None:
+    def __init__(self, classes: int, bias: bool, stride: int = 1, padding: int | str = 0,
+                 dilation: int = 1, groups: int = 1, size: int = 6) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(1, 3, 3, bias=bias)
-        self.head = nn.Linear(3 * 4 * 4, classes, bias=bias)
+        self.conv = nn.Conv2d(3, 3, 3, stride, padding, dilation, groups, bias=bias)
+        with torch.no_grad():
+            flat = self.conv(torch.zeros(1, 3, size, size)).numel()
+        self.head = nn.Linear(flat, classes, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(F.relu(self.conv(x)).flatten(1))
@@ -73,7 +77,11 @@ def problems(draw: st.DrawFn, dtypes=(torch.float32, torch.float64)) -> dict:
     loss = draw(st.sampled_from(sorted(LOSSES)))
     torch.manual_seed(draw(st.integers(0, 2**16)))
     if arch == "conv":
-        model, shape = ConvNet(classes, bias), (batch, 1, 6, 6)
+        size, dilation = draw(st.integers(5, 8)), draw(st.sampled_from([1, 2]))
+        padding = draw(st.sampled_from([0, 1, "same"] if dilation == 1 else [0, 1]))
+        stride = 1 if padding == "same" else draw(st.sampled_from([1, 2]))
+        model = ConvNet(classes, bias, stride, padding, dilation, draw(st.sampled_from([1, 3])), size)
+        shape = (batch, 3, size, size)
     else:
         widths = draw(st.lists(st.integers(1, 24), min_size=0, max_size=3))
         # LayerNorm over 1-3 features is ill-conditioned (x - mean is mostly rounding, then
@@ -206,8 +214,19 @@ class FoldsBatch(nn.Module):
         return self.layer(x.reshape(-1, 4)).reshape(x.shape[0], -1, 3).mean(1)
 
 
+class Unused(nn.Module):
+    """A Linear and a LayerNorm the forward never calls: their gradients are zeros."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.unused, self.ln = nn.Linear(6, 3), nn.Linear(6, 6), nn.LayerNorm(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x)
+
+
 @pytest.mark.parametrize("name", FUNCS)
-@pytest.mark.parametrize("model_cls", [Tied, Reused, FoldsBatch])
+@pytest.mark.parametrize("model_cls", [Tied, Reused, FoldsBatch, Unused])
 def test_shared_and_reshaping_layers(name: str, model_cls: type) -> None:
     torch.manual_seed(1)
     model = model_cls().double()
@@ -222,7 +241,7 @@ def test_frozen_parameters_are_skipped(name: str) -> None:
     model = ConvNet(3, bias=True).double()
     model.conv.bias.requires_grad_(False)
     model.head.weight.requires_grad_(False)
-    x, y = torch.randn(7, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (7,))
+    x, y = torch.randn(7, 3, 6, 6, dtype=torch.float64), torch.randint(0, 3, (7,))
     _both(name, model, x, y)
     grads = kernels.per_sample_grads(model, F.cross_entropy, x, y)
     assert list(grads) == ["conv.weight", "head.bias"]
@@ -231,8 +250,8 @@ def test_frozen_parameters_are_skipped(name: str) -> None:
 @pytest.mark.parametrize("chunk_size", [1, 3])
 def test_chunk_size_gives_same_result(chunk_size: int) -> None:
     torch.manual_seed(3)
-    model = ConvNet(3, bias=True).double()
-    x, y = torch.randn(7, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (7,))
+    model = ConvNet(3, bias=True, groups=3).double()  # the conv through vmap, chunked
+    x, y = torch.randn(7, 3, 6, 6, dtype=torch.float64), torch.randint(0, 3, (7,))
     _both(FUNCS[0], model, x, y, chunk_size=chunk_size)
     _both(FUNCS[1], model, x, y, chunk_size=chunk_size)
 
@@ -308,3 +327,19 @@ def test_cuda_matches_cpu_reference(name: str) -> None:
         assert_dicts_close({n: g.cpu() for n, g in got.items()}, want, ELEMENTWISE)
     else:
         assert_close(got.cpu(), want, REDUCTION)
+
+
+def test_layers_are_dispatched_as_documented() -> None:
+    """Linear -> identity; Conv2d, LayerNorm, tied weights -> vmap; randomness modes -> one pass."""
+    from kernels.per_sample import _plan
+
+    def plan(model: nn.Module, randomness: str = "error"):
+        p = _plan(model, [n for n, q in model.named_parameters() if q.requires_grad], randomness)
+        return sorted(p.linear), p.other
+
+    assert plan(MLP([4, 5, 3])) == (["net.0", "net.2"], [])
+    assert plan(ConvNet(3, bias=True)) == (["head"], ["conv.weight", "conv.bias"])
+    assert plan(Tied()) == ([], ["a.weight", "a.bias", "b.bias"])
+    assert plan(MLP([4, 5, 3]), "same") == ([], ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"])
+    hybrid = ConvNet(3, bias=False)
+    assert plan(hybrid, "different") == ([], ["conv.weight", "head.weight"])  # one pass, one mask

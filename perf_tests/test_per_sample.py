@@ -29,19 +29,14 @@ def _vmap_only(model, loss_fn, x, y):
     return _vmap_grads(model, loss_fn, x, y, names, "error", None)
 
 
-def _problem(device: str, size: str) -> tuple[MLP, torch.Tensor, torch.Tensor]:
+def _time(perf, fn) -> None:
+    """Time ``fn(model, loss, x, y)`` on the OCS MLP at this session's size."""
     torch.manual_seed(0)
-    batch = BATCH[size]
-    model = MLP((784, 256, 256, 10)).to(device)
-    return model, torch.randn(batch, 784, device=device), torch.randint(0, 10, (batch,), device=device)
-
-
-@pytest.mark.speedup(cpu={"smoke": 3.0, "full": 4.0})
-@pytest.mark.parametrize("impl", ["reference", "vmap", "optimized"])
-def test_per_sample_grads(perf, impl: str) -> None:
-    model, x, y = _problem(perf.device, perf.size)
-    fn = _vmap_only if impl == "vmap" else IMPLS[impl].per_sample_grads
-    perf(lambda: fn(model, F.cross_entropy, x, y), label=f"MLP B={x.shape[0]}")
+    batch = BATCH[perf.size]
+    model = MLP((784, 256, 256, 10)).to(perf.device)
+    x = torch.randn(batch, 784, device=perf.device)
+    y = torch.randint(0, 10, (batch,), device=perf.device)
+    perf(lambda: fn(model, F.cross_entropy, x, y), label=f"MLP B={batch}")
 
 
 def _materialized_gram(model, loss_fn, x, y):
@@ -50,17 +45,19 @@ def _materialized_gram(model, loss_fn, x, y):
     return flat @ flat.T
 
 
+@pytest.mark.speedup(cpu={"smoke": 3.0, "full": 4.0})
+@pytest.mark.parametrize("impl", ["reference", "vmap", "optimized"])
+def test_per_sample_grads(perf, impl: str) -> None:
+    _time(perf, _vmap_only if impl == "vmap" else IMPLS[impl].per_sample_grads)
+
+
 @pytest.mark.speedup(cpu={"smoke": 15.0, "full": 30.0})
 @pytest.mark.parametrize("impl", ["reference", "materialized", "optimized"])
 def test_per_sample_grad_gram(perf, impl: str) -> None:
-    model, x, y = _problem(perf.device, perf.size)
-    fn = _materialized_gram if impl == "materialized" else IMPLS[impl].per_sample_grad_gram
-    perf(lambda: fn(model, F.cross_entropy, x, y), label=f"MLP B={x.shape[0]}")
+    _time(perf, _materialized_gram if impl == "materialized" else IMPLS[impl].per_sample_grad_gram)
 
 
 @pytest.mark.speedup(cpu={"smoke": 15.0, "full": 30.0})
 @pytest.mark.parametrize("impl", list(IMPLS))
 def test_per_sample_grad_norms(perf, impl: str) -> None:
-    model, x, y = _problem(perf.device, perf.size)
-    fn = IMPLS[impl].per_sample_grad_norms
-    perf(lambda: fn(model, F.cross_entropy, x, y), label=f"MLP B={x.shape[0]}")
+    _time(perf, IMPLS[impl].per_sample_grad_norms)

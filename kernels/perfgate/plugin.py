@@ -39,6 +39,7 @@ else:  # torch already allocated under whatever the environment said then
 
 REFERENCE = "reference"
 SIZES = ("smoke", "full")
+MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the options say
 MAX_ROUNDS = 1000
 
 
@@ -231,19 +232,23 @@ class PerfCase:
         """Time ``fn()`` (or ``fn(setup())`` with a fresh setup each round, untimed).
 
         Rounds default to what fits in ``--benchmark-max-time`` (at least
-        ``--benchmark-min-rounds``). The first call is reported apart as ``first_call_ms``
-        (compile and warm-up live there), never inside the timed rounds.
+        ``--benchmark-min-rounds``, never under 5, at most 1000). The first call is reported
+        apart as ``first_call_ms`` (compile and warm-up live there), never in the timed rounds.
         """
         config, state, bench = self._request.config, self._state, self._benchmark
         run = synced(fn, self.device)
         setup_synced = None if setup is None else synced(setup, self.device)
+        call = run if setup_synced is None else lambda: run(setup_synced())
         t0 = time.perf_counter()
-        result = run() if setup_synced is None else run(setup_synced())
-        first = time.perf_counter() - t0
+        call()
+        t1 = time.perf_counter()
+        call()  # a warm call sizes the rounds: the first may compile or build caches
+        first, warm = t1 - t0, time.perf_counter() - t1
         if rounds is None:
             max_time = float(config.getoption("benchmark_max_time"))
             min_rounds = int(config.getoption("benchmark_min_rounds"))
-            rounds = min(MAX_ROUNDS, max(min_rounds, math.ceil(max_time / max(first, 1e-6))))
+            rounds = min(MAX_ROUNDS, max(min_rounds, math.ceil(max_time / max(warm, 1e-6))))
+        rounds = max(rounds, MIN_ROUNDS)
         bench.group = self.kernel
         bench.extra_info.update(kernel=self.kernel, impl=self.impl, size=self.size, label=label,
                                 device=self.device, first_call_ms=1e3 * first)
@@ -306,7 +311,9 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         tr.write_line(line)
     for kernel in state.unpaired():
         tr.write_line(f"{kernel}: no reference/optimized pair measured, no speedup", yellow=True)
-    if state.baseline is None:
+    if config.getoption("benchmark_save", None) or config.getoption("benchmark_autosave", None):
+        tr.write_line(f"saved these speedups as a baseline for {state.slug}")
+    elif state.baseline is None:
         tr.write_line(f"no stored baseline compared for {state.slug}: run `make baseline` to save "
                       "one, then `make bench` (or --benchmark-compare) gates against it")
     else:
