@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Any
 
 import pytest
@@ -78,7 +79,7 @@ class GateState:
                 point, low, high = speedup_interval(ref.times, m.times)
                 row = SpeedupRow(
                     kernel=kernel, impl=impl, size=m.size, label=m.label, device=self.device,
-                    reference_ms=1e3 * _median(ref.times), optimized_ms=1e3 * _median(m.times),
+                    reference_ms=1e3 * median(ref.times), optimized_ms=1e3 * median(m.times),
                     speedup=point, low=low, high=high, rounds=(len(ref.times), len(m.times)),
                     floor=self.floors.get((kernel, impl)),
                     baseline=None if self.baseline is None else self.baseline.get(f"{kernel}::{impl}"),
@@ -94,12 +95,6 @@ class GateState:
 
 
 STATE = pytest.StashKey[GateState]()
-
-
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
