@@ -113,11 +113,47 @@ def test_perf_test_without_impl_param_fails_clearly(pytester: pytest.Pytester) -
     result.stdout.fnmatch_lines(["*must be parametrized over 'impl'*"])
 
 
-def test_benchmark_disable_runs_once_and_gates_nothing(pytester: pytest.Pytester) -> None:
-    _suite(pytester, opt=0.008)
+def test_benchmark_disable_runs_once_and_says_the_gate_did_not_run(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_count="""
+import pytest
+from pathlib import Path
+
+@pytest.mark.speedup(cpu=1000.0)
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_counted(perf, impl):
+    perf(lambda: Path(impl).open("a").write("x"))
+""")
     result = _run(pytester, "--benchmark-disable")
     assert result.ret == 0
     result.assert_outcomes(passed=2)
+    # once to size the rounds and once more warm, then pedantic's single disabled call
+    assert (pytester.path / "optimized").read_text() == "xxx"
+    result.stdout.fnmatch_lines(["*2 perf call(s) ran once with benchmarks disabled*the gate did not run*"])
+
+
+def test_benchmark_only_selects_perf_tests(pytester: pytest.Pytester) -> None:
+    _suite(pytester, opt=0.008)
+    pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
+    result = _run(pytester, "--benchmark-only")
+    result.assert_outcomes(passed=2, skipped=1)  # the perf pair runs and is gated
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+
+
+def test_two_tests_with_one_kernel_name_are_refused(pytester: pytest.Pytester) -> None:
+    body = SUITE.format(opt=0.002, floor=2.0)
+    pytester.makepyfile(test_a=body, test_b=body)
+    result = _run(pytester)
+    result.stdout.fnmatch_lines(["*two perf tests measure sleepy [[]reference]*rename one*"])
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+
+
+def test_baseline_of_another_size_is_not_compared(pytester: pytest.Pytester) -> None:
+    _suite(pytester, floor=1.5)
+    assert _run(pytester, "--benchmark-save=base", "--perf-size=full").ret == 0
+    _suite(pytester, opt=0.004, floor=1.5)  # half the full-size baseline's speedup
+    result = _run(pytester, "--benchmark-compare", "--perf-size=smoke")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["*compared against baseline*0 of 1 row(s) have a stored speedup at size smoke*"])
 
 
 def test_unavailable_device_is_a_usage_error(pytester: pytest.Pytester) -> None:

@@ -5,7 +5,10 @@ batch of one, so the result does not depend on the loss's reduction.
 
 - ``nn.Linear`` layers use the layer identity: g_i(W) = sum_t b_it a_it^T, with a the layer input
   and b the gradient of the layer output (t runs over extra token dims and repeated calls).
-  One batched forward and one backward to the layer outputs give every a and b.
+  One batched forward and one backward to the layer outputs give every a and b
+  (``kernels.layer_capture``, which checks the identity's assumptions on every call and falls
+  back to vmap for the whole model when one fails: time-major layers, samples that mix, weights
+  used outside their layer).
   Gram: <g_i(W), g_j(W)> = sum_{t,s} (a_it . a_js)(b_it . b_js) ("ghost" identity), no g_i built.
 - Every other trainable parameter goes through ``torch.func.vmap(grad(...))`` with
   ``functional_call``, materialized (these are the only per-sample gradients a Gram builds).
@@ -13,20 +16,21 @@ batch of one, so the result does not depend on the loss's reduction.
   slower than vmap on the 2-core CPU (CNN on 3x32x32, B=64: 19.4 ms vs 10.8 ms, loop 21.0 ms;
   at 1x8x8 a tie, 1.84 vs 1.91 ms): unfold alone cost 1.5-2.6 ms a layer.
 
-Measured on a 2-core CPU (MLP 784-256-256-10, shared/MEASUREMENTS.md): identity 3.0x over a loop
-of backward passes at B=256 (vmap alone 2.3x); ghost Gram 137x over materializing at B=256.
+Measured on the 2-core CPU (AMD EPYC; MLP 784-256-256-10, perf_tests/test_per_sample.py), speedup
+over the loop of backward passes: grads 3.9-4.0x at B=64 and 5.4x at B=256 (vmap alone 3.4-3.5x
+and 4.5x); ghost Gram 25x and 68x (materialize, then E E^T: 1.5x and 1.2x).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
+from kernels.layer_capture import Fallback, LossFn, capture
+
 RANDOMNESS = ("error", "different", "same")
 
 
@@ -92,7 +96,7 @@ def _plan(model: nn.Module, names: list[str], randomness: str) -> _Plan:
         counts[id(p)] = counts.get(id(p), 0) + 1
     linear, covered = {}, set()
     for mname, m in model.named_modules():
-        if type(m) is nn.Linear and any(p.requires_grad for p in m.parameters()):
+        if _has_identity(m) and any(p.requires_grad for p in m.parameters()):
             if all(counts[id(p)] == 1 for p in m.parameters()):  # tied weights: vmap
                 linear[mname] = m
                 covered.update(f"{mname}.{n}" if mname else n for n, _ in m.named_parameters())
@@ -103,46 +107,21 @@ def _plan(model: nn.Module, names: list[str], randomness: str) -> _Plan:
     return _Plan(names, linear, other)
 
 
-class _Fallback(Exception):
-    """A layer's input does not carry the batch in dim 0: use vmap for everything."""
+def _has_identity(m: nn.Module) -> bool:
+    """A plain Linear whose own parameters are its weight and bias (weight_norm's g/v are not)."""
+    own = {n for n, _ in m.named_parameters(recurse=False)}
+    return type(m) is nn.Linear and own <= {"weight", "bias"} and isinstance(m.weight, nn.Parameter)
 
 
-def _layer_terms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
-                 plan: _Plan) -> dict[str, tuple[Tensor, Tensor]]:
-    """Per identity layer: A (B, T, in) layer inputs and G (B, T, out) output gradients.
-
-    T counts extra token dims and repeated calls of one layer. The backward goes to the layer
-    outputs only (no parameter .grad is touched, no weight gradient computed).
-    """
-    batch = inputs.shape[0]
-    seen: dict[str, list[tuple[Tensor, Tensor]]] = {name: [] for name in plan.linear}
-
-    def hook(name: str):
-        def fn(mod: nn.Module, args: tuple, out: Tensor) -> None:
-            if args[0].shape[0] != batch or out.shape[0] != batch:
-                raise _Fallback(name)
-            seen[name].append((args[0].detach(), out))
-        return fn
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in plan.linear.items()]
+def _terms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, plan: _Plan,
+           randomness: str) -> tuple[_Plan, dict[str, tuple[Tensor, Tensor]]]:
+    """Captured (A, G) per identity layer, or an all-vmap plan when a capture check fails."""
+    if not plan.linear:
+        return plan, {}
     try:
-        outputs = model(inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    losses = vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(outputs, targets)
-    if losses.shape != (batch,):
-        raise ValueError(f"loss_fn must return a scalar per sample, got shape {tuple(losses.shape[1:])}")
-    used = {n: calls for n, calls in seen.items() if calls}
-    outs = [o for calls in used.values() for _, o in calls]
-    grads = iter(torch.autograd.grad(losses.sum(), outs, allow_unused=True, materialize_grads=True))
-    terms = {}
-    for name, calls in used.items():
-        m = plan.linear[name]
-        a = torch.cat([x.reshape(batch, -1, m.in_features) for x, _ in calls], dim=1)
-        g = torch.cat([next(grads).reshape(batch, -1, m.out_features) for _ in calls], dim=1)
-        terms[name] = (a, g)
-    return terms
+        return plan, capture(model, loss_fn, inputs, targets, plan.linear, probe=randomness == "error")
+    except Fallback:
+        return _Plan(plan.names, {}, plan.names), {}
 
 
 def _vmap_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
@@ -180,11 +159,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets:
     names = check_inputs(model, loss_fn, inputs, targets, randomness)
     if inputs.shape[0] == 0:
         return _empty(model, names)
-    plan = _plan(model, names, randomness)
-    try:
-        terms = _layer_terms(model, loss_fn, inputs, targets, plan) if plan.linear else {}
-    except _Fallback:
-        plan, terms = _Plan(names, {}, names), {}
+    plan, terms = _terms(model, loss_fn, inputs, targets, _plan(model, names, randomness), randomness)
     out: dict[str, Tensor] = {}
     for mname, (a, g) in terms.items():
         prefix = f"{mname}." if mname else ""
@@ -230,11 +205,7 @@ def _gram(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
     total = inputs.new_zeros(shape)
     if batch == 0:
         return total
-    plan = _plan(model, names, randomness)
-    try:
-        terms = _layer_terms(model, loss_fn, inputs, targets, plan) if plan.linear else {}
-    except _Fallback:
-        plan, terms = _Plan(names, {}, names), {}
+    plan, terms = _terms(model, loss_fn, inputs, targets, _plan(model, names, randomness), randomness)
     for mname, (a, g) in terms.items():
         m = plan.linear[mname]
         if m.weight.requires_grad:

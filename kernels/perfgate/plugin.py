@@ -65,6 +65,7 @@ class GateState:
     baseline: dict[str, float] | None = None
     baseline_path: str | None = None
     rows: list[SpeedupRow] | None = None
+    unmeasured: int = 0  # perf calls that ran with benchmarks disabled
 
     def compute_rows(self) -> list[SpeedupRow]:
         """Speedup rows for every impl measured beside its reference (computed once)."""
@@ -82,7 +83,7 @@ class GateState:
                     reference_ms=1e3 * median(ref.times), optimized_ms=1e3 * median(m.times),
                     speedup=point, low=low, high=high, rounds=(len(ref.times), len(m.times)),
                     floor=self.floors.get((kernel, impl)),
-                    baseline=None if self.baseline is None else self.baseline.get(f"{kernel}::{impl}"),
+                    baseline=None if self.baseline is None else self.baseline.get(_key(kernel, impl, m.size)),
                     reference_peak_bytes=ref.peak_bytes, optimized_peak_bytes=m.peak_bytes,
                 )
                 gate(row, self.tolerance)
@@ -95,6 +96,11 @@ class GateState:
 
 
 STATE = pytest.StashKey[GateState]()
+
+
+def _key(kernel: str, impl: str, size: str) -> str:
+    """Speedups compare only at the same size: smoke and full differ by design."""
+    return f"{kernel}::{impl}::{size}"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -168,7 +174,8 @@ def pytest_benchmark_compare_machine_info(
             "baseline here with `make baseline`, or compare against one saved on this fingerprint."
         )
     section = compared_benchmark.get("kernelgate", {})
-    state.baseline = {f"{r['kernel']}::{r['impl']}": r["speedup"] for r in section.get("speedups", [])}
+    rows = section.get("speedups", [])
+    state.baseline = {_key(r["kernel"], r["impl"], r["size"]): r["speedup"] for r in rows}
     state.baseline_path = str(benchmarksession.storage)
 
 
@@ -252,11 +259,15 @@ class PerfCase:
         else:
             result = bench.pedantic(run, setup=lambda: ((setup_synced(),), {}), rounds=rounds,
                                     warmup_rounds=warmup_rounds, iterations=1)
-        if bench.stats is None:  # --benchmark-disable: ran once, nothing measured
+        if bench.stats is None:  # --benchmark-disable or xdist: ran once, nothing measured
+            state.unmeasured += 1
             return result
         args = () if setup is None else (setup(),)
         peak = peak_memory(lambda: fn(*args), self.device)
         bench.extra_info["peak_memory_bytes"] = peak
+        if self.impl in state.results.get(self.kernel, {}):
+            pytest.fail(f"two perf tests measure {self.kernel} [{self.impl}]: perf kernel names come "
+                        "from the test name and its non-impl parameters; rename one")
         state.results.setdefault(self.kernel, {})[self.impl] = Measurement(
             times=list(bench.stats.stats.data), size=self.size, label=label, peak_bytes=peak)
         floor = _floor(self._request.node, self.impl, self.device, self.size)
@@ -266,12 +277,12 @@ class PerfCase:
 
 
 @pytest.fixture
-def perf(request: pytest.FixtureRequest) -> PerfCase:
-    """Time one impl of a reference/optimized pair; see ``PerfCase.__call__``."""
-    try:
-        benchmark = request.getfixturevalue("benchmark")
-    except pytest.FixtureLookupError:
-        pytest.fail("perfgate needs pytest-benchmark: pip install 'kernelgate[perfgate]'")
+def perf(request: pytest.FixtureRequest, benchmark: Any) -> PerfCase:
+    """Time one impl of a reference/optimized pair; see ``PerfCase.__call__``.
+
+    Requests pytest-benchmark's ``benchmark`` fixture by name, so pytest-benchmark counts perf
+    tests as benchmarks (``--benchmark-only``, ``--benchmark-skip`` select them).
+    """
     return PerfCase(request, benchmark, request.config.stash[STATE])
 
 
@@ -297,6 +308,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     state = config.stash.get(STATE, None)
+    if state is not None and state.unmeasured:
+        terminalreporter.write_line(
+            f"perfgate: {state.unmeasured} perf call(s) ran once with benchmarks disabled "
+            "(--benchmark-disable, or xdist): no speedup measured, the gate did not run", yellow=True)
     if state is None or not state.results:
         return
     tr = terminalreporter
@@ -312,7 +327,9 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         tr.write_line(f"no stored baseline compared for {state.slug}: run `make baseline` to save "
                       "one, then `make bench` (or --benchmark-compare) gates against it")
     else:
-        tr.write_line(f"compared against baseline in {state.baseline_path}")
+        matched = sum(r.baseline is not None for r in rows)
+        tr.write_line(f"compared against baseline in {state.baseline_path}: {matched} of {len(rows)} "
+                      f"row(s) have a stored speedup at size {state.size}")
     failures = [f for r in rows for f in r.failures]
     for f in failures:
         tr.write_line(f"GATE FAILED: {f}", red=True, bold=True)

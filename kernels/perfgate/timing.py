@@ -7,6 +7,7 @@ setup, so each clock read of the timer follows a synchronize.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any
 
@@ -56,14 +57,24 @@ def _proc_status_bytes(key: str) -> int | None:
     return None
 
 
+def _release_free_heap() -> None:
+    """Hand glibc's free heap pages back to the OS, so a call cannot reuse pages an earlier
+    call left resident and read as using no memory (no-op off glibc)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def peak_memory(fn: Callable[[], Any], device: str) -> int | None:
     """Peak memory one call of ``fn`` adds, in bytes, above what was in use before it.
 
     CUDA: ``torch.cuda.max_memory_allocated`` after a reset, minus the allocation before the call.
-    CPU (Linux): the process's resident-set high-water mark is reset (``/proc/self/clear_refs``
-    with 5) and ``VmHWM - VmRSS(before)`` read after the call. This counts real pages touched,
-    allocator caches included, so memory the allocator reuses from earlier calls is not counted
-    again; it is an honest lower bound of the call's footprint. None where neither is available.
+    CPU (Linux): free heap pages are returned to the OS (glibc ``malloc_trim``), the process's
+    resident-set high-water mark is reset (``/proc/self/clear_refs`` with 5), and
+    ``VmHWM - VmRSS(before)`` is read after the call: the pages the call touched at its peak.
+    Memory an allocator keeps cached outside glibc's heap would still be reused uncounted, so
+    this is a lower bound of the footprint. None where neither measure is available.
     """
     if device.startswith("cuda"):
         import torch
@@ -73,6 +84,7 @@ def peak_memory(fn: Callable[[], Any], device: str) -> int | None:
         before = torch.cuda.memory_allocated(device)
         synced(fn, device)()
         return int(torch.cuda.max_memory_allocated(device) - before)
+    _release_free_heap()
     before = _proc_status_bytes("VmRSS")
     try:
         with open("/proc/self/clear_refs", "w", encoding="utf8") as fh:

@@ -1,0 +1,163 @@
+"""One batched pass that captures every Linear layer's inputs and output gradients, checked.
+
+The Linear identity g_i(W) = sum_t b_it a_it^T holds only under assumptions a forward hook
+cannot see, so each is checked and any failure raises ``Fallback`` (the caller then uses vmap,
+which needs none of them):
+
+- the layer sees the batch in dim 0 and samples do not mix: a probe forward of sample 0 alone
+  must reproduce its layer inputs (shape and value) and its model output. This catches
+  time-major layers (T, B, d), cross-sample ops such as ``h - h.mean(0)``, functional dropout;
+- the weight is used by its own module's call only: a TorchFunctionMode watches every op of the
+  forward for the watched parameters (tied or functionally reused weights);
+- a captured input is not modified in place later (its version counter is compared);
+- in-place ops after the layer (``ReLU(inplace=True)``, ``out += x``) would rebase the layer
+  output, so the hook hands the rest of the model a clone and keeps the original.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.func import vmap
+from torch.overrides import TorchFunctionMode
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+class Fallback(Exception):
+    """The identity's assumptions do not hold for this model and batch: use vmap."""
+
+
+def _tensors(obj: object) -> Iterator[Tensor]:
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+class _WatchParams(TorchFunctionMode):
+    """Flags any op on a watched parameter outside its owning module's own call."""
+
+    def __init__(self, owners: dict[int, nn.Module]) -> None:
+        super().__init__()
+        self.owners, self.active, self.outside = owners, [], False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.outside and getattr(func, "__name__", "") != "__get__":  # .shape etc. are fine
+            for t in _tensors((args, kwargs)):
+                owner = self.owners.get(id(t))
+                if owner is not None and (not self.active or self.active[-1] is not owner):
+                    self.outside = True
+        return func(*args, **kwargs)
+
+
+def _all_close(pairs: list[tuple[Tensor, Tensor]]) -> bool:
+    """Each (a, b) equal up to rounding: same shape, normwise error within sqrt(eps) of the
+    dtype. One device sync for all pairs."""
+    pairs = [(a, b) for a, b in pairs if b.numel()]
+    if any(a.shape != b.shape for a, b in pairs):
+        return False
+    if not pairs:
+        return True
+    inf = float("inf")
+    err = torch.stack([torch.linalg.vector_norm(a - b, inf, dtype=torch.float64) for a, b in pairs])
+    scale = torch.stack([torch.linalg.vector_norm(b, inf, dtype=torch.float64) for _, b in pairs])
+    info = [torch.finfo(b.dtype) for _, b in pairs]
+    tol = torch.tensor([f.eps ** 0.5 for f in info], dtype=torch.float64, device=err.device)
+    tiny = torch.tensor([f.tiny for f in info], dtype=torch.float64, device=err.device)
+    return bool((err <= tol * torch.maximum(scale, tiny)).all())
+
+
+def _record(layers: dict[str, nn.Module], seen: dict[str, list], batch: int | None,
+            watch: _WatchParams | None) -> list:
+    """Register hooks that append (input, version, output) per call; returns the handles."""
+
+    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        if watch is not None:
+            watch.active.append(mod)
+
+    def post(name: str):
+        def fn(mod: nn.Module, args: tuple, kwargs: dict, out: Tensor) -> Tensor:
+            if watch is not None:
+                watch.active.pop()
+            x = args[0] if args else kwargs["input"]
+            if batch is not None and (x.shape[0] != batch or out.shape[0] != batch):
+                raise Fallback(f"{name}: batch not in dim 0")
+            seen[name].append((x.detach(), x._version, out))
+            return out.clone()
+        return fn
+
+    handles = []
+    for name, m in layers.items():
+        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(post(name), with_kwargs=True))
+    return handles
+
+
+def _forward(model: nn.Module, x: Tensor, layers: dict[str, nn.Module], batch: int | None,
+             watch: _WatchParams | None) -> tuple[object, dict[str, list]]:
+    seen: dict[str, list] = {name: [] for name in layers}
+    handles = _record(layers, seen, batch, watch)
+    try:
+        if watch is None:
+            return model(x), seen
+        with watch:
+            return model(x), seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _probe(model: nn.Module, inputs: Tensor, outputs: Tensor, layers: dict[str, nn.Module],
+           seen: dict[str, list]) -> None:
+    """Sample 0 alone must reproduce its batched model output and every layer input."""
+    with torch.no_grad():
+        out0, seen0 = _forward(model, inputs[:1], layers, None, None)
+    if not isinstance(out0, Tensor) or any(len(seen0[n]) != len(seen[n]) for n in layers):
+        raise Fallback("sample 0 alone calls the layers differently")
+    pairs = [(outputs[:1].detach(), out0)]
+    pairs += [(c[0][:1], c0[0]) for n in layers for c, c0 in zip(seen[n], seen0[n], strict=True)]
+    if not _all_close(pairs):
+        raise Fallback("sample 0 alone gives other layer inputs or outputs: the batch is not in "
+                       "dim 0, samples mix, or the forward is random")
+
+
+def capture(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
+            layers: dict[str, nn.Linear], probe: bool) -> dict[str, tuple[Tensor, Tensor]]:
+    """Per layer: A (B, T, in) inputs and G (B, T, out) gradients of the per-sample losses.
+
+    T counts token dims and repeated calls. The backward goes to the layer outputs only: no
+    parameter gradient is computed and no ``.grad`` touched. ``probe``: run the sample-0 check
+    (off when dropout is live by the caller's choice, since masks then differ by design).
+    """
+    batch = inputs.shape[0]
+    watch = _WatchParams({id(p): m for m in layers.values() for p in m.parameters(recurse=False)})
+    outputs, seen = _forward(model, inputs, layers, batch, watch)
+    if watch.outside or not isinstance(outputs, Tensor):
+        raise Fallback("a watched weight is used outside its layer, or the output is not a Tensor")
+    if probe and batch > 1:
+        _probe(model, inputs, outputs, layers, seen)
+    losses = vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(outputs, targets)
+    if losses.shape != (batch,):
+        raise ValueError(f"loss_fn must return a scalar per sample, got shape {tuple(losses.shape[1:])}")
+    used = {n: calls for n, calls in seen.items() if calls}
+    outs = [o for calls in used.values() for _, _, o in calls]
+    if not outs:  # no identity layer was called: nothing to capture
+        return {}
+    grads = iter(torch.autograd.grad(losses.sum(), outs, allow_unused=True, materialize_grads=True))
+    terms = {}
+    for name, calls in used.items():
+        if any(x._version != v for x, v, _ in calls):
+            raise Fallback(f"{name}: its input was modified in place after the call")
+        m = layers[name]
+        a = torch.cat([x.reshape(batch, -1, m.in_features) for x, _, _ in calls], dim=1)
+        g = torch.cat([next(grads).reshape(batch, -1, m.out_features) for _ in calls], dim=1)
+        terms[name] = (a, g)
+    return terms
