@@ -2,7 +2,9 @@
 
 It imports nothing else of kernelgate, so any project that installs kernelgate can use it:
 
-- ``plugin``: options, the ``perf`` fixture, the ``speedup`` marker, the gate (entry point pytest11).
+- ``plugin``: options, fixtures, the ``speedup`` marker, the verdict (entry point pytest11).
+- ``case``: ``PerfCase``, what the ``perf`` fixture gives a test, and the timing call.
+- ``state``: what one session measured, its floors and the stored baseline's speedups.
 - ``timing``: device-correct timing helpers and peak-memory measurement.
 - ``stats``: the speedup statistic (ratio of medians, bootstrap interval) and the gate rules.
 - ``fingerprint``: what makes two machines comparable.

@@ -13,20 +13,17 @@ fingerprint's baseline is refused.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from statistics import median
 from typing import Any
 
 import pytest
 
+from .case import PerfCase
 from .fingerprint import fingerprint, slug
-from .stats import SpeedupRow, format_table, gate, speedup_interval
-from .timing import peak_memory, resolve_device, synced
+from .state import STATE, GateState, baseline_key
+from .stats import format_table
+from .timing import resolve_device
 
 # Transparent huge pages for torch's CPU allocator, read once by torch at its first allocation,
 # so set before anything imports torch (plugins load before tests). A user's explicit value wins.
@@ -38,69 +35,7 @@ if "torch" not in sys.modules:
 else:  # torch already allocated under whatever the environment said then
     THP_ALLOC = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
 
-REFERENCE = "reference"
 SIZES = ("smoke", "full")
-MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the options say
-MAX_ROUNDS = 1000
-
-
-@dataclass
-class Measurement:
-    times: list[float]
-    size: str
-    label: str
-    peak_bytes: int | None
-
-
-@dataclass
-class GateState:
-    device: str
-    size: str
-    threads: int
-    tolerance: float
-    fingerprint: dict
-    slug: str
-    results: dict[str, dict[str, Measurement]] = field(default_factory=dict)
-    floors: dict[tuple[str, str], float] = field(default_factory=dict)
-    baseline: dict[str, float] | None = None
-    baseline_path: str | None = None
-    rows: list[SpeedupRow] | None = None
-    unmeasured: int = 0  # perf calls that ran with benchmarks disabled
-
-    def compute_rows(self) -> list[SpeedupRow]:
-        """Speedup rows for every impl measured beside its reference (computed once)."""
-        if self.rows is not None:
-            return self.rows
-        rows = []
-        for kernel, impls in self.results.items():
-            ref = impls.get(REFERENCE)
-            for impl, m in impls.items():
-                if impl == REFERENCE or ref is None:
-                    continue
-                point, low, high = speedup_interval(ref.times, m.times)
-                row = SpeedupRow(
-                    kernel=kernel, impl=impl, size=m.size, label=m.label, device=self.device,
-                    reference_ms=1e3 * median(ref.times), optimized_ms=1e3 * median(m.times),
-                    speedup=point, low=low, high=high, rounds=(len(ref.times), len(m.times)),
-                    floor=self.floors.get((kernel, impl)),
-                    baseline=None if self.baseline is None else self.baseline.get(_key(kernel, impl, m.size)),
-                    reference_peak_bytes=ref.peak_bytes, optimized_peak_bytes=m.peak_bytes,
-                )
-                gate(row, self.tolerance)
-                rows.append(row)
-        self.rows = rows
-        return rows
-
-    def unpaired(self) -> list[str]:
-        return [k for k, impls in self.results.items() if REFERENCE not in impls or len(impls) < 2]
-
-
-STATE = pytest.StashKey[GateState]()
-
-
-def _key(kernel: str, impl: str, size: str) -> str:
-    """Speedups compare only at the same size: smoke and full differ by design."""
-    return f"{kernel}::{impl}::{size}"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -175,7 +110,7 @@ def pytest_benchmark_compare_machine_info(
         )
     section = compared_benchmark.get("kernelgate", {})
     rows = section.get("speedups", [])
-    state.baseline = {_key(r["kernel"], r["impl"], r["size"]): r["speedup"] for r in rows}
+    state.baseline = {baseline_key(r["kernel"], r["impl"], r["size"]): r["speedup"] for r in rows}
     state.baseline_path = str(benchmarksession.storage)
 
 
@@ -189,91 +124,6 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks: Any, output_
         "tolerance": state.tolerance,
         "speedups": [r.as_dict() for r in state.compute_rows()],
     }
-
-
-def _floor(item: pytest.Item, impl: str, device: str, size: str) -> float | None:
-    device_class = "cuda" if device.startswith("cuda") else "cpu"
-    for mark in item.iter_markers("speedup"):
-        if mark.args:
-            raise pytest.UsageError(f"{item.nodeid}: speedup marker takes keywords cpu=, cuda=, impl=")
-        if mark.kwargs.get("impl", "optimized") != impl:
-            continue
-        value = mark.kwargs.get(device_class)
-        if isinstance(value, dict):
-            value = value.get(size)
-        return None if value is None else float(value)
-    return None
-
-
-class PerfCase:
-    """What the ``perf`` fixture gives a test: its device, size, impl and the timing call."""
-
-    def __init__(self, request: pytest.FixtureRequest, benchmark: Any, state: GateState) -> None:
-        params = getattr(request.node, "callspec", None)
-        params = dict(params.params) if params else {}
-        if "impl" not in params:
-            pytest.fail(f"{request.node.nodeid}: a perf test must be parametrized over 'impl' "
-                        "(e.g. @pytest.mark.parametrize('impl', ['reference', 'optimized']))")
-        self.impl: str = str(params.pop("impl"))
-        name = request.node.originalname.removeprefix("test_")
-        extra = ",".join(str(v) for v in params.values())
-        self.kernel = f"{name}[{extra}]" if extra else name
-        self.device: str = state.device
-        self.size: str = state.size
-        self._request, self._benchmark, self._state = request, benchmark, state
-
-    def __call__(
-        self,
-        fn: Callable[..., Any],
-        *,
-        setup: Callable[[], Any] | None = None,
-        label: str = "",
-        rounds: int | None = None,
-        warmup_rounds: int = 2,
-    ) -> Any:
-        """Time ``fn()`` (or ``fn(setup())`` with a fresh setup each round, untimed).
-
-        Rounds default to what fits in ``--benchmark-max-time`` (at least
-        ``--benchmark-min-rounds``, never under 5, at most 1000). The first call is reported
-        apart as ``first_call_ms`` (compile and warm-up live there), never in the timed rounds.
-        """
-        config, state, bench = self._request.config, self._state, self._benchmark
-        run = synced(fn, self.device)
-        setup_synced = None if setup is None else synced(setup, self.device)
-        call = run if setup_synced is None else lambda: run(setup_synced())
-        t0 = time.perf_counter()
-        call()
-        t1 = time.perf_counter()
-        call()  # a warm call sizes the rounds: the first may compile or build caches
-        first, warm = t1 - t0, time.perf_counter() - t1
-        if rounds is None:
-            max_time = float(config.getoption("benchmark_max_time"))
-            min_rounds = int(config.getoption("benchmark_min_rounds"))
-            rounds = min(MAX_ROUNDS, max(min_rounds, math.ceil(max_time / max(warm, 1e-6))))
-        rounds = max(rounds, MIN_ROUNDS)
-        bench.group = self.kernel
-        bench.extra_info.update(kernel=self.kernel, impl=self.impl, size=self.size, label=label,
-                                device=self.device, first_call_ms=1e3 * first)
-        if setup_synced is None:
-            result = bench.pedantic(run, rounds=rounds, warmup_rounds=warmup_rounds, iterations=1)
-        else:
-            result = bench.pedantic(run, setup=lambda: ((setup_synced(),), {}), rounds=rounds,
-                                    warmup_rounds=warmup_rounds, iterations=1)
-        if bench.stats is None:  # --benchmark-disable or xdist: ran once, nothing measured
-            state.unmeasured += 1
-            return result
-        args = () if setup is None else (setup(),)
-        peak = peak_memory(lambda: fn(*args), self.device)
-        bench.extra_info["peak_memory_bytes"] = peak
-        if self.impl in state.results.get(self.kernel, {}):
-            pytest.fail(f"two perf tests measure {self.kernel} [{self.impl}]: perf kernel names come "
-                        "from the test name and its non-impl parameters; rename one")
-        state.results.setdefault(self.kernel, {})[self.impl] = Measurement(
-            times=list(bench.stats.stats.data), size=self.size, label=label, peak_bytes=peak)
-        floor = _floor(self._request.node, self.impl, self.device, self.size)
-        if floor is not None:
-            state.floors[(self.kernel, self.impl)] = floor
-        return result
 
 
 @pytest.fixture

@@ -1,0 +1,101 @@
+"""``PerfCase``: what the ``perf`` fixture hands a test, and the timing call itself."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from .state import GateState, Measurement
+from .timing import peak_memory, synced
+
+MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the options say
+MAX_ROUNDS = 1000
+
+
+def _floor(item: pytest.Item, impl: str, device: str, size: str) -> float | None:
+    device_class = "cuda" if device.startswith("cuda") else "cpu"
+    for mark in item.iter_markers("speedup"):
+        if mark.args:
+            raise pytest.UsageError(f"{item.nodeid}: speedup marker takes keywords cpu=, cuda=, impl=")
+        if mark.kwargs.get("impl", "optimized") != impl:
+            continue
+        value = mark.kwargs.get(device_class)
+        if isinstance(value, dict):
+            value = value.get(size)
+        return None if value is None else float(value)
+    return None
+
+
+class PerfCase:
+    """What the ``perf`` fixture gives a test: its device, size, impl and the timing call."""
+
+    def __init__(self, request: pytest.FixtureRequest, benchmark: Any, state: GateState) -> None:
+        params = getattr(request.node, "callspec", None)
+        params = dict(params.params) if params else {}
+        if "impl" not in params:
+            pytest.fail(f"{request.node.nodeid}: a perf test must be parametrized over 'impl' "
+                        "(e.g. @pytest.mark.parametrize('impl', ['reference', 'optimized']))")
+        self.impl: str = str(params.pop("impl"))
+        name = request.node.originalname.removeprefix("test_")
+        extra = ",".join(str(v) for v in params.values())
+        self.kernel = f"{name}[{extra}]" if extra else name
+        self.device: str = state.device
+        self.size: str = state.size
+        self._request, self._benchmark, self._state = request, benchmark, state
+
+    def __call__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        setup: Callable[[], Any] | None = None,
+        label: str = "",
+        rounds: int | None = None,
+        warmup_rounds: int = 2,
+    ) -> Any:
+        """Time ``fn()`` (or ``fn(setup())`` with a fresh setup each round, untimed).
+
+        Rounds default to what fits in ``--benchmark-max-time`` (at least
+        ``--benchmark-min-rounds``, never under 5, at most 1000). The first call is reported
+        apart as ``first_call_ms`` (compile and warm-up live there), never in the timed rounds.
+        """
+        config, state, bench = self._request.config, self._state, self._benchmark
+        run = synced(fn, self.device)
+        setup_synced = None if setup is None else synced(setup, self.device)
+        call = run if setup_synced is None else lambda: run(setup_synced())
+        t0 = time.perf_counter()
+        call()
+        t1 = time.perf_counter()
+        call()  # a warm call sizes the rounds: the first may compile or build caches
+        first, warm = t1 - t0, time.perf_counter() - t1
+        if rounds is None:
+            max_time = float(config.getoption("benchmark_max_time"))
+            min_rounds = int(config.getoption("benchmark_min_rounds"))
+            rounds = min(MAX_ROUNDS, max(min_rounds, math.ceil(max_time / max(warm, 1e-6))))
+        rounds = max(rounds, MIN_ROUNDS)
+        bench.group = self.kernel
+        bench.extra_info.update(kernel=self.kernel, impl=self.impl, size=self.size, label=label,
+                                device=self.device, first_call_ms=1e3 * first)
+        if setup_synced is None:
+            result = bench.pedantic(run, rounds=rounds, warmup_rounds=warmup_rounds, iterations=1)
+        else:
+            result = bench.pedantic(run, setup=lambda: ((setup_synced(),), {}), rounds=rounds,
+                                    warmup_rounds=warmup_rounds, iterations=1)
+        if bench.stats is None:  # --benchmark-disable or xdist: ran once, nothing measured
+            state.unmeasured += 1
+            return result
+        args = () if setup is None else (setup(),)
+        peak = peak_memory(lambda: fn(*args), self.device)
+        bench.extra_info["peak_memory_bytes"] = peak
+        if self.impl in state.results.get(self.kernel, {}):
+            pytest.fail(f"two perf tests measure {self.kernel} [{self.impl}]: perf kernel names come "
+                        "from the test name and its non-impl parameters; rename one")
+        state.results.setdefault(self.kernel, {})[self.impl] = Measurement(
+            times=list(bench.stats.stats.data), size=self.size, label=label, peak_bytes=peak)
+        floor = _floor(self._request.node, self.impl, self.device, self.size)
+        if floor is not None:
+            state.floors[(self.kernel, self.impl)] = floor
+        return result

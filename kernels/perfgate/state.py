@@ -1,0 +1,71 @@
+"""Per-session state of the gate: what was measured, the floors, the stored baseline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from statistics import median
+
+import pytest
+
+from .stats import SpeedupRow, gate, speedup_interval
+
+REFERENCE = "reference"
+
+
+@dataclass
+class Measurement:
+    times: list[float]
+    size: str
+    label: str
+    peak_bytes: int | None
+
+
+@dataclass
+class GateState:
+    device: str
+    size: str
+    threads: int
+    tolerance: float
+    fingerprint: dict
+    slug: str
+    results: dict[str, dict[str, Measurement]] = field(default_factory=dict)
+    floors: dict[tuple[str, str], float] = field(default_factory=dict)
+    baseline: dict[str, float] | None = None
+    baseline_path: str | None = None
+    rows: list[SpeedupRow] | None = None
+    unmeasured: int = 0  # perf calls that ran with benchmarks disabled
+
+    def compute_rows(self) -> list[SpeedupRow]:
+        """Speedup rows for every impl measured beside its reference (computed once)."""
+        if self.rows is not None:
+            return self.rows
+        rows = []
+        for kernel, impls in self.results.items():
+            ref = impls.get(REFERENCE)
+            for impl, m in impls.items():
+                if impl == REFERENCE or ref is None:
+                    continue
+                point, low, high = speedup_interval(ref.times, m.times)
+                row = SpeedupRow(
+                    kernel=kernel, impl=impl, size=m.size, label=m.label, device=self.device,
+                    reference_ms=1e3 * median(ref.times), optimized_ms=1e3 * median(m.times),
+                    speedup=point, low=low, high=high, rounds=(len(ref.times), len(m.times)),
+                    floor=self.floors.get((kernel, impl)),
+                    baseline=(self.baseline or {}).get(baseline_key(kernel, impl, m.size)),
+                    reference_peak_bytes=ref.peak_bytes, optimized_peak_bytes=m.peak_bytes,
+                )
+                gate(row, self.tolerance)
+                rows.append(row)
+        self.rows = rows
+        return rows
+
+    def unpaired(self) -> list[str]:
+        return [k for k, impls in self.results.items() if REFERENCE not in impls or len(impls) < 2]
+
+
+STATE = pytest.StashKey[GateState]()
+
+
+def baseline_key(kernel: str, impl: str, size: str) -> str:
+    """Speedups compare only at the same size: smoke and full differ by design."""
+    return f"{kernel}::{impl}::{size}"
