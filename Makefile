@@ -23,10 +23,10 @@ lint: $(STAMP)
 correctness: $(STAMP)
 	$(PYTEST) correctness_tests -q
 
-# The perf suite at smoke size with its speedup floors, no stored baseline involved:
-# ratios measured in one run are what a noisy 2-core runner can gate on.
+# The perf suite at smoke size: speedup floors, and the committed baseline of this machine's
+# fingerprint when there is one (a machine of another fingerprint passes with a hint).
 perf: $(STAMP)
-	$(PYTEST) perf_tests -q $(PERF_ARGS)
+	$(PYTEST) perf_tests -q --benchmark-compare $(PERF_ARGS)
 
 test: lint correctness perf
 

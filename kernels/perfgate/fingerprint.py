@@ -7,14 +7,20 @@ import re
 
 
 def _cpu_model() -> str:
+    """Model name plus family/model/stepping: hypervisors often show only "AMD EPYC"."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf8") as fh:
             for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # first processor only
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    ids = [f"{k.split()[-1]} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields]
+    return f"{name} ({', '.join(ids)})" if ids else name
 
 
 def fingerprint(device: str, threads: int, thp_alloc: bool) -> dict[str, str | int | None]:
@@ -43,4 +49,4 @@ def slug(fp: dict[str, str | int | None]) -> str:
     parts.append(f"py{fp['python']}")
     if fp.get("thp_alloc"):
         parts.append("thp")
-    return re.sub(r"[^A-Za-z0-9.+-]+", "_", "-".join(str(p) for p in parts).replace("+", "_"))
+    return "-".join(re.sub(r"[^A-Za-z0-9.]+", "_", str(p)).strip("_") for p in parts)
