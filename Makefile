@@ -26,7 +26,7 @@ correctness: $(STAMP)
 # The perf suite at smoke size: speedup floors, and the committed baseline of this machine's
 # fingerprint when there is one (a machine of another fingerprint passes with a hint).
 perf: $(STAMP)
-	$(PYTEST) perf_tests -q --benchmark-compare $(PERF_ARGS)
+	$(PYTEST) perf_tests -q --perf-size smoke --benchmark-compare $(PERF_ARGS)
 
 test: lint correctness perf
 

@@ -287,6 +287,66 @@ class Unused(nn.Module):
         return self.a(x.flatten(1))
 
 
+class TiedTranspose(nn.Module):
+    """The tied decoder as usually written: F.linear(h, enc.weight.T)."""
+
+    def __init__(self, attr: str = "T") -> None:
+        super().__init__()
+        self.enc, self.attr = nn.Linear(6, 3), attr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.enc(x)), getattr(self.enc.weight, self.attr))
+
+
+class Shifts(nn.Module):
+    """Adds each sample's predecessor: sample 0 is untouched, the others mix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.cat([h[:1], h[1:] + h[:-1]])
+
+
+class BatchIndexedPosition(nn.Module):
+    """The tutorial PositionalEncoding fed batch-first data: pe[:x.size(0)] indexes the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("pe", torch.randn(16, 1, 6))
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, 6)
+        return self.fc(x + self.pe[: x.size(0)]).mean(1)
+
+
+class UserHook(nn.Module):
+    """A user forward hook doubles a Linear's output: the gradient is of the doubled output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+        self.fc.register_forward_hook(lambda m, i, o: 2 * o)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc(x)))
+
+
+class NoGradInside(nn.Module):
+    """A Linear run under no_grad inside forward: its gradients are zeros."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen_use, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            h = torch.tanh(self.frozen_use(x))
+        return self.head(h)
+
+
 def _weight_norm() -> nn.Module:
     """Old-style weight_norm: the Linear's parameters are weight_g and weight_v."""
     import warnings
@@ -312,7 +372,14 @@ AWKWARD = {
     "keyword_call_tuple_output": (Keyword, (5, 6), False),
     "unused_layers": (Unused, (5, 6), True),
     "weight_norm": (_weight_norm, (5, 6), True),
+    "tied_functional_T": (TiedTranspose, (5, 6), False),
+    "tied_functional_mT": (lambda: TiedTranspose("mT"), (5, 6), False),
+    "shifts_neighbours": (Shifts, (5, 6), False),
+    "batch_indexed_position": (BatchIndexedPosition, (5, 3, 6), False),
+    "user_forward_hook": (UserHook, (5, 6), True),
+    "no_grad_inside_forward": (NoGradInside, (5, 6), False),
 }
+TIED_TO_INPUT = ("tied_functional", "tied_functional_T", "tied_functional_mT")
 
 
 def _loss(o, t):
@@ -331,7 +398,7 @@ def test_awkward_models_match_reference(name: str, case: str) -> None:
     factory, shape, identity_kept = AWKWARD[case]
     model = factory().double()
     x = torch.randn(*shape, dtype=torch.float64)
-    y = torch.randn(5, 6, dtype=torch.float64) if case == "tied_functional" else torch.randint(0, 3, (5,))
+    y = torch.randn(5, 6, dtype=torch.float64) if case in TIED_TO_INPUT else torch.randint(0, 3, (5,))
     p = dict(model=model, loss_fn=_loss, inputs=x, targets=y)
     got, want = _run(kernels, name, p), _run(reference, name, p)
     if isinstance(want, dict):
@@ -341,10 +408,66 @@ def test_awkward_models_match_reference(name: str, case: str) -> None:
     names = [n for n, q in model.named_parameters() if q.requires_grad]
     layers = _plan(model, names, "error").linear
     try:
-        kept = bool(layers) and capture(model, _loss, x, y, layers, probe=True) is not None
+        kept = bool(layers) and capture(model, _loss, x, y, layers) is not None
     except Fallback:
         kept = False
     assert kept == identity_kept
+
+
+@pytest.mark.parametrize("case", ["mixes_samples", "time_major_T_eq_B", "shifts_neighbours"])
+def test_randomness_modes_keep_the_batch_of_one_definition(case: str) -> None:
+    """No dropout at all, randomness='different': still the reference's gradients."""
+    torch.manual_seed(2)
+    factory, shape, _ = AWKWARD[case]
+    p = dict(model=factory().double(), loss_fn=_loss, inputs=torch.randn(*shape, dtype=torch.float64),
+             targets=torch.randint(0, 3, (5,)))
+    for name in FUNCS:
+        got, want = _run(kernels, name, p, randomness="different"), _run(reference, name, p)
+        if isinstance(want, dict):
+            assert_dicts_close(got, want, ELEMENTWISE)
+        else:
+            assert_close(got, want, REDUCTION)
+
+
+@pytest.mark.parametrize("name", FUNCS)
+def test_under_autocast_results_keep_the_parameter_dtype(name: str) -> None:
+    """An autocast forward (bf16 activations) still gives fp32 gradients, close to the loop's
+    under the same autocast, within the bf16 row of the table."""
+    torch.manual_seed(6)
+    model, x, y = MLP([12, 32, 4]), torch.randn(16, 12), torch.randint(0, 4, (16,))
+    p = dict(model=model, loss_fn=F.cross_entropy, inputs=x, targets=y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = _run(kernels, name, p), _run(reference, name, p)
+    if isinstance(want, dict):
+        assert_dicts_close(got, want, ELEMENTWISE, dtype=torch.bfloat16)
+    else:
+        assert got.dtype == want.dtype == torch.float32
+        assert_close(got, want, REDUCTION, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("side", [kernels, reference], ids=["kernels", "reference"])
+def test_called_under_no_grad(side) -> None:
+    torch.manual_seed(7)
+    model, x, y = MLP([6, 8, 3]), torch.randn(5, 6), torch.randint(0, 3, (5,))
+    want = reference.per_sample_grads(model, F.cross_entropy, x, y)
+    with torch.no_grad():
+        got = side.per_sample_grads(model, F.cross_entropy, x, y)
+        gram = side.per_sample_grad_gram(model, F.cross_entropy, x, y)
+    assert_dicts_close(got, want, ELEMENTWISE)
+    assert gram.shape == (5, 5)
+
+
+def test_perf_model_keeps_the_identity() -> None:
+    """The benchmarked MLP must not trip a capture check (a false fallback would be slower)."""
+    from kernels.layer_capture import capture
+    from kernels.per_sample import _plan
+
+    torch.manual_seed(0)
+    for batch in (64, 256):
+        model = MLP((784, 256, 256, 10))
+        x, y = torch.randn(batch, 784), torch.randint(0, 10, (batch,))
+        layers = _plan(model, [n for n, _ in model.named_parameters()], "error").linear
+        assert len(capture(model, F.cross_entropy, x, y, layers)) == 3
 
 
 @pytest.mark.parametrize("name", FUNCS)

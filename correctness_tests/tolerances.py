@@ -39,26 +39,29 @@ def _scale(t: Tensor) -> float:
 
 
 def assert_close(actual: Tensor, expected: Tensor, kind: str, msg: str = "",
-                 scale: float | None = None) -> None:
-    """actual == expected within the table's tolerance for expected's dtype.
+                 scale: float | None = None, dtype: torch.dtype | None = None) -> None:
+    """actual == expected within the table's tolerance for expected's dtype (or ``dtype``: the
+    precision the computation ran in, e.g. bfloat16 under autocast with fp32 results).
 
     atol is multiplied by ``scale``: by default the largest magnitude of ``expected``; pass the
     scale of the whole result when ``expected`` is one part of it (one parameter's gradient).
     """
-    atol, rtol = tolerance(kind, expected.dtype)
+    atol, rtol = tolerance(kind, dtype or expected.dtype)
     scale = _scale(expected) if scale is None else scale
     torch.testing.assert_close(actual, expected, atol=atol * scale, rtol=rtol,
                                msg=lambda m: f"{msg}\n{m}" if msg else m)
 
 
-def assert_dicts_close(actual: dict[str, Tensor], expected: dict[str, Tensor], kind: str) -> None:
+def assert_dicts_close(actual: dict[str, Tensor], expected: dict[str, Tensor], kind: str,
+                       dtype: torch.dtype | None = None) -> None:
     """Per-parameter results (e.g. gradients) compared with the scale of all of them together:
     a parameter whose exact gradient is 0 still carries the rounding of the whole backward."""
     assert list(actual) == list(expected), f"keys differ: {list(actual)} vs {list(expected)}"
     scale = max((_scale(t) for t in expected.values()), default=1.0)
     for name in expected:
         assert actual[name].shape == expected[name].shape, name
-        assert_close(actual[name], expected[name], kind, msg=f"parameter {name}", scale=scale)
+        assert actual[name].dtype == expected[name].dtype, name
+        assert_close(actual[name], expected[name], kind, msg=f"parameter {name}", scale=scale, dtype=dtype)
 
 
 def max_error(actual: Tensor, oracle: Tensor) -> float:

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from kernels.per_sample import LossFn, check_inputs
 
 
+@torch.enable_grad()  # a gradient computation: works when called under no_grad
 def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
                      chunk_size: int | None = None, randomness: str = "error") -> dict[str, Tensor]:
     """Loop over samples: g_i = autograd.grad(loss_fn(model(x_i[None]), y_i[None])).
@@ -20,9 +21,12 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets:
     trainable = [params[n] for n in names]
     per_name: dict[str, list[Tensor]] = {n: [] for n in names}
     rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(inputs.device) if inputs.is_cuda else None
     for i in range(inputs.shape[0]):
-        if randomness == "same":
+        if randomness == "same":  # replay the generators the forward draws from
             torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, inputs.device)
         loss = loss_fn(model(inputs[i : i + 1]), targets[i : i + 1])
         if loss.ndim != 0:
             raise ValueError(f"loss_fn must return a scalar per sample, got shape {tuple(loss.shape)}")
@@ -39,13 +43,17 @@ def _flat(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
     return torch.cat([g.reshape(inputs.shape[0], -1) for g in grads.values()], dim=1)
 
 
+@torch.enable_grad()  # a gradient computation: works when called under no_grad
 def per_sample_grad_gram(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
                          chunk_size: int | None = None, randomness: str = "error") -> Tensor:
-    """G = E @ E.T with E (B, P) the materialized, flattened per-sample gradients."""
+    """G = E @ E.T with E (B, P) the materialized, flattened per-sample gradients, in their dtype
+    (a caller's autocast does not reach the product)."""
     flat = _flat(model, loss_fn, inputs, targets, randomness)
-    return flat @ flat.T
+    with torch.autocast(flat.device.type, enabled=False):
+        return flat @ flat.T
 
 
+@torch.enable_grad()  # a gradient computation: works when called under no_grad
 def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
                           chunk_size: int | None = None, randomness: str = "error") -> Tensor:
     """|g_i| from the materialized per-sample gradients."""
