@@ -72,7 +72,8 @@ def test_rerun_against_saved_baseline_passes(pytester: pytest.Pytester) -> None:
     _suite(pytester)
     assert _run(pytester, "--benchmark-save=base").ret == 0
     [saved] = _saved(pytester)
-    assert saved.parent.parent.name == json.loads(saved.read_text())["kernelgate"]["slug"]
+    section = json.loads(saved.read_text())["kernelgate"]
+    assert (saved.parent.parent.parent.name, saved.parent.parent.name) == (section["slug"], "smoke")
     result = _run(pytester, "--benchmark-compare")
     assert result.ret == 0
     result.stdout.fnmatch_lines(["*compared against baseline*", "*gate passed*"])
@@ -154,6 +155,10 @@ def test_baseline_of_another_size_is_not_compared(pytester: pytest.Pytester) -> 
     assert _run(pytester, "--benchmark-save=base", "--perf-size=full").ret == 0
     _suite(pytester, opt=0.004, floor=1.5)  # half the full-size baseline's speedup
     result = _run(pytester, "--benchmark-compare", "--perf-size=smoke")
+    assert result.ret == 0  # baselines are stored per size: none at smoke
+    result.stdout.fnmatch_lines(["*no stored baseline compared*"])
+    other = next(iter(_saved(pytester)))  # pointing at the full-size file explicitly: no rows match
+    result = _run(pytester, f"--benchmark-compare={other}", "--perf-size=smoke")
     assert result.ret == 0
     result.stdout.fnmatch_lines(["*compared against baseline*0 of 1 row(s) have a stored speedup at size smoke*"])
 

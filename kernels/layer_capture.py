@@ -4,8 +4,8 @@ The Linear identity g_i(W) = sum_t b_it a_it^T holds only under assumptions a fo
 cannot see, so each is checked and any failure raises ``Fallback`` (the caller then uses vmap,
 which needs none of them):
 
-- the layer sees the batch in dim 0 and samples do not mix: probe forwards of the first and
-  last sample alone must reproduce their layer inputs (shape and value) and model outputs. This
+- the layer sees the batch in dim 0 and samples do not mix: a probe forward of the first and
+  last samples must reproduce their layer inputs (shape and value) and model outputs. This
   catches time-major layers (T, B, d), cross-sample ops such as ``h - h.mean(0)``, a shift
   between neighbours, position encodings indexed by the batch, functional dropout. Mixing
   that leaves both probed samples unchanged is not seen: samples must be independent;
@@ -127,18 +127,18 @@ def _forward(model: nn.Module, x: Tensor, layers: dict[str, nn.Module], batch: i
 
 def _probe(model: nn.Module, inputs: Tensor, outputs: Tensor, layers: dict[str, nn.Module],
            seen: dict[str, list]) -> None:
-    """The first and the last sample alone must reproduce their batched model outputs and every
-    layer input (the last catches shifts and position-indexed mixing, e.g. pe[:x.size(0)])."""
-    pairs = []
-    for i in (0, inputs.shape[0] - 1):
-        with torch.no_grad():
-            out_i, seen_i = _forward(model, inputs[i : i + 1], layers, None, None)
-        if not isinstance(out_i, Tensor) or any(len(seen_i[n]) != len(seen[n]) for n in layers):
-            raise Fallback(f"sample {i} alone calls the layers differently")
-        pairs.append((outputs[i : i + 1].detach(), out_i))
-        pairs += [(c[0][i : i + 1], ci[0]) for n in layers for c, ci in zip(seen[n], seen_i[n], strict=True)]
+    """The first and last samples, run as a batch of their own (one forward), must reproduce
+    their batched model outputs and every layer input: the last one catches shifts between
+    neighbours and batch-indexed additions such as ``pe[:x.size(0)]``. B=2: sample 0 alone."""
+    idx = [0, inputs.shape[0] - 1] if inputs.shape[0] > 2 else [0]
+    with torch.no_grad():
+        out_p, seen_p = _forward(model, inputs[idx], layers, None, None)
+    if not isinstance(out_p, Tensor) or any(len(seen_p[n]) != len(seen[n]) for n in layers):
+        raise Fallback("the probe samples call the layers differently")
+    pairs = [(outputs.detach()[idx], out_p)]
+    pairs += [(c[0][idx], cp[0]) for n in layers for c, cp in zip(seen[n], seen_p[n], strict=True)]
     if not _all_close(pairs):
-        raise Fallback("sample 0 alone gives other layer inputs or outputs: the batch is not in "
+        raise Fallback("the probe samples give other layer inputs or outputs: the batch is not in "
                        "dim 0, samples mix, or the forward is random")
 
 

@@ -74,13 +74,14 @@ def pytest_configure(config: pytest.Config) -> None:
     state = GateState(device=device, size=size, threads=threads, tolerance=tolerance,
                       fingerprint=fp, slug=slug(fp))
     config.stash[STATE] = state
-    # Baselines live in one folder per fingerprint (pytest-benchmark configures after us).
+    # Baselines live in one folder per fingerprint and size (pytest-benchmark configures after
+    # us), so a plain --benchmark-compare takes the newest baseline of this machine and size.
     storage = getattr(config.option, "benchmark_storage", None)
     if isinstance(storage, str) and (storage.startswith("file://") or "://" not in storage):
         path = storage.removeprefix("file://")
         if path == "./.benchmarks":
             path = str(config.rootpath / ".benchmarks")
-        config.option.benchmark_storage = f"file://{path}/{state.slug}"
+        config.option.benchmark_storage = f"file://{path}/{state.slug}/{state.size}"
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
