@@ -1,8 +1,9 @@
 """``python -m kernels.perfgate.report [JSON ...] [--png PATH]``: the speedup table and charts.
 
 With no JSON given it reads every run saved under ``.benchmarks/`` (all fingerprints). It
-prints the table of the newest run of each fingerprint and, with ``--png``, draws the newest
-run's speedups with their intervals and floors, and each kernel's speedup across saved runs.
+prints the table of the newest run of each fingerprint and size and, with ``--png``, draws the
+newest run's speedups with their intervals and floors, and each kernel's speedup across the
+saved runs of that fingerprint and size.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ def load_runs(paths: list[Path]) -> list[dict]:
     return sorted(runs, key=lambda r: r.get("datetime", ""))
 
 
+def _where(run: dict) -> tuple[str, str]:
+    """Runs are comparable within one fingerprint and one size."""
+    return run["kernelgate"]["slug"], run["kernelgate"]["size"]
+
+
 def _label(run: dict) -> str:
     commit = (run.get("commit_info") or {}).get("id") or "?"
     return f"{run.get('datetime', '?')[:16]} {commit[:7]}"
@@ -41,7 +47,7 @@ def draw(runs: list[dict], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in runs if r["kernelgate"]["slug"] == runs[-1]["kernelgate"]["slug"]]
+    runs = [r for r in runs if _where(r) == _where(runs[-1])]
     latest = runs[-1]["kernelgate"]["speedups"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 0.5 * max(len(latest), 4) + 2))
     names = [f"{r['kernel']} [{r['impl']}, {r['label'] or r['size']}]" for r in latest]
@@ -55,7 +61,8 @@ def draw(runs: list[dict], png: Path) -> None:
     ax1.set_xscale("log")
     ax1.axvline(1.0, color="gray", lw=0.8)
     ax1.set_xlabel("speedup over reference (log; red: floor)")
-    ax1.set_title(f"{runs[-1]['kernelgate']['slug']}\n{_label(runs[-1])}", fontsize=9)
+    ax1.set_title(f"{runs[-1]['kernelgate']['slug']}, {runs[-1]['kernelgate']['size']}\n{_label(runs[-1])}",
+                  fontsize=9)
     history: dict[str, list[tuple[int, float]]] = {}
     for i, run in enumerate(runs):
         for r in run["kernelgate"]["speedups"]:
@@ -87,12 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         print("no perfgate runs found: run `make bench` or `make baseline` first", file=sys.stderr)
         return 1
-    newest: dict[str, dict] = {}
+    newest: dict[tuple[str, str], dict] = {}
     for run in runs:
-        newest[run["kernelgate"]["slug"]] = run
+        newest[_where(run)] = run
     if not args.quiet:
         for run in newest.values():
-            print(f"{run['kernelgate']['slug']}  {_label(run)}  ({run['_path']})")
+            slug, size = _where(run)
+            print(f"{slug}  size {size}  {_label(run)}  ({run['_path']})")
             print("\n".join(format_table(run["kernelgate"]["speedups"])))
             print()
     if args.png:
