@@ -4,20 +4,23 @@
 that only guard the fused step, see below; GradScaler, LR schedulers and ``state_dict`` work as
 usual) with the implementation chosen per
 device type. Measured choice table, ms per step (2-core AMD EPYC, torch 2.14.1, THP allocator,
-torch.utils.benchmark median; perf_tests/test_optim.py gates the resnet18 row):
+torch.utils.benchmark median with both threads; perf_tests/test_optim.py gates the resnet18 rows):
 
 | parameters                    | dtype | optimizer | for-loop | foreach | fused |
 |-------------------------------|-------|-----------|----------|---------|-------|
-| resnet18 (11.7M, 62 tensors)  | fp32  | AdamW     | 15.2     | 16.5    | 3.9   |
-| resnet18                      | bf16  | AdamW     | 12.8     | 13.3    | 6.1   |
-| 200 x 256x256                 | fp32  | AdamW     | 15.4     | 22.0    | 4.7   |
-| resnet18                      | fp32  | SGD m=0.9 | 3.7      | 4.1     | 2.7   |
-| 200 x 256x256                 | bf16  | SGD m=0.9 | 5.8      | 5.5     | 3.4   |
+| resnet18 (11.7M, 62 tensors)  | fp32  | AdamW     | 9.14     | 10.12   | 2.29  |
+| resnet18                      | bf16  | AdamW     | 7.48     | 7.62    | 3.28  |
+| 200 x 256x256                 | fp32  | AdamW     | 14.57    | 17.80   | 3.29  |
+| 200 x 256x256                 | bf16  | AdamW     | 14.02    | 14.17   | 4.28  |
+| resnet18                      | fp32  | SGD m=0.9 | 1.98     | 1.90    | 1.44  |
+| resnet18                      | bf16  | SGD m=0.9 | 2.53     | 2.53    | 1.61  |
+| 200 x 256x256                 | fp32  | SGD m=0.9 | 4.46     | 4.11    | 2.14  |
+| 200 x 256x256                 | bf16  | SGD m=0.9 | 5.20     | 4.71    | 2.32  |
 
-So on CPU: fused, always; foreach never pays (it was slower than the loop, as shared/
-MEASUREMENTS.md found on a Xeon). On CUDA fused is chosen too: not measured in this project yet
-(no GPU lent), it is torch's fastest documented path; record the numbers here when measured.
-Any other device type gets torch's own default.
+So on CPU: fused, always. foreach never beats fused and is slower than the loop for AdamW (as
+shared/MEASUREMENTS.md found on a Xeon); for SGD it is a few percent ahead of the loop. On CUDA
+fused is chosen too: not measured in this project yet (no GPU lent), it is torch's fastest
+documented path; record the numbers here when measured. Other device types get torch's default.
 
 A trap found by the correctness tests: torch 2.14.1's fused kernels index parameter, grad and
 state as flat arrays, so a grad whose strides differ from its parameter's (a transposed

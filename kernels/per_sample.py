@@ -12,9 +12,13 @@ batch of one, so the result does not depend on the loss's reduction.
   Gram: <g_i(W), g_j(W)> = sum_{t,s} (a_it . a_js)(b_it . b_js) ("ghost" identity), no g_i built.
 - Every other trainable parameter goes through ``torch.func.vmap(grad(...))`` with
   ``functional_call``, materialized (these are the only per-sample gradients a Gram builds).
-  Conv2d included, by measurement: its identity (unfold patches, then a batched matmul) was
-  slower than vmap on the 2-core CPU (CNN on 3x32x32, B=64: 19.4 ms vs 10.8 ms, loop 21.0 ms;
-  at 1x8x8 a tie, 1.84 vs 1.91 ms): unfold alone cost 1.5-2.6 ms a layer.
+  Conv2d included, by measurement (2 threads, torch.utils.benchmark, B=64, conv-conv-Linear
+  CNN): its identity (unfold patches, batched matmul, no safety checks) took 9.33 ms against
+  vmap's 7.97 on 3x32x32 inputs (loop 23.4), though 1.39 against 2.09 on 1x8x8.
+- per_sample_grads uses the identity only when every trainable parameter has it: a model that
+  mixes (identity pass + vmap pass) measured slower than one vmap pass (the CNN above: 9.95 vs
+  7.97 ms; 2.94 vs 2.09). The Gram keeps the mix: ghost products spare it materializing the big
+  Linear layers (3x32x32: 9.09 ms against 13.36 for vmap then E E^T; 1x8x8: 2.57 vs 2.28).
 
 Measured on the 2-core CPU (AMD EPYC; MLP 784-256-256-10, perf_tests/test_per_sample.py), speedup
 over the loop of backward passes: grads 3.9-4.0x at B=64 and 5.4x at B=256 (vmap alone 3.4-3.5x
@@ -162,7 +166,10 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets:
     names = check_inputs(model, loss_fn, inputs, targets, randomness)
     if inputs.shape[0] == 0:
         return _empty(model, names)
-    plan, terms = _terms(model, loss_fn, inputs, targets, _plan(model, names, randomness))
+    plan = _plan(model, names, randomness)
+    if plan.other:  # identity + vmap passes measured slower than one vmap pass (module note)
+        plan = _Plan(names, {}, names)
+    plan, terms = _terms(model, loss_fn, inputs, targets, plan)
     with torch.autocast(inputs.device.type, enabled=False):  # gradients in the weights' dtype
         out = _from_terms(plan, terms, inputs.shape[0])
     if plan.other:

@@ -55,12 +55,15 @@ class PerfCase:
         label: str = "",
         rounds: int | None = None,
         warmup_rounds: int = 2,
+        work_bytes: float | None = None,
     ) -> Any:
         """Time ``fn()`` (or ``fn(setup())`` with a fresh setup each round, untimed).
 
         Rounds default to what fits in ``--benchmark-max-time`` (at least
         ``--benchmark-min-rounds``, never under 5, at most 1000). The first call is reported
         apart as ``first_call_ms`` (compile and warm-up live there), never in the timed rounds.
+        ``work_bytes``: bytes one call moves; declared on both impls, the row's speedup becomes a
+        throughput ratio and GB/s are reported.
         """
         config, state, bench = self._request.config, self._state, self._benchmark
         run = synced(fn, self.device)
@@ -89,12 +92,13 @@ class PerfCase:
             return result
         args = () if setup is None else (setup(),)
         peak = peak_memory(lambda: fn(*args), self.device)
-        bench.extra_info["peak_memory_bytes"] = peak
+        bench.extra_info.update(peak_memory_bytes=peak, work_bytes=work_bytes)
         if self.impl in state.results.get(self.kernel, {}):
             pytest.fail(f"two perf tests measure {self.kernel} [{self.impl}]: perf kernel names come "
                         "from the test name and its non-impl parameters; rename one")
         state.results.setdefault(self.kernel, {})[self.impl] = Measurement(
-            times=list(bench.stats.stats.data), size=self.size, label=label, peak_bytes=peak)
+            times=list(bench.stats.stats.data), size=self.size, label=label, peak_bytes=peak,
+            work_bytes=work_bytes)
         floor = _floor(self._request.node, self.impl, self.device, self.size)
         if floor is not None:
             state.floors[(self.kernel, self.impl)] = floor

@@ -18,6 +18,7 @@ class Measurement:
     size: str
     label: str
     peak_bytes: int | None
+    work_bytes: float | None = None  # bytes one call moves, when the test declares it
 
 
 @dataclass
@@ -45,7 +46,10 @@ class GateState:
             for impl, m in impls.items():
                 if impl == REFERENCE or ref is None:
                     continue
-                point, low, high = speedup_interval(ref.times, m.times)
+                # With declared work on both sides the ratio is of throughput (bytes/s), e.g. a
+                # kernel against the streaming bandwidth; with equal work it is the time ratio.
+                scale = m.work_bytes / ref.work_bytes if ref.work_bytes and m.work_bytes else 1.0
+                point, low, high = (scale * v for v in speedup_interval(ref.times, m.times))
                 row = SpeedupRow(
                     kernel=kernel, impl=impl, size=m.size, label=m.label, device=self.device,
                     reference_ms=1e3 * median(ref.times), optimized_ms=1e3 * median(m.times),
@@ -53,6 +57,7 @@ class GateState:
                     floor=self.floors.get((kernel, impl)),
                     baseline=(self.baseline or {}).get(baseline_key(kernel, impl, m.size)),
                     reference_peak_bytes=ref.peak_bytes, optimized_peak_bytes=m.peak_bytes,
+                    reference_gbps=_gbps(ref), optimized_gbps=_gbps(m),
                 )
                 gate(row, self.tolerance)
                 rows.append(row)
@@ -64,6 +69,10 @@ class GateState:
 
 
 STATE = pytest.StashKey[GateState]()
+
+
+def _gbps(m: Measurement) -> float | None:
+    return None if not m.work_bytes else m.work_bytes / median(m.times) / 1e9
 
 
 def baseline_key(kernel: str, impl: str, size: str) -> str:

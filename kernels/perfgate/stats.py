@@ -62,6 +62,8 @@ class SpeedupRow:
     baseline: float | None = None
     reference_peak_bytes: int | None = None
     optimized_peak_bytes: int | None = None
+    reference_gbps: float | None = None
+    optimized_gbps: float | None = None
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -95,10 +97,14 @@ def _mem(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.1f}"
 
 
+def _gb(ref: float | None, opt: float | None) -> str:
+    return "-" if ref is None and opt is None else f"{ref or 0:.1f}/{opt or 0:.1f}"
+
+
 def format_table(rows: Sequence[dict]) -> list[str]:
     """Rows (``SpeedupRow.as_dict()``) as fixed-width text lines."""
     header = ("kernel", "impl", "size", "device", "ref ms", "opt ms", "speedup", "95% CI",
-              "floor", "baseline", "peak MiB ref/opt", "gate")
+              "floor", "baseline", "peak MiB ref/opt", "GB/s ref/opt", "gate")
     body = []
     for r in rows:
         body.append((
@@ -108,6 +114,7 @@ def format_table(rows: Sequence[dict]) -> list[str]:
             "-" if r["floor"] is None else f"{r['floor']:.2f}x",
             "-" if r["baseline"] is None else f"{r['baseline']:.2f}x",
             f"{_mem(r['reference_peak_bytes'])}/{_mem(r['optimized_peak_bytes'])}",
+            _gb(r.get("reference_gbps"), r.get("optimized_gbps")),
             "FAIL" if r["failures"] else "ok",
         ))
     widths = [max(len(str(c)) for c in col) for col in zip(header, *body, strict=True)]

@@ -1,0 +1,72 @@
+"""Optimizer steps: per-parameter Python loops vs the fused torch optimizers kernels.* choose.
+
+The resnet18 rows time one step over its 62 parameter tensors (11.7M values) with fixed grads;
+the ablation rows are torch's own for-loop and foreach implementations. The bandwidth row moves
+50M parameters and compares AdamW's bytes/s (28 bytes a parameter: p, g, m, v read; p, m, v
+written) with an in-place stream over 50M floats (x.mul_, 8 bytes a value) in the same run:
+its "speedup" is the fraction of the streaming bandwidth AdamW reaches.
+
+Measured on the 2-core CPU (AMD EPYC, THP allocator, 2 runs): AdamW 4.1-4.25x over the Python
+loop (torch's for-loop and foreach 0.95-1.05x); SGD with momentum 1.29-1.37x (for-loop and
+foreach 0.97-1.07x); AdamW at 50M params 154-159 GB/s against a 198-199 GB/s stream, 0.78-0.80
+of it (the issue's target: 0.75). Floors: AdamW 3.0x; SGD 1.1x, between losing fused (~1.0x)
+and the measurement, since fused SGD gains little on CPU; bandwidth 0.7, under the 0.78-0.80
+measured so that noise does not trip it while a fall to the for-loop's bandwidth would.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+import reference
+
+STEP = {"reference": reference, "optimized": kernels}
+BANDWIDTH_PARAMS = {"smoke": 50_000_000, "full": 50_000_000}
+
+
+def _resnet18_params(device: str) -> list[torch.Tensor]:
+    import torchvision
+
+    torch.manual_seed(0)
+    params = [p.detach().to(device).requires_grad_() for p in torchvision.models.resnet18().parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return params
+
+
+def _optimizer(kind: str, impl: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    hyper = dict(lr=1e-3, weight_decay=1e-2) if kind == "adamw" else dict(lr=1e-2, momentum=0.9)
+    if impl in STEP:
+        return getattr(STEP[impl], kind)(params, **hyper)
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.SGD
+    return cls(params, foreach=impl == "torch_foreach", **hyper)
+
+
+@pytest.mark.speedup(cpu=3.0)
+@pytest.mark.parametrize("impl", ["reference", "torch_forloop", "torch_foreach", "optimized"])
+def test_adamw_step(perf, impl: str) -> None:
+    opt = _optimizer("adamw", impl, _resnet18_params(perf.device))
+    perf(opt.step, label="resnet18 11.7M")
+
+
+@pytest.mark.speedup(cpu=1.1)
+@pytest.mark.parametrize("impl", ["reference", "torch_forloop", "torch_foreach", "optimized"])
+def test_sgd_step(perf, impl: str) -> None:
+    opt = _optimizer("sgd", impl, _resnet18_params(perf.device))
+    perf(opt.step, label="resnet18 11.7M")
+
+
+@pytest.mark.speedup(cpu=0.7)
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_adamw_bandwidth(perf, impl: str) -> None:
+    n = BANDWIDTH_PARAMS[perf.size]
+    if impl == "reference":  # the roofline: an in-place stream over n floats
+        x = torch.randn(n, device=perf.device)
+        perf(lambda: x.mul_(1.0000001), label="50M params vs in-place stream", work_bytes=8.0 * n)
+        return
+    p = torch.zeros(n, device=perf.device, requires_grad=True)
+    p.grad = torch.randn_like(p)
+    opt = kernels.adamw([p])
+    perf(opt.step, label="50M params vs in-place stream", work_bytes=28.0 * n)
