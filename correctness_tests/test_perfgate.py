@@ -109,6 +109,23 @@ def test_first_run_without_baseline_passes_with_hint(pytester: pytest.Pytester) 
     result.stdout.fnmatch_lines(["*no stored baseline compared*run `make baseline`*"])
 
 
+def test_declared_work_gives_a_throughput_ratio(pytester: pytest.Pytester) -> None:
+    """Same time, twice the bytes: a 2x throughput ratio, and GB/s in the JSON."""
+    pytester.makepyfile(test_bw="""
+import time
+import pytest
+
+@pytest.mark.speedup(cpu=1.5)
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_stream(perf, impl):
+    perf(lambda: time.sleep(0.004), work_bytes=4e6 if impl == "reference" else 8e6)
+""")
+    assert _run(pytester, "--benchmark-json=out.json").ret == 0
+    row = json.loads((pytester.path / "out.json").read_text())["kernelgate"]["speedups"][0]
+    assert 1.8 < row["speedup"] < 2.2
+    assert 0.8 < row["reference_gbps"] < 1.0 and 1.6 < row["optimized_gbps"] < 2.0
+
+
 def test_perf_test_without_impl_param_fails_clearly(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("def test_x(perf):\n    perf(lambda: None)\n")
     result = _run(pytester)
