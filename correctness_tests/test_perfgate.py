@@ -226,5 +226,5 @@ def test_gate_rules() -> None:
 
 def test_slug_is_a_safe_folder_name() -> None:
     fp = {"device_type": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "threads": 16,
-          "torch": "2.14.1+cu130", "cuda": "13.0", "python": "3.11", "thp_alloc": False}
+          "torch": "2.14.1+cu130", "cuda": "13.0", "python": "3.11", "malloc": "n/a", "thp_alloc": False}
     assert slug(fp) == "cuda-NVIDIA_H100_80GB_HBM3-t16-torch2.14.1_cu130-cuda13.0-py3.11"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 
@@ -23,9 +24,9 @@ def _cpu_model() -> str:
     return f"{name} ({', '.join(ids)})" if ids else name
 
 
-def fingerprint(device: str, threads: int, thp_alloc: bool) -> dict[str, str | int | None]:
+def fingerprint(device: str, threads: int, malloc: str) -> dict[str, str | int | None]:
     """The facts that make timings comparable: device model, threads, torch/CUDA, Python, and
-    whether torch's CPU allocator uses transparent huge pages (THP_MEM_ALLOC_ENABLE=1)."""
+    and on CPU how memory is allocated (``--perf-malloc``; torch's THP_MEM_ALLOC_ENABLE)."""
     import torch
 
     is_cuda = device.startswith("cuda")
@@ -37,7 +38,8 @@ def fingerprint(device: str, threads: int, thp_alloc: bool) -> dict[str, str | i
         "cuda": torch.version.cuda if is_cuda else None,
         "python": ".".join(platform.python_version_tuple()[:2]),
         # Huge pages for torch's CPU allocator change fresh-allocation cost several-fold.
-        "thp_alloc": thp_alloc and not is_cuda,
+        "malloc": malloc,
+        "thp_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" and not is_cuda,
     }
 
 
@@ -47,6 +49,8 @@ def slug(fp: dict[str, str | int | None]) -> str:
     if fp.get("cuda"):
         parts.append(f"cuda{fp['cuda']}")
     parts.append(f"py{fp['python']}")
+    if fp.get("malloc") not in (None, "n/a"):
+        parts.append(f"malloc_{fp['malloc']}")
     if fp.get("thp_alloc"):
         parts.append("thp")
     return "-".join(re.sub(r"[^A-Za-z0-9.]+", "_", str(p)).strip("_") for p in parts)

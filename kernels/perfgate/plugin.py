@@ -13,8 +13,6 @@ fingerprint's baseline is refused.
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import pytest
@@ -23,17 +21,7 @@ from .case import PerfCase
 from .fingerprint import fingerprint, slug
 from .state import STATE, GateState, baseline_key
 from .stats import format_table
-from .timing import resolve_device
-
-# Transparent huge pages for torch's CPU allocator, read once by torch at its first allocation,
-# so set before anything imports torch (plugins load before tests). A user's explicit value wins.
-# Measured on the 2-core CPU: page faults of fresh (B, P) per-sample-gradient tensors dominated
-# (B=256: 42.8 -> 14.3 ms optimized, 89 -> 49 ms reference). Recorded in the fingerprint.
-if "torch" not in sys.modules:
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    THP_ALLOC = os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
-else:  # torch already allocated under whatever the environment said then
-    THP_ALLOC = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
+from .timing import configure_malloc, resolve_device
 
 SIZES = ("smoke", "full")
 
@@ -46,6 +34,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--speedup-tolerance", type=float, default=0.2,
                     help="with --benchmark-compare: fail when a speedup fell more than this "
                          "fraction under the stored baseline's (default 0.2)")
+    group.addoption("--perf-malloc", default="cache", choices=("cache", "default"),
+                    help="CPU: 'cache' makes glibc keep freed memory for reuse, as CUDA's caching "
+                         "allocator does, so timings do not depend on page faults and test order "
+                         "(default); 'default' leaves malloc alone")
     group.addoption("--perf-threads", type=int, default=None,
                     help="torch CPU threads, fixed for the session (default: torch's default)")
 
@@ -70,7 +62,8 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"--perf-threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)
     size = config.getoption("perf_size") or ("full" if device.startswith("cuda") else "smoke")
-    fp = fingerprint(device, threads, THP_ALLOC)
+    malloc = configure_malloc(config.getoption("perf_malloc")) if device == "cpu" else "n/a"
+    fp = fingerprint(device, threads, malloc)
     state = GateState(device=device, size=size, threads=threads, tolerance=tolerance,
                       fingerprint=fp, slug=slug(fp))
     config.stash[STATE] = state

@@ -57,6 +57,26 @@ def _proc_status_bytes(key: str) -> int | None:
     return None
 
 
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc mallopt parameters
+
+
+def configure_malloc(mode: str) -> str:
+    """``cache``: glibc serves every block from its heap (no mmap) and keeps freed memory
+    (trims only above 2 GiB free), so a fresh tensor reuses resident pages, as CUDA's caching
+    allocator does. Without it a large tensor (a (B, P) per-sample gradient) is mmap-ed and
+    page-faulted anew on every call, or not, depending on what ran before: measured on the
+    2-core CPU, optimized per-sample grads at B=64 took 8.2 ms cold, 1.7-2.0 ms after other
+    tests, 1.8 ms in cache mode. Returns the mode in effect ("default" where mallopt is absent)."""
+    if mode != "cache":
+        return "default"
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    except (OSError, AttributeError):
+        return "default"
+    return "cache" if ok else "default"
+
+
 def _release_free_heap() -> None:
     """Hand glibc's free heap pages back to the OS, so a call cannot reuse pages an earlier
     call left resident and read as using no memory (no-op off glibc)."""
