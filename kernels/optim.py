@@ -3,8 +3,9 @@
 ``adamw`` and ``sgd`` return ``torch.optim.AdamW`` / ``torch.optim.SGD`` objects (subclasses
 that only guard the fused step, see below; GradScaler, LR schedulers and ``state_dict`` work as
 usual) with the implementation chosen per
-device type. Measured choice table, ms per step (2-core AMD EPYC, torch 2.14.1, THP allocator,
-torch.utils.benchmark median with both threads; perf_tests/test_optim.py gates the resnet18 rows):
+device type. Measured choice table, ms per step (2-core AMD EPYC, torch 2.14.1, default malloc
+with THP_MEM_ALLOC_ENABLE=1, torch.utils.benchmark median with both threads;
+perf_tests/test_optim.py gates the resnet18 rows):
 
 | parameters                    | dtype | optimizer | for-loop | foreach | fused |
 |-------------------------------|-------|-----------|----------|---------|-------|

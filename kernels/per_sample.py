@@ -21,8 +21,8 @@ batch of one, so the result does not depend on the loss's reduction.
   Linear layers (3x32x32: 9.09 ms against 13.36 for vmap then E E^T; 1x8x8: 2.57 vs 2.28).
 
 Measured on the 2-core CPU (AMD EPYC; MLP 784-256-256-10, perf_tests/test_per_sample.py), speedup
-over the loop of backward passes: grads 3.9-4.0x at B=64 and 5.4x at B=256 (vmap alone 3.4-3.5x
-and 4.5x); ghost Gram 25x and 68x (materialize, then E E^T: 1.5x and 1.2x).
+over the loop of backward passes: grads 6.6x at B=64 and 8.4x at B=256 (vmap alone 4.1x and
+4.2x); ghost Gram 23x and 62x (materialize, then E E^T: 1.5x and 1.2x).
 """
 
 from __future__ import annotations
