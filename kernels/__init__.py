@@ -4,6 +4,7 @@ Public API (loaded on first use, so ``import kernels`` stays light):
 
 - ``per_sample_grads``, ``per_sample_grad_gram``, ``per_sample_grad_norms`` (kernels.per_sample)
 - ``adamw``, ``sgd``: torch optimizers with the implementation that measured fastest (kernels.optim)
+- ``Recipe``, ``train``: the shared training-loop engine (kernels.training)
 - ``models``: model definitions shared by kernels, references and workloads
 """
 
@@ -15,6 +16,8 @@ from typing import Any
 _EXPORTS = {
     "adamw": "kernels.optim",
     "sgd": "kernels.optim",
+    "Recipe": "kernels.training",
+    "train": "kernels.training",
     "per_sample_grads": "kernels.per_sample",
     "per_sample_grad_gram": "kernels.per_sample",
     "per_sample_grad_norms": "kernels.per_sample",

@@ -1,5 +1,6 @@
 """Models shared by kernels, references, tests and workloads."""
 
 from kernels.models.mlp import MLP
+from kernels.models.resnet import ResNet10
 
-__all__ = ["MLP"]
+__all__ = ["MLP", "ResNet10"]
