@@ -1,0 +1,39 @@
+"""The CIFAR ResNet workload runs end to end at a tiny size, and refuses bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.models import ResNet10
+from kernels.workloads.cifar_resnet import Config, ablation, format_rows, main, synthetic_cifar
+
+
+def test_synthetic_cifar_shapes_and_determinism() -> None:
+    x, y = synthetic_cifar(16, seed=3)
+    assert x.shape == (16, 3, 32, 32) and x.dtype == torch.float32 and y.shape == (16,)
+    assert int(y.min()) >= 0 and int(y.max()) < 10
+    x2, y2 = synthetic_cifar(16, seed=3)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    with pytest.raises(ValueError, match="n must be"):
+        synthetic_cifar(0)
+
+
+def test_ablation_runs_every_row_and_learns() -> None:
+    rows = ablation(Config(steps=6, batch=16, warmup=1), compile_=False)
+    assert [r.name.split(" (")[0] for r in rows] == [
+        "baseline", "+ fused AdamW", "+ AMP", "+ channels_last", "auto"]
+    assert all(r.ms_per_step > 0 and 0.0 <= r.accuracy <= 1.0 for r in rows)
+    assert all(torch.isfinite(torch.tensor(r.final_loss)) for r in rows)
+    assert len(format_rows(rows)) == len(rows) + 2
+
+
+def test_resnet10_refuses_non_images() -> None:
+    with pytest.raises(ValueError, match="images"):
+        ResNet10()(torch.zeros(2, 32, 32))
+
+
+def test_cli_rejects_bad_sizes(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--steps", "0"])
+    assert "--steps and --batch must be >= 1" in capsys.readouterr().err

@@ -1,0 +1,1 @@
+"""Reference runs of the workloads."""
