@@ -33,6 +33,23 @@ def test_sleepy(perf, impl):
 FAST = ["--device", "cpu", "--benchmark-max-time=0.15", "--benchmark-min-rounds=12", "-p", "no:cacheprovider"]
 
 
+PAIR = """
+import time
+from pathlib import Path
+import pytest
+
+@pytest.mark.speedup(cpu={floor})
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_{name}(perf, impl):
+    {call}
+"""
+
+
+def _pair(pytester: pytest.Pytester, name: str, floor: float, call: str) -> None:
+    """A one-off perf pair whose body is ``call`` (``impl`` in scope)."""
+    pytester.makepyfile(**{f"test_{name}": PAIR.format(name=name, floor=floor, call=call)})
+
+
 def _suite(pytester: pytest.Pytester, opt: float = 0.002, floor: float = 2.0) -> None:
     pytester.makepyfile(test_pair=SUITE.format(opt=opt, floor=floor))
 
@@ -111,15 +128,8 @@ def test_first_run_without_baseline_passes_with_hint(pytester: pytest.Pytester) 
 
 def test_declared_work_gives_a_throughput_ratio(pytester: pytest.Pytester) -> None:
     """Same time, twice the bytes: a 2x throughput ratio, and GB/s in the JSON."""
-    pytester.makepyfile(test_bw="""
-import time
-import pytest
-
-@pytest.mark.speedup(cpu=1.5)
-@pytest.mark.parametrize("impl", ["reference", "optimized"])
-def test_stream(perf, impl):
-    perf(lambda: time.sleep(0.004), work_bytes=4e6 if impl == "reference" else 8e6)
-""")
+    _pair(pytester, "stream", 1.5,
+          'perf(lambda: time.sleep(0.004), work_bytes=4e6 if impl == "reference" else 8e6)')
     assert _run(pytester, "--benchmark-json=out.json").ret == 0
     row = json.loads((pytester.path / "out.json").read_text())["kernelgate"]["speedups"][0]
     assert 1.8 < row["speedup"] < 2.2
@@ -134,15 +144,7 @@ def test_perf_test_without_impl_param_fails_clearly(pytester: pytest.Pytester) -
 
 
 def test_benchmark_disable_runs_once_and_says_the_gate_did_not_run(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_count="""
-import pytest
-from pathlib import Path
-
-@pytest.mark.speedup(cpu=1000.0)
-@pytest.mark.parametrize("impl", ["reference", "optimized"])
-def test_counted(perf, impl):
-    perf(lambda: Path(impl).open("a").write("x"))
-""")
+    _pair(pytester, "counted", 1000.0, 'perf(lambda: Path(impl).open("a").write("x"))')
     result = _run(pytester, "--benchmark-disable")
     assert result.ret == 0
     result.assert_outcomes(passed=2)
