@@ -144,3 +144,80 @@ def test_bad_inputs_are_refused_clearly() -> None:
         kernels.adamw([torch.zeros(3, dtype=torch.long)])
     with pytest.raises(ValueError, match="learning rate"):
         kernels.adamw([w], lr=-1.0)
+
+
+def test_generator_inside_a_group_and_named_parameters() -> None:
+    model = torch.nn.Linear(3, 2)
+    assert len(kernels.adamw([{"params": model.parameters(), "lr": 0.1}]).param_groups[0]["params"]) == 2
+    assert len(kernels.sgd(model.named_parameters()).param_groups[0]["params"]) == 2
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_state_laid_out_unlike_its_parameter(kind: str) -> None:
+    """Steps on a conv, then the model goes channels_last (its optimizer state does not), then
+    more steps: the fused kernel must still match torch's for-loop."""
+    import copy
+
+    def run(make) -> torch.Tensor:
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(3, 4, 3)
+        opt = make(conv.parameters())
+        gen = torch.Generator().manual_seed(1)
+        for step in range(6):
+            if step == 3:
+                conv.to(memory_format=torch.channels_last)
+            for p in conv.parameters():
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        return copy.deepcopy(conv.weight.detach()).contiguous()
+
+    hyper = dict(lr=0.1, **({"momentum": 0.9} if kind == "sgd" else {}))
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.SGD
+    got = run(lambda ps: getattr(kernels, kind)(ps, **hyper))
+    want = run(lambda ps: cls(ps, foreach=False, **hyper))
+    assert_close(got, want, ELEMENTWISE)
+
+
+def test_strided_view_parameter_is_not_fused() -> None:
+    base = torch.randn(4, 6)
+    view = base[:, ::2].requires_grad_()  # no dense layout of its own
+    opt = kernels.sgd([view], lr=0.1, momentum=0.9)
+    assert not opt.defaults["fused"]
+
+
+def test_sparse_gradient_is_refused_clearly() -> None:
+    emb = torch.nn.Embedding(5, 3, sparse=True)
+    opt = kernels.sgd(emb.parameters(), lr=0.1)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(TypeError, match="sparse gradient"):
+        opt.step()
+
+
+def test_step_hooks_fire_once() -> None:
+    torch.optim.AdamW([torch.zeros(2, requires_grad=True)])  # torch patches its class's step
+    w = torch.zeros(3, requires_grad=True)
+    opt, calls = kernels.adamw([w]), []
+    opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+    opt.register_step_post_hook(lambda *a: calls.append("post"))
+    w.grad = torch.ones(3)
+    opt.step()
+    assert calls == ["pre", "post"]
+
+
+def test_closure_grads_are_aligned() -> None:
+    w = torch.randn(5, 3).t().requires_grad_()
+    opt = kernels.sgd([w], lr=0.1, momentum=0.9)
+    ref_w = w.detach().clone().requires_grad_()
+    ref_opt = reference.sgd([ref_w], lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        g = torch.randn(3, 5, generator=gen)
+
+        def closure(p=w, g=g):
+            p.grad = g.clone()  # contiguous grad for a transposed parameter
+            return torch.tensor(0.0)
+
+        opt.step(closure)
+        ref_w.grad = g.clone()
+        ref_opt.step()
+    assert_close(w.detach(), ref_w.detach(), ELEMENTWISE)

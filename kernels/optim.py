@@ -1,8 +1,8 @@
 """Optimizer steps: the fastest correct ``torch.optim`` implementation for the parameters at hand.
 
-``adamw`` and ``sgd`` return ``torch.optim.AdamW`` / ``torch.optim.SGD`` objects (subclasses
-that only guard the fused step, see below; GradScaler, LR schedulers and ``state_dict`` work as
-usual) with the implementation chosen per
+``adamw`` and ``sgd`` return plain ``torch.optim.AdamW`` / ``torch.optim.SGD`` objects (with one
+step pre-hook that guards the fused step, see below; GradScaler, LR schedulers, hooks and
+``state_dict`` work as usual) with the implementation chosen per
 device type. Measured choice table, ms per step (2-core AMD EPYC, torch 2.14.1, default malloc
 with THP_MEM_ALLOC_ENABLE=1, torch.utils.benchmark median with both threads;
 perf_tests/test_optim.py gates the resnet18 rows):
@@ -27,8 +27,11 @@ A trap found by the correctness tests: torch 2.14.1's fused kernels index parame
 state as flat arrays, so a grad whose strides differ from its parameter's (a transposed
 parameter with a grad set by hand, say) gets silently wrong steps: after 10 steps on a
 transposed 3x5 parameter, AdamW was off by 4.5e-3 and SGD (momentum 0.9) by 4.2, against the
-for-loop. Autograd's own grads follow the parameter's layout, so training is unaffected, but
-these optimizers copy any mismatched grad into the parameter's layout before a fused step.
+for-loop; state created before a model went channels_last, or loaded from a state_dict, mis-steps
+the same way. Autograd's own grads follow the parameter's layout, so plain training is
+unaffected, but these optimizers copy any grad or state tensor laid out unlike its parameter
+into the parameter's layout before each fused step, and never choose fused for a parameter that
+is a strided view (no layout of its own to match).
 """
 
 from __future__ import annotations
@@ -39,86 +42,110 @@ from typing import Any
 import torch
 from torch import Tensor
 
-Params = Iterable[Tensor] | Iterable[dict[str, Any]]
+Params = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
 FUSED_DEVICES = ("cpu", "cuda")  # where torch has fused AdamW/SGD and we choose it (table above)
 
 
-def _tensors(groups: list) -> list[Tensor]:
-    return [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
-
-
 def _groups(params: Params, arg: str) -> list:
+    """Parameter groups with their params materialized (a generator inside a group dict would
+    otherwise be used up by validation), each a real floating or complex tensor."""
     if isinstance(params, Tensor):
         raise TypeError(f"{arg} must be an iterable of tensors or parameter groups, got a Tensor; "
                         "pass model.parameters() or [tensor]")
-    groups = list(params)
+    groups = [dict(g, params=list(g["params"])) if isinstance(g, dict) else g for g in params]
     if not groups:
         raise ValueError(f"{arg} is empty: the optimizer has nothing to update")
     for g in groups:
         for p in g["params"] if isinstance(g, dict) else [g]:
+            p = p[1] if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) else p
             if not isinstance(p, Tensor):
                 raise TypeError(f"{arg} holds a {type(p).__name__}, not a tensor")
-            if not p.is_floating_point():
+            if not (p.is_floating_point() or p.is_complex()):
                 raise TypeError(f"{arg} holds a {p.dtype} tensor: optimizers update floating-point "
                                 "parameters only")
     return groups
 
 
-def _align_grads(groups: list[dict]) -> None:
-    """Give every grad its parameter's strides (see the module note): a copy, only on mismatch."""
-    for group in groups:
+def _dense(t: Tensor) -> bool:
+    """Non-overlapping and dense: a tensor laid out as one of its own permutations."""
+    return torch.empty_like(t, memory_format=torch.preserve_format).stride() == t.stride()
+
+
+def _aligned(t: Tensor, like: Tensor) -> Tensor:
+    return torch.empty_like(like, memory_format=torch.preserve_format).copy_(t)
+
+
+def _align(optimizer: torch.optim.Optimizer) -> None:
+    """Give every grad and state tensor its parameter's strides (see the module note)."""
+    for group in optimizer.param_groups:
         for p in group["params"]:
-            if p.grad is not None and p.numel() > 1 and p.grad.stride() != p.stride():
-                aligned = torch.empty_like(p, memory_format=torch.preserve_format)
-                p.grad = aligned.copy_(p.grad)
+            if p.grad is None or p.numel() <= 1:
+                continue
+            if p.grad.is_sparse:
+                raise TypeError("a sparse gradient reached a fused optimizer; use torch.optim.SGD "
+                                "(sparse-capable) or torch.optim.SparseAdam for sparse embeddings")
+            if not _dense(p):
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} became a strided view; fused "
+                                 "steps need dense parameters: rebuild the optimizer")
+            if p.grad.stride() != p.stride():
+                p.grad = _aligned(p.grad, p)
+            state = optimizer.state.get(p, {})
+            for key, v in state.items():
+                if isinstance(v, Tensor) and v.shape == p.shape and v.stride() != p.stride():
+                    state[key] = _aligned(v, p)  # e.g. the model went channels_last after step 1
 
 
-class _AlignedStep:
-    """Mixin: align grad layouts before torch's fused step; closures run first so their grads
-    are aligned too."""
+def _guard(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Align layouts before each fused step, closures included (their grads are made inside)."""
+    if not optimizer.defaults.get("fused"):
+        return optimizer
 
-    defaults: dict
-    param_groups: list[dict]
+    def pre_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
+        # torch passes step's own arguments: args = (optimizer, [closure])
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        _align(opt)
+        if closure is None:
+            return None
 
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self.defaults.get("fused"):
-            _align_grads(self.param_groups)
-        super().step()  # type: ignore[misc]
-        return loss
+        def aligned_closure() -> Any:
+            loss = closure()
+            _align(opt)
+            return loss
 
+        return args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": aligned_closure}
 
-class AdamW(_AlignedStep, torch.optim.AdamW):
-    """``torch.optim.AdamW`` whose fused step is safe for any grad layout."""
-
-
-class SGD(_AlignedStep, torch.optim.SGD):
-    """``torch.optim.SGD`` whose fused step is safe for any grad layout."""
+    optimizer.register_step_pre_hook(pre_hook)
+    return optimizer
 
 
 def implementation(params: list[Tensor]) -> dict[str, bool]:
-    """The ``fused``/``foreach`` keywords for these parameters, by the measured table above."""
+    """The ``fused``/``foreach`` keywords for these parameters, by the measured table above:
+    fused on one CPU or CUDA device for dense real floating parameters; otherwise torch's own
+    default (fused kernels mis-step strided views and do not take complex parameters)."""
     devices = {p.device.type for p in params}
-    if devices <= set(FUSED_DEVICES) and len(devices) == 1:
+    if (devices <= set(FUSED_DEVICES) and len(devices) == 1
+            and all(p.is_floating_point() and _dense(p) for p in params)):
         return {"fused": True}
-    return {}  # mixed or other devices: torch's default choice
+    return {}
+
+
+def _tensors(groups: list) -> list[Tensor]:
+    ps = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
+    return [p[1] if isinstance(p, tuple) else p for p in ps]
 
 
 def adamw(params: Params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-          eps: float = 1e-8, weight_decay: float = 1e-2) -> AdamW:
+          eps: float = 1e-8, weight_decay: float = 1e-2) -> torch.optim.AdamW:
     """torch AdamW (decoupled weight decay, bias correction) with the fastest implementation."""
     groups = _groups(params, "params")
-    return AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                             **implementation(_tensors(groups)))
+    return _guard(torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                    **implementation(_tensors(groups))))
 
 
 def sgd(params: Params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-        weight_decay: float = 0.0, nesterov: bool = False) -> SGD:
+        weight_decay: float = 0.0, nesterov: bool = False) -> torch.optim.SGD:
     """torch SGD (momentum, dampening, Nesterov, L2 weight decay) with the fastest implementation."""
     groups = _groups(params, "params")
-    return SGD(groups, lr=lr, momentum=momentum, dampening=dampening,
-                           weight_decay=weight_decay, nesterov=nesterov,
-                           **implementation(_tensors(groups)))
+    return _guard(torch.optim.SGD(groups, lr=lr, momentum=momentum, dampening=dampening,
+                                  weight_decay=weight_decay, nesterov=nesterov,
+                                  **implementation(_tensors(groups))))
