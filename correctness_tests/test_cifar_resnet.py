@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kernels.models import ResNet10
-from kernels.workloads.cifar_resnet import Config, ablation, format_rows, main, synthetic_cifar
+from kernels.training import Recipe
+from kernels.workloads.cifar_resnet import Config, ablation, format_rows, main, run, synthetic_cifar
 
 
 def test_synthetic_cifar_shapes_and_determinism() -> None:
@@ -19,7 +20,13 @@ def test_synthetic_cifar_shapes_and_determinism() -> None:
         synthetic_cifar(0)
 
 
-def test_ablation_runs_every_row_and_learns() -> None:
+def test_the_optimized_run_learns() -> None:
+    """25 steps of batch 32: held-out accuracy far above chance (0.1); measured 0.98."""
+    report = run(Config(steps=25, batch=32), Recipe(), "fp32")
+    assert report.accuracy > 0.6 and report.final_loss < 1.0
+
+
+def test_ablation_runs_every_row() -> None:
     rows = ablation(Config(steps=6, batch=16, warmup=1), compile_=False)
     assert [r.name.split(" (")[0] for r in rows] == [
         "baseline", "+ fused AdamW", "+ AMP", "+ channels_last", "auto"]

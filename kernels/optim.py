@@ -84,9 +84,6 @@ def _align(optimizer: torch.optim.Optimizer) -> None:
             if p.grad.is_sparse:
                 raise TypeError("a sparse gradient reached a fused optimizer; use torch.optim.SGD "
                                 "(sparse-capable) or torch.optim.SparseAdam for sparse embeddings")
-            if not _dense(p):
-                raise ValueError(f"a parameter of shape {tuple(p.shape)} became a strided view; fused "
-                                 "steps need dense parameters: rebuild the optimizer")
             if p.grad.stride() != p.stride():
                 p.grad = _aligned(p.grad, p)
             state = optimizer.state.get(p, {})

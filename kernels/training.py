@@ -3,8 +3,9 @@
 One loop: autocast (fp16 + GradScaler, or bf16), gradient accumulation (loss / k, one optimizer
 and scaler step per window, a trailing partial window rescaled to its own size),
 ``zero_grad(set_to_none=True)``, channels_last and ``torch.compile`` as options, batches moved
-to the device with ``non_blocking`` copies from pinned memory, a scheduler stepped once per
-optimizer step, and steps the GradScaler skipped (inf/NaN gradients) counted, never applied.
+to the device (``non_blocking`` when they come pinned, e.g. from ``DataLoader(pin_memory=True)``;
+workloads preload them on the device), a scheduler stepped once per optimizer step, and steps
+the GradScaler skipped (inf/NaN gradients) counted, never applied.
 
 ``Recipe.auto`` picks per device what measured faster. The CPU answer differs between CPU
 kinds: shared/MEASUREMENTS.md found bf16 autocast and channels_last SLOWER for resnet18 on a
@@ -103,10 +104,8 @@ def _all_finite(tensors: list[Tensor]) -> bool:
 
 
 def _to_device(t: Tensor, device: torch.device, channels_last: bool) -> Tensor:
-    if t.device != device:
-        if device.type == "cuda" and not t.is_pinned():
-            t = t.pin_memory()
-        t = t.to(device, non_blocking=True)
+    if t.device != device:  # non_blocking overlaps only from pinned memory (DataLoader(pin_memory=True))
+        t = t.to(device, non_blocking=t.is_pinned())
     if channels_last and t.ndim == 4:
         t = t.contiguous(memory_format=torch.channels_last)
     return t
@@ -115,16 +114,26 @@ def _to_device(t: Tensor, device: torch.device, channels_last: bool) -> Tensor:
 def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
           batches: Iterable[tuple[Tensor, Tensor]], recipe: Recipe | None = None, *,
           device: str | torch.device | None = None,
-          scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> TrainResult:
-    """Run ``recipe`` over ``batches`` (x (B, ...), y (B, ...)); one optimizer step per window."""
+          scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+          scaler: torch.amp.GradScaler | None = None) -> TrainResult:
+    """Run ``recipe`` over ``batches`` (x (B, ...), y (B, ...)); one optimizer step per window.
+
+    Pass the same ``scaler`` to successive calls (epochs) to keep its scale; by default each
+    call starts a fresh one. channels_last converts ``model`` in place.
+    """
     recipe = recipe or Recipe()
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     device = torch.device(device) if device is not None else next(model.parameters()).device
+    if device.type == "cuda" and device.index is None:  # "cuda" means the current device, cuda:N
+        device = torch.device("cuda", torch.cuda.current_device())
     if recipe.channels_last:
         model.to(memory_format=torch.channels_last)
     forward = torch.compile(model, mode=recipe.compile_mode) if recipe.compile_mode else model
-    scaler = torch.amp.GradScaler(device.type, enabled=recipe.grad_scaler)
+    if scaler is None:
+        scaler = torch.amp.GradScaler(device.type, enabled=recipe.grad_scaler)
+    elif not recipe.grad_scaler:
+        raise ValueError("a scaler was passed but recipe.grad_scaler is False")
     params = [p for g in optimizer.param_groups for p in g["params"]]
     k, losses, window, skipped, start = recipe.accumulation, [], [], 0, time.perf_counter()
     model.train()

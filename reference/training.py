@@ -14,12 +14,13 @@ from kernels.training import LossFn, Recipe, TrainResult
 def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
           batches: Iterable[tuple[Tensor, Tensor]], recipe: Recipe | None = None, *,
           device: str | torch.device | None = None,
-          scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> TrainResult:
+          scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+          scaler: torch.amp.GradScaler | None = None) -> TrainResult:
     """zero_grad, forward, loss, backward, step (and scheduler step) for each batch.
 
-    ``recipe`` is accepted for signature parity and must be the plain fp32 one.
+    ``recipe`` and ``scaler`` are accepted for signature parity: fp32 only, no scaler.
     """
-    if recipe is not None and recipe != Recipe():
+    if (recipe is not None and recipe != Recipe()) or scaler is not None:
         raise ValueError(f"the reference loop is plain fp32 with no accumulation; got {recipe}")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     model.train()
