@@ -9,7 +9,8 @@ its "speedup" is the fraction of the streaming bandwidth AdamW reaches.
 Measured on the 2-core CPU (AMD EPYC, --perf-malloc cache, 2 runs): AdamW 3.50-3.51x over the
 Python loop (torch's for-loop and foreach 0.95-1.01x); SGD with momentum 1.36x (for-loop and
 foreach 1.01-1.04x); AdamW at 50M params 152 GB/s against a 194 GB/s stream, 0.78 of it (the
-issue's target: 0.75). Floors: AdamW 2.5x; SGD 1.1x, between losing fused (~1.0x) and the
+issue's target: 0.75); across the day AdamW moved 3.0-3.5x and the stream 144-199 GB/s.
+Floors: AdamW 2.0x (losing fused gives ~1.0x); SGD 1.1x, between losing fused (~1.0x) and the
 measurement, since fused SGD gains little on CPU; bandwidth 0.7, under the 0.78-0.80 measured
 so that noise does not trip it while a fall to the for-loop's bandwidth (~0.2) would.
 """
@@ -44,7 +45,7 @@ def _optimizer(kind: str, impl: str, params: list[torch.Tensor]) -> torch.optim.
     return cls(params, foreach=impl == "torch_foreach", **hyper)
 
 
-@pytest.mark.speedup(cpu=2.5)
+@pytest.mark.speedup(cpu=2.0)
 @pytest.mark.parametrize("impl", ["reference", "torch_forloop", "torch_foreach", "optimized"])
 def test_adamw_step(perf, impl: str) -> None:
     opt = _optimizer("adamw", impl, _resnet18_params(perf.device))

@@ -8,8 +8,8 @@ machine's memory bandwidth, which neighbours on this shared host move: across ru
 the in-place stream measured 167-199 GB/s and grads B=64 4.2-6.7x (vmap alone 2.9-4.1x). Its
 floors (3.5x, 5.0x) sit under that worst case; they catch losing the kernel (1x), but they cannot
 also separate the identity from vmap alone here: the vmap row and `make bench`'s baseline
-compare show that. Gram and norm floors sit far under their measurements and far above the
-materialized row.
+compare show that. Gram and norm floors sit far under their measurements (norms B=64 moved
+12.4-16.3x across the day, hence 8x) and far above the materialized row (~1.5x).
 No CUDA floors yet: a floor is set only from a measurement.
 """
 
@@ -62,7 +62,7 @@ def test_per_sample_grad_gram(perf, impl: str) -> None:
     _time(perf, _materialized_gram if impl == "materialized" else IMPLS[impl].per_sample_grad_gram)
 
 
-@pytest.mark.speedup(cpu={"smoke": 10.0, "full": 20.0})
+@pytest.mark.speedup(cpu={"smoke": 8.0, "full": 20.0})
 @pytest.mark.parametrize("impl", list(IMPLS))
 def test_per_sample_grad_norms(perf, impl: str) -> None:
     _time(perf, IMPLS[impl].per_sample_grad_norms)
