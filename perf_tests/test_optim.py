@@ -45,18 +45,25 @@ def _optimizer(kind: str, impl: str, params: list[torch.Tensor]) -> torch.optim.
     return cls(params, foreach=impl == "torch_foreach", **hyper)
 
 
+def _time_steps(perf, kind: str, impl: str) -> None:
+    """Time steps over resnet18's parameters; they must have moved and stayed finite."""
+    params = _resnet18_params(perf.device)
+    before = [p.detach().clone() for p in params]
+    perf(_optimizer(kind, impl, params).step, label="resnet18 11.7M")
+    assert all(torch.isfinite(p).all() for p in params)
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
+
+
 @pytest.mark.speedup(cpu=2.0)
 @pytest.mark.parametrize("impl", ["reference", "torch_forloop", "torch_foreach", "optimized"])
 def test_adamw_step(perf, impl: str) -> None:
-    opt = _optimizer("adamw", impl, _resnet18_params(perf.device))
-    perf(opt.step, label="resnet18 11.7M")
+    _time_steps(perf, "adamw", impl)
 
 
 @pytest.mark.speedup(cpu=1.1)
 @pytest.mark.parametrize("impl", ["reference", "torch_forloop", "torch_foreach", "optimized"])
 def test_sgd_step(perf, impl: str) -> None:
-    opt = _optimizer("sgd", impl, _resnet18_params(perf.device))
-    perf(opt.step, label="resnet18 11.7M")
+    _time_steps(perf, "sgd", impl)
 
 
 @pytest.mark.speedup(cpu=0.7)
@@ -66,8 +73,10 @@ def test_adamw_bandwidth(perf, impl: str) -> None:
     if impl == "reference":  # the roofline: an in-place stream over n floats
         x = torch.randn(n, device=perf.device)
         perf(lambda: x.mul_(1.0000001), label="50M params vs in-place stream", work_bytes=8.0 * n)
+        assert torch.isfinite(x).all()
         return
     p = torch.zeros(n, device=perf.device, requires_grad=True)
     p.grad = torch.randn_like(p)
     opt = kernels.adamw([p])
     perf(opt.step, label="50M params vs in-place stream", work_bytes=28.0 * n)
+    assert torch.isfinite(p).all() and int(opt.state[p]["step"]) > 1

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import kernels
 import reference
+from correctness_tests.tolerances import ELEMENTWISE, REDUCTION, assert_close, assert_dicts_close
 from kernels.models import MLP
 from kernels.per_sample import _vmap_grads
 
@@ -34,14 +35,20 @@ def _vmap_only(model, loss_fn, x, y):
     return _vmap_grads(model, loss_fn, x, y, names, "error", None)
 
 
-def _time(perf, fn) -> None:
-    """Time ``fn(model, loss, x, y)`` on the OCS MLP at this session's size."""
+def _time(perf, fn, ref_fn) -> None:
+    """Time ``fn(model, loss, x, y)`` on the OCS MLP at this session's size, then check the timed
+    result equals the reference's on the same inputs (the pair computes one function here too)."""
     torch.manual_seed(0)
     batch = BATCH[perf.size]
     model = MLP((784, 256, 256, 10)).to(perf.device)
     x = torch.randn(batch, 784, device=perf.device)
     y = torch.randint(0, 10, (batch,), device=perf.device)
-    perf(lambda: fn(model, F.cross_entropy, x, y), label=f"MLP B={batch}")
+    got = perf(lambda: fn(model, F.cross_entropy, x, y), label=f"MLP B={batch}")
+    want = ref_fn(model, F.cross_entropy, x, y)
+    if isinstance(want, dict):
+        assert_dicts_close(got, want, ELEMENTWISE)
+    else:
+        assert_close(got, want, REDUCTION)
 
 
 def _materialized_gram(model, loss_fn, x, y):
@@ -53,16 +60,17 @@ def _materialized_gram(model, loss_fn, x, y):
 @pytest.mark.speedup(cpu={"smoke": 3.5, "full": 5.0})
 @pytest.mark.parametrize("impl", ["reference", "vmap", "optimized"])
 def test_per_sample_grads(perf, impl: str) -> None:
-    _time(perf, _vmap_only if impl == "vmap" else IMPLS[impl].per_sample_grads)
+    _time(perf, _vmap_only if impl == "vmap" else IMPLS[impl].per_sample_grads, reference.per_sample_grads)
 
 
 @pytest.mark.speedup(cpu={"smoke": 10.0, "full": 20.0})
 @pytest.mark.parametrize("impl", ["reference", "materialized", "optimized"])
 def test_per_sample_grad_gram(perf, impl: str) -> None:
-    _time(perf, _materialized_gram if impl == "materialized" else IMPLS[impl].per_sample_grad_gram)
+    fn = _materialized_gram if impl == "materialized" else IMPLS[impl].per_sample_grad_gram
+    _time(perf, fn, reference.per_sample_grad_gram)
 
 
 @pytest.mark.speedup(cpu={"smoke": 8.0, "full": 20.0})
 @pytest.mark.parametrize("impl", list(IMPLS))
 def test_per_sample_grad_norms(perf, impl: str) -> None:
-    _time(perf, IMPLS[impl].per_sample_grad_norms)
+    _time(perf, IMPLS[impl].per_sample_grad_norms, reference.per_sample_grad_norms)

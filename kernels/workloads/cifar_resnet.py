@@ -56,10 +56,13 @@ class Config:
     device: str = "cpu"
     seed: int = 0
 
-    def batches(self) -> list[tuple[Tensor, Tensor]]:
-        """Preloaded on the device once: the loops time compute, not host copies."""
+    def batches(self, channels_last: bool = False) -> list[tuple[Tensor, Tensor]]:
+        """Preloaded on the device once, in the layout the run uses: the loops time compute,
+        not host copies or layout conversions."""
         x, y = synthetic_cifar((self.steps + self.warmup) * self.batch, seed=self.seed)
         x, y = x.to(self.device), y.to(self.device)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         return [(x[i : i + self.batch], y[i : i + self.batch]) for i in range(0, len(x), self.batch)]
 
 
@@ -70,9 +73,10 @@ def accuracy(model: torch.nn.Module, device: str, n: int = 1000) -> float:
     return (model(x.to(device)).argmax(1).cpu() == y).float().mean().item()
 
 
-def timed(name: str, cfg: Config, model: torch.nn.Module, step: Callable[[list], object]) -> RunReport:
+def timed(name: str, cfg: Config, model: torch.nn.Module, step: Callable[[list], object],
+          channels_last: bool = False) -> RunReport:
     """Warm-up steps apart, then the timed steps; accuracy after both."""
-    data = cfg.batches()
+    data = cfg.batches(channels_last)
     t0 = time.perf_counter()
     step(data[: cfg.warmup])
     t1 = time.perf_counter()
@@ -86,7 +90,11 @@ def run(cfg: Config, recipe: Recipe, name: str, lr: float = 2e-3) -> RunReport:
     torch.manual_seed(cfg.seed)
     model = ResNet10().to(cfg.device)
     opt = adamw(model.parameters(), lr=lr, weight_decay=1e-4)
-    return timed(name, cfg, model, lambda d: train(model, F.cross_entropy, opt, d, recipe, device=cfg.device))
+    # one scaler across the warm-up and timed calls, so the timed steps keep its learned scale
+    scaler = torch.amp.GradScaler(torch.device(cfg.device).type) if recipe.grad_scaler else None
+    return timed(name, cfg, model,
+                 lambda d: train(model, F.cross_entropy, opt, d, recipe, device=cfg.device, scaler=scaler),
+                 recipe.channels_last)
 
 
 def ablation(cfg: Config, compile_: bool = True) -> list[RunReport]:
@@ -100,13 +108,8 @@ def ablation(cfg: Config, compile_: bool = True) -> list[RunReport]:
         rows.append(run(cfg, replace(amp, channels_last=True, compile_mode="default"), "+ compile"))
     x, y = cfg.batches()[0]
     auto = Recipe.auto(cfg.device, model=ResNet10().to(cfg.device), loss_fn=F.cross_entropy, batch=(x, y))
-    rows.append(run(cfg, auto, f"auto ({_describe(auto)})"))
+    rows.append(run(cfg, auto, f"auto ({auto.name})"))
     return rows
-
-
-def _describe(r: Recipe) -> str:
-    dtype = str(r.autocast_dtype).removeprefix("torch.") if r.autocast_dtype else "fp32"
-    return dtype + (" + channels_last" if r.channels_last else "") + (" + compile" if r.compile_mode else "")
 
 
 def format_rows(rows: list[RunReport]) -> list[str]:
