@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from kernels.ghost import GhostTerms
 from kernels.layer_capture import Fallback, LossFn, capture
 
 RANDOMNESS = ("error", "different", "same")
@@ -195,44 +196,23 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
     return out
 
 
-def _ghost_weight(a: Tensor, g: Tensor, diagonal: bool) -> Tensor:
-    """Gram (B, B), or its diagonal (B,), of one Linear weight's per-sample gradients."""
-    if a.shape[1] == 1:
-        a2, g2 = a[:, 0], g[:, 0]
-        return (a2 * a2).sum(1) * (g2 * g2).sum(1) if diagonal else (a2 @ a2.T) * (g2 @ g2.T)
-    if a.shape[1] ** 2 > a.shape[2] * g.shape[2]:
-        # Long token axis: T^2 dot products cost more than building the (out, in) gradients.
-        w = torch.einsum("bto,bti->boi", g, a).flatten(1)
-        return (w * w).sum(1) if diagonal else w @ w.T
-    spec = "bti,bsi->bts" if diagonal else "bti,csi->bcts"
-    aa, gg = torch.einsum(spec, a, a), torch.einsum(spec.replace("i", "o"), g, g)
-    return (aa * gg).sum((-2, -1))
-
-
-def _gram_of(flat: Tensor, diagonal: bool) -> Tensor:
-    return (flat * flat).sum(1) if diagonal else flat @ flat.T
+def ghost_terms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
+                chunk_size: int | None = None, randomness: str = "error") -> GhostTerms:
+    """Validate, then capture what Gram products of the batch's per-sample gradients need.
+    inputs (B, ...) with B >= 1."""
+    names = check_inputs(model, loss_fn, inputs, targets, randomness)
+    plan, terms = _terms(model, loss_fn, inputs, targets, _plan(model, names, randomness))
+    grads = _vmap_grads(model, loss_fn, inputs, targets, plan.other, randomness, chunk_size) if plan.other else {}
+    return GhostTerms(plan, terms, grads, inputs.shape[0], inputs.new_zeros(()))
 
 
 def _gram(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
           chunk_size: int | None, randomness: str, diagonal: bool) -> Tensor:
-    names = check_inputs(model, loss_fn, inputs, targets, randomness)
-    batch = inputs.shape[0]
-    shape = (batch,) if diagonal else (batch, batch)
-    total = inputs.new_zeros(shape)
-    if batch == 0:
-        return total
-    plan, terms = _terms(model, loss_fn, inputs, targets, _plan(model, names, randomness))
-    grads = _vmap_grads(model, loss_fn, inputs, targets, plan.other, randomness, chunk_size) if plan.other else {}
-    with torch.autocast(inputs.device.type, enabled=False):  # products in the weights' dtype
-        for mname, (a, g) in terms.items():
-            m = plan.linear[mname]
-            if m.weight.requires_grad:
-                total = total + _ghost_weight(a, g, diagonal)
-            if m.bias is not None and m.bias.requires_grad:
-                total = total + _gram_of(g.sum(1), diagonal)
-        if grads:
-            total = total + _gram_of(torch.cat([t.reshape(batch, -1) for t in grads.values()], 1), diagonal)
-    return total
+    if inputs.shape[0] == 0:
+        check_inputs(model, loss_fn, inputs, targets, randomness)
+        return inputs.new_zeros((0,) if diagonal else (0, 0))
+    terms = ghost_terms(model, loss_fn, inputs, targets, chunk_size=chunk_size, randomness=randomness)
+    return terms.gram(diagonal)
 
 
 @torch.enable_grad()  # a gradient computation: works when called under no_grad

@@ -1,0 +1,114 @@
+"""Online Coreset Selection (OCS) scores from Gram products, no per-sample gradient materialized.
+
+The original (jaehong31/OCS ``sample_selection``) flattens every sample's gradient into E (N, P)
+and scores sample i with cos(a, b) = a.b / max(|a||b|, 1e-6):
+
+    score_i = cos(g, E_i) - mean_j cos(E_i, E_j) + tau * cos(r, E_i)
+
+g the gradient of the stream batch's loss, r that of the replay memory's (no affinity without
+memory), the diversity mean over all N, diagonal included. Every term is a Gram product: with
+G = E E^T (the ghost identity for Linear layers), |E_i| = sqrt(G_ii), <g, E_i> ~ mean_j G_ij and
+|g|^2 ~ mean_ij G_ij (g is the mean of the E_i, or their sum: cosines do not see the scale).
+For the memory, r is one ordinary backward and <r, E_i> = sum_t b_it^T r_W a_it per Linear layer:
+a forward-sized product, cheaper than the N x M Gram block against the memory batch (whose
+M x M block |r| would need too).
+
+The loss must reduce per-sample losses by mean or sum (the batch gradient is then proportional
+to the sum of the per-sample gradients). Scoring needs a deterministic model: dropout in train
+mode draws masks the reference could not reproduce, so call ``model.eval()`` around scoring.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from kernels.layer_capture import LossFn
+from kernels.per_sample import ghost_terms
+
+Memory = tuple[Tensor, Tensor]
+EPS = 1e-6  # the original's floor on |a||b|
+
+
+def check_inputs(model: nn.Module, inputs: Tensor, targets: Tensor, memory: Memory | None,
+                 tau: float, k: int | None = None) -> None:
+    """The refusals of ``ocs_scores``/``ocs_select``, shared with ``reference.coreset``."""
+    if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor):
+        raise TypeError("inputs and targets must be torch.Tensor")
+    if inputs.ndim == 0 or inputs.shape[0] == 0:
+        raise ValueError(f"the stream is empty (inputs of shape {tuple(inputs.shape)}); pass N >= 1 samples")
+    if not (isinstance(tau, int | float) and math.isfinite(tau)):
+        raise ValueError(f"tau must be a finite number, got {tau!r}")
+    if k is not None and (not isinstance(k, int) or not 1 <= k <= inputs.shape[0]):
+        raise ValueError(f"k must be an int in [1, N={inputs.shape[0]}] (samples to select), got {k!r}")
+    if inputs.is_floating_point() and not torch.isfinite(inputs).all():
+        raise ValueError("inputs contain NaN or inf; scores of such samples are undefined")
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
+            raise ValueError(f"model.{name} is {type(m).__name__}(p={m.p}) in train mode: scores would "
+                             "depend on random masks; call model.eval() for scoring, model.train() after")
+    if memory is None:
+        return
+    if not (isinstance(memory, tuple | list) and len(memory) == 2 and all(isinstance(t, Tensor) for t in memory)):
+        raise TypeError("memory must be an (inputs, targets) pair of tensors, or None for no affinity")
+    mx, my = memory
+    if mx.ndim == 0 or mx.shape[0] == 0 or mx.shape[0] != my.shape[0]:
+        raise ValueError(f"memory needs M >= 1 inputs and as many targets, got {tuple(mx.shape)} and "
+                         f"{tuple(my.shape)}; pass memory=None when there is none")
+    if mx.shape[1:] != inputs.shape[1:] or mx.dtype != inputs.dtype or mx.device != inputs.device:
+        raise ValueError(f"memory inputs are {mx.dtype} {tuple(mx.shape[1:])} per sample on {mx.device}, "
+                         f"the stream's {inputs.dtype} {tuple(inputs.shape[1:])} on {inputs.device}: they "
+                         "must match (the same model scores both)")
+    if my.shape[1:] != targets.shape[1:] or my.dtype != targets.dtype:
+        raise ValueError(f"memory targets are {my.dtype} {tuple(my.shape[1:])} per sample, the stream's "
+                         f"{targets.dtype} {tuple(targets.shape[1:])}: they must match")
+    if mx.is_floating_point() and not torch.isfinite(mx).all():
+        raise ValueError("memory inputs contain NaN or inf")
+
+
+def check_scores(scores: Tensor) -> Tensor:
+    if not torch.isfinite(scores).all():
+        raise FloatingPointError("OCS scores are not finite: the model's loss or gradients overflowed "
+                                 "or are NaN on this batch")
+    return scores
+
+
+def top_k(scores: Tensor, k: int) -> Tensor:
+    """Indices (k,) of the k largest scores, ties broken by the lower index."""
+    return torch.sort(scores, descending=True, stable=True).indices[:k]
+
+
+@torch.enable_grad()
+def ocs_scores(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
+               memory: Memory | None = None, tau: float = 1000.0) -> Tensor:
+    """Score (N,) of each stream sample: similarity - diversity + tau * affinity (module doc).
+
+    inputs (N, ...), targets (N, ...); memory an (inputs (M, ...), targets (M, ...)) replay batch.
+    """
+    check_inputs(model, inputs, targets, memory, tau)
+    n = inputs.shape[0]
+    if memory is not None:  # one capture for both batches: samples are independent
+        inputs, targets = torch.cat([inputs, memory[0]]), torch.cat([targets, memory[1]])
+    both = ghost_terms(model, loss_fn, inputs, targets)
+    stream = both.rows(slice(0, n))
+    with torch.autocast(inputs.device.type, enabled=False):
+        gram = stream.gram()
+        norms = gram.diagonal().clamp_min(0).sqrt()
+        g_norm = gram.mean().clamp_min(0).sqrt()
+        sim = gram.mean(1) / (g_norm * norms).clamp_min(EPS)
+        div = (gram / torch.outer(norms, norms).clamp_min(EPS)).mean(0)
+        scores = sim - div
+        if memory is not None:
+            r = both.rows(slice(n, None)).sum_grad()
+            r_norm = torch.cat([t.flatten() for t in r.values()]).norm()
+            scores = scores + tau * stream.dots(r) / (r_norm * norms).clamp_min(EPS)
+    return check_scores(scores)
+
+
+def ocs_select(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, k: int, *,
+               memory: Memory | None = None, tau: float = 1000.0) -> Tensor:
+    """Indices (k,) int64 of the k best-scoring stream samples, best first, ties by index."""
+    check_inputs(model, inputs, targets, memory, tau, k)
+    return top_k(ocs_scores(model, loss_fn, inputs, targets, memory=memory, tau=tau), k)
