@@ -64,14 +64,17 @@ def assert_dicts_close(actual: dict[str, Tensor], expected: dict[str, Tensor], k
         assert_close(actual[name], expected[name], kind, msg=f"parameter {name}", scale=scale, dtype=dtype)
 
 
-def max_error(actual: Tensor, oracle: Tensor) -> float:
-    """Normwise error of ``actual`` against a higher-precision ``oracle``."""
-    return ((actual.double() - oracle.double()).abs().max() / _scale(oracle)).item()
+def max_error(actual: Tensor, oracle: Tensor, scale: float | None = None) -> float:
+    """Normwise error of ``actual`` against a higher-precision ``oracle`` (divided by ``scale``,
+    by default the oracle's largest magnitude)."""
+    return ((actual.double() - oracle.double()).abs().max() / (scale or _scale(oracle))).item()
 
 
-def assert_as_accurate(optimized: Tensor, reference: Tensor, oracle: Tensor, c: float = 4.0) -> None:
-    """err(optimized) <= c * err(reference) against the oracle; each error floored at one ulp."""
+def assert_as_accurate(optimized: Tensor, reference: Tensor, oracle: Tensor, c: float = 4.0,
+                       scale: float | None = None) -> None:
+    """err(optimized) <= c * err(reference) against the oracle; each error floored at one ulp.
+    ``scale`` as in ``assert_close``: the magnitude of the terms when the result cancels."""
     ulp = torch.finfo(reference.dtype).eps
-    e_opt, e_ref = max_error(optimized, oracle), max_error(reference, oracle)
+    e_opt, e_ref = max_error(optimized, oracle, scale), max_error(reference, oracle, scale)
     assert e_opt <= c * max(e_ref, ulp), (
         f"optimized is less accurate than the reference: {e_opt:.3g} > {c} x {e_ref:.3g}")

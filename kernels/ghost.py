@@ -78,7 +78,7 @@ class GhostTerms:
                 for n, p in m.named_parameters():
                     if p.requires_grad:
                         out[prefix + n] = (torch.zeros_like(p) if a is None else
-                                           torch.einsum("bto,bti->oi", g, a) if n == "weight" else g.sum((0, 1)))
+                                           g.flatten(0, 1).T @ a.flatten(0, 1) if n == "weight" else g.sum((0, 1)))
         return out
 
     def dots(self, vector: dict[str, Tensor]) -> Tensor:

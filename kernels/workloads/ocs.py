@@ -33,7 +33,6 @@ from torch import Tensor, nn
 from kernels.coreset import Memory, ocs_scores, top_k
 from kernels.models import MLP
 from kernels.optim import sgd
-from kernels.per_sample import per_sample_grads
 from kernels.training import Recipe, train
 from kernels.workloads.rotated_digits import Split, digits, mnist, rotated_tasks
 
@@ -168,26 +167,54 @@ def accuracy(model: nn.Module, test: Split) -> float:
     return (model(test[0]).argmax(1) == test[1]).float().mean().item()
 
 
-def run(name: str, cfg: Config, tasks: list[tuple[Split, Split]], scorer: Scorer, train_fn: Callable,
-        optimizer_fn: Callable, recipe: object = None) -> OCSReport:
-    """Train the tasks in order with ``scorer`` picking the samples, ``train_fn`` (the engine's or
-    the reference's loop) stepping ``optimizer_fn`` (kernels.sgd or reference.sgd)."""
+@dataclass(frozen=True)
+class Method:
+    """How a run scores, loops and steps: the reference's pieces or the optimized ones."""
+
+    name: str
+    scorer: Scorer  # kernels.ocs_scores, reference.ocs_scores, or an ablation's
+    train_fn: Callable  # kernels.training.train (the engine) or reference.training.train
+    optimizer_fn: Callable  # kernels.sgd or reference.sgd
+    recipe: Recipe | None = None
+
+
+@dataclass
+class Learner:
+    """A model partway through the stream of tasks, with its memory and random state."""
+
+    model: nn.Module
+    gen: torch.Generator
+    report: OCSReport
+    coreset: dict[int, Split] = field(default_factory=dict)
+
+
+def start(cfg: Config, name: str) -> Learner:
     torch.manual_seed(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    model = MLP(dropout=0.2).to(cfg.device)
-    report, coreset = OCSReport(name), {}
-    for t, (data, _) in enumerate(tasks, start=1):
-        opt = optimizer_fn(model.parameters(), lr=cfg.lr * cfg.lr_decay ** (t - 1), momentum=cfg.momentum)
-        loss_fn, last = ReplayLoss(cfg.select, cfg.replay_weight), []
-        _sync(cfg.device)
-        t0 = time.perf_counter()
-        train_fn(model, loss_fn, opt, _steps(model, data, coreset, cfg, scorer, gen, report, last), recipe,
-                 device=cfg.device)
-        _update_memory(model, coreset, t, data, last, cfg, scorer, gen)
-        _sync(cfg.device)
-        report.seconds.append(time.perf_counter() - t0)
-        report.accuracy.append([accuracy(model, test) for _, test in tasks[:t]])
-    return report
+    return Learner(MLP(dropout=0.2).to(cfg.device), torch.Generator().manual_seed(cfg.seed), OCSReport(name))
+
+
+def train_task(learner: Learner, t: int, tasks: list[tuple[Split, Split]], cfg: Config, method: Method) -> None:
+    """Task t (1-based): its passes of selection and steps, then the memory update; the time and
+    the accuracy on tasks 1..t are appended to the learner's report."""
+    model, data = learner.model, tasks[t - 1][0]
+    opt = method.optimizer_fn(model.parameters(), lr=cfg.lr * cfg.lr_decay ** (t - 1), momentum=cfg.momentum)
+    loss_fn, last = ReplayLoss(cfg.select, cfg.replay_weight), []
+    _sync(cfg.device)
+    t0 = time.perf_counter()
+    steps = _steps(model, data, learner.coreset, cfg, method.scorer, learner.gen, learner.report, last)
+    method.train_fn(model, loss_fn, opt, steps, method.recipe, device=cfg.device)
+    _update_memory(model, learner.coreset, t, data, last, cfg, method.scorer, learner.gen)
+    _sync(cfg.device)
+    learner.report.seconds.append(time.perf_counter() - t0)
+    learner.report.accuracy.append([accuracy(model, test) for _, test in tasks[:t]])
+
+
+def run(method: Method, cfg: Config, tasks: list[tuple[Split, Split]]) -> OCSReport:
+    """All tasks in order from the same seeds: same data order, same initial model."""
+    learner = start(cfg, method.name)
+    for t in range(1, len(tasks) + 1):
+        train_task(learner, t, tasks, cfg, method)
+    return learner.report
 
 
 def _sync(device: str) -> None:
@@ -203,48 +230,9 @@ def optimized_recipe(cfg: Config, tasks: list[tuple[Split, Split]]) -> Recipe:
                        loss_fn=ReplayLoss(cfg.select, cfg.replay_weight), batch=(x, y))
 
 
-def run_optimized(cfg: Config, tasks: list[tuple[Split, Split]], recipe: Recipe | None = None,
-                  scorer: Scorer = ocs_scores, name: str | None = None) -> OCSReport:
-    """Ghost-Gram scores, the engine, fused SGD; ``recipe`` measured by default."""
-    recipe = recipe or optimized_recipe(cfg, tasks)
-    return run(name or f"optimized (ghost Gram, {recipe.name})", cfg, tasks, scorer, train, sgd, recipe)
-
-
-def _materialized(grads_fn: Callable) -> Scorer:
-    from reference.coreset import literal_scores
-
-    return lambda m, loss_fn, x, y, *, memory, tau: literal_scores(m, loss_fn, x, y, memory, tau, grads_fn)
-
-
-def _vmap_grads(model: nn.Module, loss_fn: Callable, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-    from kernels.per_sample import _vmap_grads as vmap_grads
-
-    return vmap_grads(model, loss_fn, x, y, [n for n, p in model.named_parameters() if p.requires_grad],
-                      "error", None)
-
-
-def ablation(cfg: Config, tasks: list[tuple[Split, Split]]) -> list[OCSReport]:
-    """reference / vmap / einsum / ghost Gram / ghost + AMP, in one process on one device. The
-    rows after the reference share the engine and fused SGD and differ in the scores."""
-    from reference.workloads.ocs import run_reference
-
-    amp = Recipe(torch.float16, grad_scaler=True) if cfg.device.startswith("cuda") else Recipe(torch.bfloat16)
-    return [run_reference(cfg, tasks),
-            run_optimized(cfg, tasks, Recipe(), _materialized(_vmap_grads), "vmap (materialized E)"),
-            run_optimized(cfg, tasks, Recipe(), _materialized(per_sample_grads), "einsum (materialized E)"),
-            run_optimized(cfg, tasks, Recipe(), ocs_scores, "ghost Gram"),
-            run_optimized(cfg, tasks, amp, ocs_scores, f"ghost Gram + AMP ({amp.name})")]
-
-
-def format_rows(rows: list[OCSReport]) -> list[str]:
-    base = sum(rows[0].seconds) / len(rows[0].seconds)
-    lines = ["| run | s/task | speedup | avg accuracy | forgetting | accuracy per task (after the last) |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        per = sum(r.seconds) / len(r.seconds)
-        lines.append(f"| {r.name} | {per:.2f} | {base / per:.2f}x | {r.average_accuracy:.1%} | "
-                     f"{r.forgetting:.1%} | {' '.join(f'{a:.0%}' for a in r.accuracy[-1])} |")
-    return lines
+def optimized(recipe: Recipe, scorer: Scorer = ocs_scores, name: str | None = None) -> Method:
+    """Ghost-Gram scores (or ``scorer``), the engine under ``recipe``, fused SGD."""
+    return Method(name or f"optimized (ghost Gram, {recipe.name})", scorer, train, sgd, recipe)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,12 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"OCS, rotated {'MNIST' if args.mnist else 'digits'}, {cfg.tasks} tasks x {cfg.passes} passes "
           f"({len(tasks[0][0][1]) // cfg.stream} stream batches of {cfg.stream} each) on {cfg.device}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    from kernels.workloads.ocs_ablation import ablation, format_rows
+
     if args.ablation:
         rows = ablation(cfg, tasks)
     else:
-        from reference.workloads.ocs import run_reference
+        from reference.workloads.ocs import REFERENCE
 
-        rows = [run_reference(cfg, tasks), run_optimized(cfg, tasks)]
+        rows = [run(m, cfg, tasks) for m in (REFERENCE, optimized(optimized_recipe(cfg, tasks)))]
     print("\n".join(format_rows(rows)))
     same = all(torch.equal(a, b) for a, b in zip(rows[0].selected, rows[-1].selected, strict=True))
     print(f"reference and {rows[-1].name} selected the same samples at every step: {same}")

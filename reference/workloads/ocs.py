@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import reference
 import reference.training
-from kernels.workloads.ocs import Config, OCSReport, Split, run
+from kernels.workloads.ocs import Method
 
-
-def run_reference(cfg: Config, tasks: list[tuple[Split, Split]]) -> OCSReport:
-    return run("reference (loop, fp32)", cfg, tasks, reference.ocs_scores, reference.training.train, reference.sgd)
+REFERENCE = Method("reference (loop, fp32)", reference.ocs_scores, reference.training.train, reference.sgd)

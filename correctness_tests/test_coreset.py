@@ -1,0 +1,171 @@
+"""kernels.ocs_scores / ocs_select == reference (the original's literal formulas on the
+loop-materialized E), == an fp64 oracle, and their refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import kernels
+import reference
+from correctness_tests.tolerances import REDUCTION, assert_as_accurate, assert_close, tolerance
+from kernels.coreset import top_k
+from kernels.models import MLP
+
+SIDES = {"kernels": kernels, "reference": reference}
+
+
+@st.composite
+def problems(draw: st.DrawFn, dtypes=(torch.float32, torch.float64)) -> dict:
+    """A model (MLP of drawn depth and widths, or LayerNorm + MLP: the vmap path), a stream,
+    maybe a memory, tau."""
+    n = draw(st.integers(2, 128))
+    d_in = draw(st.integers(1, 24))
+    widths = draw(st.lists(st.integers(1, 32), min_size=0, max_size=2))
+    classes = draw(st.integers(2, 10))
+    dtype = draw(st.sampled_from(dtypes))
+    norm = draw(st.booleans())
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    mlp = MLP([d_in, *widths, classes], bias=draw(st.booleans()))
+    model = (nn.Sequential(nn.LayerNorm(d_in), mlp) if norm else mlp).to(dtype).eval()
+    x, y = torch.randn(n, d_in, dtype=dtype), torch.randint(0, classes, (n,))
+    memory = None
+    if draw(st.booleans()):
+        m = draw(st.integers(1, 64))
+        memory = (torch.randn(m, d_in, dtype=dtype), torch.randint(0, classes, (m,)))
+    tau = draw(st.sampled_from([0.0, 1.0, 1000.0]))
+    return dict(model=model, x=x, y=y, memory=memory, tau=tau, k=draw(st.integers(1, n)))
+
+
+def _term_scale(p: dict) -> float:
+    """Scores are sim - div + tau * aff with each cosine in [-1, 1]: rounding errors scale with
+    the terms (2 + tau), not with the result, which cancels to ~0 for parallel gradients."""
+    return 2.0 + p["tau"]
+
+
+def _scores(side, p: dict, model: nn.Module | None = None) -> torch.Tensor:
+    return side.ocs_scores(model or p["model"], F.cross_entropy, p["x"], p["y"], memory=p["memory"], tau=p["tau"])
+
+
+@given(problems())
+def test_scores_equal_reference(p: dict) -> None:
+    expected = _scores(reference, p)
+    actual = _scores(kernels, p)
+    assert actual.shape == (len(p["y"]),) and actual.dtype == p["x"].dtype
+    assert_close(actual, expected, REDUCTION, scale=_term_scale(p))
+
+
+@given(problems(dtypes=(torch.float32,)))
+def test_scores_as_accurate_as_reference_against_fp64(p: dict) -> None:
+    oracle_p = dict(p, x=p["x"].double(), memory=p["memory"] and (p["memory"][0].double(), p["memory"][1]))
+    oracle = _scores(reference, oracle_p, copy.deepcopy(p["model"]).double())
+    assert_as_accurate(_scores(kernels, p), _scores(reference, p), oracle, scale=_term_scale(p))
+
+
+@given(problems(dtypes=(torch.float32,)))
+def test_selection_equals_reference_up_to_ties(p: dict) -> None:
+    """Identical index sets, except samples whose reference scores tie with the k-th best
+    within the fp32 tolerance (either may then be taken)."""
+    model, x, y, k = p["model"], p["x"], p["y"], p["k"]
+    got = kernels.ocs_select(model, F.cross_entropy, x, y, k, memory=p["memory"], tau=p["tau"])
+    want = reference.ocs_select(model, F.cross_entropy, x, y, k, memory=p["memory"], tau=p["tau"])
+    assert got.dtype == torch.int64 and got.shape == (k,) and len(set(got.tolist())) == k
+    scores = _scores(reference, p)
+    kth = scores[want[-1]]
+    atol, rtol = tolerance(REDUCTION, torch.float32)
+    tie = 2 * (atol * _term_scale(p) + rtol * kth.abs())
+    for i in set(got.tolist()) ^ set(want.tolist()):
+        assert (scores[i] - kth).abs() <= tie, f"sample {i} differs and is no tie: {scores[i]} vs k-th {kth}"
+
+
+@given(problems(dtypes=(torch.float64,)))
+def test_scores_are_permutation_equivariant_and_reduction_free(p: dict) -> None:
+    """Permuting the stream permutes the scores; a sum-reduced loss gives the same cosines."""
+    perm = torch.randperm(len(p["y"]))
+    base = _scores(kernels, p)
+    permuted = _scores(kernels, dict(p, x=p["x"][perm], y=p["y"][perm]))
+    assert_close(permuted, base[perm], REDUCTION, scale=_term_scale(p))
+    summed = kernels.ocs_scores(p["model"], lambda o, t: F.cross_entropy(o, t, reduction="sum"), p["x"], p["y"],
+                                memory=p["memory"], tau=p["tau"])
+    assert_close(summed, base, REDUCTION, scale=_term_scale(p))
+
+
+def test_known_value_without_memory() -> None:
+    """Two samples with orthogonal gradients of equal norm: sim = cos(g, E_i) = 1/sqrt(2), div =
+    (1 + 0) / 2, so every score is 1/sqrt(2) - 1/2 exactly (up to rounding)."""
+    model = nn.Linear(2, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.zero_()
+    x = torch.eye(2, dtype=torch.float64)
+    y = torch.ones(2, 1, dtype=torch.float64)
+    for side in SIDES.values():
+        s = side.ocs_scores(model, F.mse_loss, x, y)
+        torch.testing.assert_close(s, torch.full((2,), 2**-0.5 - 0.5, dtype=torch.float64))
+
+
+def test_top_k_breaks_ties_by_index() -> None:
+    scores = torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0])
+    assert top_k(scores, 3).tolist() == [1, 2, 4]
+    assert top_k(scores, 5).tolist() == [1, 2, 4, 3, 0]
+
+
+def test_works_under_no_grad_and_leaves_grads_alone() -> None:
+    torch.manual_seed(0)
+    model = MLP([6, 5, 3]).eval()
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    mem = (torch.randn(4, 6), torch.randint(0, 3, (4,)))
+    expected = kernels.ocs_scores(model, F.cross_entropy, x, y, memory=mem)
+    with torch.no_grad():
+        got = kernels.ocs_scores(model, F.cross_entropy, x, y, memory=mem)
+    assert_close(got, expected, REDUCTION)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _bad_cases():
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    mem = (torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    nan_x = x.clone()
+    nan_x[2, 1] = float("nan")
+    inf_mem = (mem[0].clone().index_fill_(0, torch.tensor([0]), float("inf")), mem[1])
+    return [
+        ("k0", dict(x=x, y=y, k=0), ValueError, "k must be"),
+        ("k_too_big", dict(x=x, y=y, k=7), ValueError, r"k must be an int in \[1, N=6\]"),
+        ("k_float", dict(x=x, y=y, k=2.0), ValueError, "k must be"),
+        ("empty_stream", dict(x=x[:0], y=y[:0], k=1), ValueError, "stream is empty"),
+        ("nan_inputs", dict(x=nan_x, y=y, k=2), ValueError, "NaN or inf"),
+        ("inf_memory", dict(x=x, y=y, k=2, memory=inf_mem), ValueError, "memory inputs contain NaN"),
+        ("memory_shape", dict(x=x, y=y, k=2, memory=(torch.randn(5, 3), mem[1])), ValueError, "must match"),
+        ("memory_dtype", dict(x=x, y=y, k=2, memory=(mem[0].double(), mem[1])), ValueError, "must match"),
+        ("memory_targets", dict(x=x, y=y, k=2, memory=(mem[0], mem[1].float())), ValueError, "targets"),
+        ("memory_empty", dict(x=x, y=y, k=2, memory=(mem[0][:0], mem[1][:0])), ValueError, "memory=None"),
+        ("memory_not_pair", dict(x=x, y=y, k=2, memory=mem[0]), TypeError, "pair of tensors"),
+        ("tau_nan", dict(x=x, y=y, k=2, tau=float("nan")), ValueError, "tau must be"),
+    ]
+
+
+@pytest.mark.parametrize("side", sorted(SIDES))
+@pytest.mark.parametrize(("case", "kw", "exc", "match"), _bad_cases(), ids=[c[0] for c in _bad_cases()])
+def test_bad_input_is_refused(side: str, case: str, kw: dict, exc: type, match: str) -> None:
+    model = MLP([4, 5, 3]).eval()
+    with pytest.raises(exc, match=match):
+        SIDES[side].ocs_select(model, F.cross_entropy, kw["x"], kw["y"], kw["k"], memory=kw.get("memory"),
+                               tau=kw.get("tau", 1000.0))
+
+
+@pytest.mark.parametrize("side", sorted(SIDES))
+def test_live_dropout_and_nonfinite_models_are_refused(side: str) -> None:
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    model = MLP([4, 5, 5, 3], dropout=0.5)  # train mode: random masks
+    with pytest.raises(ValueError, match=r"model.eval\(\)"):
+        SIDES[side].ocs_scores(model, F.cross_entropy, x, y)
+    model.eval()
+    with torch.no_grad():
+        model.net[0].weight[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="not finite"):
+        SIDES[side].ocs_scores(model, F.cross_entropy, x, y)
