@@ -586,3 +586,19 @@ def test_layers_are_dispatched_as_documented() -> None:
     assert plan(MLP([4, 5, 3]), "same") == ([], ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"])
     hybrid = ConvNet(3, bias=False)
     assert plan(hybrid, "different") == ([], ["conv.weight", "head.weight"])  # one pass, one mask
+
+
+@given(problems())
+def test_ghost_sum_grad_and_dots_match_materialized(p: dict) -> None:
+    """kernels.ghost: sum_i g_i and <v, g_i> from the captured terms (Linear layers over tokens and
+    repeated calls included), against the loop's materialized per-sample gradients."""
+    from kernels.per_sample import ghost_terms
+
+    want = _run(reference, FUNCS[0], p)
+    terms = ghost_terms(p["model"], p["loss_fn"], p["inputs"], p["targets"])
+    assert_dicts_close(terms.sum_grad(), {n: g.sum(0) for n, g in want.items()}, REDUCTION)
+    v = {n: torch.randn_like(g[0]) for n, g in want.items()}
+    flat = torch.cat([g.flatten(1) for g in want.values()], 1)
+    v_flat = torch.cat([t.flatten() for t in v.values()])
+    # a dot product's rounding scales with |v| |g_i|, not with the (possibly cancelled) result
+    assert_close(terms.dots(v), flat @ v_flat, REDUCTION, scale=(v_flat.norm() * flat.norm(dim=1).max()).item())

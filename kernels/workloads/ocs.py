@@ -197,6 +197,7 @@ def train_task(learner: Learner, t: int, tasks: list[tuple[Split, Split]], cfg: 
     """Task t (1-based): its passes of selection and steps, then the memory update; the time and
     the accuracy on tasks 1..t are appended to the learner's report."""
     model, data = learner.model, tasks[t - 1][0]
+    torch.manual_seed(cfg.seed + t)  # dropout masks: a function of the task, not of what ran before
     opt = method.optimizer_fn(model.parameters(), lr=cfg.lr * cfg.lr_decay ** (t - 1), momentum=cfg.momentum)
     loss_fn, last = ReplayLoss(cfg.select, cfg.replay_weight), []
     _sync(cfg.device)

@@ -1,0 +1,92 @@
+"""The OCS workload: data, memory, loss, and the issue's claim that the fp32 reference and the
+optimized run select the same samples and end within 0.5 points of average accuracy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.training import Recipe
+from kernels.workloads import ocs
+from kernels.workloads.rotated_digits import digits, mnist, rotated_tasks
+from reference.workloads.ocs import REFERENCE
+
+
+@pytest.fixture(scope="module")
+def tasks() -> list:
+    return rotated_tasks(digits(), 3)
+
+
+def test_rotated_digits(tasks: list) -> None:
+    (x_train, y_train), (x_test, y_test) = digits()
+    assert x_train.shape == (1437, 1, 28, 28) and x_test.shape == (360, 1, 28, 28)
+    assert 0 <= x_train.min() and x_train.max() <= 1 and set(y_train.tolist()) == set(range(10))
+    (t1, _), (t2, _), (t3, _) = tasks
+    assert t1[0].shape == (1437, 784) and torch.equal(t1[0], x_train.flatten(1))  # task 1: unrotated
+    assert torch.equal(t2[1], y_train) and not torch.allclose(t2[0], t1[0])  # rotated, same labels
+    # rotation keeps the ink roughly (bilinear loses a little at the corners), 18 degrees more than 9
+    assert (t2[0].sum() / t1[0].sum() - 1).abs() < 0.05
+    assert (t3[0] - t1[0]).abs().mean() > (t2[0] - t1[0]).abs().mean()
+    with pytest.raises(ValueError, match="tasks must be"):
+        rotated_tasks(digits(), 0)
+
+
+def test_mnist_is_never_downloaded(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        mnist(str(tmp_path))
+
+
+def test_balanced_takes_quota_per_class_then_the_best_of_the_rest() -> None:
+    labels = torch.tensor([0, 0, 0, 1, 2, 0, 1])
+    order = torch.arange(7)
+    assert ocs.balanced(order, labels, 6, 3).tolist() == [0, 1, 3, 4, 6, 2]  # 2 per class, then best
+    assert ocs.balanced(order.flip(0), labels, 3, 3).tolist() == [6, 5, 4]
+
+
+def test_replay_loss_weights_the_memory_rows() -> None:
+    out, y = torch.randn(7, 4), torch.randint(0, 4, (7,))
+    loss = ocs.ReplayLoss(3, 10.0)
+    want = F.cross_entropy(out[:3], y[:3]) + 10 * F.cross_entropy(out[3:], y[3:])
+    torch.testing.assert_close(loss(out, y), want)
+    torch.testing.assert_close(loss(out[:3], y[:3]), F.cross_entropy(out[:3], y[:3]))  # task 1: no replay
+
+
+def test_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="select"):
+        ocs.Config(stream=10, select=20)
+    with pytest.raises(ValueError, match="passes must be"):
+        ocs.Config(passes=0)
+
+
+def test_fp32_runs_select_the_same_samples_and_agree_on_accuracy(tasks: list) -> None:
+    cfg = ocs.Config(tasks=3, passes=1)
+    ref = ocs.run(REFERENCE, cfg, tasks)
+    opt = ocs.run(ocs.optimized(Recipe()), cfg, tasks)
+    assert len(ref.selected) == len(opt.selected) == 3 * (1437 // 100)
+    assert all(torch.equal(a, b) for a, b in zip(ref.selected, opt.selected, strict=True))
+    assert abs(ref.average_accuracy - opt.average_accuracy) <= 0.005
+    assert [len(r) for r in opt.accuracy] == [1, 2, 3]
+    # the selections are the OCS top 10 of each stream batch, not its first 10
+    assert any(not torch.equal(s.sort().values, s) for s in opt.selected)
+
+
+def test_memory_is_split_across_tasks(tasks: list) -> None:
+    cfg = ocs.Config(tasks=3, passes=1, memory=30)
+    learner = ocs.start(cfg, "memory")
+    for t in range(1, 4):
+        ocs.train_task(learner, t, tasks, cfg, ocs.optimized(Recipe()))
+        assert sorted(learner.coreset) == list(range(1, t + 1))
+        assert all(len(y) == 30 // t for _, y in learner.coreset.values())
+    x3, y3 = learner.coreset[3]
+    train_x, train_y = tasks[2][0]
+    rows = (x3[:, None, :] == train_x[None]).all(-1).nonzero()  # slot 3 holds task 3's images
+    assert len(rows) >= len(y3) and torch.equal(train_y[rows[:, 1]].unique(), y3.unique())
+
+
+def test_cli_prints_the_table(capsys) -> None:
+    assert ocs.main(["--tasks", "1", "--passes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| reference (loop, fp32) |" in out and "selected the same samples at every step" in out
+    with pytest.raises(SystemExit):
+        ocs.main(["--tasks", "0"])
