@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from kernels.coreset import Memory, ocs_scores, top_k
 from kernels.models import MLP
 from kernels.optim import sgd
+from kernels.perfgate.timing import peak_memory
 from kernels.training import Recipe, train
 from kernels.workloads.rotated_digits import Split, digits, mnist, rotated_tasks
 
@@ -70,10 +71,16 @@ class OCSReport:
     accuracy: list[list[float]] = field(default_factory=list)  # [t][j]: after task t+1, on task j+1
     seconds: list[float] = field(default_factory=list)  # per task: training, selection, memory update
     selected: list[Tensor] = field(default_factory=list)  # every step's picked train indices
+    peak_bytes: list[int | None] = field(default_factory=list)  # per task, kernels.perfgate's measure
 
     @property
     def average_accuracy(self) -> float:
         return sum(self.accuracy[-1]) / len(self.accuracy[-1])
+
+    @property
+    def peak_mib(self) -> float | None:
+        known = [b for b in self.peak_bytes if b is not None]
+        return max(known) / 2**20 if known else None
 
     @property
     def forgetting(self) -> float:
@@ -200,13 +207,17 @@ def train_task(learner: Learner, t: int, tasks: list[tuple[Split, Split]], cfg: 
     torch.manual_seed(cfg.seed + t)  # dropout masks: a function of the task, not of what ran before
     opt = method.optimizer_fn(model.parameters(), lr=cfg.lr * cfg.lr_decay ** (t - 1), momentum=cfg.momentum)
     loss_fn, last = ReplayLoss(cfg.select, cfg.replay_weight), []
-    _sync(cfg.device)
-    t0 = time.perf_counter()
-    steps = _steps(model, data, learner.coreset, cfg, method.scorer, learner.gen, learner.report, last)
-    method.train_fn(model, loss_fn, opt, steps, method.recipe, device=cfg.device)
-    _update_memory(model, learner.coreset, t, data, last, cfg, method.scorer, learner.gen)
-    _sync(cfg.device)
-    learner.report.seconds.append(time.perf_counter() - t0)
+
+    def task() -> None:
+        _sync(cfg.device)
+        t0 = time.perf_counter()
+        steps = _steps(model, data, learner.coreset, cfg, method.scorer, learner.gen, learner.report, last)
+        method.train_fn(model, loss_fn, opt, steps, method.recipe, device=cfg.device)
+        _update_memory(model, learner.coreset, t, data, last, cfg, method.scorer, learner.gen)
+        _sync(cfg.device)
+        learner.report.seconds.append(time.perf_counter() - t0)
+
+    learner.report.peak_bytes.append(peak_memory(task, cfg.device))
     learner.report.accuracy.append([accuracy(model, test) for _, test in tasks[:t]])
 
 

@@ -44,10 +44,10 @@ def ablation(cfg: Config, tasks: list[tuple[Split, Split]]) -> list[OCSReport]:
 
 def format_rows(rows: list[OCSReport]) -> list[str]:
     base = sum(rows[0].seconds) / len(rows[0].seconds)
-    lines = ["| run | s/task | speedup | avg accuracy | forgetting | accuracy per task (after the last) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| run | s/task | speedup | peak MiB | avg accuracy | forgetting | per-task accuracy at the end |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        per = sum(r.seconds) / len(r.seconds)
-        lines.append(f"| {r.name} | {per:.2f} | {base / per:.2f}x | {r.average_accuracy:.1%} | "
+        per, peak = sum(r.seconds) / len(r.seconds), "-" if r.peak_mib is None else f"{r.peak_mib:.0f}"
+        lines.append(f"| {r.name} | {per:.2f} | {base / per:.2f}x | {peak} | {r.average_accuracy:.1%} | "
                      f"{r.forgetting:.1%} | {' '.join(f'{a:.0%}' for a in r.accuracy[-1])} |")
     return lines
