@@ -87,6 +87,6 @@ def test_memory_is_split_across_tasks(tasks: list) -> None:
 def test_cli_prints_the_table(capsys) -> None:
     assert ocs.main(["--tasks", "1", "--passes", "1"]) == 0
     out = capsys.readouterr().out
-    assert "| reference (loop, fp32) |" in out and "selected the same samples at every step" in out
+    assert "| reference (loop scores, fp32) |" in out and "selected the same samples at every step" in out
     with pytest.raises(SystemExit):
         ocs.main(["--tasks", "0"])

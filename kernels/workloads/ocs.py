@@ -141,7 +141,9 @@ def _steps(model: nn.Module, train: Split, coreset: dict[int, Split], cfg: Confi
         for b in range(len(y_all) // cfg.stream):
             idx = perm[b * cfg.stream : (b + 1) * cfg.stream]
             x, y = x_all[idx], y_all[idx]
-            pick = idx[top_k(_score(scorer, model, x, y, memory, cfg.tau), cfg.select)]
+            # the top k as a set, in stream order: scores that tie within rounding may swap places
+            # inside the top k, and the batch's order must not change the step's rounding
+            pick = idx[top_k(_score(scorer, model, x, y, memory, cfg.tau), cfg.select).sort().values]
             report.selected.append(pick)
             if p == cfg.passes - 1:
                 last.append(pick)
