@@ -173,3 +173,16 @@ def test_bad_recipes_and_inputs_are_refused() -> None:
         train(model, lambda o, t: F.cross_entropy(o, t, reduction="none"), opt, _data(1, 4))
     with pytest.raises(ValueError, match="plain fp32"):
         ref.train(model, F.cross_entropy, opt, _data(1, 4), Recipe(accumulation=2))
+
+
+@pytest.mark.parametrize(("bf16_ms", "chosen"), [(9.5, None), (8.5, torch.bfloat16)])
+def test_recipe_auto_leaves_fp32_only_for_a_clear_win(monkeypatch, bf16_ms: float, chosen) -> None:
+    """A candidate within AUTO_MARGIN (10%) of fp32 is timing noise, not worth lower precision."""
+    import kernels.training as engine
+
+    timed = {"fp32": 10.0, "bfloat16": bf16_ms}
+    monkeypatch.setattr(engine, "_time_step", lambda recipe, *a, **k: timed[recipe.name])
+    model, _ = _setup()
+    x, y = _data(1, 16)[0]
+    recipe = Recipe.auto("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y))
+    assert recipe.autocast_dtype is chosen and recipe.measured_ms == timed
