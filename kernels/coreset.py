@@ -17,18 +17,22 @@ cosine of one vector g cancels its own rounding; and an N x M Gram block against
 (with the M x M block for |r|) measured slower than building r. The stream and the memory share
 one captured forward and backward.
 
-The loss must reduce per-sample losses by mean or sum (the batch gradient is then proportional
-to the sum of the per-sample gradients). Scoring needs a deterministic model: dropout in train
+The loss must reduce per-sample losses by their mean (the original's CrossEntropyLoss) or sum:
+g and r are its batch gradients, the reduction is checked on the first samples, and anything
+else (class weights) is refused. Scoring needs a deterministic model: dropout in train
 mode draws masks the reference could not reproduce, so call ``model.eval()`` around scoring.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 
 import torch
 from torch import Tensor, nn
 
+from kernels import per_sample
 from kernels.layer_capture import LossFn
 from kernels.per_sample import ghost_terms
 
@@ -36,25 +40,57 @@ Memory = tuple[Tensor, Tensor]
 EPS = 1e-6  # the original's floor on |a||b|
 
 
-def check_inputs(model: nn.Module, inputs: Tensor, targets: Tensor, memory: Memory | None,
-                 tau: float, k: int | None = None) -> None:
-    """The refusals of ``ocs_scores``/``ocs_select``, shared with ``reference.coreset``."""
+def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, memory: Memory | None,
+                 tau: float, k: int | None = None) -> str:
+    """The refusals of ``ocs_scores``/``ocs_select``, shared with ``reference.coreset``; returns
+    the loss's reduction, 'mean' or 'sum'."""
     if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor):
         raise TypeError("inputs and targets must be torch.Tensor")
     if inputs.ndim == 0 or inputs.shape[0] == 0:
         raise ValueError(f"the stream is empty (inputs of shape {tuple(inputs.shape)}); pass N >= 1 samples")
-    if not (isinstance(tau, int | float) and math.isfinite(tau)):
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not math.isfinite(tau):
         raise ValueError(f"tau must be a finite number, got {tau!r}")
-    if k is not None and (not isinstance(k, int) or not 1 <= k <= inputs.shape[0]):
-        raise ValueError(f"k must be an int in [1, N={inputs.shape[0]}] (samples to select), got {k!r}")
+    if k is not None:
+        try:
+            k = operator.index(k) if not isinstance(k, bool) else None
+        except TypeError:
+            k = None
+        if k is None or not 1 <= k <= inputs.shape[0]:
+            raise ValueError(f"k must be an int in [1, N={inputs.shape[0]}] (samples to select)")
     if inputs.is_floating_point() and not torch.isfinite(inputs).all():
         raise ValueError("inputs contain NaN or inf; scores of such samples are undefined")
     for name, m in model.named_modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
             raise ValueError(f"model.{name} is {type(m).__name__}(p={m.p}) in train mode: scores would "
                              "depend on random masks; call model.eval() for scoring, model.train() after")
-    if memory is None:
-        return
+    per_sample.check_inputs(model, loss_fn, inputs, targets)  # types, batch sizes, device and dtype
+    if memory is not None:
+        _check_memory(inputs, targets, memory)
+    return loss_reduction(model, loss_fn, inputs, targets)
+
+
+def loss_reduction(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, probe: int = 4) -> str:
+    """'mean' or 'sum': how ``loss_fn`` reduces per-sample losses, checked on the first samples.
+    g and r are the batch gradients of ``loss_fn``, so any other reduction (class weights, a
+    per-sample weighting) is refused rather than scored as something else."""
+    x, y = inputs[:probe], targets[:probe]
+    with torch.no_grad():
+        out = model(x)
+        batch = loss_fn(out, y).double()
+        if batch.ndim != 0:
+            raise ValueError(f"loss_fn must return a scalar, got shape {tuple(batch.shape)}")
+        each = torch.stack([loss_fn(out[i : i + 1], y[i : i + 1]) for i in range(len(x))]).double()
+    if not torch.isfinite(each).all():
+        raise FloatingPointError("the model's loss is not finite on the first samples: OCS scores would be NaN")
+    tol = 1e-3 * each.abs().sum() + 1e-30
+    for name, value in (("mean", each.mean()), ("sum", each.sum())):
+        if (batch - value).abs() <= tol:
+            return name
+    raise ValueError("loss_fn must reduce per-sample losses by their mean (e.g. F.cross_entropy) or sum; on the "
+                     f"first {len(x)} samples it gave {batch.item():.6g}, their mean is {each.mean().item():.6g}")
+
+
+def _check_memory(inputs: Tensor, targets: Tensor, memory: Memory) -> None:
     if not (isinstance(memory, tuple | list) and len(memory) == 2 and all(isinstance(t, Tensor) for t in memory)):
         raise TypeError("memory must be an (inputs, targets) pair of tensors, or None for no affinity")
     mx, my = memory
@@ -65,9 +101,10 @@ def check_inputs(model: nn.Module, inputs: Tensor, targets: Tensor, memory: Memo
         raise ValueError(f"memory inputs are {mx.dtype} {tuple(mx.shape[1:])} per sample on {mx.device}, "
                          f"the stream's {inputs.dtype} {tuple(inputs.shape[1:])} on {inputs.device}: they "
                          "must match (the same model scores both)")
-    if my.shape[1:] != targets.shape[1:] or my.dtype != targets.dtype:
-        raise ValueError(f"memory targets are {my.dtype} {tuple(my.shape[1:])} per sample, the stream's "
-                         f"{targets.dtype} {tuple(targets.shape[1:])}: they must match")
+    if my.shape[1:] != targets.shape[1:] or my.dtype != targets.dtype or my.device != targets.device:
+        raise ValueError(f"memory targets are {my.dtype} {tuple(my.shape[1:])} per sample on {my.device}, "
+                         f"the stream's {targets.dtype} {tuple(targets.shape[1:])} on {targets.device}: they must "
+                         "match")
     if mx.is_floating_point() and not torch.isfinite(mx).all():
         raise ValueError("memory inputs contain NaN or inf")
 
@@ -91,7 +128,7 @@ def ocs_scores(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tenso
 
     inputs (N, ...), targets (N, ...); memory an (inputs (M, ...), targets (M, ...)) replay batch.
     """
-    check_inputs(model, inputs, targets, memory, tau)
+    reduction = check_inputs(model, loss_fn, inputs, targets, memory, tau)
     n = inputs.shape[0]
     if memory is not None:  # one capture for both batches: samples are independent
         inputs, targets = torch.cat([inputs, memory[0]]), torch.cat([targets, memory[1]])
@@ -102,13 +139,15 @@ def ocs_scores(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tenso
         norms = gram.diagonal().clamp_min(0).sqrt()
         # cos(g, E_i) from g itself, as the reference: when g nearly cancels (|g| << |E_i|),
         # mean_j G_ij and sqrt(mean G) lose digits that the cosine of one vector keeps.
-        g = {name: t / n for name, t in stream.sum_grad().items()}  # the mean gradient, as the original
+        scale = 1.0 / n if reduction == "mean" else 1.0  # g: the batch loss's gradient, as the original
+        g = {name: t * scale for name, t in stream.sum_grad().items()}
         g_norm = torch.cat([t.flatten() for t in g.values()]).norm()
         sim = stream.dots(g) / (g_norm * norms).clamp_min(EPS)
         div = (gram / torch.outer(norms, norms).clamp_min(EPS)).mean(0)
         scores = sim - div
         if memory is not None:
-            r = {name: t / len(memory[1]) for name, t in both.rows(slice(n, None)).sum_grad().items()}
+            scale = 1.0 / len(memory[1]) if reduction == "mean" else 1.0
+            r = {name: t * scale for name, t in both.rows(slice(n, None)).sum_grad().items()}
             r_norm = torch.cat([t.flatten() for t in r.values()]).norm()
             scores = scores + tau * stream.dots(r) / (r_norm * norms).clamp_min(EPS)
     return check_scores(scores)
@@ -117,5 +156,5 @@ def ocs_scores(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tenso
 def ocs_select(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, k: int, *,
                memory: Memory | None = None, tau: float = 1000.0) -> Tensor:
     """Indices (k,) int64 of the k best-scoring stream samples, best first, ties by index."""
-    check_inputs(model, inputs, targets, memory, tau, k)
+    check_inputs(model, loss_fn, inputs, targets, memory, tau, k)
     return top_k(ocs_scores(model, loss_fn, inputs, targets, memory=memory, tau=tau), k)

@@ -33,7 +33,7 @@ def literal_scores(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: T
                    tau: float, grads_fn: Callable[..., dict[str, Tensor]]) -> Tensor:
     """The original's formulas on E from ``grads_fn`` (a ``per_sample_grads``): the reference
     passes the loop, the workload's ablation vmap and the einsum identity."""
-    check_inputs(model, inputs, targets, memory, tau)
+    check_inputs(model, loss_fn, inputs, targets, memory, tau)
     grads = grads_fn(model, loss_fn, inputs, targets)
     eg = torch.cat([t.flatten(1) for t in grads.values()], dim=1)
     g = _flat_grad(model, loss_fn, inputs, targets)
@@ -53,5 +53,5 @@ def literal_scores(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: T
 def ocs_select(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, k: int, *,
                memory: Memory | None = None, tau: float = 1000.0) -> Tensor:
     """The top k of the reference scores (sorted, ties by index)."""
-    check_inputs(model, inputs, targets, memory, tau, k)
+    check_inputs(model, loss_fn, inputs, targets, memory, tau, k)
     return top_k(ocs_scores(model, loss_fn, inputs, targets, memory=memory, tau=tau), k)

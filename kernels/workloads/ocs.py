@@ -5,23 +5,29 @@ model is the original MLP 784-256-256-10 (dropout 0.2 after the first hidden lay
 task t rotates every image by 9 (t - 1) degrees. MNIST from local files with ``--mnist PATH``
 (torchvision, never downloaded).
 
-Per task, ``passes`` shuffled passes over the task's training images in stream batches of 100:
-each batch is scored (``ocs_scores``: similarity - diversity, + tau x affinity to the replay
-memory from task 2 on), the top 10 train one SGD step (lr 0.005 x 0.75^(t-1), momentum 0.8, a
-fresh optimizer per task), plus, from task 2 on, 10 memory samples with loss weight 10. At the
-end of a task its slot of the 200-sample memory is a class-balanced pick of the last pass's
-selections in random order, and earlier slots shrink to 200 // t by their OCS ranking, as the
-original does. Departures, stated: the original's 10 passes over MNIST's 60000 images become
-``passes`` over ~1440; its random first 100 batches (r2c) are left out; scoring runs with the
-model in eval mode (the original scores under the training step's dropout masks, which makes
-the selection random, and no two implementations could be compared).
+Per task, ``passes`` passes over the task's training images in stream batches of 100, the same
+batches in the same order each pass (the original's unshuffled loader): each batch is scored
+(``ocs_scores``: similarity - diversity, + tau x affinity to the whole memory from task 2 on),
+its top 10 train one SGD step (lr 0.005 x 0.75^(t-1), momentum 0.8, a fresh optimizer per task)
+with, from task 2 on, a replay batch of 10 from one memory slot (slots cut into batches of 10,
+batches shuffled each pass) at loss weight 1: the original's ref_hyp of 10 multiplies a mean
+loss that its get_coreset_loss divides by the batch size. At a task's end its slot of the
+200-sample memory is a class-balanced pick of the last pass's selections in random order, and
+earlier slots shrink to 200 // t by their OCS ranking.
+
+Departures, stated: the original's 10 passes over MNIST's 60000 images become ``passes`` over
+1437 (15 batches, the last of 37); a batch of at most 10 samples is skipped, not trained whole;
+the new slot is capped by the last pass's 150 candidates (MNIST has 6000), so after task 1 the
+memory holds 150, not 200; the class-balanced pick fills short classes with the best of the
+rest instead of raising the other classes' quota; the random first 100 batches (r2c) are left
+out; scoring runs with the model in eval mode (the original scores under the training step's
+dropout masks, which makes the selection random, and no two implementations could be compared).
 
     python -m kernels.workloads.ocs [--tasks 3] [--passes 10] [--ablation] [--mnist PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +41,7 @@ from kernels.models import MLP
 from kernels.optim import sgd
 from kernels.perfgate.timing import peak_memory
 from kernels.training import Recipe, train
-from kernels.workloads.rotated_digits import Split, digits, mnist, rotated_tasks
+from kernels.workloads.rotated_digits import Split
 
 Scorer = Callable[..., Tensor]  # (model, loss_fn, inputs, targets, *, memory, tau) -> (N,) scores
 
@@ -51,7 +57,7 @@ class Config:
     momentum: float = 0.8
     lr_decay: float = 0.75
     tau: float = 1000.0
-    replay_weight: float = 10.0
+    replay_weight: float = 1.0  # the original's ref_hyp 10 on a loss it divides by the batch (10)
     degrees: float = 9.0
     classes: int = 10
     seed: int = 0
@@ -72,6 +78,7 @@ class OCSReport:
     seconds: list[float] = field(default_factory=list)  # per task: training, selection, memory update
     selected: list[Tensor] = field(default_factory=list)  # every step's picked train indices
     peak_bytes: list[int | None] = field(default_factory=list)  # per task, kernels.perfgate's measure
+    params: Tensor | None = None  # the model's parameters after the last task, flattened
 
     @property
     def average_accuracy(self) -> float:
@@ -127,6 +134,16 @@ def _score(scorer: Scorer, model: nn.Module, x: Tensor, y: Tensor, memory: Memor
         model.train()
 
 
+def _replay_batches(coreset: dict[int, Split], size: int, gen: torch.Generator) -> list[Split]:
+    """Each memory slot shuffled and cut into batches of ``size``, the batches shuffled: the
+    original's reconstruct_coreset_loader2, rebuilt every pass."""
+    batches = []
+    for x, y in coreset.values():
+        perm = torch.randperm(len(y), generator=gen).to(y.device)
+        batches += [(x[i], y[i]) for i in perm.split(size)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=gen).tolist()]
+
+
 def _steps(model: nn.Module, train: Split, coreset: dict[int, Split], cfg: Config, scorer: Scorer,
            gen: torch.Generator, report: OCSReport, last: list[Tensor]):
     """Yield one (inputs, targets) training batch per stream batch, scored with the model as the
@@ -134,12 +151,10 @@ def _steps(model: nn.Module, train: Split, coreset: dict[int, Split], cfg: Confi
     x_all, y_all = train
     memory = (torch.cat([c[0] for c in coreset.values()]), torch.cat([c[1] for c in coreset.values()])) \
         if coreset else None
-    replay = torch.randperm(len(memory[1]), generator=gen).to(x_all.device) if memory else None
-    step = 0
+    stream = [i for i in torch.arange(len(y_all), device=y_all.device).split(cfg.stream) if len(i) > cfg.select]
     for p in range(cfg.passes):
-        perm = torch.randperm(len(y_all), generator=gen).to(x_all.device)
-        for b in range(len(y_all) // cfg.stream):
-            idx = perm[b * cfg.stream : (b + 1) * cfg.stream]
+        replay = _replay_batches(coreset, cfg.select, gen) if coreset else []
+        for b, idx in enumerate(stream):  # the same batches in the same order every pass, as the original
             x, y = x_all[idx], y_all[idx]
             # the top k as a set, in stream order: scores that tie within rounding may swap places
             # inside the top k, and the batch's order must not change the step's rounding
@@ -148,10 +163,9 @@ def _steps(model: nn.Module, train: Split, coreset: dict[int, Split], cfg: Confi
             if p == cfg.passes - 1:
                 last.append(pick)
             xs, ys = x_all[pick], y_all[pick]
-            if memory is not None:
-                r = replay[(torch.arange(cfg.select) + step * cfg.select).to(replay.device) % len(replay)]
-                xs, ys = torch.cat([xs, memory[0][r]]), torch.cat([ys, memory[1][r]])
-            step += 1
+            if replay:
+                rx, ry = replay[b % len(replay)]
+                xs, ys = torch.cat([xs, rx]), torch.cat([ys, ry])
             yield xs, ys
 
 
@@ -220,6 +234,7 @@ def train_task(learner: Learner, t: int, tasks: list[tuple[Split, Split]], cfg: 
         learner.report.seconds.append(time.perf_counter() - t0)
 
     learner.report.peak_bytes.append(peak_memory(task, cfg.device))
+    learner.report.params = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
     learner.report.accuracy.append([accuracy(model, test) for _, test in tasks[:t]])
 
 
@@ -249,37 +264,7 @@ def optimized(recipe: Recipe, scorer: Scorer = ocs_scores, name: str | None = No
     return Method(name or f"optimized (ghost Gram, {recipe.name})", scorer, train, sgd, recipe)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.workloads.ocs", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", type=int, default=3, help="3: smoke; 20: the original's full run")
-    parser.add_argument("--passes", type=int, default=10, help="shuffled passes over each task's images")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--mnist", metavar="PATH", help="local MNIST (torchvision layout) instead of digits")
-    parser.add_argument("--ablation", action="store_true", help="all five rows, not only reference/optimized")
-    args = parser.parse_args(argv)
-    try:
-        cfg = Config(tasks=args.tasks, passes=args.passes, device=args.device)
-    except ValueError as e:
-        parser.error(str(e))
-    data = mnist(args.mnist) if args.mnist else digits(cfg.seed)
-    tasks = rotated_tasks(data, cfg.tasks, cfg.degrees, cfg.device)
-    print(f"OCS, rotated {'MNIST' if args.mnist else 'digits'}, {cfg.tasks} tasks x {cfg.passes} passes "
-          f"({len(tasks[0][0][1]) // cfg.stream} stream batches of {cfg.stream} each) on {cfg.device}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
-    from kernels.workloads.ocs_ablation import ablation, format_rows
+if __name__ == "__main__":  # the CLI lives with the ablation
+    from kernels.workloads.ocs_ablation import main
 
-    if args.ablation:
-        rows = ablation(cfg, tasks)
-    else:
-        from reference.workloads.ocs import REFERENCE
-
-        rows = [run(m, cfg, tasks) for m in (REFERENCE, optimized(optimized_recipe(cfg, tasks)))]
-    print("\n".join(format_rows(rows)))
-    same = all(torch.equal(a, b) for a, b in zip(rows[0].selected, rows[-1].selected, strict=True))
-    print(f"reference and {rows[-1].name} selected the same samples at every step: {same}")
-    return 0
-
-
-if __name__ == "__main__":
     raise SystemExit(main())

@@ -47,7 +47,8 @@ def rotated_tasks(data: tuple[Split, Split], tasks: int, degrees: float = 9.0,
     from torchvision.transforms.v2.functional import InterpolationMode, rotate
 
     def rot(s: Split, angle: float) -> Split:
-        x = rotate(s[0], angle, interpolation=InterpolationMode.BILINEAR) if angle else s[0]
+        # the original's TF.rotate on PIL images: nearest neighbour, corners filled with 0
+        x = rotate(s[0], angle, interpolation=InterpolationMode.NEAREST, fill=0.0) if angle else s[0]
         return x.flatten(1).to(device), s[1].to(device)
 
     return [(rot(data[0], degrees * t), rot(data[1], degrees * t)) for t in range(tasks)]

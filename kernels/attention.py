@@ -1,0 +1,100 @@
+"""Attention with cached RoPE on ``scaled_dot_product_attention``, and the module around it.
+
+``rope_attention`` rotates q and k with a ``RotaryEmbedding`` (one fused pass each, cos/sin from
+the cache) and calls SDPA, which picks a fused kernel (flash / memory-efficient on CUDA, the
+flash CPU kernel on CPU) instead of materializing the (S, S) score matrix. Grouped-query
+attention (kv heads dividing q heads) goes to SDPA's ``enable_gqa``; causal plus a mask becomes
+one boolean mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kernels.rope import RotaryEmbedding
+
+
+def check_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> None:
+    """The refusals shared with ``reference.attention``: shapes (B, H, S, D), heads, dtypes, mask."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.ndim != 4:
+            raise ValueError(f"{name} must be a (B, H, S, D) tensor, got {getattr(t, 'shape', type(t).__name__)}")
+    if q.dtype != k.dtype or q.dtype != v.dtype or q.device != k.device or q.device != v.device:
+        raise ValueError(f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on "
+                         f"{q.device}/{k.device}/{v.device}")
+    if not q.is_floating_point():
+        raise TypeError(f"q, k, v must be floating point, got {q.dtype}")
+    (b, h, s, d), (bk, hk, sk, dk) = q.shape, k.shape
+    if b != bk or k.shape[:3] != v.shape[:3] or s != sk or d != dk:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need the same B and S "
+                         "(self-attention), q and k the same D, k and v the same heads")
+    if hk < 1 or h % hk:
+        raise ValueError(f"kv heads ({hk}) must divide q heads ({h}) for grouped-query attention")
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+            raise TypeError(f"attn_mask must be bool (True = attend) or {q.dtype} (added), got {attn_mask.dtype}")
+        try:
+            if torch.broadcast_shapes(attn_mask.shape, (b, h, s, s)) != (b, h, s, s):
+                raise RuntimeError
+        except RuntimeError:
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, S, S) = "
+                             f"{(b, h, s, s)}") from None
+        if attn_mask.device != q.device:
+            raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}")
+
+
+def combined_mask(attn_mask: Tensor | None, causal: bool, s: int, device: torch.device) -> Tensor | None:
+    """One mask for causal + attn_mask; a boolean mask that leaves a query row nothing to attend to
+    is refused (softmax over nothing is NaN). Float masks are added as given."""
+    if attn_mask is None:
+        return None  # causal alone: SDPA's is_causal
+    mask = attn_mask
+    if causal:
+        tril = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+        mask = attn_mask & tril if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~tril, float("-inf"))
+    if mask.dtype == torch.bool and not bool(mask.any(-1).all()):
+        raise ValueError("attn_mask (with causal) leaves some query with no key to attend to: its softmax is "
+                         "undefined; let every query attend to at least one key")
+    return mask
+
+
+def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, causal: bool = False,
+                   attn_mask: Tensor | None = None, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+    """softmax(R(q) R(k)^T / sqrt(D) + mask) v: q (B, H, S, D), k and v (B, H_kv, S, D) -> (B, H, S, D)."""
+    check_attention(q, k, v, attn_mask)
+    mask = combined_mask(attn_mask, causal, q.shape[2], q.device)
+    q, k = rope(q, offset=offset, positions=positions), rope(k, offset=offset, positions=positions)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+class RopeSelfAttention(nn.Module):
+    """x (B, S, dim) -> (B, S, dim): qkv projection, RoPE attention over heads, output projection.
+
+    ``n_kv_heads`` < ``n_heads`` gives grouped-query attention.
+    """
+
+    attend = staticmethod(rope_attention)
+    rope_cls = RotaryEmbedding
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, *, max_seq_len: int = 2048,
+                 base: float = 10000.0, interleaved: bool = False, causal: bool = False,
+                 bias: bool = False) -> None:
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if n_heads < 1 or dim % n_heads or n_kv_heads < 1 or n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must divide dim ({dim}) and n_kv_heads ({n_kv_heads}) "
+                             "must divide n_heads")
+        self.n_heads, self.n_kv_heads, self.head_dim, self.causal = n_heads, n_kv_heads, dim // n_heads, causal
+        self.qkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias)
+        self.proj = nn.Linear(dim, dim, bias=bias)
+        self.rope = self.rope_cls(self.head_dim, max_seq_len, base, interleaved)
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+        b, s, dim = x.shape
+        q, k, v = self.qkv(x).view(b, s, -1, self.head_dim).transpose(1, 2).split(
+            [self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
+        out = self.attend(q, k, v, self.rope, causal=self.causal, attn_mask=attn_mask)
+        return self.proj(out.transpose(1, 2).reshape(b, s, dim))

@@ -1,0 +1,143 @@
+"""Rotary position embedding (RoPE) with cos/sin cached once, rotation in one fused pass.
+
+Position p rotates each pair of features (x_a, x_b) by the angle p * base^(-2i/D), i the pair:
+pairs (i, i + D/2) by default (GPT-NeoX, LLaMA), or (2i, 2i + 1) with ``interleaved=True``
+(GPT-J, BDH). cos and sin are computed once in fp32, positions exact (integers below 2^24), and
+kept as non-persistent buffers: they move with ``.to()`` and stay out of state dicts. A longer
+sequence grows the cache to the next power of two (``grow=False``: it raises instead, for code
+that must not reallocate, e.g. under CUDA graphs).
+
+The rotation: the textbook form x cos + rotate_half(x) sin (the reference) makes five passes and
+a concatenated copy. Here each half is written once (x_a c - x_b s, x_b c + x_a s) from cos/sin
+of D/2 columns, and the backward, a rotation by -angle, reuses the same pass: an autograd
+Function that saves nothing but the cache slice. bf16/fp16 inputs are rotated in fp32 and cast
+back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+def rope_angles(head_dim: int, positions: Tensor, base: float) -> Tensor:
+    """Angles (..., D/2) in fp32: positions (...) times base^(-2i/D), i = 0..D/2-1."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    return positions.to(torch.float32)[..., None] * inv_freq
+
+
+def check_settings(head_dim: int, max_seq_len: int, base: float) -> None:
+    if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        raise ValueError(f"head_dim must be an even int >= 2 (features rotate in pairs), got {head_dim!r}")
+    if not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be an int >= 1, got {max_seq_len!r}")
+    if not (isinstance(base, int | float) and math.isfinite(base) and base > 1):
+        raise ValueError(f"base must be a finite number > 1 (e.g. 10000.0), got {base!r}")
+
+
+def check_rotate(x: Tensor, head_dim: int, offset: int, positions: Tensor | None) -> None:
+    if not isinstance(x, Tensor) or x.ndim != 4:
+        raise ValueError(f"expected x of shape (B, H, S, D), got {getattr(x, 'shape', type(x).__name__)}")
+    if x.shape[-1] != head_dim:
+        raise ValueError(f"x has head dim {x.shape[-1]}, the embedding was built for {head_dim}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+    if not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"offset must be an int >= 0, got {offset!r}")
+    if positions is not None:
+        batch_ok = positions.ndim == 1 or (positions.ndim == 2 and positions.shape[0] in (1, x.shape[0]))
+        if not batch_ok or positions.dtype not in (torch.int32, torch.int64) or positions.shape[-1] != x.shape[2]:
+            raise ValueError(f"positions must be int32/int64 of shape (S,) or (B, S) with S = {x.shape[2]}, "
+                             f"got {positions.dtype} {tuple(positions.shape)}")
+        if offset:
+            raise ValueError("pass either offset or positions, not both")
+
+
+class _Rotate(torch.autograd.Function):
+    """y = R(angle) x per pair; dx = R(-angle) dy. cos/sin (S or B*S rows, D/2) in fp32."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
+        return _rotate(x, cos, sin, interleaved)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, -sin, ctx.interleaved), None, None, None
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """One pass: each output half written once. x (B, H, S, D); cos, sin broadcast to (B, H, S, D/2)."""
+    xf = x if x.dtype == torch.float32 else x.float()
+    h = x.shape[-1] // 2
+    if interleaved:
+        a, b = xf[..., 0::2], xf[..., 1::2]
+    else:
+        a, b = xf[..., :h], xf[..., h:]
+    out = torch.empty(xf.shape, dtype=torch.float32, device=x.device)
+    oa, ob = (out[..., 0::2], out[..., 1::2]) if interleaved else (out[..., :h], out[..., h:])
+    torch.mul(a, cos, out=oa)
+    oa.addcmul_(b, sin, value=-1.0)
+    torch.mul(b, cos, out=ob)
+    ob.addcmul_(a, sin)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE for q or k of shape (B, H, S, D); call ``rope(x, offset=0, positions=None)``.
+
+    ``positions``: int64 (S,) or (B, S) explicit position ids; ``offset``: positions start there.
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int = 2048, base: float = 10000.0,
+                 interleaved: bool = False, *, grow: bool = True) -> None:
+        super().__init__()
+        check_settings(head_dim, max_seq_len, base)
+        self.head_dim, self.base, self.interleaved, self.grow = head_dim, float(base), bool(interleaved), grow
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self._build(max_seq_len, torch.device("cpu"))
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cos.shape[0]
+
+    def _build(self, length: int, device: torch.device) -> None:
+        angles = rope_angles(self.head_dim, torch.arange(length, device=device), self.base)
+        self.cos, self.sin = angles.cos(), angles.sin()
+
+    def _ensure(self, needed: int) -> None:
+        if needed <= self.max_seq_len:
+            return
+        if not self.grow:
+            raise ValueError(f"position {needed - 1} is beyond the cache of {self.max_seq_len} positions "
+                             "(grow=False); build the embedding with a larger max_seq_len")
+        self._build(1 << (needed - 1).bit_length(), self.cos.device)
+
+    def tables(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """cos, sin (S, D/2) or (B, 1, S, D/2) in fp32 for x (B, H, S, D)."""
+        check_rotate(x, self.head_dim, offset, positions)
+        if self.cos.device != x.device:
+            raise ValueError(f"x is on {x.device}, the embedding's cache on {self.cos.device}: move the "
+                             "module with .to(device)")
+        if positions is None:
+            self._ensure(offset + x.shape[2])
+            return self.cos[offset : offset + x.shape[2]], self.sin[offset : offset + x.shape[2]]
+        if positions.numel() and int(positions.min()) < 0:
+            raise ValueError("positions must be >= 0")
+        self._ensure(int(positions.max()) + 1 if positions.numel() else 0)
+        cos, sin = self.cos[positions], self.sin[positions]
+        return (cos, sin) if positions.ndim == 1 else (cos[:, None], sin[:, None])
+
+    def forward(self, x: Tensor, *, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        cos, sin = self.tables(x, offset, positions)
+        return _Rotate.apply(x, cos, sin, self.interleaved)
+
+    def extra_repr(self) -> str:
+        return (f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, base={self.base}, "
+                f"interleaved={self.interleaved}, grow={self.grow}")

@@ -1,0 +1,41 @@
+"""Reference attention: per-call RoPE and explicit softmax(Q K^T / sqrt(D) + mask) V."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from kernels.attention import RopeSelfAttention as _KernelModule
+from kernels.attention import check_attention
+from reference.rope import RotaryEmbedding
+
+
+def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, causal: bool = False,
+                   attn_mask: Tensor | None = None, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+    """q (B, H, S, D), k and v (B, H_kv, S, D) -> (B, H, S, D). ``rope`` gives only its settings."""
+    check_attention(q, k, v, attn_mask)
+    rope = RotaryEmbedding(rope.head_dim, rope.max_seq_len, rope.base, rope.interleaved, grow=rope.grow)
+    q, k = rope(q, offset=offset, positions=positions), rope(k, offset=offset, positions=positions)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    s = q.shape[2]
+    if causal:
+        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    if attn_mask is not None:
+        is_bool = attn_mask.dtype == torch.bool
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if is_bool else scores + attn_mask
+    weights = torch.softmax(scores, dim=-1)
+    if torch.isnan(weights).any():
+        raise ValueError("attn_mask (with causal) leaves some query with no key to attend to: its softmax is "
+                         "undefined; let every query attend to at least one key")
+    return weights @ v
+
+
+class RopeSelfAttention(_KernelModule):
+    """The kernel module's layers and state dict, with the reference attention and RoPE."""
+
+    attend = staticmethod(rope_attention)
+    rope_cls = RotaryEmbedding
