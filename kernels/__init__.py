@@ -4,6 +4,8 @@ Public API (loaded on first use, so ``import kernels`` stays light):
 
 - ``per_sample_grads``, ``per_sample_grad_gram``, ``per_sample_grad_norms`` (kernels.per_sample)
 - ``ocs_scores``, ``ocs_select``: Online Coreset Selection from Gram products (kernels.coreset)
+- ``RotaryEmbedding``, ``rope_attention``, ``RopeSelfAttention``: cached RoPE + SDPA (kernels.rope,
+  kernels.attention)
 - ``adamw``, ``sgd``: torch optimizers with the implementation that measured fastest (kernels.optim)
 - ``Recipe``, ``train``: the shared training-loop engine (kernels.training)
 - ``models``: model definitions shared by kernels, references and workloads
@@ -22,6 +24,9 @@ _EXPORTS = {
     "per_sample_grads": "kernels.per_sample",
     "per_sample_grad_gram": "kernels.per_sample",
     "per_sample_grad_norms": "kernels.per_sample",
+    "RotaryEmbedding": "kernels.rope",
+    "rope_attention": "kernels.attention",
+    "RopeSelfAttention": "kernels.attention",
     "ocs_scores": "kernels.coreset",
     "ocs_select": "kernels.coreset",
 }

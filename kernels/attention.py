@@ -54,7 +54,8 @@ def combined_mask(attn_mask: Tensor | None, causal: bool, s: int, device: torch.
     if causal:
         tril = torch.ones(s, s, dtype=torch.bool, device=device).tril()
         mask = attn_mask & tril if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~tril, float("-inf"))
-    if mask.dtype == torch.bool and not bool(mask.any(-1).all()):
+    empty_row = ~mask.any(-1) if mask.dtype == torch.bool else (mask == float("-inf")).all(-1)
+    if bool(empty_row.any()):
         raise ValueError("attn_mask (with causal) leaves some query with no key to attend to: its softmax is "
                          "undefined; let every query attend to at least one key")
     return mask

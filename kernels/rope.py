@@ -23,10 +23,16 @@ from torch import Tensor, nn
 
 
 def rope_angles(head_dim: int, positions: Tensor, base: float) -> Tensor:
-    """Angles (..., D/2) in fp32: positions (...) times base^(-2i/D), i = 0..D/2-1."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
-    inv_freq = 1.0 / (base**exponents)
-    return positions.to(torch.float32)[..., None] * inv_freq
+    """Angles (..., D/2) in fp64: positions (...) times base^(-2i/D), i = 0..D/2-1. Tables
+    rounded from these once are correctly rounded fp32, which fp32 arithmetic of large angles
+    is not."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim
+    return positions.to(torch.float64)[..., None] * base**-exponents
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """Rotations run in fp32 (bf16, fp16, fp32 inputs) or fp64 (fp64 inputs)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def check_settings(head_dim: int, max_seq_len: int, base: float) -> None:
@@ -73,19 +79,20 @@ class _Rotate(torch.autograd.Function):
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
     """One pass: each output half written once. x (B, H, S, D); cos, sin broadcast to (B, H, S, D/2)."""
-    xf = x if x.dtype == torch.float32 else x.float()
+    ct = cos.dtype
+    xf = x if x.dtype == ct else x.to(ct)
     h = x.shape[-1] // 2
     if interleaved:
         a, b = xf[..., 0::2], xf[..., 1::2]
     else:
         a, b = xf[..., :h], xf[..., h:]
-    out = torch.empty(xf.shape, dtype=torch.float32, device=x.device)
+    out = torch.empty(xf.shape, dtype=ct, device=x.device)
     oa, ob = (out[..., 0::2], out[..., 1::2]) if interleaved else (out[..., :h], out[..., h:])
     torch.mul(a, cos, out=oa)
     oa.addcmul_(b, sin, value=-1.0)
     torch.mul(b, cos, out=ob)
     ob.addcmul_(a, sin)
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    return out if x.dtype == ct else out.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -109,7 +116,7 @@ class RotaryEmbedding(nn.Module):
 
     def _build(self, length: int, device: torch.device) -> None:
         angles = rope_angles(self.head_dim, torch.arange(length, device=device), self.base)
-        self.cos, self.sin = angles.cos(), angles.sin()
+        self.cos, self.sin = angles.cos().float(), angles.sin().float()
 
     def _ensure(self, needed: int) -> None:
         if needed <= self.max_seq_len:
@@ -120,11 +127,20 @@ class RotaryEmbedding(nn.Module):
         self._build(1 << (needed - 1).bit_length(), self.cos.device)
 
     def tables(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """cos, sin (S, D/2) or (B, 1, S, D/2) in fp32 for x (B, H, S, D)."""
+        """cos, sin (S, D/2) or (B, 1, S, D/2) in the compute dtype for x (B, H, S, D)."""
         check_rotate(x, self.head_dim, offset, positions)
         if self.cos.device != x.device:
             raise ValueError(f"x is on {x.device}, the embedding's cache on {self.cos.device}: move the "
                              "module with .to(device)")
+        if self.cos.dtype != torch.float32:  # a model cast with .to(dtype) casts buffers: rebuild in fp32
+            self._build(self.max_seq_len, self.cos.device)
+        if compute_dtype(x) == torch.float64:  # the fp64 path (oracles) computes its table exactly
+            pos = torch.arange(offset, offset + x.shape[2], device=x.device) if positions is None else positions
+            if not self.grow:
+                self._ensure(int(pos.max()) + 1 if pos.numel() else 0)
+            angles = rope_angles(self.head_dim, pos, self.base)
+            angles = angles if angles.ndim == 2 else angles[:, None]
+            return angles.cos(), angles.sin()
         if positions is None:
             self._ensure(offset + x.shape[2])
             return self.cos[offset : offset + x.shape[2]], self.sin[offset : offset + x.shape[2]]

@@ -1,8 +1,10 @@
 """The slow, obviously correct side: same names and signatures as ``kernels``."""
 
+from reference.attention import RopeSelfAttention, rope_attention
 from reference.coreset import ocs_scores, ocs_select
 from reference.optim import adamw, sgd
 from reference.per_sample import per_sample_grad_gram, per_sample_grad_norms, per_sample_grads
+from reference.rope import RotaryEmbedding
 
-__all__ = ["adamw", "ocs_scores", "ocs_select", "per_sample_grad_gram", "per_sample_grad_norms",
-           "per_sample_grads", "sgd"]
+__all__ = ["RopeSelfAttention", "RotaryEmbedding", "adamw", "ocs_scores", "ocs_select", "per_sample_grad_gram",
+           "per_sample_grad_norms", "per_sample_grads", "rope_attention", "sgd"]

@@ -12,12 +12,9 @@ from kernels.attention import check_attention
 from reference.rope import RotaryEmbedding
 
 
-def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, causal: bool = False,
-                   attn_mask: Tensor | None = None, offset: int = 0, positions: Tensor | None = None) -> Tensor:
-    """q (B, H, S, D), k and v (B, H_kv, S, D) -> (B, H, S, D). ``rope`` gives only its settings."""
-    check_attention(q, k, v, attn_mask)
-    rope = RotaryEmbedding(rope.head_dim, rope.max_seq_len, rope.base, rope.interleaved, grow=rope.grow)
-    q, k = rope(q, offset=offset, positions=positions), rope(k, offset=offset, positions=positions)
+def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+                      attn_mask: Tensor | None = None) -> Tensor:
+    """softmax(q k^T / sqrt(D) + mask) v, kv heads repeated for grouped-query attention."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
@@ -27,11 +24,19 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, ca
     if attn_mask is not None:
         is_bool = attn_mask.dtype == torch.bool
         scores = scores.masked_fill(~attn_mask, float("-inf")) if is_bool else scores + attn_mask
-    weights = torch.softmax(scores, dim=-1)
-    if torch.isnan(weights).any():
+    if bool(torch.isinf(scores).all(-1).any()):
         raise ValueError("attn_mask (with causal) leaves some query with no key to attend to: its softmax is "
                          "undefined; let every query attend to at least one key")
-    return weights @ v
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, causal: bool = False,
+                   attn_mask: Tensor | None = None, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+    """q (B, H, S, D), k and v (B, H_kv, S, D) -> (B, H, S, D). ``rope`` gives only its settings."""
+    check_attention(q, k, v, attn_mask)
+    rope = RotaryEmbedding(rope.head_dim, rope.max_seq_len, rope.base, rope.interleaved, grow=rope.grow)
+    q, k = rope(q, offset=offset, positions=positions), rope(k, offset=offset, positions=positions)
+    return softmax_attention(q, k, v, causal=causal, attn_mask=attn_mask)
 
 
 class RopeSelfAttention(_KernelModule):

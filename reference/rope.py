@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kernels.rope import check_rotate, check_settings, rope_angles
+from kernels.rope import check_rotate, check_settings, compute_dtype, rope_angles
 
 
 def rotate_half(x: Tensor, interleaved: bool) -> Tensor:
@@ -36,12 +36,13 @@ class RotaryEmbedding(nn.Module):
         if not self.grow and positions.numel() and int(positions.max()) >= self.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is beyond the cache of {self.max_seq_len} "
                              "positions (grow=False); build the embedding with a larger max_seq_len")
-        angles = rope_angles(self.head_dim, positions, self.base)  # (S, D/2) or (B, S, D/2)
+        ct = compute_dtype(x)  # the kernel's: fp32, or fp64 for fp64 inputs
+        angles = rope_angles(self.head_dim, positions, self.base)  # fp64, (S, D/2) or (B, S, D/2)
         if angles.ndim == 3:
             angles = angles[:, None]
         if self.interleaved:
             angles = angles.repeat_interleave(2, dim=-1)
         else:
             angles = torch.cat([angles, angles], dim=-1)
-        xf = x.float()
-        return (xf * angles.cos() + rotate_half(xf, self.interleaved) * angles.sin()).to(x.dtype)
+        xf = x.to(ct)
+        return (xf * angles.cos().to(ct) + rotate_half(xf, self.interleaved) * angles.sin().to(ct)).to(x.dtype)

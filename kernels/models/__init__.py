@@ -2,5 +2,6 @@
 
 from kernels.models.mlp import MLP
 from kernels.models.resnet import ResNet10
+from kernels.models.vit import RopeViT
 
-__all__ = ["MLP", "ResNet10"]
+__all__ = ["MLP", "ResNet10", "RopeViT"]

@@ -1,0 +1,137 @@
+"""kernels.rope_attention / RopeSelfAttention == reference (per-call RoPE, explicit softmax), outputs
+and gradients of q, k, v; bf16 against an fp64 oracle; refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kernels
+import reference.attention as RA
+from correctness_tests.tolerances import REDUCTION, assert_close, assert_dicts_close
+from kernels.rope import RotaryEmbedding
+
+SIDES = {"kernels": kernels, "reference": RA}
+
+
+@st.composite
+def problems(draw: st.DrawFn, dtypes=(torch.float32, torch.float64)) -> dict:
+    b, hk, groups = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    h, s, d = hk * groups, draw(st.integers(1, 40)), 2 * draw(st.integers(4, 64))
+    dtype = draw(st.sampled_from(dtypes))
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    q, k, v = (torch.randn(b, n, s, d, dtype=dtype) for n in (h, hk, hk))
+    mask = None
+    kind = draw(st.sampled_from(["none", "bool", "float"]))
+    if kind != "none":
+        shape = draw(st.sampled_from([(s, s), (b, 1, s, s), (1, h, s, s), (b, 1, 1, s)]))
+        if kind == "bool":
+            mask = torch.rand(shape) < 0.7
+            mask[..., 0] = True  # every query keeps key 0 (causal too)
+        else:
+            mask = (2 * torch.randn(shape)).to(dtype)
+    rope = RotaryEmbedding(d, max_seq_len=8, interleaved=draw(st.booleans()))  # S up to 40 grows it
+    return dict(q=q, k=k, v=v, rope=rope, causal=draw(st.booleans()), attn_mask=mask)
+
+
+def _forward_backward(side, p: dict, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    qkv = [p[n].detach().to(dtype or p[n].dtype).requires_grad_(True) for n in "qkv"]
+    mask = p["attn_mask"]
+    if mask is not None and mask.is_floating_point():
+        mask = mask.to(qkv[0].dtype)
+    out = side.rope_attention(*qkv, p["rope"], causal=p["causal"], attn_mask=mask)
+    grads = torch.autograd.grad(out, qkv, torch.ones_like(out) / out.numel() ** 0.5)
+    return out, *grads
+
+
+@given(problems())
+def test_outputs_and_gradients_equal_reference(p: dict) -> None:
+    got, want = _forward_backward(kernels, p), _forward_backward(RA, p)
+    assert got[0].shape == want[0].shape and got[0].dtype == want[0].dtype
+    assert_close(got[0], want[0], REDUCTION, msg="out")
+    # gradients on one scale: dq is ~0 where softmax has one key, yet carries the backward's rounding
+    assert_dicts_close(dict(zip("qkv", got[1:], strict=True)), dict(zip("qkv", want[1:], strict=True)), REDUCTION)
+
+
+@given(problems(dtypes=(torch.float32,)))
+def test_bf16_against_fp64_oracle(p: dict) -> None:
+    got = _forward_backward(kernels, p, torch.bfloat16)
+    oracle = _forward_backward(RA, p, torch.float64)
+    assert all(g.dtype == torch.bfloat16 for g in got)
+    assert_close(got[0].double(), oracle[0], REDUCTION, msg="out", dtype=torch.bfloat16)
+    assert_dicts_close({n: g.double() for n, g in zip("qkv", got[1:], strict=True)},
+                       dict(zip("qkv", oracle[1:], strict=True)), REDUCTION, dtype=torch.bfloat16)
+
+
+@given(dim_heads=st.sampled_from([(32, 4, 4), (48, 6, 2), (64, 4, 1)]), s=st.integers(1, 20),
+       causal=st.booleans(), interleaved=st.booleans())
+def test_module_equals_reference_module(dim_heads, s, causal, interleaved) -> None:
+    dim, heads, kv = dim_heads
+    torch.manual_seed(s)
+    mod = kernels.RopeSelfAttention(dim, heads, kv, max_seq_len=4, causal=causal, interleaved=interleaved).double()
+    ref = RA.RopeSelfAttention(dim, heads, kv, max_seq_len=4, causal=causal, interleaved=interleaved).double()
+    ref.load_state_dict(mod.state_dict())  # the same parameters; the RoPE cache is not in the state dict
+    x = torch.randn(2, s, dim, dtype=torch.float64)
+    got, want = mod(x), ref(x)
+    assert_close(got, want, REDUCTION)
+    gm = torch.autograd.grad(got.square().sum(), list(mod.parameters()))
+    gr = torch.autograd.grad(want.square().sum(), list(ref.parameters()))
+    for a, b in zip(gm, gr, strict=True):
+        assert_close(a, b, REDUCTION)
+
+
+def test_causal_attention_does_not_see_the_future() -> None:
+    q, k, v = (torch.randn(1, 2, 6, 8, dtype=torch.float64) for _ in range(3))
+    rope = RotaryEmbedding(8)
+    out = kernels.rope_attention(q, k, v, rope, causal=True)
+    v2 = v.clone()
+    v2[:, :, 4:] += 1.0
+    out2 = kernels.rope_attention(q, k, v2, rope, causal=True)
+    torch.testing.assert_close(out[:, :, :4], out2[:, :, :4])
+    assert not torch.allclose(out[:, :, 4:], out2[:, :, 4:])
+
+
+def _qkv(h=4, hk=4, s=5, d=8, dtype=torch.float32):
+    return torch.randn(2, h, s, d, dtype=dtype), torch.randn(2, hk, s, d, dtype=dtype), torch.randn(2, hk, s, d,
+                                                                                                   dtype=dtype)
+
+
+@pytest.mark.parametrize("side", sorted(SIDES))
+def test_bad_input_is_refused(side: str) -> None:
+    fn, rope = SIDES[side].rope_attention, RotaryEmbedding(8)
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="kv heads"):
+        fn(*_qkv(h=4, hk=3), rope)
+    with pytest.raises(ValueError, match="share dtype"):
+        fn(q, k.double(), v, rope)
+    with pytest.raises(ValueError, match="share dtype and device"):
+        fn(q, k.to("meta"), v, rope)
+    with pytest.raises(ValueError, match="head dim"):
+        fn(*_qkv(d=6), rope)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        fn(q, k, v, rope, attn_mask=torch.ones(5, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="attn_mask must be bool"):
+        fn(q, k, v, rope, attn_mask=torch.ones(5, 5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="no key to attend to"):
+        fn(q, k, v, rope, attn_mask=torch.zeros(5, 5, dtype=torch.bool).fill_diagonal_(True).roll(1, 1),
+           causal=True)
+    with pytest.raises(ValueError, match="beyond the cache"):
+        fn(*_qkv(s=20), RotaryEmbedding(8, max_seq_len=16, grow=False))
+    with pytest.raises(ValueError, match=r"\(B, H, S, D\)"):
+        fn(q[0], k, v, rope)
+    with pytest.raises(ValueError, match="head_dim must be an even"):
+        kernels.RopeSelfAttention(14, 2)
+    with pytest.raises(ValueError, match="must divide"):
+        kernels.RopeSelfAttention(32, 4, 3)
+
+
+def test_module_does_not_change_the_rope_cache_in_state_dicts() -> None:
+    mod = kernels.RopeSelfAttention(32, 4)
+    assert not any("rope" in n for n in mod.state_dict())
+    clone = copy.deepcopy(mod)
+    clone(torch.randn(1, 3000, 32))  # grows the clone's cache
+    assert clone.rope.max_seq_len == 4096 and mod.rope.max_seq_len == 2048

@@ -1,0 +1,75 @@
+"""The RoPE ViT workload: the model, gradient accumulation equal to the large batch, the CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+import reference
+import reference.training
+from correctness_tests.tolerances import REDUCTION, assert_dicts_close
+from kernels.models import RopeViT
+from kernels.training import Recipe
+from kernels.workloads import vit_rope
+
+
+def test_model_shapes_and_reference_attention_share_parameters() -> None:
+    model = RopeViT(dim=48, heads=4, depth=2)
+    assert model(torch.randn(3, 3, 32, 32)).shape == (3, 10)
+    ref = RopeViT(dim=48, heads=4, depth=2, attention=reference.RopeSelfAttention)
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(ref(x), model(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="even head dim"):
+        RopeViT(dim=36, heads=4)
+
+
+def test_accumulation_128x2_equals_batch_256_in_fp32() -> None:
+    """The engine's two micro-batches of 128 and one reference step on the same 256 images give
+    the same parameters (LayerNorm only: no batch statistics, so the split changes only rounding)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,))
+    init = RopeViT(dim=32, heads=2, depth=1)
+    models = [RopeViT(dim=32, heads=2, depth=1) for _ in range(2)]
+    for m in models:
+        m.load_state_dict(init.state_dict())
+    opts = [kernels.adamw(m.parameters(), lr=1e-3, weight_decay=0.05) for m in models]
+    kernels.train(models[0], F.cross_entropy, opts[0], [(x[:128], y[:128]), (x[128:], y[128:])],
+                  Recipe(accumulation=2))
+    reference.training.train(models[1], F.cross_entropy, opts[1], [(x, y)])
+    got, want = (dict(m.named_parameters()) for m in models)
+    assert_dicts_close(got, want, REDUCTION)
+    assert not torch.equal(models[0].head.weight, init.head.weight)  # the step did move the weights
+
+
+def test_config_and_data() -> None:
+    cfg = vit_rope.Config(steps=2, warmup_steps=1, batch=8, accumulation=2)
+    batches = cfg.data(2)
+    assert len(batches) == 6 and batches[0][0].shape == (4, 3, 32, 32)
+    with pytest.raises(ValueError, match="equal micro-batches"):
+        vit_rope.Config(batch=9, accumulation=2)
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        vit_rope.cifar10("/nonexistent", train=True)
+
+
+def test_cosine_schedule_warms_up_then_decays() -> None:
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    sched = vit_rope.cosine_schedule(opt, total=10, warmup=2)
+    lrs = []
+    for _ in range(10):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == 0.5 and lrs[1] == 1.0 and lrs == sorted(lrs[:2]) + sorted(lrs[2:], reverse=True)
+    assert lrs[-1] < 0.05
+
+
+def test_cli_ablation_rows(capsys) -> None:
+    assert vit_rope.main(["--steps", "1", "--batch", "8", "--depth", "1", "--ablation"]) == 0
+    out = capsys.readouterr().out
+    for row in ("reference (fp32", "+ cached RoPE", "+ SDPA", "+ fused AdamW", "+ AMP", "optimized ("):
+        assert f"| {row}" in out, row
+    with pytest.raises(SystemExit):
+        vit_rope.main(["--steps", "0"])

@@ -1,0 +1,224 @@
+"""The RoPE vision transformer workload (seed 003, after Vision-BDH): reference loop vs the engine.
+
+Model: kernels.models.RopeViT (4x4 patches of 32x32 images -> 64 tokens, D 192, 6 heads, pre-LN,
+RoPE over the patch index with theta 2^16 and interleaved pairs). Data: CIFAR-shaped images a
+model can learn (kernels.workloads.cifar_resnet.synthetic_cifar: per-class templates plus
+noise), or CIFAR-10 from local files (``--cifar PATH``, torchvision layout, never downloaded).
+Training: AdamW lr 1e-3 (a short budget; the seed's 1e-4 is for long runs), weight decay 0.05,
+linear warm-up then cosine decay. The seed's gradient clipping (1.0) is left out: the engine
+has no clipping yet, and both runs must use the same loop semantics.
+
+Reference: fp32, per-call RoPE + explicit softmax attention, per-parameter Python AdamW, the
+plain loop, one batch a step. Optimized: cached RoPE + SDPA, fused AdamW, the engine under
+``Recipe.auto`` (AMP only where it measures faster) with gradient accumulation: each step's batch
+in ``accumulation`` micro-batches, the same samples as the reference's step.
+
+    python -m kernels.workloads.vit_rope [--steps 20] [--batch 64] [--accumulation 2] [--ablation]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kernels.attention import RopeSelfAttention, check_attention
+from kernels.models import RopeViT
+from kernels.optim import adamw
+from kernels.perfgate.timing import peak_memory
+from kernels.training import Recipe, train
+from kernels.workloads.cifar_resnet import synthetic_cifar
+
+
+@dataclass(frozen=True)
+class Config:
+    steps: int = 20  # timed optimizer steps
+    warmup_steps: int = 2  # untimed, first (compile, allocator, caches)
+    batch: int = 64  # samples per optimizer step
+    accumulation: int = 2  # optimized run: micro-batches per step
+    dim: int = 192
+    heads: int = 6
+    depth: int = 6
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    device: str = "cpu"
+    seed: int = 0
+    cifar: str | None = None  # local CIFAR-10 root (torchvision layout) instead of synthetic images
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch", "accumulation", "dim", "heads", "depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch % self.accumulation:
+            raise ValueError(f"batch ({self.batch}) must split into {self.accumulation} equal micro-batches")
+
+    def data(self, micro: int = 1) -> list[tuple[Tensor, Tensor]]:
+        """Step batches preloaded on the device, each cut into ``micro`` micro-batches."""
+        n = (self.steps + self.warmup_steps) * self.batch
+        x, y = cifar10(self.cifar, train=True) if self.cifar else synthetic_cifar(n, seed=self.seed)
+        if len(y) < n:
+            raise ValueError(f"{n} training images needed, the data has {len(y)}")
+        x, y = x[:n].to(self.device), y[:n].to(self.device)
+        size = self.batch // micro
+        return [(x[i : i + size], y[i : i + size]) for i in range(0, n, size)]
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    attention: type[RopeSelfAttention]
+    optimizer_fn: Callable  # kernels.adamw or reference.adamw
+    train_fn: Callable  # kernels.training.train or reference.training.train
+    recipe: Recipe | None = None  # None: the reference loop's plain fp32
+
+
+@dataclass
+class ViTReport:
+    name: str
+    ms_per_step: float
+    peak_mib: float | None  # memory the timed steps added (kernels.perfgate's measure)
+    accuracy: float
+    final_loss: float
+
+
+def cosine_schedule(opt: torch.optim.Optimizer, total: int, warmup: int = 2) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``total``."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def cifar10(root: str, train: bool) -> tuple[Tensor, Tensor]:
+    """CIFAR-10 from local files under ``root`` (torchvision layout), standardized; never downloads."""
+    from torchvision.datasets import CIFAR10
+
+    try:
+        ds = CIFAR10(root, train=train, download=False)
+    except RuntimeError as e:
+        raise FileNotFoundError(f"no CIFAR-10 files under {root!r} (torchvision layout "
+                                "cifar-10-batches-py/); this workload never downloads") from e
+    x = torch.tensor(ds.data, dtype=torch.float32).permute(0, 3, 1, 2) / 255.0
+    return (x - x.mean()) / x.std(), torch.tensor(ds.targets, dtype=torch.int64)
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, cfg: Config, n: int = 1000) -> float:
+    """On 1000 held-out images: synthetic ones of another seed, or CIFAR-10's test split."""
+    x, y = cifar10(cfg.cifar, train=False) if cfg.cifar else synthetic_cifar(n, seed=10_000)
+    x, y = x[:n], y[:n]
+    device = cfg.device
+    model.eval()
+    return (model(x.to(device)).argmax(1).cpu() == y).float().mean().item()
+
+
+def run(method: Method, cfg: Config) -> ViTReport:
+    """Warm-up steps apart, then the timed steps (peak memory measured around them)."""
+    torch.manual_seed(cfg.seed)
+    model = RopeViT(cfg.dim, cfg.heads, cfg.depth, attention=method.attention).to(cfg.device)
+    opt = method.optimizer_fn(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = cosine_schedule(opt, cfg.steps + cfg.warmup_steps)
+    micro = method.recipe.accumulation if method.recipe else 1
+    data = cfg.data(micro)
+    split = cfg.warmup_steps * micro
+    result = []
+
+    def steps(batches: list) -> None:
+        result.append(method.train_fn(model, F.cross_entropy, opt, batches, method.recipe, device=cfg.device,
+                                      scheduler=sched))
+
+    steps(data[:split])
+    t0 = time.perf_counter()
+    peak = peak_memory(lambda: steps(data[split:]), cfg.device)
+    seconds = time.perf_counter() - t0
+    return ViTReport(method.name, 1e3 * seconds / cfg.steps, None if peak is None else peak / 2**20,
+                     accuracy(model, cfg), result[-1].losses[-1])
+
+
+def _cached_rope_manual(q: Tensor, k: Tensor, v: Tensor, rope, *, causal: bool = False,
+                        attn_mask: Tensor | None = None) -> Tensor:
+    """Ablation row: the cached RoPE kernel, then the reference's explicit softmax attention."""
+    from reference.attention import softmax_attention
+
+    check_attention(q, k, v, attn_mask)
+    return softmax_attention(rope(q), rope(k), v, causal=causal, attn_mask=attn_mask)
+
+
+class CachedRopeManualAttention(RopeSelfAttention):
+    attend = staticmethod(_cached_rope_manual)
+
+
+def reference_method() -> Method:
+    import reference.training
+    from reference.attention import RopeSelfAttention as ReferenceAttention
+    from reference.optim import adamw as reference_adamw
+
+    return Method("reference (fp32, per-call RoPE, manual softmax, Python AdamW)", ReferenceAttention,
+                  reference_adamw, reference.training.train)
+
+
+def optimized_method(cfg: Config, recipe: Recipe | None = None) -> Method:
+    """Cached RoPE + SDPA, fused AdamW, the engine; ``recipe`` measured by default."""
+    if recipe is None:
+        x, y = cfg.data(cfg.accumulation)[0]
+        model = RopeViT(cfg.dim, cfg.heads, cfg.depth).to(cfg.device)
+        recipe = Recipe.auto(cfg.device, accumulation=cfg.accumulation, model=model, loss_fn=F.cross_entropy,
+                             batch=(x, y))
+    return Method(f"optimized ({recipe.name}, accumulation {recipe.accumulation})", RopeSelfAttention, adamw,
+                  train, recipe)
+
+
+def ablation(cfg: Config) -> list[ViTReport]:
+    """reference / + cached RoPE / + SDPA / + fused AdamW (engine) / + AMP, then the auto recipe."""
+    ref = reference_method()
+    amp = Recipe(torch.float16, grad_scaler=True) if cfg.device.startswith("cuda") else Recipe(torch.bfloat16)
+    methods = [ref, replace(ref, name="+ cached RoPE", attention=CachedRopeManualAttention),
+               replace(ref, name="+ SDPA", attention=RopeSelfAttention),
+               Method("+ fused AdamW (engine, fp32)", RopeSelfAttention, adamw, train, Recipe()),
+               Method(f"+ AMP ({amp.name})", RopeSelfAttention, adamw, train, amp),
+               optimized_method(cfg)]
+    return [run(m, cfg) for m in methods]
+
+
+def format_rows(rows: list[ViTReport]) -> list[str]:
+    base = rows[0].ms_per_step
+    lines = ["| run | ms/step | speedup | peak MiB | accuracy | final loss |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r.name} | {r.ms_per_step:.1f} | {base / r.ms_per_step:.2f}x | "
+              f"{'-' if r.peak_mib is None else f'{r.peak_mib:.0f}'} | {r.accuracy:.1%} | {r.final_loss:.3f} |"
+              for r in rows]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.workloads.vit_rope", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--accumulation", type=int, default=2)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--cifar", metavar="PATH", help="local CIFAR-10 (torchvision layout) instead of synthetic")
+    parser.add_argument("--ablation", action="store_true", help="every row, not only reference/optimized")
+    args = parser.parse_args(argv)
+    try:
+        cfg = Config(steps=args.steps, batch=args.batch, accumulation=args.accumulation, depth=args.depth,
+                     device=args.device, cifar=args.cifar)
+    except ValueError as e:
+        parser.error(str(e))
+    data = f"CIFAR-10 from {cfg.cifar}" if cfg.cifar else "synthetic CIFAR"
+    print(f"RoPE ViT (D {cfg.dim}, {cfg.heads} heads, depth {cfg.depth}) on {data}, {cfg.steps} steps "
+          f"of batch {cfg.batch} on {cfg.device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    rows = ablation(cfg) if args.ablation else [run(reference_method(), cfg), run(optimized_method(cfg), cfg)]
+    print("\n".join(format_rows(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
