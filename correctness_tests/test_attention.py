@@ -4,6 +4,7 @@ and gradients of q, k, v; bf16 against an fp64 oracle; refusals."""
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kernels
+import kernels.attention as KA
 import reference.attention as RA
 from correctness_tests.tolerances import REDUCTION, assert_close, assert_dicts_close
 from kernels.rope import RotaryEmbedding
@@ -48,9 +50,12 @@ def _forward_backward(side, p: dict, dtype: torch.dtype | None = None) -> tuple[
     return out, *grads
 
 
-@given(problems())
-def test_outputs_and_gradients_equal_reference(p: dict) -> None:
-    got, want = _forward_backward(kernels, p), _forward_backward(RA, p)
+@given(problems(), st.sampled_from([0, KA.CPU_MATH_MAX_SEQ]))
+def test_outputs_and_gradients_equal_reference(p: dict, math_max_seq: int) -> None:
+    """Both kernel paths: SDPA (math_max_seq 0) and, on CPU fp32 up to 192 positions, the explicit one."""
+    with mock.patch.object(KA, "CPU_MATH_MAX_SEQ", math_max_seq):
+        got = _forward_backward(kernels, p)
+    want = _forward_backward(RA, p)
     assert got[0].shape == want[0].shape and got[0].dtype == want[0].dtype
     assert_close(got[0], want[0], REDUCTION, msg="out")
     # gradients on one scale: dq is ~0 where softmax has one key, yet carries the backward's rounding

@@ -1,6 +1,14 @@
-"""RoPE attention, B8 H8 D64, S=128 and 512, causal or not: per-call RoPE + explicit softmax (the
-reference) against cached RoPE + scaled_dot_product_attention. Forward, as in inference and as
-the MEASUREMENTS.md rows; the timed result must equal the reference's.
+"""RoPE attention, B8 H8 D64, causal or not: per-call RoPE + explicit softmax (the reference)
+against cached RoPE + SDPA (or, on CPU fp32 up to 192 positions, the measured explicit path of
+kernels/attention.py). Forward, as the MEASUREMENTS.md rows; the timed result must equal the
+reference's.
+
+Measured on the 2-core CPU (AMD EPYC, --perf-malloc cache): S=128 1.57x (2.84 -> 1.81 ms), causal
+1.65x (3.47 -> 2.10); S=512 1.42x (35.6 -> 25.1 ms), causal 1.64x (41.4 -> 25.3). The issue aimed
+at 1.5x at S=128 (met) and 3x at S=512 (not met): torch's flash CPU kernel needs 23.8 ms at S=512
+here and no path measured faster (the explicit one 24.7, blocked 21.9-29.2), while the
+reference, which writes the 67 MB score matrix, is only 35.6: this host streams memory at
+~150 GB/s, where MEASUREMENTS.md's Xeon (3.0-3.8x) had 24-37 GB/s.
 """
 
 from __future__ import annotations
@@ -15,14 +23,24 @@ from correctness_tests.tolerances import REDUCTION, assert_close
 IMPLS = {"reference": reference, "optimized": kernels}
 
 
-@pytest.mark.speedup(cpu=1.0)
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("seq", [128, 512])
-@pytest.mark.parametrize("impl", list(IMPLS))
-def test_rope_attention(perf, impl: str, seq: int, causal: bool) -> None:
+def _time(perf, impl: str, seq: int, causal: bool) -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(8, 8, seq, 64, device=perf.device) for _ in range(3))
     rope = kernels.RotaryEmbedding(64).to(perf.device)
     fn = IMPLS[impl].rope_attention
     got = perf(lambda: fn(q, k, v, rope, causal=causal), label=f"B8 H8 S{seq} D64")
     assert_close(got, reference.rope_attention(q, k, v, rope, causal=causal), REDUCTION)
+
+
+@pytest.mark.speedup(cpu=1.3)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_rope_attention_s128(perf, impl: str, causal: bool) -> None:
+    _time(perf, impl, 128, causal)
+
+
+@pytest.mark.speedup(cpu=1.2)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_rope_attention_s512(perf, impl: str, causal: bool) -> None:
+    _time(perf, impl, 512, causal)

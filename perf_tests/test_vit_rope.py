@@ -1,6 +1,8 @@
 """One training step of the RoPE ViT workload (D 192, 6 heads, depth 6, 64 tokens): the reference
 (fp32, per-call RoPE, explicit softmax, Python AdamW, plain loop) against the optimized run
 (cached RoPE + SDPA, fused AdamW, the engine under Recipe.auto with 2 micro-batches a step).
+
+Measured on the 2-core CPU: B=32 1.37x (190 -> 138 ms, auto = bf16 + channels_last); floor 1.15.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from kernels.workloads.vit_rope import Config, optimized_method, reference_metho
 BATCH = {"smoke": 32, "full": 128}
 
 
-@pytest.mark.speedup(cpu=1.0)
+@pytest.mark.speedup(cpu=1.15)
 @pytest.mark.parametrize("impl", ["reference", "optimized"])
 def test_vit_rope_step(perf, impl: str) -> None:
     cfg = Config(steps=1, warmup_steps=0, batch=BATCH[perf.size], device=perf.device)
