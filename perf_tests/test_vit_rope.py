@@ -2,7 +2,8 @@
 (fp32, per-call RoPE, explicit softmax, Python AdamW, plain loop) against the optimized run
 (cached RoPE + SDPA, fused AdamW, the engine under Recipe.auto with 2 micro-batches a step).
 
-Measured on the 2-core CPU: B=32 1.37x (190 -> 138 ms, auto = bf16 + channels_last); floor 1.15.
+Measured on the 2-core CPU: B=32 1.27-1.37x (176-190 -> 138 ms, auto = bf16 + channels_last);
+floor 1.1.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kernels.workloads.vit_rope import Config, optimized_method, reference_metho
 BATCH = {"smoke": 32, "full": 128}
 
 
-@pytest.mark.speedup(cpu=1.15)
+@pytest.mark.speedup(cpu=1.1)
 @pytest.mark.parametrize("impl", ["reference", "optimized"])
 def test_vit_rope_step(perf, impl: str) -> None:
     cfg = Config(steps=1, warmup_steps=0, batch=BATCH[perf.size], device=perf.device)
