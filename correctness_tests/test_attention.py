@@ -73,20 +73,43 @@ def test_bf16_against_fp64_oracle(p: dict) -> None:
 
 
 @given(dim_heads=st.sampled_from([(32, 4, 4), (48, 6, 2), (64, 4, 1)]), s=st.integers(1, 20),
-       causal=st.booleans(), interleaved=st.booleans())
-def test_module_equals_reference_module(dim_heads, s, causal, interleaved) -> None:
+       causal=st.booleans(), interleaved=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_module_equals_reference_module(dim_heads, s, causal, interleaved, dtype) -> None:
+    """The module's q/k/v are strided views of one projection; S passes the 4-position cache."""
     dim, heads, kv = dim_heads
     torch.manual_seed(s)
-    mod = kernels.RopeSelfAttention(dim, heads, kv, max_seq_len=4, causal=causal, interleaved=interleaved).double()
-    ref = RA.RopeSelfAttention(dim, heads, kv, max_seq_len=4, causal=causal, interleaved=interleaved).double()
+    kw = dict(max_seq_len=4, causal=causal, interleaved=interleaved)
+    mod = kernels.RopeSelfAttention(dim, heads, kv, **kw).to(dtype)
+    ref = RA.RopeSelfAttention(dim, heads, kv, **kw).to(dtype)
     ref.load_state_dict(mod.state_dict())  # the same parameters; the RoPE cache is not in the state dict
-    x = torch.randn(2, s, dim, dtype=torch.float64)
+    x = torch.randn(2, s, dim, dtype=dtype)
     got, want = mod(x), ref(x)
     assert_close(got, want, REDUCTION)
-    gm = torch.autograd.grad(got.square().sum(), list(mod.parameters()))
-    gr = torch.autograd.grad(want.square().sum(), list(ref.parameters()))
-    for a, b in zip(gm, gr, strict=True):
-        assert_close(a, b, REDUCTION)
+    names = [n for n, _ in mod.named_parameters()]
+    gm = dict(zip(names, torch.autograd.grad(got.square().sum(), list(mod.parameters())), strict=True))
+    gr = dict(zip(names, torch.autograd.grad(want.square().sum(), list(ref.parameters())), strict=True))
+    assert_dicts_close(gm, gr, REDUCTION)
+
+
+def test_module_under_bf16_autocast_with_a_float_mask() -> None:
+    torch.manual_seed(0)
+    mod = kernels.RopeSelfAttention(32, 4, 2)
+    ref = RA.RopeSelfAttention(32, 4, 2).double()
+    ref.load_state_dict(mod.state_dict())
+    x, mask = torch.randn(2, 10, 32), torch.randn(10, 10)  # an fp32 mask, bf16 activations
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = mod(x, attn_mask=mask)
+    assert_close(got.double(), ref(x.double(), attn_mask=mask.double()), REDUCTION, dtype=torch.bfloat16)
+
+
+def test_value_head_dim_may_differ_and_offset_positions_pass_through() -> None:
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    v = torch.randn(1, 2, 5, 4)
+    rope = RotaryEmbedding(8)
+    for kw in ({}, {"offset": 7}, {"positions": torch.tensor([3, 1, 4, 1, 5])}):
+        got = kernels.rope_attention(q, k, v, rope, causal=True, **kw)
+        assert got.shape == (1, 2, 5, 4)
+        assert_close(got, RA.rope_attention(q, k, v, rope, causal=True, **kw), REDUCTION)
 
 
 def test_causal_attention_does_not_see_the_future() -> None:
@@ -113,8 +136,14 @@ def test_bad_input_is_refused(side: str) -> None:
         fn(*_qkv(h=4, hk=3), rope)
     with pytest.raises(ValueError, match="share dtype"):
         fn(q, k.double(), v, rope)
+    with pytest.raises(ValueError, match="share dtype"):
+        fn(q, k, v.double(), rope)
     with pytest.raises(ValueError, match="share dtype and device"):
         fn(q, k.to("meta"), v, rope)
+    with pytest.raises(ValueError, match="attn_mask is on meta"):
+        fn(q, k, v, rope, attn_mask=torch.ones(5, 5, dtype=torch.bool, device="meta"))
+    with pytest.raises(ValueError, match="no key to attend to"):
+        fn(q, k, v, rope, attn_mask=torch.zeros(5, 5).index_fill_(0, torch.tensor([2]), float("-inf")))
     with pytest.raises(ValueError, match="head dim"):
         fn(*_qkv(d=6), rope)
     with pytest.raises(ValueError, match="does not broadcast"):

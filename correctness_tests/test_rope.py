@@ -34,6 +34,26 @@ def test_rotation_and_its_gradient_equal_reference(b, h, s, half, interleaved, o
         assert rope.max_seq_len >= s + offset
 
 
+def test_any_strides_including_a_strided_last_dim() -> None:
+    base = torch.randn(2, 9, 3, 32)
+    for x in (base[..., ::2], base.transpose(1, 2), base[:, ::2]):  # last-dim stride 2, (B,S,H,D) view, gaps
+        x = x.transpose(1, 2) if x.shape[1] != 3 else x
+        assert_close(K.RotaryEmbedding(x.shape[-1])(x, offset=3), R.RotaryEmbedding(x.shape[-1])(x, offset=3),
+                     ELEMENTWISE)
+
+
+def test_half_precision_gradients_rotate_in_fp32() -> None:
+    """fp16 in, fp16 gradient out, equal to the fp64 gradient rounded once."""
+    x = torch.randn(2, 2, 40, 16).half().requires_grad_(True)
+    y = K.RotaryEmbedding(16)(x, offset=500)
+    g = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, g)
+    xd = x.detach().double().requires_grad_(True)
+    (want,) = torch.autograd.grad(R.RotaryEmbedding(16)(xd, offset=500), xd, g.double())
+    assert gx.dtype == torch.float16
+    assert_close(gx.double(), want, ELEMENTWISE, dtype=torch.float16)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_is_rotated_in_fp32(dtype) -> None:
     x = torch.randn(2, 3, 300, 64).to(dtype)
@@ -75,7 +95,7 @@ def test_cache_is_a_non_persistent_buffer_that_follows_the_module() -> None:
     model = torch.nn.Module()
     model.rope = K.RotaryEmbedding(8, 32)
     assert model.state_dict() == {} and {n for n, _ in model.named_buffers()} == {"rope.cos", "rope.sin"}
-    model.to(torch.bfloat16)  # casts buffers; the rotation must not lose its fp32 tables
+    model.to(torch.bfloat16).to(torch.float32)  # dtype casts must not round the fp32 tables
     x = torch.randn(1, 1, 30, 8)
     assert_close(model.rope(x, offset=2000), R.RotaryEmbedding(8)(x, offset=2000), ELEMENTWISE)
     assert model.rope.cos.dtype == torch.float32

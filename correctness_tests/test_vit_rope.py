@@ -28,20 +28,37 @@ def test_model_shapes_and_reference_attention_share_parameters() -> None:
 
 def test_accumulation_128x2_equals_batch_256_in_fp32() -> None:
     """The engine's two micro-batches of 128 and one reference step on the same 256 images give
-    the same parameters (LayerNorm only: no batch statistics, so the split changes only rounding)."""
+    the same parameters (LayerNorm only: no batch statistics, so the split changes only rounding).
+    Plain SGD, whose step is proportional to the gradient: a wrong accumulation scale shows."""
     torch.manual_seed(0)
     x, y = torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,))
     init = RopeViT(dim=32, heads=2, depth=1)
     models = [RopeViT(dim=32, heads=2, depth=1) for _ in range(2)]
     for m in models:
         m.load_state_dict(init.state_dict())
-    opts = [kernels.adamw(m.parameters(), lr=1e-3, weight_decay=0.05) for m in models]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
     kernels.train(models[0], F.cross_entropy, opts[0], [(x[:128], y[:128]), (x[128:], y[128:])],
                   Recipe(accumulation=2))
     reference.training.train(models[1], F.cross_entropy, opts[1], [(x, y)])
     got, want = (dict(m.named_parameters()) for m in models)
     assert_dicts_close(got, want, REDUCTION)
     assert not torch.equal(models[0].head.weight, init.head.weight)  # the step did move the weights
+
+
+def test_fp32_rows_train_identically() -> None:
+    """The reference and the rows that swap in the RoPE cache or the attention kernel are one
+    function: same losses and accuracy after the same steps (fp32)."""
+    from dataclasses import replace
+
+    from kernels.attention import RopeSelfAttention
+
+    cfg = vit_rope.Config(steps=3, warmup_steps=1, batch=8, accumulation=1, dim=32, heads=2, depth=1)
+    ref = vit_rope.reference_method()
+    rows = [vit_rope.run(m, cfg) for m in (ref, replace(ref, attention=vit_rope.CachedRopeManualAttention),
+                                           replace(ref, attention=RopeSelfAttention))]
+    for r in rows[1:]:
+        assert r.final_loss == pytest.approx(rows[0].final_loss, rel=1e-4)
+        assert r.accuracy == pytest.approx(rows[0].accuracy, abs=0.002)
 
 
 def test_config_and_data() -> None:
@@ -69,7 +86,7 @@ def test_cosine_schedule_warms_up_then_decays() -> None:
 def test_cli_ablation_rows(capsys) -> None:
     assert vit_rope.main(["--steps", "1", "--batch", "8", "--depth", "1", "--ablation"]) == 0
     out = capsys.readouterr().out
-    for row in ("reference (fp32", "+ cached RoPE", "+ SDPA", "+ fused AdamW", "+ AMP", "optimized ("):
+    for row in ("reference (fp32", "+ cached RoPE", "+ attention kernel", "+ fused AdamW", "+ AMP", "optimized ("):
         assert f"| {row}" in out, row
     with pytest.raises(SystemExit):
         vit_rope.main(["--steps", "0"])

@@ -41,8 +41,8 @@ def check_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -
     if hk < 1 or h % hk:
         raise ValueError(f"kv heads ({hk}) must divide q heads ({h}) for grouped-query attention")
     if attn_mask is not None:
-        if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
-            raise TypeError(f"attn_mask must be bool (True = attend) or {q.dtype} (added), got {attn_mask.dtype}")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(f"attn_mask must be bool (True = attend) or floating (added), got {attn_mask.dtype}")
         try:
             if torch.broadcast_shapes(attn_mask.shape, (b, h, s, s)) != (b, h, s, s):
                 raise RuntimeError
@@ -53,19 +53,20 @@ def check_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -
             raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}")
 
 
-def combined_mask(attn_mask: Tensor | None, causal: bool, s: int, device: torch.device) -> Tensor | None:
-    """One mask for causal + attn_mask; a boolean mask that leaves a query row nothing to attend to
-    is refused (softmax over nothing is NaN). Float masks are added as given."""
+def combined_mask(attn_mask: Tensor | None, causal: bool, s: int, device: torch.device,
+                  dtype: torch.dtype) -> Tensor | None:
+    """One mask for causal + attn_mask (a float mask in ``dtype``, e.g. bf16 under autocast); a mask
+    that leaves a query row nothing to attend to is refused (softmax over nothing is NaN)."""
     if attn_mask is None:
         return None  # causal alone: SDPA's is_causal
-    mask = attn_mask
+    mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask.to(dtype)
     if causal:
         tril = torch.ones(s, s, dtype=torch.bool, device=device).tril()
-        mask = attn_mask & tril if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~tril, float("-inf"))
+        mask = mask & tril if mask.dtype == torch.bool else mask.masked_fill(~tril, float("-inf"))
     empty_row = ~mask.any(-1) if mask.dtype == torch.bool else (mask == float("-inf")).all(-1)
     if bool(empty_row.any()):
-        raise ValueError("attn_mask (with causal) leaves some query with no key to attend to: its softmax is "
-                         "undefined; let every query attend to at least one key")
+        raise ValueError("attn_mask (after the causal mask, if any) leaves some query with no key to attend to: "
+                         "its softmax is undefined; let every query attend to at least one key")
     return mask
 
 
@@ -85,14 +86,14 @@ def _math_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor 
         grouped.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else grouped.add_(m)
     elif causal:
         grouped.masked_fill_(~torch.ones(s, s, dtype=torch.bool, device=q.device).tril(), float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v).view(b, h, s, d)
+    return torch.matmul(torch.softmax(scores, dim=-1), v).view(b, h, s, v.shape[-1])
 
 
 def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, causal: bool = False,
                    attn_mask: Tensor | None = None, offset: int = 0, positions: Tensor | None = None) -> Tensor:
     """softmax(R(q) R(k)^T / sqrt(D) + mask) v: q (B, H, S, D), k and v (B, H_kv, S, D) -> (B, H, S, D)."""
     check_attention(q, k, v, attn_mask)
-    mask = combined_mask(attn_mask, causal, q.shape[2], q.device)
+    mask = combined_mask(attn_mask, causal, q.shape[2], q.device, q.dtype)
     q, k = rope(q, offset=offset, positions=positions), rope(k, offset=offset, positions=positions)
     if q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[2] <= CPU_MATH_MAX_SEQ:
         return _math_attention(q, k, v, causal, mask)

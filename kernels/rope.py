@@ -3,9 +3,11 @@
 Position p rotates each pair of features (x_a, x_b) by the angle p * base^(-2i/D), i the pair:
 pairs (i, i + D/2) by default (GPT-NeoX, LLaMA), or (2i, 2i + 1) with ``interleaved=True``
 (GPT-J, BDH). cos and sin are computed once in fp32, positions exact (integers below 2^24), and
-kept as non-persistent buffers: they move with ``.to()`` and stay out of state dicts. A longer
-sequence grows the cache to the next power of two (``grow=False``: it raises instead, for code
-that must not reallocate, e.g. under CUDA graphs).
+kept as non-persistent buffers: they move with ``.to(device)``, ignore dtype casts (a model cast
+to bf16 keeps fp32 tables) and stay out of state dicts. A longer sequence grows the cache to the
+next power of two (``grow=False``: it raises instead, for code that must not reallocate; offset
+calls without a mask then need no host sync, explicit positions and masks are checked on the
+host).
 
 The rotation: the textbook form x cos + rotate_half(x) sin (the reference) makes five passes and
 a concatenated copy. Here each half is written once (x_a c - x_b s, x_b c + x_a s) from cos/sin
@@ -17,6 +19,7 @@ back.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -60,6 +63,10 @@ def check_rotate(x: Tensor, head_dim: int, offset: int, positions: Tensor | None
                              f"got {positions.dtype} {tuple(positions.shape)}")
         if offset:
             raise ValueError("pass either offset or positions, not both")
+        if positions.device != x.device:
+            raise ValueError(f"positions are on {positions.device}, x on {x.device}")
+        if positions.numel() and int(positions.min()) < 0:
+            raise ValueError("positions must be >= 0")
 
 
 class _Rotate(torch.autograd.Function):
@@ -118,6 +125,14 @@ class RotaryEmbedding(nn.Module):
         angles = rope_angles(self.head_dim, torch.arange(length, device=device), self.base)
         self.cos, self.sin = angles.cos().float(), angles.sin().float()
 
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> RotaryEmbedding:
+        """Follow ``.to(device)`` but not dtype casts: tables rounded to bf16 and back would stay wrong."""
+        cos, sin = self.cos, self.sin
+        super()._apply(fn, recurse)
+        if self.cos.dtype != torch.float32:
+            self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
+        return self
+
     def _ensure(self, needed: int) -> None:
         if needed <= self.max_seq_len:
             return
@@ -132,8 +147,6 @@ class RotaryEmbedding(nn.Module):
         if self.cos.device != x.device:
             raise ValueError(f"x is on {x.device}, the embedding's cache on {self.cos.device}: move the "
                              "module with .to(device)")
-        if self.cos.dtype != torch.float32:  # a model cast with .to(dtype) casts buffers: rebuild in fp32
-            self._build(self.max_seq_len, self.cos.device)
         if compute_dtype(x) == torch.float64:  # the fp64 path (oracles) computes its table exactly
             pos = torch.arange(offset, offset + x.shape[2], device=x.device) if positions is None else positions
             if not self.grow:
@@ -144,8 +157,6 @@ class RotaryEmbedding(nn.Module):
         if positions is None:
             self._ensure(offset + x.shape[2])
             return self.cos[offset : offset + x.shape[2]], self.sin[offset : offset + x.shape[2]]
-        if positions.numel() and int(positions.min()) < 0:
-            raise ValueError("positions must be >= 0")
         self._ensure(int(positions.max()) + 1 if positions.numel() else 0)
         cos, sin = self.cos[positions], self.sin[positions]
         return (cos, sin) if positions.ndim == 1 else (cos[:, None], sin[:, None])

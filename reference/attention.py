@@ -23,10 +23,10 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool, device=q.device).tril(), float("-inf"))
     if attn_mask is not None:
         is_bool = attn_mask.dtype == torch.bool
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if is_bool else scores + attn_mask
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if is_bool else scores + attn_mask.to(q.dtype)
     if bool(torch.isinf(scores).all(-1).any()):
-        raise ValueError("attn_mask (with causal) leaves some query with no key to attend to: its softmax is "
-                         "undefined; let every query attend to at least one key")
+        raise ValueError("attn_mask (after the causal mask, if any) leaves some query with no key to attend to: "
+                         "its softmax is undefined; let every query attend to at least one key")
     return torch.softmax(scores, dim=-1) @ v
 
 

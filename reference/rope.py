@@ -31,8 +31,6 @@ class RotaryEmbedding(nn.Module):
         check_rotate(x, self.head_dim, offset, positions)
         if positions is None:
             positions = torch.arange(offset, offset + x.shape[2], device=x.device)
-        if positions.numel() and int(positions.min()) < 0:
-            raise ValueError("positions must be >= 0")
         if not self.grow and positions.numel() and int(positions.max()) >= self.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is beyond the cache of {self.max_seq_len} "
                              "positions (grow=False); build the embedding with a larger max_seq_len")
