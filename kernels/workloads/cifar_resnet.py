@@ -25,6 +25,7 @@ from torch import Tensor
 from kernels.models import ResNet10
 from kernels.optim import adamw
 from kernels.training import Recipe, train
+from kernels.workloads.table import markdown
 
 
 def synthetic_cifar(n: int, *, seed: int = 0, classes: int = 10, noise: float = 2.5) -> tuple[Tensor, Tensor]:
@@ -114,11 +115,9 @@ def ablation(cfg: Config, compile_: bool = True) -> list[RunReport]:
 
 def format_rows(rows: list[RunReport]) -> list[str]:
     base = rows[0].ms_per_step
-    lines = ["| run | ms/step | speedup | warm-up s (compile) | accuracy | final loss |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r.name} | {r.ms_per_step:.1f} | {base / r.ms_per_step:.2f}x | {r.first_steps_s:.1f} | "
-              f"{r.accuracy:.1%} | {r.final_loss:.3f} |" for r in rows]
-    return lines
+    return markdown(["run", "ms/step", "speedup", "warm-up s (compile)", "accuracy", "final loss"],
+                    [[r.name, f"{r.ms_per_step:.1f}", f"{base / r.ms_per_step:.2f}x", f"{r.first_steps_s:.1f}",
+                      f"{r.accuracy:.1%}", f"{r.final_loss:.3f}"] for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from kernels.training import Recipe
 from kernels.workloads import ocs
 from kernels.workloads.ocs import Config, OCSReport, Scorer, optimized, optimized_recipe, run
 from kernels.workloads.rotated_digits import Split, digits, mnist, rotated_tasks
+from kernels.workloads.table import markdown, mib
 
 
 def _materialized(grads_fn: Callable) -> Scorer:
@@ -47,13 +48,13 @@ def ablation(cfg: Config, tasks: list[tuple[Split, Split]]) -> list[OCSReport]:
 
 def format_rows(rows: list[OCSReport]) -> list[str]:
     base = sum(rows[0].seconds) / len(rows[0].seconds)
-    lines = ["| run | s/task | speedup | peak MiB | avg accuracy | forgetting | per-task accuracy at the end |",
-             "|---|---|---|---|---|---|---|"]
+    cells = []
     for r in rows:
-        per, peak = sum(r.seconds) / len(r.seconds), "-" if r.peak_mib is None else f"{r.peak_mib:.0f}"
-        lines.append(f"| {r.name} | {per:.2f} | {base / per:.2f}x | {peak} | {r.average_accuracy:.1%} | "
-                     f"{r.forgetting:.1%} | {' '.join(f'{a:.0%}' for a in r.accuracy[-1])} |")
-    return lines
+        per = sum(r.seconds) / len(r.seconds)
+        cells.append([r.name, f"{per:.2f}", f"{base / per:.2f}x", mib(r.peak_mib), f"{r.average_accuracy:.1%}",
+                      f"{r.forgetting:.1%}", " ".join(f"{a:.0%}" for a in r.accuracy[-1])])
+    return markdown(["run", "s/task", "speedup", "peak MiB", "avg accuracy", "forgetting",
+                     "per-task accuracy at the end"], cells)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,7 @@ from kernels.optim import adamw
 from kernels.perfgate.timing import peak_memory
 from kernels.training import Recipe, train
 from kernels.workloads.cifar_resnet import synthetic_cifar
+from kernels.workloads.table import markdown, mib
 
 
 @dataclass(frozen=True)
@@ -190,11 +191,10 @@ def ablation(cfg: Config) -> list[ViTReport]:
 
 def format_rows(rows: list[ViTReport]) -> list[str]:
     base = rows[0].ms_per_step
-    lines = ["| run | ms/step | speedup | peak MiB | accuracy | final loss |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r.name} | {r.ms_per_step:.1f} | {base / r.ms_per_step:.2f}x | "
-              f"{'-' if r.peak_mib is None else f'{r.peak_mib:.0f}'} | {r.accuracy:.1%} | {r.final_loss:.3f} |"
-              for r in rows]
-    return lines
+    return markdown(["run", "ms/step", "speedup", "peak MiB", "accuracy", "final loss"],
+                    [[r.name, f"{r.ms_per_step:.1f}", f"{base / r.ms_per_step:.2f}x",
+                      mib(r.peak_mib), f"{r.accuracy:.1%}", f"{r.final_loss:.3f}"]
+                     for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
