@@ -6,6 +6,7 @@ Public API (loaded on first use, so ``import kernels`` stays light):
 - ``ocs_scores``, ``ocs_select``: Online Coreset Selection from Gram products (kernels.coreset)
 - ``RotaryEmbedding``, ``rope_attention``, ``RopeSelfAttention``: cached RoPE + SDPA (kernels.rope,
   kernels.attention)
+- ``topk_singular_values``: randomized top-k singular values with an error bound (kernels.spectral)
 - ``adamw``, ``sgd``: torch optimizers with the implementation that measured fastest (kernels.optim)
 - ``Recipe``, ``train``: the shared training-loop engine (kernels.training)
 - ``models``: model definitions shared by kernels, references and workloads
@@ -27,6 +28,7 @@ _EXPORTS = {
     "RotaryEmbedding": "kernels.rope",
     "rope_attention": "kernels.attention",
     "RopeSelfAttention": "kernels.attention",
+    "topk_singular_values": "kernels.spectral",
     "ocs_scores": "kernels.coreset",
     "ocs_select": "kernels.coreset",
 }

@@ -1,0 +1,95 @@
+"""kernels.topk_singular_values == reference (full svdvals) where the spectrum decays, its error
+bound covers the truth where it does not, and the edge cases: low rank, zero, wide/tall, fp16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kernels.spectral as KS
+import reference.spectral as RS
+from correctness_tests.tolerances import REDUCTION, assert_close
+
+
+def _matrix(m: int, n: int, values: torch.Tensor, seed: int, batch: tuple = ()) -> torch.Tensor:
+    """U diag(values) V^T with Haar-random U (m x r), V (n x r), r = len(values)."""
+    g = torch.Generator().manual_seed(seed)
+    r = len(values)
+    u = torch.linalg.qr(torch.randn(*batch, m, r, generator=g, dtype=torch.float64)).Q
+    v = torch.linalg.qr(torch.randn(*batch, n, r, generator=g, dtype=torch.float64)).Q
+    return ((u * values.double()) @ v.mT).float()
+
+
+@given(m=st.integers(100, 260), n=st.integers(100, 260), k=st.integers(1, 12), ratio=st.floats(0.5, 0.9),
+       batch=st.sampled_from([(), (3,)]), seed=st.integers(0, 2**16))
+def test_decaying_spectrum_each_value_within_1e4_relative(m, n, k, ratio, batch, seed) -> None:
+    """sigma_i = ratio^i: with q = k + max(k, 10) and 4 power iterations the k-th value's error
+    scales like (sigma_q+1 / sigma_k)^9 <= (0.9^11)^9 ~ 3e-5 at worst here: 1e-4 relative."""
+    values = ratio ** torch.arange(min(m, n), dtype=torch.float64)
+    a = _matrix(m, n, values, seed, batch)
+    got, err = KS.topk_singular_values(a, k, generator=torch.Generator().manual_seed(seed), return_error=True)
+    want = RS.topk_singular_values(a, k)
+    assert got.shape == want.shape == (*batch, k) and err.shape == batch
+    assert bool(((got - want).abs() <= 1e-4 * want).all()), ((got - want).abs() / want).max()
+
+
+@given(m=st.integers(100, 260), n=st.integers(100, 260), k=st.integers(1, 12), seed=st.integers(0, 2**16))
+def test_flat_spectrum_error_bound_covers_the_truth(m, n, k, seed) -> None:
+    values = 1.0 / (1.0 + torch.arange(min(m, n), dtype=torch.float64) / min(m, n))  # 1 .. 0.5
+    a = _matrix(m, n, values, seed)
+    got, err = KS.topk_singular_values(a, k, generator=torch.Generator().manual_seed(seed), return_error=True)
+    want = RS.topk_singular_values(a.double(), k)
+    slack = 1e-5 * want[0]  # fp32 rounding of the estimate itself
+    assert bool((got.double() <= want + slack).all()), "estimates never exceed the truth"
+    assert bool((want - got.double() <= err.double() + slack).all()), (want - got, err)
+
+
+def test_low_rank_zero_wide_tall_and_full_k() -> None:
+    exact_rank = _matrix(300, 200, torch.tensor([5.0, 3.0, 1.0]), 0)
+    s, err = KS.topk_singular_values(exact_rank, 10, return_error=True)
+    assert_close(s[:3], torch.tensor([5.0, 3.0, 1.0]), REDUCTION)
+    assert bool((s[3:] <= 1e-5 * 5).all()) and err <= 1e-4
+    zero = torch.zeros(2, 200, 150)
+    s, err = KS.topk_singular_values(zero, 5, return_error=True)
+    assert torch.equal(s, torch.zeros(2, 5)) and torch.equal(err, torch.zeros(2))
+    for m, n in ((120, 400), (400, 120)):  # wide and tall, decaying spectra
+        a = _matrix(m, n, 0.8 ** torch.arange(120, dtype=torch.float64), m)
+        assert_close(KS.topk_singular_values(a, 10), RS.topk_singular_values(a, 10), REDUCTION)
+    a = torch.randn(130, 110)
+    s, err = KS.topk_singular_values(a, 110, return_error=True)  # k = min(m, n): exact
+    assert_close(s, torch.linalg.svdvals(a), REDUCTION) and err == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_input_is_computed_in_fp32(dtype) -> None:
+    a = _matrix(256, 256, 0.8 ** torch.arange(256, dtype=torch.float64), 3).to(dtype)
+    s = KS.topk_singular_values(a, 10)
+    assert s.dtype == dtype
+    want = torch.linalg.svdvals(a.float())[:10]
+    assert_close(s.float(), want, REDUCTION, dtype=dtype)
+
+
+def test_generator_makes_it_reproducible() -> None:
+    a = torch.randn(300, 300)
+    one = KS.topk_singular_values(a, 10, generator=torch.Generator().manual_seed(5))
+    two = KS.topk_singular_values(a, 10, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("side", [KS, RS])
+def test_bad_input_is_refused(side) -> None:
+    a = torch.randn(20, 30)
+    with pytest.raises(ValueError, match=r"k must be an int in \[1, min\(m, n\) = 20\]"):
+        side.topk_singular_values(a, 21)
+    with pytest.raises(ValueError, match="k must be"):
+        side.topk_singular_values(a, 0)
+    with pytest.raises(ValueError, match=r"\(\.\.\., m, n\)"):
+        side.topk_singular_values(torch.randn(5), 1)
+    with pytest.raises(TypeError, match="floating point"):
+        side.topk_singular_values(torch.ones(4, 4, dtype=torch.int64), 1)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        side.topk_singular_values(a.index_fill(0, torch.tensor([3]), float("nan")), 2)
+    with pytest.raises(ValueError, match="oversample must be"):
+        side.topk_singular_values(a, 2, oversample=-1)

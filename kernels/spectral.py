@@ -1,0 +1,76 @@
+"""Top-k singular values by randomized range finding, with an a-posteriori error bound.
+
+For A (..., m, n), tall after an optional transpose: Q spans A G for a Gaussian G (n, q), q = k +
+oversample, refined by ``niter`` power iterations (re-orthonormalized each half step); the
+singular values of B = Q^T A (q x n) are the estimates. They never exceed the true ones, and
+sigma_i(A) - sigma_i(B) <= ||A - Q B||_2 <= ||A - Q B||_F (A = QB + (I - QQ^T) A and Weyl), so
+``return_error=True`` also returns ||A - Q B||_F per matrix: a bound that covers the error of
+every returned value, large exactly when the spectrum is too flat for the fast path.
+
+Defaults from measurements on this 2-core CPU (top-10, fp32, worst relative error of the 10
+values): at 1024 x 1024 the exact svdvals took 91 ms; the seed's q = k, 2 iterations 13 ms and
+1.4% (decaying spectrum) / 12% (flat) off; q = 2k, 2 iterations 3.8 ms, 7e-7 / 9%; q = 2k,
+4 iterations 5.5 ms, 7e-7 / 4.8%; q = 3k, 4 iterations 8.5 ms, 6e-7 / 4.0%. So q = 2k and 4
+iterations (16x): the flat spectrum's error halves for 1.7 ms, and the bound reports it anyway
+(it covered the true error in every case). For small k the oversampling is at least 10 (q = 2
+was 2e-4 off on the top value of a 0.75^i spectrum; Halko et al. advise 5-10 extra columns).
+The exact ``svdvals`` is used when min(m, n) <= ``EXACT_BELOW`` = 96 (n = 64: exact 0.11 ms,
+randomized 0.25; n = 128: 0.42 against 0.38) or q >= min(m, n) / 2. fp16/bf16 input is
+computed in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+EXACT_BELOW = 96  # min(m, n) at or under this: svdvals directly (measured crossover, module note)
+
+
+def _check(a: Tensor, k: int, oversample: int | None, niter: int | None) -> None:
+    if not isinstance(a, Tensor) or a.ndim < 2:
+        raise ValueError(f"A must be a (..., m, n) tensor, got {getattr(a, 'shape', type(a).__name__)}")
+    if not a.is_floating_point():
+        raise TypeError(f"A must be floating point, got {a.dtype}")
+    r = min(a.shape[-2:])
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= r:
+        raise ValueError(f"k must be an int in [1, min(m, n) = {r}], got {k!r}")
+    for name, v in (("oversample", oversample), ("niter", niter)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"{name} must be an int >= 0 or None, got {v!r}")
+    if a.numel() and not bool(torch.isfinite(a).all()):
+        raise ValueError("A contains NaN or inf; singular values are undefined")
+
+
+def _orthonormal(y: Tensor) -> Tensor:
+    return torch.linalg.qr(y).Q
+
+
+def topk_singular_values(A: Tensor, k: int, *, oversample: int | None = None, niter: int | None = None,
+                         generator: torch.Generator | None = None,
+                         return_error: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """The k largest singular values of each matrix, descending: A (..., m, n) -> (..., k).
+
+    ``return_error``: also (...,) a bound on |estimate - true| for every returned value (0 when
+    computed exactly). ``generator`` seeds the random test matrix (device of A).
+    """
+    _check(A, k, oversample, niter)
+    out_dtype = A.dtype
+    a = A.float() if A.dtype in (torch.float16, torch.bfloat16) else A
+    m, n = a.shape[-2:]
+    q = k + (max(k, 10) if oversample is None else oversample)
+    if min(m, n) <= EXACT_BELOW or 2 * q >= min(m, n):
+        s = torch.linalg.svdvals(a)[..., :k]
+        err = s.new_zeros(a.shape[:-2])
+    else:
+        if m < n:  # work with the tall orientation: the range finder's cost is in n
+            a = a.mT
+        g = torch.randn(*a.shape[:-2], a.shape[-1], q, dtype=a.dtype, device=a.device, generator=generator)
+        basis = _orthonormal(a @ g)
+        for _ in range(4 if niter is None else niter):
+            basis = _orthonormal(a @ _orthonormal(a.mT @ basis))
+        b = basis.mT @ a  # (..., q, n)
+        s = torch.linalg.svdvals(b)[..., :k]
+        err = torch.linalg.matrix_norm(a - basis @ b)
+    s, err = s.to(out_dtype), err.to(out_dtype)
+    return (s, err) if return_error else s
