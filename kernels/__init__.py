@@ -7,6 +7,7 @@ Public API (loaded on first use, so ``import kernels`` stays light):
 - ``RotaryEmbedding``, ``rope_attention``, ``RopeSelfAttention``: cached RoPE + SDPA (kernels.rope,
   kernels.attention)
 - ``topk_singular_values``: randomized top-k singular values with an error bound (kernels.spectral)
+- ``Standardizer``: scikit-learn StandardScaler semantics on any device (kernels.standardize)
 - ``adamw``, ``sgd``: torch optimizers with the implementation that measured fastest (kernels.optim)
 - ``Recipe``, ``train``: the shared training-loop engine (kernels.training)
 - ``models``: model definitions shared by kernels, references and workloads
@@ -29,6 +30,7 @@ _EXPORTS = {
     "rope_attention": "kernels.attention",
     "RopeSelfAttention": "kernels.attention",
     "topk_singular_values": "kernels.spectral",
+    "Standardizer": "kernels.standardize",
     "ocs_scores": "kernels.coreset",
     "ocs_select": "kernels.coreset",
 }

@@ -1,0 +1,106 @@
+"""Per-feature standardization on any device, with scikit-learn StandardScaler's semantics.
+
+``mean_``, ``var_`` (ddof=0), ``scale_`` = sqrt(var_) with constant features given scale 1
+(sklearn's test var <= n eps var + (n mean eps)^2, with eps of the accumulation dtype and the
+mean measured from the shift below, which is what the rounding scales with), and
+``n_samples_seen_``. ``partial_fit`` merges batches with Chan et al.'s pairwise update, so
+chunked fitting equals one fit up to rounding. Numerics: every batch is shifted by a fixed
+reference row (the first sample seen) before ``var_mean``, so a large common offset (1e6 plus
+unit noise) never enters a sum of squares; fp16/bf16 inputs accumulate in fp32, fp64 in fp64.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class Standardizer:
+    """fit / partial_fit / transform / inverse_transform on X (N, D); fit returns self."""
+
+    def __init__(self) -> None:
+        self.n_samples_seen_ = 0
+        self.mean_: Tensor | None = None
+        self.var_: Tensor | None = None
+        self.scale_: Tensor | None = None
+        self._shift: Tensor | None = None
+        self._m2: Tensor | None = None  # sum of squared deviations from the running mean
+        self._dmean: Tensor | None = None  # running mean minus the shift
+
+    def _check(self, x: Tensor, name: str = "X") -> None:
+        if not isinstance(x, Tensor) or x.ndim != 2:
+            raise ValueError(f"{name} must be a (N, D) tensor, got {getattr(x, 'shape', type(x).__name__)}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got {x.dtype}; cast with .float()")
+        if x.shape[0] == 0:
+            raise ValueError(f"{name} has no samples (N = 0)")
+        if self._shift is not None:
+            if x.shape[1] != self._shift.shape[0]:
+                raise ValueError(f"{name} has {x.shape[1]} features, the standardizer was fitted on "
+                                 f"{self._shift.shape[0]}")
+            if x.device != self._shift.device:
+                raise ValueError(f"{name} is on {x.device}, the fitted statistics on {self._shift.device}")
+
+    def fit(self, X: Tensor) -> Standardizer:
+        self.__init__()
+        return self.partial_fit(X)
+
+    def partial_fit(self, X: Tensor) -> Standardizer:
+        """Merge X (N, D) into the running statistics."""
+        self._check(X)
+        acc = torch.float64 if X.dtype == torch.float64 else torch.float32
+        if self._shift is None:
+            self._shift = X[0].to(acc)
+            self._dmean = torch.zeros_like(self._shift)
+            self._m2 = torch.zeros_like(self._shift)
+        # two passes over the shifted data: torch.var_mean over dim 0 measured 77 ms on 50000 x 512
+        # fp32 here, these five elementwise/column passes ~12 (the reduction is strided for var_mean)
+        d = X.to(acc) - self._shift
+        mean_b = d.mean(0)
+        var_b = torch.sub(d, mean_b).square_().mean(0)
+        _finite(mean_b, var_b)
+        na, nb = self.n_samples_seen_, X.shape[0]
+        n = na + nb
+        delta = mean_b - self._dmean
+        self._dmean = self._dmean + delta * (nb / n)
+        self._m2 = self._m2 + var_b * nb + delta.square() * (na * nb / n)
+        self.n_samples_seen_ = n
+        self.mean_ = self._shift + self._dmean
+        self.var_ = self._m2 / n
+        eps = torch.finfo(acc).eps
+        # sklearn's constant-feature test, on the shifted data whose rounding it bounds: a
+        # constant column is exactly 0 after the shift; the mean itself (1e6) rounds nothing
+        constant = self.var_ <= n * eps * self.var_ + (n * self._dmean * eps).square()
+        self.scale_ = torch.where(constant, torch.ones_like(self.var_), self.var_.sqrt())
+        return self
+
+    def _fitted(self, X: Tensor) -> torch.dtype:
+        if self.mean_ is None:
+            raise RuntimeError("this Standardizer is not fitted yet: call fit(X) or partial_fit(X) first")
+        self._check(X)
+        return self.mean_.dtype
+
+    def transform(self, X: Tensor) -> Tensor:
+        """(X - mean_) / scale_ in the accumulation dtype, returned in X's dtype. The mean is
+        subtracted in two parts (shift, then the small rest): mean_ rounded to fp32 at 1e6 is
+        0.06 off, which would be 6% of unit-variance data."""
+        acc = self._fitted(X)
+        out = torch.sub(X.to(acc), self._shift).sub_(self._dmean).div_(self.scale_)
+        _finite(out.sum())  # one reduction instead of an isfinite pass: NaN and inf propagate into it
+        return out.to(X.dtype)
+
+    def inverse_transform(self, X: Tensor) -> Tensor:
+        acc = self._fitted(X)
+        out = torch.mul(X.to(acc), self.scale_).add_(self._dmean).add_(self._shift)
+        _finite(out.sum())
+        return out.to(X.dtype)
+
+    def fit_transform(self, X: Tensor) -> Tensor:
+        return self.fit(X).transform(X)
+
+
+def _finite(*stats: Tensor) -> None:
+    """NaN/inf in X reach every statistic computed from it (a column mean, a sum): checking those
+    costs nothing next to an isfinite pass over X (17 ms on 50000 x 512 here)."""
+    if not all(bool(torch.isfinite(t).all()) for t in stats):
+        raise ValueError("X contains NaN or inf (or values whose sums overflow); drop or impute them first")

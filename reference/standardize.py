@@ -1,0 +1,37 @@
+"""Reference standardization: scikit-learn's StandardScaler on the CPU, in numpy."""
+
+from __future__ import annotations
+
+import torch
+from sklearn.preprocessing import StandardScaler
+from torch import Tensor
+
+
+class Standardizer:
+    """The kernel's API over ``sklearn.preprocessing.StandardScaler`` (tensors in, tensors out)."""
+
+    def __init__(self) -> None:
+        self._scaler = StandardScaler()
+
+    def __getattr__(self, name: str):  # mean_, var_, scale_, n_samples_seen_ as tensors/ints
+        if name.endswith("_") and not name.startswith("_"):
+            value = getattr(self._scaler, name)
+            return torch.from_numpy(value) if hasattr(value, "shape") and value.shape else int(value)
+        raise AttributeError(name)
+
+    def fit(self, X: Tensor) -> Standardizer:
+        self._scaler.fit(X.detach().cpu().numpy())
+        return self
+
+    def partial_fit(self, X: Tensor) -> Standardizer:
+        self._scaler.partial_fit(X.detach().cpu().numpy())
+        return self
+
+    def transform(self, X: Tensor) -> Tensor:
+        return torch.from_numpy(self._scaler.transform(X.detach().cpu().numpy())).to(X.device)
+
+    def inverse_transform(self, X: Tensor) -> Tensor:
+        return torch.from_numpy(self._scaler.inverse_transform(X.detach().cpu().numpy())).to(X.device)
+
+    def fit_transform(self, X: Tensor) -> Tensor:
+        return self.fit(X).transform(X)
