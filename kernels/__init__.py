@@ -8,6 +8,7 @@ Public API (loaded on first use, so ``import kernels`` stays light):
   kernels.attention)
 - ``topk_singular_values``: randomized top-k singular values with an error bound (kernels.spectral)
 - ``Standardizer``: scikit-learn StandardScaler semantics on any device (kernels.standardize)
+- ``FeatureCache``: tensors computed once per input, safetensors on disk (kernels.feature_cache)
 - ``adamw``, ``sgd``: torch optimizers with the implementation that measured fastest (kernels.optim)
 - ``Recipe``, ``train``: the shared training-loop engine (kernels.training)
 - ``models``: model definitions shared by kernels, references and workloads
@@ -31,6 +32,7 @@ _EXPORTS = {
     "RopeSelfAttention": "kernels.attention",
     "topk_singular_values": "kernels.spectral",
     "Standardizer": "kernels.standardize",
+    "FeatureCache": "kernels.feature_cache",
     "ocs_scores": "kernels.coreset",
     "ocs_select": "kernels.coreset",
 }

@@ -1,0 +1,133 @@
+"""A content-addressed cache of computed tensors on disk: safetensors files, never pickle.
+
+``FeatureCache(directory).get_or_compute(key, compute)`` hashes ``key`` (a dict of tensors, by
+dtype, shape and bytes, and of plain values: None, bool, int, float, str and lists, tuples and
+dicts of them) together with the library version and the cache format, and returns the stored
+tensors for that hash or, on a miss, ``compute()``'s ``dict[str, Tensor]``, written atomically
+(a temporary file in the same directory, then ``os.replace``). Each file records its key hash and
+a SHA-256 of its tensors; a file that does not parse, belongs to another key or fails the
+checksum (truncated, corrupted, tampered with) is reported with a warning and recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Callable, Mapping
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+FORMAT = "kernelgate-feature-cache-1"
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kernelgate")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _tensor_bytes(t: Tensor) -> bytes:
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def _plain(value: object, where: str) -> object:
+    """A JSON-able canonical form of a plain key value (floats exactly, via float.hex)."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return {"float": value.hex()}
+    if isinstance(value, list | tuple):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, f"{where}.{k}") for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    raise TypeError(f"key {where} is a {type(value).__name__}: use tensors, None, bool, int, float, str, or "
+                    "lists/tuples/dicts of them")
+
+
+def key_hash(key: Mapping[str, object]) -> str:
+    """SHA-256 of the key's content, the library version and the cache format."""
+    if not isinstance(key, Mapping) or not key:
+        raise TypeError("key must be a non-empty dict of tensors and plain values")
+    h = hashlib.sha256(json.dumps([FORMAT, _version()]).encode())
+    for name in sorted(key, key=str):
+        value = key[name]
+        h.update(json.dumps(str(name)).encode())
+        if isinstance(value, Tensor):
+            h.update(json.dumps(["tensor", str(value.dtype), list(value.shape)]).encode())
+            h.update(_tensor_bytes(value))
+        else:
+            h.update(json.dumps(["plain", _plain(value, str(name))]).encode())
+    return h.hexdigest()
+
+
+def _checksum(tensors: Mapping[str, Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        h.update(_tensor_bytes(t))
+    return h.hexdigest()
+
+
+class FeatureCache:
+    """Tensors computed once per distinct input, kept in ``directory`` (created if missing)."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.hits = self.misses = 0
+
+    def path(self, key: Mapping[str, object]) -> Path:
+        return self.directory / f"{key_hash(key)}.safetensors"
+
+    def _load(self, path: Path, digest: str) -> dict[str, Tensor] | None:
+        if not path.exists():
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+            tensors = load_file(str(path))
+        except Exception as e:  # noqa: BLE001 - any unreadable file is recomputed, with a warning
+            warnings.warn(f"feature cache file {path.name} is unreadable ({type(e).__name__}: {e}); recomputing",
+                          stacklevel=3)
+            return None
+        if meta.get("format") != FORMAT or meta.get("key") != digest or meta.get("sha256") != _checksum(tensors):
+            warnings.warn(f"feature cache file {path.name} fails its key or checksum (corrupted or tampered "
+                          "with); recomputing", stacklevel=3)
+            return None
+        return tensors
+
+    def get_or_compute(self, key: Mapping[str, object],
+                       compute: Callable[[], Mapping[str, Tensor]]) -> dict[str, Tensor]:
+        """The tensors stored for ``key`` (on the CPU), else ``compute()``'s, stored then returned."""
+        digest = key_hash(key)
+        path = self.directory / f"{digest}.safetensors"
+        cached = self._load(path, digest)
+        if cached is not None:
+            self.hits += 1
+            return cached
+        self.misses += 1
+        out = compute()
+        if not isinstance(out, Mapping) or not all(isinstance(k, str) and isinstance(v, Tensor)
+                                                   for k, v in out.items()):
+            raise TypeError("compute() must return a dict[str, Tensor]")
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".safetensors")
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata={"format": FORMAT, "key": digest, "sha256": _checksum(tensors)})
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return tensors
