@@ -93,3 +93,43 @@ def test_bad_input_is_refused(side) -> None:
         side.topk_singular_values(a.index_fill(0, torch.tensor([3]), float("nan")), 2)
     with pytest.raises(ValueError, match="oversample must be"):
         side.topk_singular_values(a, 2, oversample=-1)
+
+
+def test_features_of_a_known_spectrum() -> None:
+    """diag(4, 2, 1, 0...): 10 values, their shares, gaps, entropy, s_1 / s_10, sum."""
+    a = torch.diag(torch.tensor([4.0, 2.0, 1.0] + [0.0] * 9, dtype=torch.float64))
+    f = KS.spectral_features(a)
+    assert f.shape == (32,)
+    s = torch.tensor([4.0, 2.0, 1.0] + [0.0] * 7, dtype=torch.float64)
+    share = s / (7 + 1e-8)
+    torch.testing.assert_close(f[:10], s)
+    torch.testing.assert_close(f[10:20], share)
+    torch.testing.assert_close(f[20:22], torch.tensor([0.5, 0.5], dtype=torch.float64), atol=1e-7, rtol=0)
+    torch.testing.assert_close(f[29], -(share * torch.log(share + 1e-8)).sum())
+    torch.testing.assert_close(f[30], torch.tensor(4.0 / 1e-8, dtype=torch.float64))
+    torch.testing.assert_close(f[31], torch.tensor(7.0, dtype=torch.float64))
+
+
+@given(r=st.integers(1, 16), shapes=st.lists(st.tuples(st.integers(4, 200), st.integers(4, 200)), min_size=1,
+                                             max_size=3), seed=st.integers(0, 2**16))
+def test_features_follow_values_that_match_reference_within_the_bound(r, shapes, seed) -> None:
+    """LoRA-like layers (rank r update plus noise), batched. The features are the seed's formulas
+    applied to the kernel's values (checked exactly), and those values are the reference's within
+    the returned error bound. Features that divide by noise-floor values (gaps past rank r, s_1 /
+    s_10) are as uncertain as those values, so they are not compared with the reference."""
+    g = torch.Generator().manual_seed(seed)
+    layers = [(torch.randn(2, m, r, generator=g) @ torch.randn(2, r, n, generator=g) / r
+               + 1e-3 * torch.randn(2, m, n, generator=g)) for m, n in shapes]
+    got = KS.spectral_features(layers, generator=torch.Generator().manual_seed(seed))
+    want = RS.spectral_features(layers)
+    assert got.shape == want.shape == (2, 32 * len(shapes))
+    gen = torch.Generator().manual_seed(seed)
+    for i, w in enumerate(layers):
+        k = min(10, *w.shape[-2:])
+        s, err = KS.topk_singular_values(w, k, generator=gen, return_error=True)
+        s = KS._pad(s, 10)
+        torch.testing.assert_close(got[:, 32 * i : 32 * i + 32], KS.features_from_values(s))
+        true = want[:, 32 * i : 32 * i + 10]
+        assert bool(((true - s).abs() <= err[:, None] + 1e-5 * true[:, :1]).all())
+        signal = slice(32 * i, 32 * i + min(r, k))  # the values above the noise floor
+        assert_close(got[:, signal], want[:, signal], REDUCTION, scale=true[:, 0].max().item())

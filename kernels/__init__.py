@@ -6,7 +6,8 @@ Public API (loaded on first use, so ``import kernels`` stays light):
 - ``ocs_scores``, ``ocs_select``: Online Coreset Selection from Gram products (kernels.coreset)
 - ``RotaryEmbedding``, ``rope_attention``, ``RopeSelfAttention``: cached RoPE + SDPA (kernels.rope,
   kernels.attention)
-- ``topk_singular_values``: randomized top-k singular values with an error bound (kernels.spectral)
+- ``topk_singular_values``, ``spectral_features``: randomized top-k singular values with an error
+  bound, and the seed's 32 spectral features per matrix (kernels.spectral)
 - ``Standardizer``: scikit-learn StandardScaler semantics on any device (kernels.standardize)
 - ``FeatureCache``: tensors computed once per input, safetensors on disk (kernels.feature_cache)
 - ``adamw``, ``sgd``: torch optimizers with the implementation that measured fastest (kernels.optim)
@@ -31,6 +32,7 @@ _EXPORTS = {
     "rope_attention": "kernels.attention",
     "RopeSelfAttention": "kernels.attention",
     "topk_singular_values": "kernels.spectral",
+    "spectral_features": "kernels.spectral",
     "Standardizer": "kernels.standardize",
     "FeatureCache": "kernels.feature_cache",
     "ocs_scores": "kernels.coreset",

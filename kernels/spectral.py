@@ -21,6 +21,8 @@ computed in fp32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -74,3 +76,39 @@ def topk_singular_values(A: Tensor, k: int, *, oversample: int | None = None, ni
         err = torch.linalg.matrix_norm(a - basis @ b)
     s, err = s.to(out_dtype), err.to(out_dtype)
     return (s, err) if return_error else s
+
+
+def features_from_values(s: Tensor) -> Tensor:
+    """The seed's 3k + 2 features from top-k values s (..., k), zero-padded: s, s / sum(s), the gaps
+    (s_i - s_i+1) / s_i, entropy of s / sum(s), s_1 / s_k, and sum(s) (the seed's "nuclear norm",
+    over the top k). Its 1e-8 guards are kept, so these equal the seed's numbers."""
+    norm = s / (s.sum(-1, keepdim=True) + 1e-8)
+    entropy = -(norm * torch.log(norm + 1e-8)).sum(-1, keepdim=True)
+    cond = s[..., :1] / (s[..., -1:] + 1e-8)
+    gaps = (s[..., :-1] - s[..., 1:]) / (s[..., :-1] + 1e-8)
+    return torch.cat([s, norm, gaps, entropy, cond, s.sum(-1, keepdim=True)], dim=-1)
+
+
+def _pad(s: Tensor, k: int) -> Tensor:
+    return torch.nn.functional.pad(s, (0, k - s.shape[-1])) if s.shape[-1] < k else s
+
+
+def spectral_features(weights: Tensor | list[Tensor], k: int = 10, *,
+                      generator: torch.Generator | None = None) -> Tensor:
+    """Per matrix 3k + 2 features (32 for k = 10) from its top-k singular values (WORKLOADS.md
+    section 3). weights: (..., m, n) -> (..., 3k + 2), or a list of (B, m_l, n_l) layers ->
+    (B, L * (3k + 2)), layers in order. Matrices with fewer than k values are zero-padded.
+    Values at the noise floor (a rank-r update's s_r+1..s_k) come with the randomized error bound,
+    and the features that divide by them (gaps there, s_1 / s_k) inherit it."""
+    return features_with(lambda w, kk: topk_singular_values(w, kk, generator=generator), weights, k)
+
+
+def features_with(values: Callable[[Tensor, int], Tensor], weights: Tensor | list[Tensor], k: int) -> Tensor:
+    """``spectral_features`` with top-k values from ``values(A, k)`` (shared with the reference)."""
+    if isinstance(weights, list | tuple):
+        return torch.cat([features_with(values, w, k) for w in weights], dim=-1)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 2:
+        raise ValueError(f"k must be an int >= 2, got {k!r}")
+    _check(weights, 1, None, None)
+    s = values(weights, min(k, min(weights.shape[-2:])))
+    return features_from_values(_pad(s.to(torch.float64 if s.dtype == torch.float64 else torch.float32), k))

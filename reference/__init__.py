@@ -5,9 +5,9 @@ from reference.coreset import ocs_scores, ocs_select
 from reference.optim import adamw, sgd
 from reference.per_sample import per_sample_grad_gram, per_sample_grad_norms, per_sample_grads
 from reference.rope import RotaryEmbedding
-from reference.spectral import topk_singular_values
+from reference.spectral import spectral_features, topk_singular_values
 from reference.standardize import Standardizer
 
 __all__ = ["RopeSelfAttention", "RotaryEmbedding", "Standardizer", "adamw", "ocs_scores", "ocs_select",
            "per_sample_grad_gram", "per_sample_grad_norms", "per_sample_grads", "rope_attention", "sgd",
-           "topk_singular_values"]
+           "spectral_features", "topk_singular_values"]

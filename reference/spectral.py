@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.spectral import _check
+from kernels.spectral import _check, features_with
 
 
 def topk_singular_values(A: Tensor, k: int, *, oversample: int | None = None, niter: int | None = None,
@@ -17,3 +17,9 @@ def topk_singular_values(A: Tensor, k: int, *, oversample: int | None = None, ni
     a = A.float() if A.dtype in (torch.float16, torch.bfloat16) else A
     s = torch.linalg.svdvals(a)[..., :k].to(A.dtype)
     return (s, s.new_zeros(A.shape[:-2])) if return_error else s
+
+
+def spectral_features(weights: Tensor | list[Tensor], k: int = 10, *,
+                      generator: torch.Generator | None = None) -> Tensor:
+    """The same features from the full svdvals of every matrix (the seed's torch.linalg.svd)."""
+    return features_with(topk_singular_values, weights, k)
