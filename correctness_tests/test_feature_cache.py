@@ -86,3 +86,24 @@ def test_bad_keys_are_refused(tmp_path) -> None:
         cache.get_or_compute({"settings": {"fn": len}}, lambda: {})
     with pytest.raises(TypeError, match="non-empty dict"):
         cache.get_or_compute({}, lambda: {})
+
+
+def test_distinct_keys_never_collide() -> None:
+    """Every value carries its type: 1, 1.0, True, '1', [1], (1,) and {'a': 1} all differ."""
+    values = [1, 1.0, True, "1", [1], (1,), {"a": 1}, None, [1, 2], (1, 2), 1.0000000000000002,
+              {"float": (1.0).hex()}, torch.tensor(1), torch.tensor(1.0), torch.tensor([1])]
+    hashes = {key_hash({"v": v}) for v in values}
+    assert len(hashes) == len(values)
+    assert key_hash({"a": 1, "b": 2}) != key_hash({"ab": 1, "": 2})
+    with pytest.raises(TypeError, match="dict keys must be str"):
+        key_hash({"settings": {1: "x"}})
+    with pytest.raises(TypeError, match="dict keys must be str"):
+        key_hash({1: "x"})
+
+
+def test_outputs_that_share_memory_are_stored(tmp_path) -> None:
+    base = torch.arange(10.0)
+    out = FeatureCache(tmp_path).get_or_compute({"k": 1}, lambda: {"all": base, "head": base[:3]})
+    assert torch.equal(out["head"], base[:3])
+    again = FeatureCache(tmp_path).get_or_compute({"k": 1}, lambda: {})
+    assert torch.equal(again["all"], base) and torch.equal(again["head"], base[:3])

@@ -71,6 +71,17 @@ def test_large_offset_keeps_unit_noise_exact() -> None:
     _close(s.transform(x), Reference().fit(x.double()).transform(x.double()), ELEMENTWISE, torch.float32)
 
 
+def test_small_variance_after_an_outlier_first_row_is_not_constant() -> None:
+    """The review's case: the shift row is an outlier and the feature's variance small; sklearn
+    keeps its scale (0.0105), and so must we (an fp32-eps rule had set it to 1)."""
+    torch.manual_seed(0)
+    x = 0.01 * torch.randn(100_000, 1)
+    x[0] = 1.0
+    got, want = Standardizer().fit(x), Reference().fit(x)
+    _close(got.scale_, want.scale_, REDUCTION, torch.float32)
+    assert got.scale_.item() < 0.02
+
+
 def test_n1_and_constant_columns_get_scale_one() -> None:
     one = Standardizer().fit(torch.tensor([[3.0, -2.0]]))
     assert torch.equal(one.scale_, torch.ones(2)) and torch.equal(one.transform(torch.tensor([[3.0, -2.0]])),

@@ -2,11 +2,16 @@
 
 ``FeatureCache(directory).get_or_compute(key, compute)`` hashes ``key`` (a dict of tensors, by
 dtype, shape and bytes, and of plain values: None, bool, int, float, str and lists, tuples and
-dicts of them) together with the library version and the cache format, and returns the stored
-tensors for that hash or, on a miss, ``compute()``'s ``dict[str, Tensor]``, written atomically
-(a temporary file in the same directory, then ``os.replace``). Each file records its key hash and
-a SHA-256 of its tensors; a file that does not parse, belongs to another key or fails the
-checksum (truncated, corrupted, tampered with) is reported with a warning and recomputed.
+dicts of them, each tagged with its type) together with the library version and the cache
+format, and returns the stored tensors for that hash or, on a miss, ``compute()``'s
+``dict[str, Tensor]``, written atomically (a temporary file in the same directory, then
+``os.replace``). Each file records its key hash and a SHA-256 of its tensors; a file that does
+not parse, belongs to another key or fails the checksum (truncated, corrupted, edited) is
+reported with a warning and recomputed. The checksum is not a signature: someone who rewrites
+the file and its checksum together is not detected (that needs a secret, e.g. an HMAC key).
+The library version of an editable install does not change with the code: callers whose
+features depend on code they may edit put that in the key (the probe workload hashes the
+sources it computes with).
 """
 
 from __future__ import annotations
@@ -41,27 +46,39 @@ def _tensor_bytes(t: Tensor) -> bytes:
 
 
 def _plain(value: object, where: str) -> object:
-    """A JSON-able canonical form of a plain key value (floats exactly, via float.hex)."""
-    if value is None or isinstance(value, bool | int | str):
-        return value
+    """A JSON-able canonical form of a plain key value, every value tagged with its type (so 1,
+    1.0, True, "1", [1] and (1,) all differ; floats exactly, via float.hex)."""
+    if value is None:
+        return ["none"]
+    for kind, cls in (("bool", bool), ("int", int), ("str", str)):
+        if isinstance(value, cls):
+            return [kind, value]
     if isinstance(value, float):
-        return {"float": value.hex()}
+        return ["float", value.hex()]
     if isinstance(value, list | tuple):
-        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [type(value).__name__, [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]]
     if isinstance(value, Mapping):
-        return {str(k): _plain(v, f"{where}.{k}") for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+        _names(value, where)
+        return ["dict", [[k, _plain(value[k], f"{where}.{k}")] for k in sorted(value)]]
     raise TypeError(f"key {where} is a {type(value).__name__}: use tensors, None, bool, int, float, str, or "
                     "lists/tuples/dicts of them")
+
+
+def _names(mapping: Mapping, where: str) -> None:
+    if not all(isinstance(k, str) for k in mapping):
+        kinds = sorted({type(k).__name__ for k in mapping})
+        raise TypeError(f"key {where or 'names'}: dict keys must be str, got {kinds}")
 
 
 def key_hash(key: Mapping[str, object]) -> str:
     """SHA-256 of the key's content, the library version and the cache format."""
     if not isinstance(key, Mapping) or not key:
         raise TypeError("key must be a non-empty dict of tensors and plain values")
+    _names(key, "")
     h = hashlib.sha256(json.dumps([FORMAT, _version()]).encode())
-    for name in sorted(key, key=str):
+    for name in sorted(key):
         value = key[name]
-        h.update(json.dumps(str(name)).encode())
+        h.update(json.dumps(name).encode())
         if isinstance(value, Tensor):
             h.update(json.dumps(["tensor", str(value.dtype), list(value.shape)]).encode())
             h.update(_tensor_bytes(value))
@@ -121,7 +138,7 @@ class FeatureCache:
         if not isinstance(out, Mapping) or not all(isinstance(k, str) and isinstance(v, Tensor)
                                                    for k, v in out.items()):
             raise TypeError("compute() must return a dict[str, Tensor]")
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+        tensors = {k: v.detach().to("cpu").clone() for k, v in out.items()}  # own storage: views may share
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".safetensors")
         os.close(fd)
         try:

@@ -2,10 +2,13 @@
 
 For A (..., m, n), tall after an optional transpose: Q spans A G for a Gaussian G (n, q), q = k +
 oversample, refined by ``niter`` power iterations (re-orthonormalized each half step); the
-singular values of B = Q^T A (q x n) are the estimates. They never exceed the true ones, and
-sigma_i(A) - sigma_i(B) <= ||A - Q B||_2 <= ||A - Q B||_F (A = QB + (I - QQ^T) A and Weyl), so
-``return_error=True`` also returns ||A - Q B||_F per matrix: a bound that covers the error of
-every returned value, large exactly when the spectrum is too flat for the fast path.
+singular values s_i of B = Q^T A (q x n) are the estimates. With R = A - QB, Q^T R = 0, so
+A^T A = B^T B + R^T R and (Weyl) s_i <= sigma_i(A) <= sqrt(s_i^2 + ||R||_2^2). ``return_error``
+returns, per value, sqrt(s_i^2 + ||R||_F^2) - s_i >= sigma_i - s_i >= 0: rigorous, about
+||R||_F^2 / (2 s_i) for values above the tail. It is conservative (||R||_F counts all of the
+discarded tail, and the power iterations make the values far more accurate than this bound),
+so it certifies a steep spectrum (0.7^i: 4e-4 relative on the 10th value) and flags a flat one,
+where the fast path is indeed inexact.
 
 Defaults from measurements on this 2-core CPU (top-10, fp32, worst relative error of the 10
 values): at 1024 x 1024 the exact svdvals took 91 ms; the seed's q = k, 2 iterations 13 ms and
@@ -53,8 +56,8 @@ def topk_singular_values(A: Tensor, k: int, *, oversample: int | None = None, ni
                          return_error: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """The k largest singular values of each matrix, descending: A (..., m, n) -> (..., k).
 
-    ``return_error``: also (...,) a bound on |estimate - true| for every returned value (0 when
-    computed exactly). ``generator`` seeds the random test matrix (device of A).
+    ``return_error``: also (..., k) a rigorous bound on true - estimate for each value (0 when
+    computed exactly; module note). ``generator`` seeds the random test matrix (device of A).
     """
     _check(A, k, oversample, niter)
     out_dtype = A.dtype
@@ -63,7 +66,7 @@ def topk_singular_values(A: Tensor, k: int, *, oversample: int | None = None, ni
     q = k + (max(k, 10) if oversample is None else oversample)
     if min(m, n) <= EXACT_BELOW or 2 * q >= min(m, n):
         s = torch.linalg.svdvals(a)[..., :k]
-        err = s.new_zeros(a.shape[:-2])
+        err = torch.zeros_like(s)
     else:
         if m < n:  # work with the tall orientation: the range finder's cost is in n
             a = a.mT
@@ -73,9 +76,15 @@ def topk_singular_values(A: Tensor, k: int, *, oversample: int | None = None, ni
             basis = _orthonormal(a @ _orthonormal(a.mT @ basis))
         b = basis.mT @ a  # (..., q, n)
         s = torch.linalg.svdvals(b)[..., :k]
-        err = torch.linalg.matrix_norm(a - basis @ b)
-    s, err = s.to(out_dtype), err.to(out_dtype)
-    return (s, err) if return_error else s
+        if not return_error:
+            return s.to(out_dtype)
+        tail = torch.linalg.matrix_norm(a - basis @ b).unsqueeze(-1)  # ||R||_F
+        err = torch.sqrt(s.square() + tail.square()) - s
+    if out_dtype != a.dtype:  # rounding to fp16/bf16 may cross the truth: widen the bound by it
+        rounded = s.to(out_dtype)
+        err = (err + (rounded.to(s.dtype) - s).abs()) * (1 + 2 * torch.finfo(out_dtype).eps)  # rounds up
+        s = rounded
+    return (s, err.to(out_dtype)) if return_error else s
 
 
 def features_from_values(s: Tensor) -> Tensor:

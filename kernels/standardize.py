@@ -1,8 +1,7 @@
 """Per-feature standardization on any device, with scikit-learn StandardScaler's semantics.
 
 ``mean_``, ``var_`` (ddof=0), ``scale_`` = sqrt(var_) with constant features given scale 1
-(sklearn's test var <= n eps var + (n mean eps)^2, with eps of the accumulation dtype and the
-mean measured from the shift below, which is what the rounding scales with), and
+(sklearn's test var <= n eps var + (n mean eps)^2, in float64 with float64's eps), and
 ``n_samples_seen_``. ``partial_fit`` merges batches with Chan et al.'s pairwise update, so
 chunked fitting equals one fit up to rounding. Numerics: every batch is shifted by a fixed
 reference row (the first sample seen) before ``var_mean``, so a large common offset (1e6 plus
@@ -67,10 +66,11 @@ class Standardizer:
         self.n_samples_seen_ = n
         self.mean_ = self._shift + self._dmean
         self.var_ = self._m2 / n
-        eps = torch.finfo(acc).eps
-        # sklearn's constant-feature test, on the shifted data whose rounding it bounds: a
-        # constant column is exactly 0 after the shift; the mean itself (1e6) rounds nothing
-        constant = self.var_ <= n * eps * self.var_ + (n * self._dmean * eps).square()
+        # sklearn's constant-feature test exactly (float64, its eps): var <= n eps var + (n mean eps)^2.
+        # A constant column is exactly 0 here (every row minus the shift row is 0), so the fp32
+        # accumulation needs no looser rule (an fp32 eps flagged real features with n >= 2^23).
+        var64, mean64, eps = self.var_.double(), self.mean_.double(), torch.finfo(torch.float64).eps
+        constant = var64 <= n * eps * var64 + (n * mean64 * eps).square()
         self.scale_ = torch.where(constant, torch.ones_like(self.var_), self.var_.sqrt())
         return self
 

@@ -16,7 +16,7 @@ def topk_singular_values(A: Tensor, k: int, *, oversample: int | None = None, ni
     _check(A, k, oversample, niter)
     a = A.float() if A.dtype in (torch.float16, torch.bfloat16) else A
     s = torch.linalg.svdvals(a)[..., :k].to(A.dtype)
-    return (s, s.new_zeros(A.shape[:-2])) if return_error else s
+    return (s, torch.zeros_like(s)) if return_error else s
 
 
 def spectral_features(weights: Tensor | list[Tensor], k: int = 10, *,

@@ -2,7 +2,8 @@
 
 Data: synthetic LoRA-like weight sets. Each sample has ``layers`` square updates U diag(s) V^T +
 noise (rank ``rank``, Haar-random U and V); its class (10) sets the spectral shape, s_i =
-exp(-i / tau_c) with tau_c from 0.6 to 3.6 and +-12% per-sample jitter, so classes overlap a little.
+exp(-i / tau_c) with tau_c from 1.0 to 3.0 and +-30% jitter per sample and layer, so classes
+overlap.
 Features: the seed's 32 spectral features per layer, concatenated; standardized; then the
 seed's classifier (3 x [Linear 512, BatchNorm1d, ReLU, Dropout 0.5] -> Linear), Adam lr 1e-3 wd
 1e-4, ReduceLROnPlateau on the validation loss, early stopping after ``patience`` epochs.
@@ -10,8 +11,9 @@ seed's classifier (3 x [Linear 512, BatchNorm1d, ReLU, Dropout 0.5] -> Linear), 
 Reference: exact singular values (svdvals), scikit-learn's StandardScaler, fp32, batch 64, the
 plain loop. Optimized: randomized top-10 (kernels.spectral), kernels.Standardizer, batch 256, the
 engine under Recipe.auto (AMP where it measures faster), features kept in a FeatureCache keyed
-by the generating settings (a second run reads them back). The seed's 128 LoRA layers of SD 1.5
-are scaled to 16 layers of 256 x 256 for a 2-core CPU (``--layers``, ``--dim`` restore them).
+by the generating settings and code (a second run reads them back). The seed's 128 LoRA layers of
+SD 1.5 (non-square, up to 1280 wide) are scaled to 16 square layers of 256 x 256 for a 2-core
+CPU; ``--layers 128 --dim 320`` runs a 128-layer, square approximation.
 
     python -m kernels.workloads.spectral_probe [--samples 400] [--layers 16] [--ablation]
 """
@@ -20,10 +22,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
+import inspect
+import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -73,15 +78,16 @@ def layer_weights(cfg: Config, layer: int) -> Tensor:
     return (u * s[:, None, :]) @ v.mT + cfg.noise / d**0.5 * torch.randn(n, d, d, generator=g)
 
 
-def features(cfg: Config, values: Callable[[Tensor], Tensor]) -> tuple[Tensor, float]:
+def features(cfg: Config, values: Callable[..., Tensor]) -> tuple[Tensor, float]:
     """(samples, layers * 32) and the seconds ``values`` took (generating the weights, which the
     seed loads from disk, is not counted): ``values`` maps one layer (samples, dim, dim) to its
     features."""
     out, seconds = [], 0.0
     for layer in range(cfg.layers):
         w = layer_weights(cfg, layer).to(cfg.device)
+        gen = torch.Generator(device=w.device).manual_seed(cfg.seed * 1009 + layer)  # same features every run
         t0 = time.perf_counter()
-        out.append(values(w))
+        out.append(values(w, generator=gen))
         seconds += time.perf_counter() - t0
     return torch.cat(out, dim=1), seconds
 
@@ -104,7 +110,7 @@ class Probe(nn.Module):
 @dataclass(frozen=True)
 class Method:
     name: str
-    values: Callable[[Tensor], Tensor]  # one layer's weights -> its 32 features per sample
+    values: Callable[..., Tensor]  # (one layer's weights, *, generator) -> its 32 features per sample
     scaler: Callable[[], object]  # kernels.Standardizer or reference.standardize.Standardizer
     batch: int
     train_fn: Callable
@@ -130,8 +136,11 @@ def _split(cfg: Config) -> tuple[Tensor, Tensor, Tensor]:
 def _features(cfg: Config, method: Method) -> tuple[Tensor, float]:
     if method.cache is None:
         return features(cfg, method.values)
-    what = f"{method.values.__module__}.{method.values.__qualname__}"  # which features, not which run
-    key = {"workload": "spectral_probe", "config": asdict(replace(cfg, device="any")), "features": what}
+    data = {f: getattr(cfg, f) for f in ("samples", "layers", "dim", "rank", "classes", "noise", "seed")}
+    code = {name: hashlib.sha256(inspect.getsource(sys.modules[name]).encode()).hexdigest()
+            for name in (method.values.__module__, __name__)}  # the features' code and the data generator's
+    key = {"workload": "spectral_probe", "data": data, "features": f"{method.values.__module__}."
+           f"{method.values.__qualname__}", "code": code, "torch": torch.__version__}
     t0, spent = time.perf_counter(), []
 
     def compute() -> dict[str, Tensor]:
@@ -174,6 +183,9 @@ def run(method: Method, cfg: Config) -> ProbeReport:
             best, best_state, since = val_loss, copy.deepcopy(model.state_dict()), 0
         elif (since := since + 1) >= cfg.patience:
             break
+    if best_state is None:
+        raise FloatingPointError("the validation loss was never finite: training diverged (check the features "
+                                 "for inf after standardization, or lower the learning rate)")
     model.load_state_dict(best_state)
     _, acc = _evaluate(model, x[te], y[te])
     return ProbeReport(method.name, feature_s, time.perf_counter() - t1, epochs, acc)
