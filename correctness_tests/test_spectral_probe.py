@@ -46,3 +46,10 @@ def test_config_and_cli() -> None:
         P.Config(samples=20)
     with pytest.raises(SystemExit):
         P.main(["--samples", "0"])
+
+
+def test_seed_comparison_pairs_reference_and_optimized(capsys) -> None:
+    pairs = P.compare_seeds(SMALL, 2)
+    assert len(pairs) == 2 and all(0.0 <= a <= 1.0 for pair in pairs for a in pair)
+    assert P.main(["--samples", "60", "--layers", "1", "--dim", "32", "--max-epochs", "2", "--seeds", "1"]) == 0
+    assert "optimized - reference: mean" in capsys.readouterr().out
