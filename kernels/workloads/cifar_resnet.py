@@ -25,7 +25,7 @@ from torch import Tensor
 from kernels.models import ResNet10
 from kernels.optim import adamw
 from kernels.training import Recipe, train
-from kernels.workloads.table import markdown
+from kernels.workloads.common import markdown
 
 
 def synthetic_cifar(n: int, *, seed: int = 0, classes: int = 10, noise: float = 2.5) -> tuple[Tensor, Tensor]:

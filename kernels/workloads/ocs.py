@@ -41,6 +41,7 @@ from kernels.models import MLP
 from kernels.optim import sgd
 from kernels.perfgate.timing import peak_memory
 from kernels.training import Recipe, train
+from kernels.workloads.common import require_positive
 from kernels.workloads.rotated_digits import Split
 
 Scorer = Callable[..., Tensor]  # (model, loss_fn, inputs, targets, *, memory, tau) -> (N,) scores
@@ -64,9 +65,7 @@ class Config:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in ("tasks", "passes", "stream", "select", "memory"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_positive(self, ("tasks", "passes", "stream", "select", "memory"))
         if self.select > self.stream:
             raise ValueError(f"select ({self.select}) must not exceed stream ({self.stream})")
 

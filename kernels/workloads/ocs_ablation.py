@@ -15,9 +15,9 @@ from kernels.coreset import ocs_scores
 from kernels.per_sample import per_sample_grads
 from kernels.training import Recipe
 from kernels.workloads import ocs
+from kernels.workloads.common import markdown, mib
 from kernels.workloads.ocs import Config, OCSReport, Scorer, optimized, optimized_recipe, run
 from kernels.workloads.rotated_digits import Split, digits, mnist, rotated_tasks
-from kernels.workloads.table import markdown, mib
 
 
 def _materialized(grads_fn: Callable) -> Scorer:

@@ -38,7 +38,7 @@ from kernels.feature_cache import FeatureCache
 from kernels.spectral import spectral_features
 from kernels.standardize import Standardizer
 from kernels.training import Recipe, train
-from kernels.workloads.table import markdown
+from kernels.workloads.common import markdown, require_positive
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,7 @@ class Config:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in ("samples", "layers", "dim", "rank", "classes", "max_epochs", "patience"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_positive(self, ("samples", "layers", "dim", "rank", "classes", "max_epochs", "patience"))
         if self.samples < 5 * self.classes:
             raise ValueError(f"samples ({self.samples}) must be >= 5 per class for the 70/10/20 split")
 

@@ -35,7 +35,7 @@ from kernels.optim import adamw
 from kernels.perfgate.timing import peak_memory
 from kernels.training import Recipe, train
 from kernels.workloads.cifar_resnet import synthetic_cifar
-from kernels.workloads.table import markdown, mib
+from kernels.workloads.common import markdown, mib, require_positive
 
 
 @dataclass(frozen=True)
@@ -54,9 +54,7 @@ class Config:
     cifar: str | None = None  # local CIFAR-10 root (torchvision layout) instead of synthetic images
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch", "accumulation", "dim", "heads", "depth"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_positive(self, ("steps", "batch", "accumulation", "dim", "heads", "depth"))
         if self.batch % self.accumulation:
             raise ValueError(f"batch ({self.batch}) must split into {self.accumulation} equal micro-batches")
 

@@ -1,4 +1,5 @@
-"""The workloads' results as a markdown table (the README's format)."""
+"""What the workloads share: their results as a markdown table (the README's format) and the
+checks of their configs."""
 
 from __future__ import annotations
 
@@ -14,3 +15,10 @@ def markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 def mib(value: float | None) -> str:
     """A peak-memory cell: MiB, or '-' where the platform gives no measure."""
     return "-" if value is None else f"{value:.0f}"
+
+
+def require_positive(config: object, names: Sequence[str]) -> None:
+    """Refuse a config whose named fields are not >= 1, naming the field."""
+    for name in names:
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
