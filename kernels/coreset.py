@@ -40,8 +40,21 @@ Memory = tuple[Tensor, Tensor]
 EPS = 1e-6  # the original's floor on |a||b|
 
 
+def check_k(inputs: Tensor, k: int) -> None:
+    """``ocs_select``'s k: an int in [1, N] (numpy ints too, not bool). An empty or non-tensor
+    stream is left to ``check_inputs``, which ``ocs_scores`` runs once."""
+    if not isinstance(inputs, Tensor) or inputs.ndim == 0 or inputs.shape[0] == 0:
+        return
+    try:
+        k = None if isinstance(k, bool) else operator.index(k)
+    except TypeError:
+        k = None
+    if k is None or not 1 <= k <= inputs.shape[0]:
+        raise ValueError(f"k must be an int in [1, N={inputs.shape[0]}] (samples to select)")
+
+
 def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, memory: Memory | None,
-                 tau: float, k: int | None = None) -> str:
+                 tau: float) -> str:
     """The refusals of ``ocs_scores``/``ocs_select``, shared with ``reference.coreset``; returns
     the loss's reduction, 'mean' or 'sum'."""
     if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor):
@@ -50,13 +63,6 @@ def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Ten
         raise ValueError(f"the stream is empty (inputs of shape {tuple(inputs.shape)}); pass N >= 1 samples")
     if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not math.isfinite(tau):
         raise ValueError(f"tau must be a finite number, got {tau!r}")
-    if k is not None:
-        try:
-            k = operator.index(k) if not isinstance(k, bool) else None
-        except TypeError:
-            k = None
-        if k is None or not 1 <= k <= inputs.shape[0]:
-            raise ValueError(f"k must be an int in [1, N={inputs.shape[0]}] (samples to select)")
     if inputs.is_floating_point() and not torch.isfinite(inputs).all():
         raise ValueError("inputs contain NaN or inf; scores of such samples are undefined")
     for name, m in model.named_modules():
@@ -156,5 +162,5 @@ def ocs_scores(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tenso
 def ocs_select(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, k: int, *,
                memory: Memory | None = None, tau: float = 1000.0) -> Tensor:
     """Indices (k,) int64 of the k best-scoring stream samples, best first, ties by index."""
-    check_inputs(model, loss_fn, inputs, targets, memory, tau, k)
+    check_k(inputs, k)
     return top_k(ocs_scores(model, loss_fn, inputs, targets, memory=memory, tau=tau), k)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from kernels.coreset import EPS, Memory, check_inputs, check_scores, top_k
+from kernels.coreset import EPS, Memory, check_inputs, check_k, check_scores, top_k
 from kernels.layer_capture import LossFn
 from reference.per_sample import per_sample_grads
 
@@ -53,5 +53,5 @@ def literal_scores(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: T
 def ocs_select(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, k: int, *,
                memory: Memory | None = None, tau: float = 1000.0) -> Tensor:
     """The top k of the reference scores (sorted, ties by index)."""
-    check_inputs(model, loss_fn, inputs, targets, memory, tau, k)
+    check_k(inputs, k)
     return top_k(ocs_scores(model, loss_fn, inputs, targets, memory=memory, tau=tau), k)
