@@ -119,6 +119,47 @@ def test_baseline_from_another_fingerprint_is_refused(pytester: pytest.Pytester)
     result.stderr.fnmatch_lines(["*refuses to compare against a baseline from another machine fingerprint*"])
 
 
+MEMORY = """
+import time
+import pytest
+
+MIB = {{"reference": 96, "optimized": {opt_mib}}}
+
+@pytest.mark.memory(cpu={floor}, cuda={floor})
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_hungry(perf, impl):
+    def call():
+        buf = bytearray(MIB[impl] * 2**20)  # zero-filled: every page touched
+        time.sleep(0.002)
+        return len(buf)
+    perf(call, label="alloc")
+"""
+
+
+def test_memory_floor_is_gated(pytester: pytest.Pytester) -> None:
+    """96 MiB against 12 MiB saves 87.5%: a 50% floor passes, a 95% floor fails."""
+    pytester.makepyfile(test_mem=MEMORY.format(opt_mib=12, floor=0.5))
+    result = _run(pytester, "--benchmark-json=out.json")
+    assert result.ret == 0, result.stdout.str()
+    row = json.loads((pytester.path / "out.json").read_text())["kernelgate"]["speedups"][0]
+    assert 0.08 < row["memory_ratio"] < 0.2 and row["memory_floor"] == 0.5
+    result.stdout.fnmatch_lines(["*hungry*optimized*alloc*8?% (>=50%)*ok*"])
+    pytester.makepyfile(test_mem=MEMORY.format(opt_mib=12, floor=0.95))
+    result = _run(pytester)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*GATE FAILED: hungry*saved 8*% of the reference*under the floor 95%"])
+
+
+def test_memory_grown_over_baseline_fails(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_mem=MEMORY.format(opt_mib=12, floor=0.3))
+    assert _run(pytester, "--benchmark-save=base").ret == 0
+    pytester.makepyfile(test_mem=MEMORY.format(opt_mib=48, floor=0.3))  # saves 50%: over the floor, 4x the peak
+    result = _run(pytester, "--benchmark-compare")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        ["*GATE FAILED: hungry*peak memory ratio 0.5? of the reference grew more than 20%*"])
+
+
 def test_first_run_without_baseline_passes_with_hint(pytester: pytest.Pytester) -> None:
     _suite(pytester)
     result = _run(pytester, "--benchmark-compare")
@@ -224,6 +265,14 @@ def test_gate_rules() -> None:
     assert "fell more than 20%" in gate(row, 0.2)[0]
     row.baseline = 5.5  # 0.8 x 5.5 = 4.4: the interval still reaches it
     assert gate(row, 0.2) == []
+    row.memory_floor = 0.3
+    assert "no peak memory" in gate(row, 0.2)[0]
+    row.reference_peak_bytes, row.optimized_peak_bytes = 100, 80  # saves 20%
+    assert "under the floor 30%" in gate(row, 0.2)[0]
+    row.optimized_peak_bytes = 69  # saves 31%
+    assert gate(row, 0.2) == []
+    row.memory_baseline = 0.5  # 0.69 > 1.2 x 0.5
+    assert "grew more than 20%" in gate(row, 0.2)[0]
 
 
 def test_slug_is_a_safe_folder_name() -> None:

@@ -16,11 +16,12 @@ MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the op
 MAX_ROUNDS = 1000
 
 
-def _floor(item: pytest.Item, impl: str, device: str, size: str) -> float | None:
+def _floor(item: pytest.Item, mark_name: str, impl: str, device: str, size: str) -> float | None:
+    """The ``speedup`` or ``memory`` floor ``item`` declares for ``impl`` on this device class and size."""
     device_class = "cuda" if device.startswith("cuda") else "cpu"
-    for mark in item.iter_markers("speedup"):
+    for mark in item.iter_markers(mark_name):
         if mark.args:
-            raise pytest.UsageError(f"{item.nodeid}: speedup marker takes keywords cpu=, cuda=, impl=")
+            raise pytest.UsageError(f"{item.nodeid}: {mark_name} marker takes keywords cpu=, cuda=, impl=")
         if mark.kwargs.get("impl", "optimized") != impl:
             continue
         value = mark.kwargs.get(device_class)
@@ -99,7 +100,8 @@ class PerfCase:
         state.results.setdefault(self.kernel, {})[self.impl] = Measurement(
             times=list(bench.stats.stats.data), size=self.size, label=label, peak_bytes=peak,
             work_bytes=work_bytes)
-        floor = _floor(self._request.node, self.impl, self.device, self.size)
-        if floor is not None:
-            state.floors[(self.kernel, self.impl)] = floor
+        for mark_name, floors in (("speedup", state.floors), ("memory", state.memory_floors)):
+            floor = _floor(self._request.node, mark_name, self.impl, self.device, self.size)
+            if floor is not None:
+                floors[(self.kernel, self.impl)] = floor
         return result

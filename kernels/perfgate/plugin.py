@@ -5,7 +5,8 @@ times its callable through the ``perf`` fixture; all impls of one test land in o
 pytest-benchmark group, so every ``--benchmark-*`` option works unchanged. At the end of the
 session perfgate prints speedup = median(reference) / median(impl) with a bootstrap interval,
 writes it into the benchmark JSON (key ``kernelgate``), and fails the session when a floor
-declared with ``@pytest.mark.speedup(cpu=..., cuda=...)`` is not met, or, under
+declared with ``@pytest.mark.speedup(cpu=..., cuda=...)`` is not met, or the fraction of peak
+memory saved is under ``@pytest.mark.memory(cpu=..., cuda=...)``, or, under
 ``--benchmark-compare``, when a speedup fell more than ``--speedup-tolerance`` under the
 stored baseline's. Baselines are stored per machine fingerprint; comparing against another
 fingerprint's baseline is refused.
@@ -47,6 +48,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "speedup(cpu=None, cuda=None, impl='optimized'): speedup floor of impl over the "
         "reference per device class; a float, or a dict keyed by perf size",
+    )
+    config.addinivalue_line(
+        "markers",
+        "memory(cpu=None, cuda=None, impl='optimized'): least fraction of the reference's peak "
+        "memory that impl saves, measured in the same run; a float, or a dict keyed by perf size",
     )
     import torch
 
@@ -105,6 +111,8 @@ def pytest_benchmark_compare_machine_info(
     section = compared_benchmark.get("kernelgate", {})
     rows = section.get("speedups", [])
     state.baseline = {baseline_key(r["kernel"], r["impl"], r["size"]): r["speedup"] for r in rows}
+    state.memory_baseline = {baseline_key(r["kernel"], r["impl"], r["size"]): r["memory_ratio"] for r in rows
+                             if r.get("memory_ratio") is not None}
     state.baseline_path = str(benchmarksession.storage)
 
 

@@ -31,7 +31,9 @@ class GateState:
     slug: str
     results: dict[str, dict[str, Measurement]] = field(default_factory=dict)
     floors: dict[tuple[str, str], float] = field(default_factory=dict)
+    memory_floors: dict[tuple[str, str], float] = field(default_factory=dict)  # least fraction saved
     baseline: dict[str, float] | None = None
+    memory_baseline: dict[str, float] = field(default_factory=dict)  # optimized/reference peak ratios
     baseline_path: str | None = None
     rows: list[SpeedupRow] | None = None
     unmeasured: int = 0  # perf calls that ran with benchmarks disabled
@@ -58,6 +60,8 @@ class GateState:
                     baseline=(self.baseline or {}).get(baseline_key(kernel, impl, m.size)),
                     reference_peak_bytes=ref.peak_bytes, optimized_peak_bytes=m.peak_bytes,
                     reference_gbps=_gbps(ref), optimized_gbps=_gbps(m),
+                    memory_floor=self.memory_floors.get((kernel, impl)),
+                    memory_baseline=self.memory_baseline.get(baseline_key(kernel, impl, m.size)),
                 )
                 gate(row, self.tolerance)
                 rows.append(row)

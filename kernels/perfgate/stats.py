@@ -6,6 +6,11 @@ The gate fails a row when the interval's lower bound is under the floor, or, whe
 baseline is compared, when the speedup fell more than ``tolerance`` under the baseline's with
 confidence: the interval's upper bound is under (1 - tolerance) x baseline. Both rules ask the
 interval, not the point, so a noisy round cannot fail a kernel that did not get slower.
+
+Memory (``@pytest.mark.memory``): saved = 1 - optimized peak / reference peak, one measurement a
+side (peaks do not jitter like times). A row fails when saved is under its floor, when a floor
+is declared but the platform gave no peak, or, against a baseline, when the optimized/reference
+peak ratio grew more than ``tolerance`` over the baseline's.
 """
 
 from __future__ import annotations
@@ -64,14 +69,22 @@ class SpeedupRow:
     optimized_peak_bytes: int | None = None
     reference_gbps: float | None = None
     optimized_gbps: float | None = None
+    memory_floor: float | None = None  # least fraction of the reference's peak memory saved
+    memory_baseline: float | None = None  # the baseline's optimized/reference peak ratio
     failures: list[str] = field(default_factory=list)
+
+    @property
+    def memory_ratio(self) -> float | None:
+        """optimized peak / reference peak, None where either is unmeasured or the reference's is 0."""
+        ref, opt = self.reference_peak_bytes, self.optimized_peak_bytes
+        return None if ref is None or opt is None or ref <= 0 else opt / ref
 
     @property
     def key(self) -> str:
         return f"{self.kernel}::{self.impl}"
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "memory_ratio": self.memory_ratio}
 
 
 def gate(row: SpeedupRow, tolerance: float) -> list[str]:
@@ -89,12 +102,28 @@ def gate(row: SpeedupRow, tolerance: float) -> list[str]:
             f"{where}: {measured} fell more than {tolerance:.0%} under the stored baseline's "
             f"{row.baseline:.2f}x (the whole interval is under {(1.0 - tolerance) * row.baseline:.2f}x)"
         )
+    ratio = row.memory_ratio
+    if row.memory_floor is not None:
+        if ratio is None:
+            failures.append(f"{where}: a memory floor is declared but this platform gave no peak memory")
+        elif 1.0 - ratio < row.memory_floor:
+            failures.append(f"{where}: saved {1.0 - ratio:.1%} of the reference's peak memory "
+                            f"({_mem(row.reference_peak_bytes)} -> {_mem(row.optimized_peak_bytes)} MiB), "
+                            f"under the floor {row.memory_floor:.0%}")
+    if ratio is not None and row.memory_baseline is not None and ratio > (1.0 + tolerance) * row.memory_baseline:
+        failures.append(f"{where}: peak memory ratio {ratio:.2f} of the reference grew more than {tolerance:.0%} "
+                        f"over the stored baseline's {row.memory_baseline:.2f}")
     row.failures = failures
     return failures
 
 
 def _mem(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def _saved(ratio: float | None, floor: float | None) -> str:
+    cell = "-" if ratio is None else f"{1 - ratio:.0%}"
+    return cell if floor is None else f"{cell} (>={floor:.0%})"
 
 
 def _gb(ref: float | None, opt: float | None) -> str:
@@ -104,7 +133,7 @@ def _gb(ref: float | None, opt: float | None) -> str:
 def format_table(rows: Sequence[dict]) -> list[str]:
     """Rows (``SpeedupRow.as_dict()``) as fixed-width text lines."""
     header = ("kernel", "impl", "size", "device", "ref ms", "opt ms", "speedup", "95% CI",
-              "floor", "baseline", "peak MiB ref/opt", "GB/s ref/opt", "gate")
+              "floor", "baseline", "peak MiB ref/opt", "mem saved", "GB/s ref/opt", "gate")
     body = []
     for r in rows:
         body.append((
@@ -114,6 +143,7 @@ def format_table(rows: Sequence[dict]) -> list[str]:
             "-" if r["floor"] is None else f"{r['floor']:.2f}x",
             "-" if r["baseline"] is None else f"{r['baseline']:.2f}x",
             f"{_mem(r['reference_peak_bytes'])}/{_mem(r['optimized_peak_bytes'])}",
+            _saved(r.get("memory_ratio"), r.get("memory_floor")),
             _gb(r.get("reference_gbps"), r.get("optimized_gbps")),
             "FAIL" if r["failures"] else "ok",
         ))

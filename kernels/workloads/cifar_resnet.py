@@ -28,14 +28,19 @@ from kernels.training import Recipe, train
 from kernels.workloads.common import markdown
 
 
-def synthetic_cifar(n: int, *, seed: int = 0, classes: int = 10, noise: float = 2.5) -> tuple[Tensor, Tensor]:
-    """x (n, 3, 32, 32) float32, standardized; y (n,) int64 class ids."""
+def synthetic_cifar(n: int, *, seed: int = 0, classes: int = 10, noise: float = 2.5,
+                    y: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """x (n, 3, 32, 32) float32, standardized; y (n,) int64 class ids (drawn uniformly, or the
+    given ``y``, e.g. a long-tailed label list)."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     gen = torch.Generator().manual_seed(seed)
     templates = F.interpolate(torch.randn(classes, 3, 4, 4, generator=torch.Generator().manual_seed(1234)),
                               size=32, mode="bilinear", align_corners=False)
-    y = torch.randint(0, classes, (n,), generator=gen)
+    if y is None:
+        y = torch.randint(0, classes, (n,), generator=gen)
+    elif y.shape != (n,) or y.dtype != torch.int64 or not bool(((y >= 0) & (y < classes)).all()):
+        raise ValueError(f"y must be ({n},) int64 class ids in [0, {classes}), got {tuple(y.shape)} {y.dtype}")
     x = templates[y] + noise * torch.randn(n, 3, 32, 32, generator=gen)
     return (x - x.mean()) / x.std(), y
 

@@ -1,7 +1,7 @@
 """The LoRA spectral-feature probe (seed 002, after weightspace-lora-for-diffusion), end to end.
 
-Data: synthetic LoRA-like weight sets. Each sample has ``layers`` square updates U diag(s) V^T +
-noise (rank ``rank``, Haar-random U and V); its class (10) sets the spectral shape, s_i =
+Data: synthetic LoRA-like weight sets. Each sample has ``layers`` updates U diag(s) V^T + noise
+(rank ``rank``, Haar-random U and V); its class (10) sets the spectral shape, s_i =
 exp(-i / tau_c) with tau_c from 1.0 to 3.0 and +-30% jitter per sample and layer, so classes
 overlap.
 Features: the seed's 32 spectral features per layer, concatenated; standardized; then the
@@ -11,11 +11,12 @@ seed's classifier (3 x [Linear 512, BatchNorm1d, ReLU, Dropout 0.5] -> Linear), 
 Reference: exact singular values (svdvals), scikit-learn's StandardScaler, fp32, batch 64, the
 plain loop. Optimized: randomized top-10 (kernels.spectral), kernels.Standardizer, batch 256, the
 engine under Recipe.auto (AMP where it measures faster), features kept in a FeatureCache keyed
-by the generating settings and code (a second run reads them back). The seed's 128 LoRA layers of
-SD 1.5 (non-square, up to 1280 wide) are scaled to 16 square layers of 256 x 256 for a 2-core
-CPU; ``--layers 128 --dim 320`` runs a 128-layer, square approximation.
+by the generating settings and code (a second run reads them back). By default the seed's 128
+LoRA layers of SD 1.5 are scaled to 16 square layers of 256 x 256 for a 2-core CPU; ``--shapes
+sd15`` generates the real ones (``SD15_SHAPES``: 16 transformer blocks of width 320/640/1280, each
+with self-attention q, k, v, out (d x d) and cross-attention q, out (d x d), k, v (d x 768)).
 
-    python -m kernels.workloads.spectral_probe [--samples 400] [--layers 16] [--ablation]
+    python -m kernels.workloads.spectral_probe [--samples 400] [--layers 16] [--shapes sd15] [--ablation]
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ from kernels.training import Recipe, train
 from kernels.workloads.common import markdown, require_positive
 
 
+def _sd15_shapes() -> tuple[tuple[int, int], ...]:
+    """(out, in) of the 128 attention projections of SD 1.5's UNet, in block order."""
+    widths = [320] * 2 + [640] * 2 + [1280] * 2 + [1280] + [1280] * 3 + [640] * 3 + [320] * 3  # down, mid, up
+    per_block = lambda d: [(d, d)] * 4 + [(d, d), (d, 768), (d, 768), (d, d)]  # attn1 q k v out, attn2 q k v out
+    return tuple(shape for d in widths for shape in per_block(d))
+
+
+SD15_SHAPES = _sd15_shapes()
+SHAPES = ("square", "sd15")
+
+
 @dataclass(frozen=True)
 class Config:
     samples: int = 400
@@ -53,9 +65,14 @@ class Config:
     patience: int = 15
     seed: int = 0
     device: str = "cpu"
+    shapes: str = "square"  # "square": layers x (dim, dim); "sd15": SD15_SHAPES (dim unused)
 
     def __post_init__(self) -> None:
         require_positive(self, ("samples", "layers", "dim", "rank", "classes", "max_epochs", "patience"))
+        if self.shapes not in SHAPES:
+            raise ValueError(f"shapes must be one of {SHAPES}, got {self.shapes!r}")
+        if self.shapes == "sd15" and self.layers != len(SD15_SHAPES):
+            raise ValueError(f"shapes='sd15' has {len(SD15_SHAPES)} layers; got layers={self.layers}")
         if self.samples < 5 * self.classes:
             raise ValueError(f"samples ({self.samples}) must be >= 5 per class for the 70/10/20 split")
 
@@ -64,16 +81,21 @@ def labels(cfg: Config) -> Tensor:
     return torch.arange(cfg.samples) % cfg.classes
 
 
+def layer_shape(cfg: Config, layer: int) -> tuple[int, int]:
+    return SD15_SHAPES[layer] if cfg.shapes == "sd15" else (cfg.dim, cfg.dim)
+
+
 def layer_weights(cfg: Config, layer: int) -> Tensor:
-    """Layer ``layer`` of every sample: (samples, dim, dim), deterministic in (seed, layer)."""
+    """Layer ``layer`` of every sample: (samples, m, n) = (samples, *layer_shape), deterministic
+    in (seed, layer). The noise's spectral norm is about 2 * noise at every shape."""
     g = torch.Generator().manual_seed(cfg.seed * 100_003 + layer)
-    n, d, r = cfg.samples, cfg.dim, cfg.rank
+    (m, k), n, r = layer_shape(cfg, layer), cfg.samples, cfg.rank
     jitter = 1 + 0.3 * (2 * torch.rand(n, generator=g) - 1)
     tau = torch.linspace(1.0, 3.0, cfg.classes)[labels(cfg)] * jitter
     s = torch.exp(-torch.arange(r) / tau[:, None])  # (n, r)
-    u = torch.linalg.qr(torch.randn(n, d, r, generator=g)).Q
-    v = torch.linalg.qr(torch.randn(n, d, r, generator=g)).Q
-    return (u * s[:, None, :]) @ v.mT + cfg.noise / d**0.5 * torch.randn(n, d, d, generator=g)
+    u = torch.linalg.qr(torch.randn(n, m, r, generator=g)).Q
+    v = torch.linalg.qr(torch.randn(n, k, r, generator=g)).Q
+    return (u * s[:, None, :]) @ v.mT + cfg.noise * 2 / (m**0.5 + k**0.5) * torch.randn(n, m, k, generator=g)
 
 
 def features(cfg: Config, values: Callable[..., Tensor]) -> tuple[Tensor, float]:
@@ -134,7 +156,8 @@ def _split(cfg: Config) -> tuple[Tensor, Tensor, Tensor]:
 def _features(cfg: Config, method: Method) -> tuple[Tensor, float]:
     if method.cache is None:
         return features(cfg, method.values)
-    data = {f: getattr(cfg, f) for f in ("samples", "layers", "dim", "rank", "classes", "noise", "seed")}
+    data = {f: getattr(cfg, f) for f in ("samples", "layers", "dim", "rank", "classes", "noise", "seed",
+                                   "shapes")}
     code = {name: hashlib.sha256(inspect.getsource(sys.modules[name]).encode()).hexdigest()
             for name in (method.values.__module__, __name__)}  # the features' code and the data generator's
     key = {"workload": "spectral_probe", "data": data, "features": f"{method.values.__module__}."
@@ -228,6 +251,25 @@ def compare_seeds(cfg: Config, seeds: int) -> list[tuple[float, float]]:
     return pairs
 
 
+def accuracy_claim(pairs: list[tuple[float, float]], margin: float = 0.01) -> str:
+    """The paired per-seed differences optimized - reference (accuracy points), their t 95%
+    interval, and a one-sided t test of non-inferiority: H0 "the optimized run is worse by
+    ``margin`` or more"."""
+    from scipy import stats
+
+    diffs = [o - r for r, o in pairs]
+    mean = sum(diffs) / len(diffs)
+    pts = lambda v: f"{100 * v:+.1f}"
+    head = f"optimized - reference: mean {pts(mean)} points over {len(diffs)} paired seeds"
+    if len(diffs) < 2 or len(set(diffs)) == 1:
+        return head + " (no spread to test: run more seeds)"
+    ci = stats.ttest_1samp(diffs, 0.0).confidence_interval(0.95)
+    p = stats.ttest_1samp(diffs, -margin, alternative="greater").pvalue
+    verdict = (f"'optimized worse by {100 * margin:g} point(s) or more' rejected at p = {p:.2g}" if p < 0.05 else
+               f"not shown to be within {100 * margin:g} point(s) (p = {p:.2g})")
+    return f"{head}, 95% CI [{pts(ci.low)}, {pts(ci.high)}]; {verdict}"
+
+
 def format_rows(rows: list[ProbeReport]) -> list[str]:
     base = rows[0].feature_s + rows[0].train_s
     cells = [[r.name, f"{r.feature_s:.2f}", f"{r.train_s:.2f}", f"{base / (r.feature_s + r.train_s):.2f}x",
@@ -239,27 +281,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.workloads.spectral_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=400)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=None, help="16, or 128 with --shapes sd15")
+    parser.add_argument("--dim", type=int, default=256, help="the square layers' width")
+    parser.add_argument("--shapes", choices=SHAPES, default="square", help="sd15: SD 1.5's 128 attention shapes")
     parser.add_argument("--max-epochs", type=int, default=60)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--ablation", action="store_true", help="every row, not only reference/optimized")
     parser.add_argument("--seeds", type=int, default=0, help="compare test accuracy over this many seeds")
     args = parser.parse_args(argv)
     try:
-        cfg = Config(samples=args.samples, layers=args.layers, dim=args.dim, max_epochs=args.max_epochs,
-                     device=args.device)
+        layers = args.layers if args.layers is not None else len(SD15_SHAPES) if args.shapes == "sd15" else 16
+        cfg = Config(samples=args.samples, layers=layers, dim=args.dim, max_epochs=args.max_epochs,
+                     device=args.device, shapes=args.shapes)
     except ValueError as e:
         parser.error(str(e))
-    print(f"Spectral probe: {cfg.samples} samples x {cfg.layers} layers of {cfg.dim}x{cfg.dim} (rank "
+    shape = "SD 1.5's shapes" if cfg.shapes == "sd15" else f"{cfg.dim}x{cfg.dim}"
+    print(f"Spectral probe: {cfg.samples} samples x {cfg.layers} layers of {shape} (rank "
           f"{cfg.rank}), {cfg.classes} classes, on {cfg.device}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")
     if args.seeds > 0:
         pairs = compare_seeds(cfg, args.seeds)
-        diffs = torch.tensor([o - r for r, o in pairs])
         cells = [[str(i), f"{r:.1%}", f"{o:.1%}"] for i, (r, o) in enumerate(pairs)]
         print("\n".join(markdown(["seed", "reference", "optimized"], cells)))
-        print(f"optimized - reference: mean {diffs.mean():+.1%}, std {diffs.std() if len(pairs) > 1 else 0:.1%}")
+        print(accuracy_claim(pairs))
         return 0
     with tempfile.TemporaryDirectory() as cache_dir:
         if args.ablation:

@@ -1,0 +1,162 @@
+"""The DARTS finite-difference hypergradient of one unrolled inner step, and the reweighted loss.
+
+Bilevel problem: inner parameters theta (a classifier) trained on L_in(theta, w), outer
+parameters w (a reweighting net) trained on L_out(theta). One unrolled inner step
+theta' = theta - lr * grad_theta L_in(theta, w) makes L_out a function of w; its gradient is
+
+    dL_out(theta')/dw = -lr * (d^2 L_in / dw dtheta)(theta, w) . v,    v = grad L_out(theta'),
+
+and the mixed second derivative along v is a central difference of two inner gradients
+(DARTS, Betty's ``darts`` with unroll 1):
+
+    -lr * [grad_w L_in(theta + eps v, w) - grad_w L_in(theta - eps v, w)] / (2 eps),  eps = alpha / |v|.
+
+Cost: one forward/backward of L_out for v, and two evaluations of grad_w L_in with theta held
+as plain tensors (no autograd graph through the inner model: when L_in reaches w only through
+weights of detached losses, the inner model runs forward only). The perturbed parameters go
+through ``torch.func.functional_call``: the module's own parameters and buffers are never
+touched (Betty perturbs them in place and adds eps v back, which leaves rounding behind).
+
+Truncation error O(eps^2) (central difference), rounding O(u |grad_w L_in| / eps): alpha = 0.01
+(Betty's default) balances them in fp32 (measured in correctness_tests/test_hypergrad.py). The
+difference of two nearly equal gradients is why the evaluations at theta +- eps v always run in
+fp32, whatever ``autocast_dtype`` does to the v pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+Forward = Callable[..., Tensor]  # the inner module's forward at some parameters
+LossClosure = Callable[[Forward], Tensor]  # a scalar loss computed with that forward
+
+
+def reweighted_loss(losses: Tensor, weight_net: nn.Module, weight_inputs: Tensor | None = None) -> Tensor:
+    """mean_i W(l_i; w) * l_i for per-sample losses (B,), W = ``weight_net`` on (B, 1) inputs.
+
+    W sees ``weight_inputs`` (default: ``losses.detach()``), so no gradient flows through W's
+    input. A hypergradient closure passes the losses at the unperturbed theta as
+    ``weight_inputs``: the finite difference must not move them (see darts_hypergradient).
+    """
+    if losses.ndim != 1 or losses.numel() == 0:
+        raise ValueError(f"losses must be per-sample losses of shape (B,) with B >= 1, got {tuple(losses.shape)}")
+    inputs = losses.detach() if weight_inputs is None else weight_inputs.detach()
+    if inputs.shape != losses.shape:
+        raise ValueError(f"weight_inputs must match losses {tuple(losses.shape)}, got {tuple(inputs.shape)}")
+    weights = weight_net(inputs.unsqueeze(1))
+    if weights.shape not in ((len(losses), 1), (len(losses),)):
+        raise ValueError(f"weight_net must return one weight per sample, (B, 1) or (B,) with B = {len(losses)}; "
+                         f"got {tuple(weights.shape)}")
+    return (weights.reshape(-1) * losses).mean()
+
+
+def _closures(value: LossClosure | Sequence[LossClosure], name: str) -> list[LossClosure]:
+    """One closure, or one per micro-batch (the loss is their mean: gradient accumulation)."""
+    fns = [value] if callable(value) else list(value)
+    if not fns or not all(callable(f) for f in fns):
+        raise ValueError(f"{name} must be a loss closure f -> scalar, or a non-empty sequence of them "
+                         f"(micro-batches); got {value!r} (an empty {name.split('_')[0]} set?)")
+    return fns
+
+
+def _mean_grad(fns: list[LossClosure], forward: Forward, wrt: list[Tensor], name: str) -> list[Tensor]:
+    """grad of mean_j fns[j](forward) w.r.t. ``wrt``, one micro-batch graph alive at a time."""
+    total = [torch.zeros_like(t) for t in wrt]
+    for fn in fns:
+        loss = fn(forward)
+        if not isinstance(loss, Tensor) or loss.ndim != 0:
+            raise ValueError(f"{name} must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
+        grads = torch.autograd.grad(loss / len(fns), wrt, allow_unused=True)
+        grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, wrt, strict=True)]
+        torch._foreach_add_(total, grads)
+    return total
+
+
+def _check(inner: nn.Module, outer: list[Tensor], lr: float, alpha: float) -> list[tuple[str, Tensor]]:
+    if not isinstance(inner, nn.Module):
+        raise TypeError(f"inner must be a torch.nn.Module, got {type(inner).__name__}")
+    named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("inner has no parameters that require grad")
+    if not outer or not all(isinstance(w, Tensor) and w.requires_grad for w in outer):
+        raise ValueError("outer_params must be a non-empty iterable of tensors that require grad")
+    devices = {p.device for _, p in named} | {w.device for w in outer}
+    if len(devices) > 1:
+        raise ValueError(f"inner and outer parameters must be on one device, got {sorted(map(str, devices))}; "
+                         "move both models with .to(device)")
+    for name, value in (("lr", lr), ("alpha", alpha)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return named
+
+
+def darts_hypergradient(
+    inner: nn.Module,
+    inner_loss: LossClosure | Sequence[LossClosure],
+    outer_loss: LossClosure | Sequence[LossClosure],
+    outer_params: Iterable[Tensor],
+    *,
+    lr: float,
+    alpha: float = 0.01,
+    at: Mapping[str, Tensor] | None = None,
+    autocast_dtype: torch.dtype | None = None,
+) -> list[Tensor]:
+    """dL_out/dw through one unrolled inner SGD step of learning rate ``lr``, by finite differences.
+
+    inner: the inner model holding theta' (its parameters AFTER the inner step).
+    inner_loss / outer_loss: closures ``f -> scalar`` where ``f(*args)`` is ``inner``'s forward at
+        the parameters being evaluated, or sequences of them (micro-batches, averaged). L_in must
+        reach theta only through ``f``: a stop-gradient input computed from theta (W's detached
+        losses) must be precomputed at theta and captured, or the difference also differentiates
+        through it (an O(1) bias that no eps removes; measured in the tests).
+    outer_params: w, the tensors the result is the gradient of (requires_grad).
+    at: theta, the inner parameters BEFORE the step, by name (only those that require grad).
+        None: theta' itself, as Betty does (it keeps no copy), an O(lr) approximation.
+    autocast_dtype: autocast for the v pass (torch.bfloat16, or None for fp32).
+    Returns one tensor per outer parameter, shaped like it. Raises FloatingPointError when v is
+    not finite. The module's parameters, buffers and .grad fields are left as they were.
+    """
+    outer = list(outer_params)
+    named = _check(inner, outer, lr, alpha)
+    if autocast_dtype not in (None, torch.bfloat16):
+        raise ValueError(f"autocast_dtype must be None or torch.bfloat16, got {autocast_dtype} (fp16 gradients of "
+                         "the outer loss would need a loss scaler)")
+    inner_fns, outer_fns = _closures(inner_loss, "inner_loss"), _closures(outer_loss, "outer_loss")
+    names = [n for n, _ in named]
+    after = [p.detach() for _, p in named]
+    if at is None:
+        before = after
+    else:
+        missing = [n for n in names if n not in at]
+        if missing:
+            raise ValueError(f"at is missing inner parameters {missing[:3]}{'...' if len(missing) > 3 else ''}")
+        before = [at[n].detach() for n in names]
+        bad = [n for n, b, a in zip(names, before, after, strict=True)
+               if b.shape != a.shape or b.device != a.device]
+        if bad:
+            raise ValueError(f"at[{bad[0]!r}] must match the parameter's shape and device")
+    buffers = {n: b.clone() for n, b in inner.named_buffers()}  # BN running stats: copies, left untouched
+
+    def forward_at(values: list[Tensor]) -> Forward:
+        state = {**dict(zip(names, values, strict=True)), **buffers}
+        return lambda *args, **kwargs: functional_call(inner, state, args, kwargs)
+
+    leaves = [a.detach().requires_grad_() for a in after]  # new leaves sharing the parameters' storage
+    with torch.autocast(after[0].device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        v = _mean_grad(outer_fns, forward_at(leaves), leaves, "outer_loss")
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in v])).item()
+    if not math.isfinite(norm):
+        raise FloatingPointError(f"the outer loss's gradient v is not finite (|v| = {norm}); check the meta batch")
+    if norm == 0.0:  # the outer loss is flat in theta': the hypergradient is exactly zero
+        return [torch.zeros_like(w) for w in outer]
+    eps = alpha / norm
+    plus = _mean_grad(inner_fns, forward_at(torch._foreach_add(before, v, alpha=eps)), outer, "inner_loss")
+    minus = _mean_grad(inner_fns, forward_at(torch._foreach_add(before, v, alpha=-eps)), outer, "inner_loss")
+    torch._foreach_sub_(plus, minus)
+    torch._foreach_mul_(plus, -lr / (2 * eps))
+    return plus
