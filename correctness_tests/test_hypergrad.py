@@ -1,0 +1,170 @@
+"""kernels.darts_hypergradient against the exact hypergradient of the same unrolled step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from correctness_tests.tolerances import FINITE_DIFFERENCE, REDUCTION, assert_close
+from kernels.hypergrad import darts_hypergradient, reweighted_loss
+from kernels.workloads.meta_reweight import MetaWeightNet
+from reference.hypergrad import exact_hypergradient
+
+
+def _flat(ts: list[Tensor]) -> Tensor:
+    return torch.cat([t.flatten() for t in ts])
+
+
+def _rel(a: list[Tensor], b: list[Tensor]) -> float:
+    return ((_flat(a) - _flat(b)).norm() / _flat(b).norm()).item()
+
+
+def problem(dtype=torch.float64, hidden=16, batch=32, meta=20, lr=0.5, seed=0, act=nn.Tanh, held=True):
+    """A smooth MLP classifier stepped once on the Meta-Weight-Net loss: (model, inner, outer, W, theta)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, hidden), act(), nn.Linear(hidden, 3)).to(dtype)
+    w = MetaWeightNet().to(dtype)
+    x, y = torch.randn(batch, 5, dtype=torch.float64).to(dtype), torch.randint(0, 3, (batch,))
+    xm, ym = torch.randn(meta, 5, dtype=torch.float64).to(dtype), torch.randint(0, 3, (meta,))
+    theta = {n: p.detach().clone() for n, p in model.named_parameters()}
+    l0 = F.cross_entropy(model(x), y, reduction="none").detach()
+    inner = lambda f: reweighted_loss(F.cross_entropy(f(x), y, reduction="none"), w, l0 if held else None)
+    outer = lambda f: F.cross_entropy(f(xm), ym)
+    grads = torch.autograd.grad(inner(model), list(model.parameters()))
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p -= lr * g
+    return model, inner, outer, w, theta, lr
+
+
+def test_truncation_error_falls_as_alpha_squared() -> None:
+    """Central difference: error O(eps^2); fp64 so rounding stays out of the way."""
+    model, inner, outer, w, theta, lr = problem()
+    exact = exact_hypergradient(model, inner, outer, w.parameters(), lr=lr, at=theta)
+    errors = [_rel(darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, alpha=a, at=theta), exact)
+              for a in (1e-1, 1e-2, 1e-3)]
+    for big, small in zip(errors, errors[1:], strict=False):
+        assert 50 < big / small < 200, errors  # 100x per decade of alpha
+    assert errors[1] < 1e-4 and errors[2] < 1e-6
+
+
+def test_fp32_within_the_difference_budget() -> None:
+    """fp32 FD against the fp64 exact hypergradient: truncation plus rounding / eps."""
+    model, inner, outer, w, theta, lr = problem(torch.float64)
+    exact = exact_hypergradient(model, inner, outer, w.parameters(), lr=lr, at=theta)
+    model32, inner32, outer32, w32, theta32, _ = problem(torch.float32)
+    fd = darts_hypergradient(model32, inner32, outer32, w32.parameters(), lr=lr, at=theta32)
+    scale = _flat(exact).abs().max().item()
+    for got, want in zip(fd, exact, strict=True):
+        assert_close(got.double(), want, FINITE_DIFFERENCE, scale=scale, dtype=torch.float32)
+    # truncation wins at large alpha, rounding / eps at small: the default 0.01 sits between
+    # (measured 1.5e-3, 9.7e-5, 6.5e-4 at alpha 0.1, 0.01, 0.001)
+    err = {a: (_flat(darts_hypergradient(model32, inner32, outer32, w32.parameters(), lr=lr, alpha=a, at=theta32))
+               .double() - _flat(exact)).abs().max().item() for a in (1e-1, 1e-2, 1e-3)}
+    assert err[1e-2] < err[1e-1] / 5 and err[1e-2] < err[1e-3] / 3, err
+
+
+def test_moving_the_weights_inputs_biases_the_difference() -> None:
+    """W(l.detach()): the exact step has no gradient through W's input, but l's VALUE moves with
+    theta; a difference that lets it move (Betty's literal evaluation) is off by O(1) at every alpha."""
+    model, inner, outer, w, theta, lr = problem(held=False)
+    exact = exact_hypergradient(model, inner, outer, w.parameters(), lr=lr, at=theta)
+    for alpha in (1e-1, 1e-2, 1e-3):
+        fd = darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, alpha=alpha, at=theta)
+        assert _rel(fd, exact) > 0.1
+
+
+def test_betty_point_is_first_order_in_lr() -> None:
+    """at=None takes the mixed derivative at theta' (Betty): off by O(lr), shrinking with lr."""
+    errors = []
+    for lr in (0.5, 0.05):
+        model, inner, outer, w, theta, _ = problem(lr=lr)
+        exact = exact_hypergradient(model, inner, outer, w.parameters(), lr=lr, at=theta)
+        errors.append(_rel(darts_hypergradient(model, inner, outer, w.parameters(), lr=lr), exact))
+    assert errors[0] > 1e-3 and 5 < errors[0] / errors[1] < 20, errors
+
+
+@settings(max_examples=12, deadline=None)
+@given(hidden=st.integers(1, 24), batch=st.integers(2, 40), meta=st.integers(1, 30),
+       lr=st.floats(0.01, 1.0), seed=st.integers(0, 2**16))
+def test_matches_exact_on_random_problems(hidden: int, batch: int, meta: int, lr: float, seed: int) -> None:
+    model, inner, outer, w, theta, lr = problem(hidden=hidden, batch=batch, meta=meta, lr=lr, seed=seed)
+    exact = exact_hypergradient(model, inner, outer, w.parameters(), lr=lr, at=theta)
+    fd = darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, alpha=1e-3, at=theta)
+    scale = max(_flat(exact).abs().max().item(), 1e-300)
+    for got, want in zip(fd, exact, strict=True):
+        assert_close(got, want, FINITE_DIFFERENCE, scale=scale)
+
+
+def test_micro_batches_average_to_the_whole_batch() -> None:
+    model, _, _, w, theta, lr = problem()
+    x, y = torch.randn(24, 5, dtype=torch.float64), torch.randint(0, 3, (24,))
+    l0 = F.cross_entropy(model(x), y, reduction="none").detach()
+    inner = lambda xs, ys, ls: lambda f: reweighted_loss(F.cross_entropy(f(xs), ys, reduction="none"), w, ls)
+    outer = lambda xs, ys: lambda f: F.cross_entropy(f(xs), ys)
+    whole = darts_hypergradient(model, inner(x, y, l0), outer(x, y), w.parameters(), lr=lr, at=theta)
+    parts = darts_hypergradient(model, [inner(*c) for c in zip(x.chunk(4), y.chunk(4), l0.chunk(4), strict=True)],
+                                [outer(*c) for c in zip(x.chunk(3), y.chunk(3), strict=True)], w.parameters(),
+                                lr=lr, at=theta)
+    for a, b in zip(parts, whole, strict=True):
+        assert_close(a, b, REDUCTION, scale=_flat(whole).abs().max().item())
+
+
+def test_leaves_the_module_untouched() -> None:
+    """Parameters, BatchNorm running statistics and .grad are as they were."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    w = MetaWeightNet()
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    model(x).sum().backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [p.grad.clone() for p in model.parameters()]
+    darts_hypergradient(model, lambda f: reweighted_loss(F.cross_entropy(f(x), y, reduction="none"), w),
+                        lambda f: F.cross_entropy(f(x), y), w.parameters(), lr=0.1)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    assert all(p.grad is None for p in w.parameters())
+
+
+def test_flat_outer_loss_gives_zero_and_nan_is_refused() -> None:
+    model, inner, _, w, theta, lr = problem()
+    zero = darts_hypergradient(model, inner, lambda f: f(torch.zeros(1, 5, dtype=torch.float64)).sum() * 0,
+                               w.parameters(), lr=lr, at=theta)
+    assert all(bool((g == 0).all()) for g in zero)
+    with pytest.raises(FloatingPointError, match="not finite"):
+        darts_hypergradient(model, inner, lambda f: f(torch.full((1, 5), math.nan, dtype=torch.float64)).sum(),
+                            w.parameters(), lr=lr, at=theta)
+
+
+def test_bad_input_is_refused() -> None:
+    model, inner, outer, w, theta, lr = problem()
+    with pytest.raises(ValueError, match="empty outer set"):
+        darts_hypergradient(model, inner, [], w.parameters(), lr=lr)
+    with pytest.raises(ValueError, match="one weight per sample"):
+        reweighted_loss(torch.rand(8), nn.Linear(1, 2))
+    with pytest.raises(ValueError, match=r"losses must be per-sample losses of shape \(B,\)"):
+        reweighted_loss(torch.rand(8, 2), w)
+    with pytest.raises(ValueError, match="one device"):
+        darts_hypergradient(model, inner, outer, MetaWeightNet().to("meta").parameters(), lr=lr)
+    with pytest.raises(ValueError, match="lr must be a finite number > 0"):
+        darts_hypergradient(model, inner, outer, w.parameters(), lr=0.0)
+    with pytest.raises(ValueError, match="alpha must be a finite number > 0"):
+        darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, alpha=math.inf)
+    with pytest.raises(ValueError, match="at is missing"):
+        darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, at={})
+    with pytest.raises(ValueError, match="scalar"):
+        darts_hypergradient(model, inner, lambda f: f(torch.zeros(2, 5, dtype=torch.float64)), w.parameters(),
+                            lr=lr)
+    with pytest.raises(ValueError, match="outer_params"):
+        darts_hypergradient(model, inner, outer, [], lr=lr)
+    with pytest.raises(ValueError, match="autocast_dtype"):
+        darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, autocast_dtype=torch.float16)
+    with pytest.raises(TypeError, match="inner must be a torch.nn.Module"):
+        darts_hypergradient(lambda x: x, inner, outer, w.parameters(), lr=lr)
