@@ -108,6 +108,9 @@ def darts_hypergradient(
 ) -> list[Tensor]:
     """dL_out/dw through one unrolled inner SGD step of learning rate ``lr``, by finite differences.
 
+    The step may carry momentum and weight decay (not Nesterov): they do not depend on w, so the
+    step's derivative is -lr d(grad_theta L_in)/dw whatever theta' they produced.
+
     inner: the inner model holding theta' (its parameters AFTER the inner step).
     inner_loss / outer_loss: closures ``f -> scalar`` where ``f(*args)`` is ``inner``'s forward at
         the parameters being evaluated, or sequences of them (micro-batches, averaged). L_in must

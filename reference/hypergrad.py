@@ -1,9 +1,12 @@
 """The exact hypergradient of one unrolled inner step: autograd through the step itself.
 
-theta' = theta - lr * grad_theta L_in(theta, w) is built with ``create_graph=True``, so
-L_out(theta') is a differentiable function of w and ``torch.autograd.grad`` returns
-dL_out/dw = -lr * (d^2 L_in / dw dtheta) . grad L_out(theta') exactly (no eps, no truncation).
-Slow and memory-hungry (a double backward through the inner model), obviously correct.
+The inner step theta -> theta' of SGD (with or without momentum and weight decay, not Nesterov)
+depends on w only through -lr * grad_theta L_in(theta, w): the momentum buffer and the decay are
+constants of w. So theta'(w) = theta' - lr * (g(w) - g(w).detach()) has theta''s value and the
+step's derivative; g is built with ``create_graph=True``, L_out(theta'(w)) is differentiable in
+w, and ``torch.autograd.grad`` returns dL_out/dw = -lr * (d^2 L_in / dw dtheta) . grad
+L_out(theta') exactly (no eps, no truncation). Slow and memory-hungry (a double backward
+through the inner model), obviously correct.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ def exact_hypergradient(
     lr: float,
     at: Mapping[str, Tensor],
 ) -> list[Tensor]:
-    """dL_out(theta - lr grad L_in(theta, w))/dw with theta = ``at`` (the parameters before the
-    step, by name); ``inner`` only supplies the forward (its own parameters are not read)."""
+    """dL_out(theta'(w))/dw: ``inner`` holds theta' (after the step), ``at`` theta (before it,
+    by name), as for kernels.darts_hypergradient."""
     outer = list(outer_params)
     named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
     buffers = {n: b.clone() for n, b in inner.named_buffers()}
@@ -42,6 +45,6 @@ def exact_hypergradient(
         return lambda *args, **kwargs: functional_call(inner, ({**params, **buffers}), args, kwargs)
 
     grads = torch.autograd.grad(_mean(inner_loss, forward(theta)), list(theta.values()), create_graph=True)
-    stepped = {n: t - lr * g for (n, t), g in zip(theta.items(), grads, strict=True)}
+    stepped = {n: p.detach() - lr * (g - g.detach()) for (n, p), g in zip(named, grads, strict=True)}
     result = torch.autograd.grad(_mean(outer_loss, forward(stepped)), outer, allow_unused=True)
     return [torch.zeros_like(w) if g is None else g for g, w in zip(result, outer, strict=True)]

@@ -15,14 +15,19 @@ accumulation k, fused SGD, kernels.darts_hypergradient with W's inputs held at t
 Reference (reference/workloads/meta_reweight.py): the plain fp32 loop, per-parameter Python SGD,
 one batch per step, and the exact hypergradient (autograd through the step).
 
-    python -m kernels.workloads.meta_reweight [--steps 200] [--accumulation 4] [--memory]
+    python -m kernels.workloads.meta_reweight [--steps 200] [--accumulation 4] [--device cpu]
+
+prints balanced-test accuracy with and without reweighting for both runs, then the memory
+ablation (Betty's table: baseline / + AMP / + accumulation / both), peak memory of one outer
+step (CUDA: max_memory_allocated; CPU: the perf gate's resident-set high-water mark).
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +36,10 @@ from torch import Tensor, nn
 from kernels.hypergrad import darts_hypergradient, reweighted_loss
 from kernels.models import ResNet10
 from kernels.optim import sgd
+from kernels.perfgate.timing import peak_memory
 from kernels.training import Recipe, train
 from kernels.workloads.cifar_resnet import synthetic_cifar
-from kernels.workloads.common import require_positive
+from kernels.workloads.common import markdown, mib, require_positive
 
 Batch = tuple[Tensor, Tensor]
 
@@ -115,6 +121,7 @@ class Learner:
     inner_opt: torch.optim.Optimizer
     outer_opt: torch.optim.Optimizer
     recipe: Recipe = field(default_factory=Recipe)
+    scaler: torch.amp.GradScaler | None = None  # fp16: one scaler across steps keeps its scale
 
 
 def learner(cfg: Config, sgd_fn: Callable = sgd, recipe: Recipe | None = None) -> Learner:
@@ -124,7 +131,9 @@ def learner(cfg: Config, sgd_fn: Callable = sgd, recipe: Recipe | None = None) -
     weight_net = MetaWeightNet().to(cfg.device)
     inner_opt = sgd_fn(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     outer_opt = torch.optim.Adam(weight_net.parameters(), lr=cfg.meta_lr, weight_decay=cfg.meta_weight_decay)
-    return Learner(model, weight_net, inner_opt, outer_opt, recipe or Recipe())
+    recipe = recipe or Recipe()
+    scaler = torch.amp.GradScaler(torch.device(cfg.device).type) if recipe.grad_scaler else None
+    return Learner(model, weight_net, inner_opt, outer_opt, recipe, scaler)
 
 
 def per_sample_ce(logits: Tensor, y: Tensor) -> Tensor:
@@ -137,7 +146,7 @@ def outer_step(ln: Learner, batch: Batch, meta: Batch, cfg: Config, reweight: bo
     k = ln.recipe.accumulation
     micro = list(zip(batch[0].chunk(k), batch[1].chunk(k), strict=True))
     if not reweight:
-        train(ln.model, F.cross_entropy, ln.inner_opt, micro, ln.recipe, device=cfg.device)
+        train(ln.model, F.cross_entropy, ln.inner_opt, micro, ln.recipe, device=cfg.device, scaler=ln.scaler)
         return
     theta = {n: p.detach().clone() for n, p in ln.model.named_parameters()}
     held: list[Tensor] = []  # l_i at theta, per micro-batch: W's inputs, held fixed in the difference
@@ -147,7 +156,7 @@ def outer_step(ln: Learner, batch: Batch, meta: Batch, cfg: Config, reweight: bo
         held.append(losses.detach())
         return reweighted_loss(losses, ln.weight_net)
 
-    train(ln.model, inner_loss, ln.inner_opt, micro, ln.recipe, device=cfg.device)
+    train(ln.model, inner_loss, ln.inner_opt, micro, ln.recipe, device=cfg.device, scaler=ln.scaler)
     inner_fns = [lambda f, x=x, y=y, l0=l0: reweighted_loss(per_sample_ce(f(x), y), ln.weight_net, l0)
                  for (x, y), l0 in zip(micro, held, strict=True)]
     outer_fns = [lambda f, x=x, y=y: F.cross_entropy(f(x).float(), y)
@@ -179,20 +188,101 @@ class RunReport:
     name: str
     ms_per_step: float  # median over the timed steps
     balanced_accuracy: float
+    peak_mib: float | None = None  # one outer step, after the warm-up steps
 
 
-def run(name: str, step: StepFn, ln: Learner, cfg: Config, reweight: bool = True) -> RunReport:
-    """``cfg.steps`` outer steps on the same batch stream as every other run of this seed."""
+def run(name: str, step: StepFn, ln: Learner, cfg: Config, reweight: bool = True, warmup: int = 0,
+        measure_peak: bool = False) -> RunReport:
+    """``warmup`` then ``cfg.steps`` outer steps on the same batch stream as every other run of
+    this seed; with ``measure_peak``, one more step measured for its peak memory."""
     train_set, meta_set, test = datasets(cfg)
     data, meta = batches(train_set, cfg.batch, cfg.seed + 1), batches(meta_set, cfg.meta_batch, cfg.seed + 2)
     if ln.recipe.channels_last:
         ln.model.to(memory_format=torch.channels_last)
     times = []
-    for _ in range(cfg.steps):
+    for i in range(warmup + cfg.steps):
         b, m = next(data), next(meta)
         t0 = time.perf_counter()
         step(ln, b, m, cfg, reweight)
         if cfg.device.startswith("cuda"):
             torch.cuda.synchronize(cfg.device)
-        times.append(time.perf_counter() - t0)
-    return RunReport(name, 1e3 * sorted(times)[len(times) // 2], balanced_accuracy(ln.model, test))
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    peak = None
+    if measure_peak:
+        b, m = next(data), next(meta)
+        peak = peak_memory(lambda: step(ln, b, m, cfg, reweight), cfg.device)
+    return RunReport(name, 1e3 * sorted(times)[len(times) // 2], balanced_accuracy(ln.model, test),
+                     None if peak is None else peak / 2**20)
+
+
+def amp_recipe(device: str, accumulation: int = 1) -> Recipe:
+    """fp16 + GradScaler on CUDA (Betty's --fp16), bf16 on CPU."""
+    if device.startswith("cuda"):
+        return Recipe(torch.float16, grad_scaler=True, accumulation=accumulation)
+    return Recipe(torch.bfloat16, accumulation=accumulation)
+
+
+def optimized_recipe(cfg: Config, accumulation: int) -> Recipe:
+    """Recipe.auto with ``accumulation``, timed (on CPU) on the classifier at the micro-batch size."""
+    x, y = synthetic_cifar(max(2, cfg.batch // accumulation), seed=99)
+    model = ResNet10(widths=cfg.widths, norm=cfg.norm).to(cfg.device)
+    return Recipe.auto(cfg.device, accumulation=accumulation, model=model, loss_fn=F.cross_entropy,
+                       batch=(x.to(cfg.device), y.to(cfg.device)))
+
+
+def memory_ablation(cfg: Config, accumulation: int = 4, steps: int = 5) -> list[RunReport]:
+    """Betty's memory table, each row ``steps`` timed outer steps after 2 warm-up steps."""
+    from reference.workloads.meta_reweight import reference_learner, reference_step
+
+    cfg = replace(cfg, steps=steps)
+    rows = [("reference (fp32, exact hypergradient)", reference_step, reference_learner(cfg)),
+            ("baseline (fp32, DARTS kernel)", outer_step, learner(cfg)),
+            ("+ AMP", outer_step, learner(cfg, recipe=amp_recipe(cfg.device))),
+            (f"+ accumulation {accumulation}", outer_step, learner(cfg, recipe=Recipe(accumulation=accumulation))),
+            (f"+ AMP + accumulation {accumulation}", outer_step,
+             learner(cfg, recipe=amp_recipe(cfg.device, accumulation)))]
+    return [run(name, step, ln, cfg, warmup=2, measure_peak=True) for name, step, ln in rows]
+
+
+def accuracy_runs(cfg: Config, recipe: Recipe) -> list[RunReport]:
+    """Balanced-test accuracy after ``cfg.steps`` outer steps, with and without reweighting."""
+    from reference.workloads.meta_reweight import reference_learner, reference_step
+
+    return [run(f"{side}, {'reweighted' if rw else 'plain CE'}", step, make(), cfg, rw)
+            for side, step, make in (("reference", reference_step, lambda: reference_learner(cfg)),
+                                     (f"optimized ({recipe.name}, accumulation {recipe.accumulation})",
+                                      outer_step, lambda: learner(cfg, recipe=recipe)))
+            for rw in (True, False)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.workloads.meta_reweight", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200, help="outer steps of the accuracy runs")
+    parser.add_argument("--accumulation", type=int, default=4)
+    parser.add_argument("--max-per-class", type=int, default=490)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    try:
+        cfg = Config(steps=args.steps, max_per_class=args.max_per_class, device=args.device)
+        recipe = optimized_recipe(cfg, args.accumulation)
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"Meta-Weight-Net: train {sum(class_counts(cfg))} long-tailed (n_c {class_counts(cfg)}), meta "
+          f"{10 * cfg.meta_per_class}, test {10 * cfg.test_per_class}, batch {cfg.batch}, on {cfg.device}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    rows = accuracy_runs(cfg, recipe)
+    print("\n".join(markdown(["run", "ms / outer step", "balanced test accuracy"],
+                             [[r.name, f"{r.ms_per_step:.1f}", f"{r.balanced_accuracy:.1%}"] for r in rows])))
+    print()
+    mem = memory_ablation(cfg, args.accumulation)
+    base = mem[1].peak_mib
+    print("\n".join(markdown(["run", "peak MiB", "saved vs baseline", "ms / outer step"],
+                             [[r.name, mib(r.peak_mib), "-" if not (base and r.peak_mib) else
+                               f"{1 - r.peak_mib / base:.1%}", f"{r.ms_per_step:.1f}"] for r in mem])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

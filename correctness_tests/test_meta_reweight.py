@@ -1,0 +1,127 @@
+"""The Meta-Weight-Net workload: data, the optimized step against the reference step, the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from correctness_tests.tolerances import FINITE_DIFFERENCE_RELU, REDUCTION, assert_close
+from kernels.training import Recipe
+from kernels.workloads import meta_reweight as M
+from reference.workloads.meta_reweight import reference_learner, reference_step
+
+# The workload's ResNet-10 widths: narrower nets cross more ReLU kinks in the finite difference
+# (tolerances.FINITE_DIFFERENCE_RELU). Small batches and sets keep it fast.
+SMALL = M.Config(max_per_class=60, meta_per_class=4, test_per_class=4, batch=20, meta_batch=20, steps=3,
+                 norm="group")
+
+
+def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in module.named_parameters()}
+
+
+def _scale(params: dict[str, torch.Tensor]) -> float:
+    return max(p.abs().max().item() for p in params.values())
+
+
+def test_long_tail_and_balanced_sets() -> None:
+    counts = M.class_counts(M.Config())
+    assert counts[0] == 490 and counts[-1] == 5 and counts == sorted(counts, reverse=True)  # 490 / 100^(c/9)
+    (x, y), (xm, ym), (xt, yt) = M.datasets(SMALL)
+    assert x.shape == (sum(M.class_counts(SMALL)), 3, 32, 32)
+    assert torch.bincount(y).tolist() == M.class_counts(SMALL)
+    assert torch.bincount(ym).tolist() == [4] * 10 and torch.bincount(yt).tolist() == [4] * 10
+    b = next(M.batches((x, y), 20, seed=0))
+    assert b[0].shape == (20, 3, 32, 32)
+
+
+def _assert_same(actual: torch.nn.Module, expected: torch.nn.Module, kind: str) -> None:
+    want = _params(expected)
+    for name, p in _params(actual).items():
+        assert_close(p, want[name], kind, msg=name, scale=_scale(want))
+
+
+def _record_hypergradients(ln: M.Learner) -> list[list[torch.Tensor]]:
+    """The gradient Adam receives for W at every outer step."""
+    seen, step = [], ln.outer_opt.step
+
+    def recording_step(*args, **kwargs):
+        seen.append([p.grad.clone() for p in ln.weight_net.parameters()])
+        return step(*args, **kwargs)
+
+    ln.outer_opt.step = recording_step
+    return seen
+
+
+def test_accumulation_in_fp32_equals_the_reference_batch() -> None:
+    """fp32, accumulation 4 (micro-batches of 5), fused SGD and the DARTS kernel against the
+    reference's one batch of 20, Python SGD and the exact hypergradient, over 4 outer steps: the
+    classifier agrees to fp32 reduction rounding after every step, each step's hypergradient to
+    the finite difference's budget on a ReLU net. Constraint: GroupNorm (per-sample statistics); BatchNorm's
+    statistics differ per micro-batch (next test).
+    W is synced from the reference after each step: Adam's update lr * m / (sqrt(v) + eps) turns
+    a hypergradient element smaller than the difference's error into a full step of either sign
+    (measured: one element of W 2.2e-3 = 2 x meta lr apart after 3 steps unsynced), which then
+    reaches the classifier through W's weights."""
+    ref, opt = reference_learner(SMALL), M.learner(SMALL, recipe=Recipe(accumulation=4))
+    ref_grads, opt_grads = _record_hypergradients(ref), _record_hypergradients(opt)
+    train_set, meta_set, _ = M.datasets(SMALL)
+    data, meta = M.batches(train_set, SMALL.batch, 1), M.batches(meta_set, SMALL.meta_batch, 2)
+    for step in range(4):
+        b, m = next(data), next(meta)
+        reference_step(ref, b, m, SMALL)
+        M.outer_step(opt, b, m, SMALL)
+        _assert_same(opt.model, ref.model, REDUCTION)
+        scale = max(g.abs().max().item() for g in ref_grads[step])
+        for got, want in zip(opt_grads[step], ref_grads[step], strict=True):
+            assert_close(got, want, FINITE_DIFFERENCE_RELU, msg=f"hypergradient at step {step}", scale=scale)
+        opt.weight_net.load_state_dict(ref.weight_net.state_dict())
+        opt.outer_opt.load_state_dict(ref.outer_opt.state_dict())
+    initial = M.learner(SMALL).weight_net.parameters()
+    assert any(not torch.equal(p, q) for p, q in zip(ref.weight_net.parameters(), initial, strict=True))
+
+
+def test_accumulation_alone_is_exact_to_rounding() -> None:
+    """The same DARTS step at accumulation 1 and 4: micro-batching changes only fp32 rounding."""
+    one, four = M.learner(SMALL), M.learner(SMALL, recipe=Recipe(accumulation=4))
+    M.run("k=1", M.outer_step, one, SMALL)
+    M.run("k=4", M.outer_step, four, SMALL)
+    _assert_same(four.model, one.model, REDUCTION)
+    _assert_same(four.weight_net, one.weight_net, REDUCTION)
+
+
+def test_batchnorm_breaks_the_equality() -> None:
+    """The stated constraint is real: with BatchNorm, micro-batches normalize by other statistics."""
+    cfg = replace(SMALL, norm="batch", steps=1)
+    one, four = M.learner(cfg), M.learner(cfg, recipe=Recipe(accumulation=4))
+    M.run("k=1", M.outer_step, one, cfg)
+    M.run("k=4", M.outer_step, four, cfg)
+    diff = max((a - b).abs().max().item() for a, b in zip(one.model.parameters(), four.model.parameters(),
+                                                           strict=True))
+    assert diff > 1e-4 * _scale(_params(one.model))
+
+
+def test_runs_report_accuracy_memory_and_plain_training() -> None:
+    r = M.run("opt", M.outer_step, M.learner(SMALL, recipe=M.amp_recipe("cpu", 2)), SMALL, warmup=1,
+              measure_peak=True)
+    assert r.ms_per_step > 0 and 0.0 <= r.balanced_accuracy <= 1.0 and (r.peak_mib is None or r.peak_mib > 0)
+    plain = M.learner(SMALL)
+    before = [p.detach().clone() for p in plain.weight_net.parameters()]
+    M.run("plain", M.outer_step, plain, SMALL, reweight=False)
+    assert all(torch.equal(a, b) for a, b in zip(before, plain.weight_net.parameters(), strict=True))
+
+
+def test_config_and_cli(capsys) -> None:
+    with pytest.raises(ValueError, match="imbalance must be >= 1"):
+        M.Config(imbalance=0.5)
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        M.Config(lr=0.0)
+    with pytest.raises(ValueError, match="batch of 100 needs at least 100 samples"):
+        next(M.batches((torch.zeros(10, 3), torch.zeros(10)), 100, seed=0))
+    with pytest.raises(SystemExit):
+        M.main(["--steps", "0"])
+    assert M.main(["--steps", "1", "--max-per-class", "100", "--accumulation", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "balanced test accuracy" in out and "+ AMP + accumulation 2" in out and "peak MiB" in out
