@@ -12,6 +12,8 @@ Public API (loaded on first use, so ``import kernels`` stays light):
 - ``FeatureCache``: tensors computed once per input, safetensors on disk (kernels.feature_cache)
 - ``adamw``, ``sgd``: torch optimizers with the implementation that measured fastest (kernels.optim)
 - ``Recipe``, ``train``: the shared training-loop engine (kernels.training)
+- ``darts_hypergradient``, ``reweighted_loss``: the finite-difference hypergradient of one
+  unrolled inner step, and Meta-Weight-Net's weighted loss (kernels.hypergrad)
 - ``models``: model definitions shared by kernels, references and workloads
 """
 
@@ -25,6 +27,8 @@ _EXPORTS = {
     "sgd": "kernels.optim",
     "Recipe": "kernels.training",
     "train": "kernels.training",
+    "darts_hypergradient": "kernels.hypergrad",
+    "reweighted_loss": "kernels.hypergrad",
     "per_sample_grads": "kernels.per_sample",
     "per_sample_grad_gram": "kernels.per_sample",
     "per_sample_grad_norms": "kernels.per_sample",

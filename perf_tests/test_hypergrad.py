@@ -1,0 +1,38 @@
+"""The hypergradient of one unrolled step of the Meta-Weight-Net workload's ResNet-10: the
+reference differentiates through the step (a double backward through the classifier), the
+kernel takes v (one forward/backward) and two forward-only inner evaluations.
+
+Measured on the 2-core CPU (batch = meta batch): 100: exact 179 ms, kernel 56 ms (3.2x).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.hypergrad import darts_hypergradient, reweighted_loss
+from kernels.workloads.meta_reweight import Config, batches, datasets, learner, per_sample_ce
+from reference.hypergrad import exact_hypergradient
+
+BATCH = {"smoke": 32, "full": 100}
+IMPLS = {"reference": exact_hypergradient, "optimized": darts_hypergradient}
+
+
+@pytest.mark.speedup(cpu=1.7)
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_hypergradient(perf, impl: str) -> None:
+    b = BATCH[perf.size]
+    cfg = Config(max_per_class=max(b, 100), meta_per_class=b // 10 + 1, batch=b, meta_batch=b, device=perf.device)
+    ln = learner(cfg)
+    train_set, meta_set, _ = datasets(cfg)
+    (x, y), (xm, ym) = next(batches(train_set, b, 1)), next(batches(meta_set, b, 2))
+    theta = {n: p.detach().clone() for n, p in ln.model.named_parameters()}
+    l0 = per_sample_ce(ln.model(x), y).detach()
+    inner = lambda f: reweighted_loss(per_sample_ce(f(x), y), ln.weight_net, l0)
+    outer = lambda f: F.cross_entropy(f(xm), ym)
+    inner(ln.model).backward()
+    ln.inner_opt.step()
+    grads = perf(lambda: IMPLS[impl](ln.model, inner, outer, ln.weight_net.parameters(), lr=cfg.lr, at=theta),
+                 label=f"ResNet-10, batch {b}")
+    assert len(grads) == 4 and all(bool(torch.isfinite(g).all()) for g in grads)
