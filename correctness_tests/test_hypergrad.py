@@ -64,10 +64,44 @@ def test_fp32_within_the_difference_budget() -> None:
     for got, want in zip(fd, exact, strict=True):
         assert_close(got.double(), want, FINITE_DIFFERENCE, scale=scale, dtype=torch.float32)
     # truncation wins at large alpha, rounding / eps at small: the default 0.01 sits between
-    # (measured 1.5e-3, 9.7e-5, 6.5e-4 at alpha 0.1, 0.01, 0.001)
+    # (measured 1.5e-3, 9.7e-5, 6.5e-4 of the largest element at alpha 0.1, 0.01, 0.001)
     err = {a: (_flat(darts_hypergradient(model32, inner32, outer32, w32.parameters(), lr=lr, alpha=a, at=theta32))
-               .double() - _flat(exact)).abs().max().item() for a in (1e-1, 1e-2, 1e-3)}
+               .double() - _flat(exact)).abs().max().item() / scale for a in (1e-1, 1e-2, 1e-3)}
     assert err[1e-2] < err[1e-1] / 5 and err[1e-2] < err[1e-3] / 3, err
+
+
+def test_eps_is_alpha_over_the_norm_of_v() -> None:
+    """eps = alpha / |v| makes the perturbation alpha v / |v| independent of v's scale, so scaling
+    the outer loss by c scales the result by c to rounding (with eps = alpha it would not: the
+    truncation error would change with c)."""
+    model, inner, outer, w, theta, lr = problem()
+    one = darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, at=theta)
+    big = darts_hypergradient(model, inner, lambda f: 1000.0 * outer(f), w.parameters(), lr=lr, at=theta)
+    assert _rel([b / 1000.0 for b in big], one) < 1e-12
+
+
+def test_bf16_v_pass_is_within_bf16_rounding() -> None:
+    """autocast_dtype=bfloat16 computes v in bf16 (its direction off by bf16 rounding); the
+    differences stay fp32."""
+    model64, inner64, outer64, w64, theta64, lr = problem(torch.float64)
+    exact = exact_hypergradient(model64, inner64, outer64, w64.parameters(), lr=lr, at=theta64)
+    model, inner, outer, w, theta, _ = problem(torch.float32)
+    fd = darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, at=theta, autocast_dtype=torch.bfloat16)
+    scale = _flat(exact).abs().max().item()
+    for got, want in zip(fd, exact, strict=True):
+        assert_close(got.double(), want, REDUCTION, scale=scale, dtype=torch.bfloat16)
+    assert _rel(fd, exact) > 1e-4  # the bf16 pass did run: fp32 alone is ~1e-5 off
+
+
+def test_reweighted_loss_is_the_weighted_mean() -> None:
+    w = MetaWeightNet()
+    losses = torch.rand(7, requires_grad=True)
+    held = torch.rand(7)
+    expected = (w(held[:, None])[:, 0] * losses).mean()
+    torch.testing.assert_close(reweighted_loss(losses, w, held), expected)
+    torch.testing.assert_close(reweighted_loss(losses, w), (w(losses.detach()[:, None])[:, 0] * losses).mean())
+    (g,) = torch.autograd.grad(reweighted_loss(losses, w, held), losses)  # W's input carries no gradient
+    torch.testing.assert_close(g, w(held[:, None])[:, 0].detach() / 7)
 
 
 def test_moving_the_weights_inputs_biases_the_difference() -> None:

@@ -53,3 +53,28 @@ def test_seed_comparison_pairs_reference_and_optimized(capsys) -> None:
     assert len(pairs) == 2 and all(0.0 <= a <= 1.0 for pair in pairs for a in pair)
     assert P.main(["--samples", "60", "--layers", "1", "--dim", "32", "--max-epochs", "2", "--seeds", "1"]) == 0
     assert "optimized - reference: mean" in capsys.readouterr().out
+
+
+def test_sd15_shapes() -> None:
+    """SD 1.5's UNet: 16 transformer blocks (320 x 5, 640 x 5, 1280 x 6), each 4 self-attention
+    (d x d) and 4 cross-attention projections, 2 of them (d x 768)."""
+    shapes = P.SD15_SHAPES
+    assert len(shapes) == 128 and sum(s == (s[0], 768) and s[0] != 768 for s in shapes) == 32
+    assert sorted({s[0] for s in shapes}) == [320, 640, 1280]
+    cfg = replace(SMALL, layers=128, shapes="sd15", samples=50)
+    w = P.layer_weights(cfg, 5)  # block 0's cross-attention k: (320, 768)
+    assert w.shape == (50, 320, 768)
+    s = torch.linalg.svdvals(w)
+    assert bool((s[:, cfg.rank:] < 0.1 * s[:, :1]).all())  # rank 4 plus noise at a non-square shape
+    with pytest.raises(ValueError, match="shapes='sd15' has 128 layers"):
+        replace(SMALL, shapes="sd15")
+    with pytest.raises(ValueError, match="shapes must be one of"):
+        replace(SMALL, shapes="sdxl")
+
+
+def test_accuracy_claim_is_a_paired_non_inferiority_test() -> None:
+    better = [(0.75, 0.76), (0.79, 0.83), (0.77, 0.80), (0.76, 0.80), (0.735, 0.74)]  # docs/measurements
+    assert "+2.5 points" in P.accuracy_claim(better) and "rejected at p = 0.0046" in P.accuracy_claim(better)
+    worse = [(0.75, 0.74), (0.79, 0.77), (0.77, 0.78)]
+    assert "not shown to be within 1 point" in P.accuracy_claim(worse)
+    assert "no spread" in P.accuracy_claim([(0.7, 0.7), (0.8, 0.8)])

@@ -6,12 +6,15 @@ Measured on the 2-core CPU (peak MiB and ms, reference -> impl): batch 100: refe
 229 ms; DARTS fp32 158 / 120 (1.91x), + AMP (bf16) 95 / 98 (2.34x), + accumulation 4 67 / 147
 (1.56x), optimized (bf16 x 4) 57 / 104 (2.21x). Batch 40 (smoke): 166 MiB / 103 ms; 76, 40, 31,
 25 MiB; 1.86x, 2.13x, 1.26x, 1.35x (micro-batches of 10 are slow convolutions on this CPU).
+The "optimized" row is the fixed recipe bf16 (CPU) / fp16 (CUDA) x 4 micro-batches, so the
+gated row does not move with Recipe.auto's timing; the CLI's optimized run uses Recipe.auto.
 Floors sit under the lowest measurement.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kernels.training import Recipe
 from kernels.workloads.meta_reweight import Config, amp_recipe, batches, datasets, learner, outer_step
@@ -43,6 +46,13 @@ def test_meta_reweight_step(perf, impl: str) -> None:
         ln, step = learner(cfg, recipe=_recipe(impl, perf.device)), outer_step
     train_set, meta_set, _ = datasets(cfg)
     batch, meta = next(batches(train_set, b, 1)), next(batches(meta_set, b, 2))
-    w0 = [p.detach().clone() for p in ln.weight_net.parameters()]
-    perf(lambda: step(ln, batch, meta, cfg), label=f"batch {b}, {ln.recipe.name} x{ln.recipe.accumulation}")
-    assert any(not bool((p == q).all()) for p, q in zip(ln.weight_net.parameters(), w0, strict=True))
+    calls = []
+
+    def outer() -> None:
+        step(ln, batch, meta, cfg)
+        calls.append(1)
+
+    perf(outer, label=f"batch {b}, {ln.recipe.name} x{ln.recipe.accumulation}")
+    w = next(ln.weight_net.parameters())  # every call made one Adam step of W, none skipped
+    assert int(ln.outer_opt.state[w]["step"]) == len(calls)
+    assert all(bool(torch.isfinite(p).all()) for p in ln.model.parameters())

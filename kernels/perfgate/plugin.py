@@ -173,6 +173,9 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         tr.write_line(line)
     for kernel in state.unpaired():
         tr.write_line(f"{kernel}: no reference/optimized pair measured, no speedup", yellow=True)
+    for row in state.memory_unmeasured():
+        tr.write_line(f"{row}: a memory floor is declared but this platform gives no peak memory "
+                      "(CUDA, or Linux /proc/self/clear_refs): memory not gated", yellow=True)
     if config.getoption("benchmark_save", None) or config.getoption("benchmark_autosave", None):
         tr.write_line(f"saved these speedups as a baseline for {state.slug}")
     elif state.baseline is None:

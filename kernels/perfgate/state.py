@@ -68,6 +68,11 @@ class GateState:
         self.rows = rows
         return rows
 
+    def memory_unmeasured(self) -> list[str]:
+        """Rows with a memory floor but no peak from this platform: reported, not gated."""
+        return [f"{r.kernel} [{r.impl}]" for r in self.compute_rows() if r.memory_floor is not None
+                and (r.reference_peak_bytes is None or r.optimized_peak_bytes is None)]
+
     def unpaired(self) -> list[str]:
         return [k for k, impls in self.results.items() if REFERENCE not in impls or len(impls) < 2]
 

@@ -5,10 +5,11 @@ long-tailed training set, n_c = max_per_class / imbalance^(c / 9) (CIFAR-10-LT: 
 scaled to 490 here). Outer: the 1-100-1 reweighting net W trained by Adam on the classifier's
 cross-entropy over a balanced meta set, through one unrolled inner step (DARTS hypergradient).
 Inner SGD lr 0.1, momentum 0.9, weight decay 5e-4 and Adam weight decay 1e-4 as Betty's example;
-meta lr 1e-3 (Betty 1e-4 over 10000 steps; this budget is a few hundred). The hypergradient
-models the inner step as plain SGD of the inner lr (DARTS's unrolled model; momentum and weight
-decay are left out of it, as Betty does). Data: the class-template images of
-kernels.workloads.cifar_resnet, no download.
+meta lr 1e-3 (Betty 1e-4 over 10000 steps; this budget is a few hundred). Through one unrolled
+step, momentum and weight decay add nothing to d theta' / dw (they do not depend on w), so the
+hypergradient is exact in them. Data: the class-template images of
+kernels.workloads.cifar_resnet, standardized together (train, meta and test share one
+normalization), no download.
 
 Optimized (this module): the engine (kernels.training) under Recipe.auto with gradient
 accumulation k, fused SGD, kernels.darts_hypergradient with W's inputs held at theta.
@@ -17,17 +18,15 @@ one batch per step, and the exact hypergradient (autograd through the step).
 
     python -m kernels.workloads.meta_reweight [--steps 200] [--accumulation 4] [--device cpu]
 
-prints balanced-test accuracy with and without reweighting for both runs, then the memory
-ablation (Betty's table: baseline / + AMP / + accumulation / both), peak memory of one outer
-step (CUDA: max_memory_allocated; CPU: the perf gate's resident-set high-water mark).
+runs kernels/workloads/meta_reweight_ablation.py: accuracy with and without reweighting for
+both runs, then Betty's memory table.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +38,7 @@ from kernels.optim import sgd
 from kernels.perfgate.timing import peak_memory
 from kernels.training import Recipe, train
 from kernels.workloads.cifar_resnet import synthetic_cifar
-from kernels.workloads.common import markdown, mib, require_positive
+from kernels.workloads.common import require_positive
 
 Batch = tuple[Tensor, Tensor]
 
@@ -72,6 +71,10 @@ class Config:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.imbalance < 1:
             raise ValueError(f"imbalance must be >= 1 (n_0 / n_9), got {self.imbalance}")
+        if sum(class_counts(self)) < self.batch or 10 * self.meta_per_class < self.meta_batch:
+            raise ValueError(f"a batch of {self.batch} needs max_per_class large enough (train set "
+                             f"{sum(class_counts(self))}) and a meta batch of {self.meta_batch} needs "
+                             f"meta_per_class >= {-(-self.meta_batch // 10)}")
 
 
 def class_counts(cfg: Config, classes: int = 10) -> list[int]:
@@ -85,10 +88,11 @@ def _balanced(per_class: int, classes: int = 10) -> Tensor:
 
 def datasets(cfg: Config) -> tuple[Batch, Batch, Batch]:
     """(long-tailed train, balanced meta, balanced test) sets, each (x, y) on cfg.device."""
-    y_train = torch.cat([torch.full((n,), c) for c, n in enumerate(class_counts(cfg))])
-    sets = [synthetic_cifar(len(y), seed=cfg.seed * 3 + i, y=y) for i, y in
-            enumerate((y_train, _balanced(cfg.meta_per_class), _balanced(cfg.test_per_class)))]
-    return tuple((x.to(cfg.device), y.to(cfg.device)) for x, y in sets)
+    labels = [torch.cat([torch.full((n,), c) for c, n in enumerate(class_counts(cfg))]),
+              _balanced(cfg.meta_per_class), _balanced(cfg.test_per_class)]
+    x, y = synthetic_cifar(sum(map(len, labels)), seed=cfg.seed, y=torch.cat(labels))  # one normalization
+    sizes = [len(t) for t in labels]
+    return tuple((a.to(cfg.device), b.to(cfg.device)) for a, b in zip(x.split(sizes), y.split(sizes), strict=True))
 
 
 def batches(data: Batch, size: int, seed: int) -> Iterator[Batch]:
@@ -144,6 +148,9 @@ def outer_step(ln: Learner, batch: Batch, meta: Batch, cfg: Config, reweight: bo
     """One inner step on ``batch`` through the engine (micro-batches of the recipe's accumulation),
     then, with ``reweight``, one Adam step of W on the DARTS hypergradient over ``meta``."""
     k = ln.recipe.accumulation
+    if len(batch[0]) % k or len(meta[0]) % k:
+        raise ValueError(f"accumulation {k} must divide the batch ({len(batch[0])}) and the meta batch "
+                         f"({len(meta[0])}): unequal micro-batches would weight samples unequally")
     micro = list(zip(batch[0].chunk(k), batch[1].chunk(k), strict=True))
     if not reweight:
         train(ln.model, F.cross_entropy, ln.inner_opt, micro, ln.recipe, device=cfg.device, scaler=ln.scaler)
@@ -156,7 +163,9 @@ def outer_step(ln: Learner, batch: Batch, meta: Batch, cfg: Config, reweight: bo
         held.append(losses.detach())
         return reweighted_loss(losses, ln.weight_net)
 
-    train(ln.model, inner_loss, ln.inner_opt, micro, ln.recipe, device=cfg.device, scaler=ln.scaler)
+    result = train(ln.model, inner_loss, ln.inner_opt, micro, ln.recipe, device=cfg.device, scaler=ln.scaler)
+    if result.skipped_steps:  # fp16 overflow: theta did not move, so there is no step to differentiate
+        return
     inner_fns = [lambda f, x=x, y=y, l0=l0: reweighted_loss(per_sample_ce(f(x), y), ln.weight_net, l0)
                  for (x, y), l0 in zip(micro, held, strict=True)]
     outer_fns = [lambda f, x=x, y=y: F.cross_entropy(f(x).float(), y)
@@ -208,12 +217,11 @@ def run(name: str, step: StepFn, ln: Learner, cfg: Config, reweight: bool = True
             torch.cuda.synchronize(cfg.device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    peak = None
-    if measure_peak:
+    accuracy, peak = balanced_accuracy(ln.model, test), None
+    if measure_peak:  # one more step, after the accuracy
         b, m = next(data), next(meta)
         peak = peak_memory(lambda: step(ln, b, m, cfg, reweight), cfg.device)
-    return RunReport(name, 1e3 * sorted(times)[len(times) // 2], balanced_accuracy(ln.model, test),
-                     None if peak is None else peak / 2**20)
+    return RunReport(name, 1e3 * sorted(times)[len(times) // 2], accuracy, None if peak is None else peak / 2**20)
 
 
 def amp_recipe(device: str, accumulation: int = 1) -> Recipe:
@@ -231,58 +239,7 @@ def optimized_recipe(cfg: Config, accumulation: int) -> Recipe:
                        batch=(x.to(cfg.device), y.to(cfg.device)))
 
 
-def memory_ablation(cfg: Config, accumulation: int = 4, steps: int = 5) -> list[RunReport]:
-    """Betty's memory table, each row ``steps`` timed outer steps after 2 warm-up steps."""
-    from reference.workloads.meta_reweight import reference_learner, reference_step
+if __name__ == "__main__":  # the CLI lives with the ablation
+    from kernels.workloads.meta_reweight_ablation import main
 
-    cfg = replace(cfg, steps=steps)
-    rows = [("reference (fp32, exact hypergradient)", reference_step, reference_learner(cfg)),
-            ("baseline (fp32, DARTS kernel)", outer_step, learner(cfg)),
-            ("+ AMP", outer_step, learner(cfg, recipe=amp_recipe(cfg.device))),
-            (f"+ accumulation {accumulation}", outer_step, learner(cfg, recipe=Recipe(accumulation=accumulation))),
-            (f"+ AMP + accumulation {accumulation}", outer_step,
-             learner(cfg, recipe=amp_recipe(cfg.device, accumulation)))]
-    return [run(name, step, ln, cfg, warmup=2, measure_peak=True) for name, step, ln in rows]
-
-
-def accuracy_runs(cfg: Config, recipe: Recipe) -> list[RunReport]:
-    """Balanced-test accuracy after ``cfg.steps`` outer steps, with and without reweighting."""
-    from reference.workloads.meta_reweight import reference_learner, reference_step
-
-    return [run(f"{side}, {'reweighted' if rw else 'plain CE'}", step, make(), cfg, rw)
-            for side, step, make in (("reference", reference_step, lambda: reference_learner(cfg)),
-                                     (f"optimized ({recipe.name}, accumulation {recipe.accumulation})",
-                                      outer_step, lambda: learner(cfg, recipe=recipe)))
-            for rw in (True, False)]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.workloads.meta_reweight", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=200, help="outer steps of the accuracy runs")
-    parser.add_argument("--accumulation", type=int, default=4)
-    parser.add_argument("--max-per-class", type=int, default=490)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args(argv)
-    try:
-        cfg = Config(steps=args.steps, max_per_class=args.max_per_class, device=args.device)
-        recipe = optimized_recipe(cfg, args.accumulation)
-    except ValueError as e:
-        parser.error(str(e))
-    print(f"Meta-Weight-Net: train {sum(class_counts(cfg))} long-tailed (n_c {class_counts(cfg)}), meta "
-          f"{10 * cfg.meta_per_class}, test {10 * cfg.test_per_class}, batch {cfg.batch}, on {cfg.device}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
-    rows = accuracy_runs(cfg, recipe)
-    print("\n".join(markdown(["run", "ms / outer step", "balanced test accuracy"],
-                             [[r.name, f"{r.ms_per_step:.1f}", f"{r.balanced_accuracy:.1%}"] for r in rows])))
-    print()
-    mem = memory_ablation(cfg, args.accumulation)
-    base = mem[1].peak_mib
-    print("\n".join(markdown(["run", "peak MiB", "saved vs baseline", "ms / outer step"],
-                             [[r.name, mib(r.peak_mib), "-" if not (base and r.peak_mib) else
-                               f"{1 - r.peak_mib / base:.1%}", f"{r.ms_per_step:.1f}"] for r in mem])))
-    return 0
-
-
-if __name__ == "__main__":
     raise SystemExit(main())
