@@ -58,6 +58,7 @@ class Config:
     meta_lr: float = 1e-3
     meta_weight_decay: float = 1e-4
     alpha: float = 0.01
+    noise: float = 8.0  # pixel noise over the class templates (2.5: every run reaches 100%)
     norm: str = "batch"  # "group": micro-batches compute exactly what one batch does
     widths: tuple[int, ...] = (16, 32, 64, 128)
     seed: int = 0
@@ -90,7 +91,7 @@ def datasets(cfg: Config) -> tuple[Batch, Batch, Batch]:
     """(long-tailed train, balanced meta, balanced test) sets, each (x, y) on cfg.device."""
     labels = [torch.cat([torch.full((n,), c) for c, n in enumerate(class_counts(cfg))]),
               _balanced(cfg.meta_per_class), _balanced(cfg.test_per_class)]
-    x, y = synthetic_cifar(sum(map(len, labels)), seed=cfg.seed, y=torch.cat(labels))  # one normalization
+    x, y = synthetic_cifar(sum(map(len, labels)), seed=cfg.seed, y=torch.cat(labels), noise=cfg.noise)  # one norm.
     sizes = [len(t) for t in labels]
     return tuple((a.to(cfg.device), b.to(cfg.device)) for a, b in zip(x.split(sizes), y.split(sizes), strict=True))
 
