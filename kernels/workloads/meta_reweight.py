@@ -8,8 +8,8 @@ Inner SGD lr 0.1, momentum 0.9, weight decay 5e-4 and Adam weight decay 1e-4 as 
 meta lr 1e-3 (Betty 1e-4 over 10000 steps; this budget is a few hundred). Through one unrolled
 step, momentum and weight decay add nothing to d theta' / dw (they do not depend on w), so the
 hypergradient is exact in them. Data: the class-template images of
-kernels.workloads.cifar_resnet, standardized together (train, meta and test share one
-normalization), no download.
+kernels.workloads.cifar_resnet with pixel noise 8 (at its 2.5 every run reached 100% balanced
+accuracy), standardized together (train, meta and test share one normalization), no download.
 
 Optimized (this module): the engine (kernels.training) under Recipe.auto with gradient
 accumulation k, fused SGD, kernels.darts_hypergradient with W's inputs held at theta.
