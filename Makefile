@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
+# ruff, and actionlint over the GitHub workflows (a broken workflow cannot land).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/actionlint
 
 correctness: $(STAMP)
 	$(PYTEST) correctness_tests -q
@@ -36,8 +38,10 @@ bench: $(STAMP)
 	$(PYTEST) perf_tests -q --benchmark-compare --benchmark-json=bench.json $(PERF_ARGS)
 	$(PY) -m kernels.perfgate.report $$(find .benchmarks -name "*.json" | sort) bench.json --png bench.png --quiet
 
-# Save a new baseline for this machine's fingerprint, named by commit.
+# Save a new baseline for this machine's fingerprint, named by commit: only from a clean tree,
+# so the name says exactly which code was measured.
 baseline: $(STAMP)
+	@git diff --quiet HEAD -- || { echo "make baseline: the tree has uncommitted changes; commit first, so the baseline's name (the commit) says what was measured" >&2; exit 1; }
 	$(PYTEST) perf_tests -q --benchmark-save=$$(git rev-parse --short HEAD) $(PERF_ARGS)
 
 report: $(STAMP)
