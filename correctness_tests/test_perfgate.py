@@ -15,6 +15,7 @@ import numpy as np  #                   modules first imported inside them, and 
 import pytest  #                        such as numpy.fft's cannot load twice in one process)
 import scipy.stats  # noqa: F401
 
+from kernels.perfgate import fidelity
 from kernels.perfgate.fingerprint import slug
 from kernels.perfgate.report import main as report_main
 from kernels.perfgate.stats import SpeedupRow, gate, speedup_interval
@@ -290,3 +291,38 @@ def test_slug_is_a_safe_folder_name() -> None:
     fp = {"device_type": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "threads": 16,
           "torch": "2.14.1+cu130", "cuda": "13.0", "python": "3.11", "malloc": "n/a", "thp_alloc": False}
     assert slug(fp) == "cuda-NVIDIA_H100_80GB_HBM3-t16-torch2.14.1_cu130-cuda13.0-py3.11"
+
+
+def test_slowdown_hook_slows_only_the_optimized_side(pytester: pytest.Pytester) -> None:
+    """--perf-slowdown 2 turns the 4x pair into 2x; it is refused below 1 and for a baseline."""
+    _suite(pytester, floor=1.0)
+    assert _run(pytester, "--perf-slowdown=2", "--benchmark-json=out.json").ret == 0
+    row = json.loads((pytester.path / "out.json").read_text())["kernelgate"]["speedups"][0]
+    assert 1.7 < row["speedup"] < 2.2
+    result = _run(pytester, "--perf-slowdown=0.5")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--perf-slowdown must be >= 1*"])
+    result = _run(pytester, "--perf-slowdown=1.5", "--benchmark-save=slow")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*a slowed run cannot be a baseline*"])
+
+
+def _fake_run(opt_ms: list[float], speedup: float, failures: list[str]) -> dict:
+    return {"benchmarks": [{"extra_info": {"kernel": "k", "impl": "optimized"}, "stats": {"data": opt_ms}},
+                           {"extra_info": {"kernel": "k", "impl": "reference"}, "stats": {"data": [4.0] * 9}}],
+            "kernelgate": {"speedups": [{"kernel": "k", "impl": "optimized", "speedup": speedup,
+                                         "failures": failures}]}}
+
+
+def test_fidelity_rules() -> None:
+    rng = np.random.default_rng(0)
+    base = _fake_run(list(1.0 + rng.normal(0, 0.01, 20)), 4.0, [])
+    same = fidelity.verdicts(base, _fake_run(list(1.0 + rng.normal(0, 0.01, 20)), 3.9, []))["k"]
+    assert not any(same.values())
+    slow = fidelity.verdicts(base, _fake_run(list(1.5 + rng.normal(0, 0.01, 20)), 2.7, ["fell"]))["k"]
+    assert all(slow.values())
+    host = fidelity.verdicts(base, _fake_run(list(1.2 + rng.normal(0, 0.01, 20)), 4.0, []))["k"]
+    assert host == {"perfgate": False, "pytest-benchmark median:10%": True, "asv (x1.1 + Mann-Whitney)": True,
+                    "10% of the speedup": False}  # a slower host: both sides slowed, the speedup rules hold
+    lines = fidelity.table({1.0: [{"k": same}], 1.5: [{"k": slow}, {"k": same}]})
+    assert lines[2].startswith("| perfgate | 0/1 (0%) | 1/2 (50%) |")

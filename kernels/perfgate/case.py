@@ -35,6 +35,22 @@ def _floor(item: pytest.Item, mark_name: str, impl: str, device: str, size: str)
     return None
 
 
+def _slowed(run: Callable[..., Any], factor: float) -> Callable[..., Any]:
+    """TEST ONLY (``--perf-slowdown``, for kernels.perfgate.fidelity): ``run`` made ``factor``
+    times slower by spinning after it for (factor - 1) x its own duration. The harness does it,
+    so no kernel carries a switch that could slow it in production."""
+
+    def slowed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = run(*args, **kwargs)
+        deadline = time.perf_counter() + (factor - 1.0) * (time.perf_counter() - t0)
+        while time.perf_counter() < deadline:  # spin: sleep overshoots by ~0.1 ms
+            pass
+        return out
+
+    return slowed
+
+
 class PerfCase:
     """What the ``perf`` fixture gives a test: its device, size, impl and the timing call."""
 
@@ -72,6 +88,8 @@ class PerfCase:
         """
         config, state, bench = self._request.config, self._state, self._benchmark
         run = synced(fn, self.device)
+        if state.slowdown != 1.0 and self.impl == "optimized":
+            run = _slowed(run, state.slowdown)
         setup_synced = None if setup is None else synced(setup, self.device)
         call = run if setup_synced is None else lambda: run(setup_synced())
         t0 = time.perf_counter()

@@ -41,6 +41,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(default); 'default' leaves malloc alone")
     group.addoption("--perf-threads", type=int, default=None,
                     help="torch CPU threads, fixed for the session (default: torch's default)")
+    group.addoption("--perf-slowdown", type=float, default=1.0,
+                    help="TEST ONLY, for python -m kernels.perfgate.fidelity: make every 'optimized' "
+                         "impl this many times slower in the harness, to measure what the gate catches")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -70,8 +73,14 @@ def pytest_configure(config: pytest.Config) -> None:
     size = config.getoption("perf_size") or ("full" if device.startswith("cuda") else "smoke")
     malloc = configure_malloc(config.getoption("perf_malloc")) if device == "cpu" else "n/a"
     fp = fingerprint(device, threads, malloc)
+    slowdown = config.getoption("perf_slowdown")
+    if slowdown < 1.0:
+        raise pytest.UsageError(f"--perf-slowdown must be >= 1, got {slowdown}")
+    saving = config.getoption("benchmark_save", None) or config.getoption("benchmark_autosave", None)
+    if slowdown != 1.0 and saving:
+        raise pytest.UsageError("--perf-slowdown is for measuring the gate; a slowed run cannot be a baseline")
     state = GateState(device=device, size=size, threads=threads, tolerance=tolerance,
-                      fingerprint=fp, slug=slug(fp))
+                      fingerprint=fp, slug=slug(fp), slowdown=slowdown)
     config.stash[STATE] = state
     # Baselines live in one folder per fingerprint and size (pytest-benchmark configures after
     # us), so a plain --benchmark-compare takes the newest baseline of this machine and size.

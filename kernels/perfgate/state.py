@@ -37,6 +37,7 @@ class GateState:
     baseline_path: str | None = None
     rows: list[SpeedupRow] | None = None
     unmeasured: int = 0  # perf calls that ran with benchmarks disabled
+    slowdown: float = 1.0  # TEST ONLY: --perf-slowdown, the optimized impls made this much slower
 
     def compute_rows(self) -> list[SpeedupRow]:
         """Speedup rows for every impl measured beside its reference (computed once)."""

@@ -1,0 +1,123 @@
+"""``python -m kernels.perfgate.fidelity``: how often the gate cries wolf, and how often it bites.
+
+Runs a subset of the perf suite once to save a baseline (into a scratch folder, never
+``.benchmarks/``), then ``--runs`` times unchanged (every alarm is false) and ``--runs`` times
+with the optimized side slowed by each ``--factors`` (every alarm is a detection). The
+slowdown is the harness's test-only ``--perf-slowdown``: the optimized callables are timed, then
+spun for (factor - 1) x their duration; no kernel has a slow switch.
+
+Each optimized row of each run is one trial for every rule, all computed from the same rounds:
+
+- perfgate: the gate's own verdict (its floors, and the speedup's bootstrap interval's upper
+  bound under (1 - tolerance) x the baseline's speedup), as recorded in the run's JSON;
+- pytest-benchmark ``median:10%``: the optimized median more than 10% over the baseline's;
+- asv: new/old median ratio over 1.1 and a one-sided Mann-Whitney U test at p < 0.05 (asv's
+  factor plus its significance test);
+- 10% of the speedup: the speedup's point estimate more than 10% under the baseline's.
+
+The first two judge the optimized side against itself across runs, so anything that slows the
+whole host (a neighbour, a clock change) reads as a regression; the speedup rules compare
+reference and optimized measured side by side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from statistics import median
+
+DEFAULT_TESTS = ["perf_tests/test_per_sample.py::test_per_sample_grads",
+                 "perf_tests/test_spectral.py", "perf_tests/test_standardize.py",
+                 "perf_tests/test_attention.py::test_rope_attention_s128"]
+RULES = ("perfgate", "pytest-benchmark median:10%", "asv (x1.1 + Mann-Whitney)", "10% of the speedup")
+
+
+def _pytest(tests: list[str], storage: Path, out: Path, extra: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider", "--perf-size", "smoke",
+           f"--benchmark-storage=file://{storage}", f"--benchmark-json={out}", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if not out.exists():
+        raise RuntimeError(f"perf run wrote no JSON (exit {proc.returncode}):\n"
+                           f"{proc.stdout[-3000:]}{proc.stderr[-2000:]}")
+    return json.loads(out.read_text(encoding="utf8"))
+
+
+def _rounds(run: dict) -> dict[tuple[str, str], list[float]]:
+    return {(b["extra_info"]["kernel"], b["extra_info"]["impl"]): b["stats"]["data"] for b in run["benchmarks"]}
+
+
+def verdicts(base: dict, run: dict, p: float = 0.05) -> dict[str, dict[str, bool]]:
+    """{kernel: {rule: alarm}} for every optimized row of ``run`` against ``base``."""
+    from scipy.stats import mannwhitneyu
+
+    old, new = _rounds(base), _rounds(run)
+    base_speedup = {r["kernel"]: r["speedup"] for r in base["kernelgate"]["speedups"] if r["impl"] == "optimized"}
+    out = {}
+    for row in run["kernelgate"]["speedups"]:
+        kernel = row["kernel"]
+        if row["impl"] != "optimized" or kernel not in base_speedup:
+            continue
+        before, after = old[(kernel, "optimized")], new[(kernel, "optimized")]
+        ratio = median(after) / median(before)
+        out[kernel] = {
+            RULES[0]: bool(row["failures"]),
+            RULES[1]: ratio > 1.10,
+            RULES[2]: ratio > 1.10 and mannwhitneyu(after, before, alternative="greater").pvalue < p,
+            RULES[3]: row["speedup"] < 0.90 * base_speedup[kernel],
+        }
+    return out
+
+
+def measure(tests: list[str], runs: int, factors: list[float], extra: list[str]) -> dict[float, list[dict]]:
+    """{factor: [verdicts of each run]}, factor 1.0 being the unchanged runs."""
+    with tempfile.TemporaryDirectory() as tmp:
+        storage = Path(tmp) / "baselines"
+        base = _pytest(tests, storage, Path(tmp) / "base.json", ["--benchmark-save=fidelity", *extra])
+        results: dict[float, list[dict]] = {}
+        for factor in [1.0, *factors]:
+            for i in range(runs):
+                out = Path(tmp) / f"run-{factor}-{i}.json"
+                run = _pytest(tests, storage, out, ["--benchmark-compare", f"--perf-slowdown={factor}", *extra])
+                results.setdefault(factor, []).append(verdicts(base, run))
+                print(f"x{factor} run {i + 1}/{runs}: " + ", ".join(
+                    f"{k} {''.join('X' if v[r] else '.' for r in RULES)}" for k, v in results[factor][-1].items()),
+                    file=sys.stderr, flush=True)
+    return results
+
+
+def table(results: dict[float, list[dict]]) -> list[str]:
+    """Markdown: per rule, the false alarms (x1.0) and the detection rate at each factor."""
+    factors = sorted(results)
+    header = ["rule"] + [("false alarms, unchanged" if f == 1.0 else f"caught at x{f:g}") for f in factors]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for rule in RULES:
+        cells = [rule]
+        for f in factors:
+            trials = [v[rule] for run in results[f] for v in run.values()]
+            cells.append(f"{sum(trials)}/{len(trials)} ({sum(trials) / max(len(trials), 1):.0%})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.perfgate.fidelity", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("tests", nargs="*", default=DEFAULT_TESTS,
+                        help="perf test node ids (default: a fast subset)")
+    parser.add_argument("--runs", type=int, default=20, help="runs per condition (default 20)")
+    parser.add_argument("--factors", type=float, nargs="+", default=[1.2, 1.5, 2.0])
+    parser.add_argument("--pytest-args", default="", help="extra pytest arguments, e.g. '--device cuda'")
+    args = parser.parse_args(argv)
+    if args.runs < 1 or any(f <= 1.0 for f in args.factors):
+        parser.error("--runs must be >= 1 and every factor > 1")
+    results = measure(args.tests, args.runs, args.factors, args.pytest_args.split())
+    print("\n".join(table(results)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
