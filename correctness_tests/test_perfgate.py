@@ -326,3 +326,33 @@ def test_fidelity_rules() -> None:
                     "10% of the speedup": False}  # a slower host: both sides slowed, the speedup rules hold
     lines = fidelity.table({1.0: [{"k": same}], 1.5: [{"k": slow}, {"k": same}]})
     assert lines[2].startswith("| perfgate | 0/1 (0%) | 1/2 (50%) |")
+
+
+DRIFT = """
+import time
+import pytest
+
+HOST = {"calls": 0}
+
+def work(ms):
+    HOST["calls"] += 1
+    time.sleep(ms / 1000 * (2 if HOST["calls"] > 40 else 1))  # the host halves its speed for good
+
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_drift(perf, impl):
+    perf(lambda: work(8 if impl == "reference" else 2), rounds=30, label="drift")
+"""
+
+
+def test_interleaved_rounds_cancel_a_host_change(pytester: pytest.Pytester) -> None:
+    """The host slows 2x after the reference's own rounds: timed apart, the 4x pair would read 2x;
+    the interleaved pairs see both sides slowed together and read 4x."""
+    pytester.makepyfile(test_drift=DRIFT)
+    assert _run(pytester, "--benchmark-json=out.json").ret == 0
+    data = json.loads((pytester.path / "out.json").read_text())
+    row = data["kernelgate"]["speedups"][0]
+    assert row["interleaved"] and 3.6 < row["speedup"] < 4.4
+    medians = {b["extra_info"]["impl"]: b["stats"]["median"] for b in data["benchmarks"]}
+    assert 1.7 < medians["reference"] / medians["optimized"] < 2.3  # what the separate rounds say
+    with pytest.raises(ValueError, match="equal counts"):
+        speedup_interval([1.0, 2.0, 3.0], [1.0, 2.0], paired=True)

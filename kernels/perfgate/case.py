@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from .state import GateState, Measurement
+from .state import REFERENCE, GateState, Measurement
 from .timing import peak_memory, synced
 
 MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the options say
@@ -49,6 +49,34 @@ def _slowed(run: Callable[..., Any], factor: float) -> Callable[..., Any]:
         return out
 
     return slowed
+
+
+Timed = tuple[Callable[..., Any], Callable[[], Any] | None]  # (synced callable, synced setup or None)
+
+
+def _time_once(timed: Timed) -> float:
+    fn, setup = timed
+    args = () if setup is None else (setup(),)
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def interleaved(reference: Timed, impl: Timed, rounds: int) -> list[tuple[float, float]]:
+    """(reference s, impl s) pairs timed alternately, in ABBA order (reference first in even
+    rounds, the impl first in odd ones), after one warm pair: both sides of a pair see the same
+    host state (memory bandwidth, clocks, neighbours), so their ratio does not move with it."""
+    _time_once(reference), _time_once(impl)
+    pairs = []
+    for i in range(rounds):
+        if i % 2 == 0:
+            r = _time_once(reference)
+            o = _time_once(impl)
+        else:
+            o = _time_once(impl)
+            r = _time_once(reference)
+        pairs.append((r, o))
+    return pairs
 
 
 class PerfCase:
@@ -113,6 +141,14 @@ class PerfCase:
         if bench.stats is None:  # --benchmark-disable or xdist: ran once, nothing measured
             state.unmeasured += 1
             return result
+        paired = None
+        if self.impl == REFERENCE:  # kept for the impls of this kernel that follow it
+            state.references[self.kernel] = ((run, setup_synced), float(bench.stats.stats.median))
+        elif self.kernel in state.references:
+            ref_timed, ref_median = state.references[self.kernel]
+            max_time = float(config.getoption("benchmark_max_time"))
+            n = max(MIN_ROUNDS, min(rounds, math.ceil(max_time / max(ref_median + warm, 1e-6))))
+            paired = interleaved(ref_timed, (run, setup_synced), n)
         args = () if setup is None else (setup(),)
         # rows gated on memory take the median of 3 peaks: CPU peaks move by a few stray pages
         repeats = 3 if any(self._request.node.iter_markers("memory")) else 1
@@ -124,7 +160,7 @@ class PerfCase:
                         "from the test name and its non-impl parameters; rename one")
         state.results.setdefault(self.kernel, {})[self.impl] = Measurement(
             times=list(bench.stats.stats.data), size=self.size, label=label, peak_bytes=peak,
-            work_bytes=work_bytes)
+            work_bytes=work_bytes, paired=paired)
         for mark_name, floors in (("speedup", state.floors), ("memory", state.memory_floors)):
             floor = _floor(self._request.node, mark_name, self.impl, self.device, self.size)
             if floor is not None:

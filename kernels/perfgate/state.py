@@ -19,6 +19,7 @@ class Measurement:
     label: str
     peak_bytes: int | None
     work_bytes: float | None = None  # bytes one call moves, when the test declares it
+    paired: list[tuple[float, float]] | None = None  # (reference, this impl) rounds timed alternately
 
 
 @dataclass
@@ -38,6 +39,7 @@ class GateState:
     rows: list[SpeedupRow] | None = None
     unmeasured: int = 0  # perf calls that ran with benchmarks disabled
     slowdown: float = 1.0  # TEST ONLY: --perf-slowdown, the optimized impls made this much slower
+    references: dict = field(default_factory=dict)  # kernel -> (timed reference callable, its median s)
 
     def compute_rows(self) -> list[SpeedupRow]:
         """Speedup rows for every impl measured beside its reference (computed once)."""
@@ -52,11 +54,14 @@ class GateState:
                 # With declared work on both sides the ratio is of throughput (bytes/s), e.g. a
                 # kernel against the streaming bandwidth; with equal work it is the time ratio.
                 scale = m.work_bytes / ref.work_bytes if ref.work_bytes and m.work_bytes else 1.0
-                point, low, high = (scale * v for v in speedup_interval(ref.times, m.times))
+                # interleaved pairs when the reference ran first in this session, else the two runs
+                ref_t, opt_t = ([r for r, _ in m.paired], [o for _, o in m.paired]) if m.paired else (ref.times,
+                                                                                                     m.times)
+                point, low, high = (scale * v for v in speedup_interval(ref_t, opt_t, paired=bool(m.paired)))
                 row = SpeedupRow(
                     kernel=kernel, impl=impl, size=m.size, label=m.label, device=self.device,
-                    reference_ms=1e3 * median(ref.times), optimized_ms=1e3 * median(m.times),
-                    speedup=point, low=low, high=high, rounds=(len(ref.times), len(m.times)),
+                    reference_ms=1e3 * median(ref_t), optimized_ms=1e3 * median(opt_t),
+                    speedup=point, low=low, high=high, rounds=(len(ref_t), len(opt_t)), interleaved=bool(m.paired),
                     floor=self.floors.get((kernel, impl)),
                     baseline=(self.baseline or {}).get(baseline_key(kernel, impl, m.size)),
                     reference_peak_bytes=ref.peak_bytes, optimized_peak_bytes=m.peak_bytes,

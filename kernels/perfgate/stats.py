@@ -1,7 +1,11 @@
 """The speedup statistic and the gate's rules.
 
 speedup = median(reference rounds) / median(optimized rounds), both measured in the same run,
-with a percentile-bootstrap interval (the rounds of each side resampled independently).
+with a percentile-bootstrap interval. When the reference ran first in the session (the
+convention: it is the first ``impl``), each impl is also timed interleaved with it, round by
+round in ABBA order, and the speedup comes from those pairs (resampled as pairs): both sides
+of a pair see the same host state. Otherwise the two sides' own rounds are resampled
+independently.
 The gate fails a row when the interval's lower bound is under the floor, or, when a stored
 baseline is compared, when the speedup fell more than ``tolerance`` under the baseline's with
 confidence: the interval's upper bound is under (1 - tolerance) x baseline. Both rules ask the
@@ -29,8 +33,10 @@ def speedup_interval(
     confidence: float = 0.95,
     n_resamples: int = 2000,
     seed: int = 0,
+    paired: bool = False,
 ) -> tuple[float, float, float]:
-    """(speedup, low, high): ratio of medians and its bootstrap interval, fixed seed."""
+    """(speedup, low, high): ratio of medians and its bootstrap interval, fixed seed. ``paired``:
+    round i of both sides was timed together (interleaved), so pairs are resampled together."""
     from scipy import stats
 
     ref = np.asarray(reference, dtype=np.float64)
@@ -42,8 +48,10 @@ def speedup_interval(
         return np.median(r, axis=axis) / np.median(o, axis=axis)
 
     point = float(ratio(ref, opt))
+    if paired and ref.size != opt.size:
+        raise ValueError(f"paired rounds need equal counts, got {ref.size} and {opt.size}")
     res = stats.bootstrap(
-        (ref, opt), ratio, n_resamples=n_resamples, confidence_level=confidence,
+        (ref, opt), ratio, n_resamples=n_resamples, confidence_level=confidence, paired=paired,
         method="percentile", vectorized=True, rng=np.random.default_rng(seed),
     )
     low, high = res.confidence_interval
@@ -65,6 +73,7 @@ class SpeedupRow:
     low: float
     high: float
     rounds: tuple[int, int]
+    interleaved: bool = False  # the speedup comes from reference/impl rounds timed alternately
     floor: float | None = None
     baseline: float | None = None
     reference_peak_bytes: int | None = None
