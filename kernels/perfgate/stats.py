@@ -2,9 +2,10 @@
 
 speedup = median(reference rounds) / median(optimized rounds), both measured in the same run,
 with a percentile-bootstrap interval. When the reference ran first in the session (the
-convention: it is the first ``impl``), each impl is also timed interleaved with it, round by
-round in ABBA order, and the speedup comes from those pairs (resampled as pairs): both sides
-of a pair see the same host state. Otherwise the two sides' own rounds are resampled
+convention: it is the first ``impl``), each impl is also timed interleaved with it, block by
+block in ABBA order (a block: a warming call, then back-to-back calls, their median), and the
+speedup comes from those pairs (resampled as pairs): both sides of a pair see the same host
+state. Otherwise the two sides' own rounds are resampled
 independently.
 The gate fails a row when the interval's lower bound is under the floor, or, when a stored
 baseline is compared, when the speedup fell more than ``tolerance`` under the baseline's with
