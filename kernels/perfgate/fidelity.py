@@ -72,10 +72,14 @@ def verdicts(base: dict, run: dict, p: float = 0.05) -> dict[str, dict[str, bool
     return out
 
 
-def measure(tests: list[str], runs: int, factors: list[float], extra: list[str]) -> dict[float, list[dict]]:
-    """{factor: [verdicts of each run]}, factor 1.0 being the unchanged runs."""
-    with tempfile.TemporaryDirectory() as tmp:
-        storage = Path(tmp) / "baselines"
+def measure(tests: list[str], runs: int, factors: list[float], extra: list[str],
+            keep: Path | None = None) -> dict[float, list[dict]]:
+    """{factor: [verdicts of each run]}, factor 1.0 being the unchanged runs. With ``keep``, the
+    baseline's and every run's JSON stay there (to try other rules on the same rounds)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = keep or Path(scratch)
+        tmp.mkdir(parents=True, exist_ok=True)
+        storage = Path(scratch) / "baselines"
         base = _pytest(tests, storage, Path(tmp) / "base.json", ["--benchmark-save=fidelity", *extra])
         results: dict[float, list[dict]] = {}
         for factor in [1.0, *factors]:
@@ -111,10 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=20, help="runs per condition (default 20)")
     parser.add_argument("--factors", type=float, nargs="+", default=[1.2, 1.5, 2.0])
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments, e.g. '--device cuda'")
+    parser.add_argument("--keep", type=Path, default=None, help="keep every run's JSON in this folder")
     args = parser.parse_args(argv)
     if args.runs < 1 or any(f <= 1.0 for f in args.factors):
         parser.error("--runs must be >= 1 and every factor > 1")
-    results = measure(args.tests, args.runs, args.factors, args.pytest_args.split())
+    results = measure(args.tests, args.runs, args.factors, args.pytest_args.split(), args.keep)
     print("\n".join(table(results)))
     return 0
 
