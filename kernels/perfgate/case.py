@@ -12,6 +12,7 @@ import pytest
 from .state import REFERENCE, GateState, Measurement
 from .timing import peak_memory, synced
 
+OPTIMIZED = "optimized"  # the impl --perf-slowdown slows
 MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the options say
 MAX_ROUNDS = 1000
 
@@ -68,8 +69,7 @@ def _time_block(timed: Timed, calls: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def interleaved(reference: Timed, impl: Timed, rounds: int, calls: tuple[int, int] = (3, 3)
-                ) -> list[tuple[float, float]]:
+def interleaved(reference: Timed, impl: Timed, rounds: int, calls: tuple[int, int]) -> list[tuple[float, float]]:
     """(reference s, impl s) pairs from blocks timed alternately in ABBA order (reference first in
     even rounds, the impl first in odd ones): both blocks of a pair see the same host state
     (memory bandwidth, clocks, neighbours), so their ratio does not move with it. A block is
@@ -132,7 +132,7 @@ class PerfCase:
         """
         config, state, bench = self._request.config, self._state, self._benchmark
         run = synced(fn, self.device)
-        if state.slowdown != 1.0 and self.impl == "optimized":
+        if state.slowdown != 1.0 and self.impl == OPTIMIZED:
             run = _slowed(run, state.slowdown)
         setup_synced = None if setup is None else synced(setup, self.device)
         call = run if setup_synced is None else lambda: run(setup_synced())

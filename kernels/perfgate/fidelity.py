@@ -80,11 +80,11 @@ def measure(tests: list[str], runs: int, factors: list[float], extra: list[str],
         tmp = keep or Path(scratch)
         tmp.mkdir(parents=True, exist_ok=True)
         storage = Path(scratch) / "baselines"
-        base = _pytest(tests, storage, Path(tmp) / "base.json", ["--benchmark-save=fidelity", *extra])
+        base = _pytest(tests, storage, tmp / "base.json", ["--benchmark-save=fidelity", *extra])
         results: dict[float, list[dict]] = {}
         for factor in [1.0, *factors]:
             for i in range(runs):
-                out = Path(tmp) / f"run-{factor}-{i}.json"
+                out = tmp / f"run-{factor}-{i}.json"
                 run = _pytest(tests, storage, out, ["--benchmark-compare", f"--perf-slowdown={factor}", *extra])
                 results.setdefault(factor, []).append(verdicts(base, run))
                 print(f"x{factor} run {i + 1}/{runs}: " + ", ".join(

@@ -55,8 +55,7 @@ class GateState:
                 # kernel against the streaming bandwidth; with equal work it is the time ratio.
                 scale = m.work_bytes / ref.work_bytes if ref.work_bytes and m.work_bytes else 1.0
                 # interleaved pairs when the reference ran first in this session, else the two runs
-                ref_t, opt_t = ([r for r, _ in m.paired], [o for _, o in m.paired]) if m.paired else (ref.times,
-                                                                                                     m.times)
+                ref_t, opt_t = (list(t) for t in zip(*m.paired, strict=True)) if m.paired else (ref.times, m.times)
                 point, low, high = (scale * v for v in speedup_interval(ref_t, opt_t, paired=bool(m.paired)))
                 row = SpeedupRow(
                     kernel=kernel, impl=impl, size=m.size, label=m.label, device=self.device,
@@ -65,7 +64,7 @@ class GateState:
                     floor=self.floors.get((kernel, impl)),
                     baseline=(self.baseline or {}).get(baseline_key(kernel, impl, m.size)),
                     reference_peak_bytes=ref.peak_bytes, optimized_peak_bytes=m.peak_bytes,
-                    reference_gbps=_gbps(ref), optimized_gbps=_gbps(m),
+                    reference_gbps=_gbps(ref.work_bytes, ref_t), optimized_gbps=_gbps(m.work_bytes, opt_t),
                     memory_floor=self.memory_floors.get((kernel, impl)),
                     memory_baseline=self.memory_baseline.get(baseline_key(kernel, impl, m.size)),
                 )
@@ -86,8 +85,9 @@ class GateState:
 STATE = pytest.StashKey[GateState]()
 
 
-def _gbps(m: Measurement) -> float | None:
-    return None if not m.work_bytes else m.work_bytes / median(m.times) / 1e9
+def _gbps(work_bytes: float | None, times: list[float]) -> float | None:
+    """GB/s from the same rounds the row's times and speedup come from."""
+    return None if not work_bytes else work_bytes / median(times) / 1e9
 
 
 def baseline_key(kernel: str, impl: str, size: str) -> str:
