@@ -269,10 +269,13 @@ def test_gate_rules() -> None:
     assert gate(row, 0.2) == []
     row.floor = 3.6
     assert "under the floor 3.60x" in gate(row, 0.2)[0]
-    row.floor, row.baseline = 3.0, 5.7  # 0.8 x 5.7 = 4.56 > high 4.5
+    row.floor, row.baseline = 3.0, 5.7  # 4.0 < 0.8 x 5.7 = 4.56, and high 4.5 < 5.7
     assert "fell more than 20%" in gate(row, 0.2)[0]
-    row.baseline = 5.5  # 0.8 x 5.5 = 4.4: the interval still reaches it
+    row.baseline = 4.9  # the interval is under 4.9, but 4.0 is not 20% under it (3.92)
     assert gate(row, 0.2) == []
+    row.baseline, row.high = 5.1, 5.2  # 20% under (4.08), but the interval reaches 5.1: noise
+    assert gate(row, 0.2) == []
+    row.baseline, row.high = 4.9, 4.5
     row.memory_floor = 0.3
     assert gate(row, 0.2) == []  # no peak on this platform: reported unmeasured, not failed
     row.reference_peak_bytes, row.optimized_peak_bytes = 0, 0
@@ -356,3 +359,58 @@ def test_interleaved_rounds_cancel_a_host_change(pytester: pytest.Pytester) -> N
     assert 1.7 < medians["reference"] / medians["optimized"] < 2.3  # what the separate rounds say
     with pytest.raises(ValueError, match="equal counts"):
         speedup_interval([1.0, 2.0, 3.0], [1.0, 2.0], paired=True)
+
+
+LATER = """
+import time
+from pathlib import Path
+import pytest
+
+def work(impl):  # the optimized side is 4x faster until test_zz_later has run, then as slow
+    fast = impl == "optimized" and not Path("later").exists()
+    time.sleep(0.002 if fast else 0.008)
+
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_pair(perf, impl):
+    perf(lambda: work(impl), rounds=30, label="visits")
+
+def test_zz_later():
+    Path("later").write_text("x")
+"""
+
+
+def test_later_visits_run_after_every_test(pytester: pytest.Pytester) -> None:
+    """With 3 visits a third of the interleaved rounds are timed during the test and two thirds
+    at the session's end, after test_zz_later made both sides equal: the row reads ~1x, from 30
+    rounds. With 1 visit it reads the 4x of the test's own moment."""
+    pytester.makepyfile(test_later=LATER)
+    rows = {}
+    for visits in (1, 3):
+        (pytester.path / "later").unlink(missing_ok=True)
+        args = (f"--perf-visits={visits}", "--benchmark-max-time=0.5", f"--benchmark-json=v{visits}.json")
+        assert _run(pytester, *args).ret == 0
+        rows[visits] = json.loads((pytester.path / f"v{visits}.json").read_text())["kernelgate"]["speedups"][0]
+    assert 3.4 < rows[1]["speedup"] < 4.4 and rows[1]["visits"] == 1
+    assert 0.8 < rows[3]["speedup"] < 1.2 and rows[3]["visits"] == 3
+    assert rows[3]["rounds"] == rows[1]["rounds"]  # the same rounds, spread over the session
+    result = _run(pytester, "--perf-visits=0")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--perf-visits must be >= 1*"])
+
+
+def test_cpu_floors_apply_only_at_the_default_threads(pytester: pytest.Pytester) -> None:
+    """A 1x pair under a 2x floor fails at torch's default threads; at another thread count the
+    floor (measured at the default) is not applied, says so, and the baseline rule still gates."""
+    import torch
+
+    from kernels.perfgate import plugin
+
+    default = plugin._DEFAULT_THREADS or torch.get_num_threads()
+    other = 1 if default != 1 else 2
+    _suite(pytester, opt=0.008)
+    assert _run(pytester, f"--perf-threads={default}").ret == pytest.ExitCode.TESTS_FAILED
+    result = _run(pytester, f"--perf-threads={other}", "--benchmark-json=out.json")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines([f"*floors are set at torch's default {default} thread(s)*not applied*"])
+    assert json.loads((pytester.path / "out.json").read_text())["kernelgate"]["speedups"][0]["floor"] is None
+

@@ -7,10 +7,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
-from .state import REFERENCE, GateState, Measurement
-from .timing import peak_memory, synced
+from .state import REFERENCE, GateState, Measurement, Visits
+from .timing import interleaved, peak_memory, synced
 
 OPTIMIZED = "optimized"  # the impl --perf-slowdown slows
 MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the options say
@@ -50,42 +51,6 @@ def _slowed(run: Callable[..., Any], factor: float) -> Callable[..., Any]:
         return out
 
     return slowed
-
-
-Timed = tuple[Callable[..., Any], Callable[[], Any] | None]  # (synced callable, synced setup or None)
-
-
-def _time_block(timed: Timed, calls: int) -> float:
-    """Median seconds of ``calls`` back-to-back calls after one untimed call (which warms the
-    caches the other side's block just flushed), each with its own setup, untimed."""
-    fn, setup = timed
-    times = []
-    for i in range(calls + 1):
-        args = () if setup is None else (setup(),)
-        t0 = time.perf_counter()
-        fn(*args)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
-def interleaved(reference: Timed, impl: Timed, rounds: int, calls: tuple[int, int]) -> list[tuple[float, float]]:
-    """(reference s, impl s) pairs from blocks timed alternately in ABBA order (reference first in
-    even rounds, the impl first in odd ones): both blocks of a pair see the same host state
-    (memory bandwidth, clocks, neighbours), so their ratio does not move with it. A block is
-    ``calls`` back-to-back calls after a warming one, so each side runs with its own data in
-    cache, as in its separate rounds; alternating single calls measured small kernels with the
-    other's data in cache (per-sample grad norms 13.7x apart, 7.7x call by call)."""
-    pairs = []
-    for i in range(rounds):
-        if i % 2 == 0:
-            r = _time_block(reference, calls[0])
-            o = _time_block(impl, calls[1])
-        else:
-            o = _time_block(impl, calls[1])
-            r = _time_block(reference, calls[0])
-        pairs.append((r, o))
-    return pairs
 
 
 BLOCK_S = 0.02  # a block lasts at least this long (up to 8 calls): short kernels repeat
@@ -157,7 +122,7 @@ class PerfCase:
         if bench.stats is None:  # --benchmark-disable or xdist: ran once, nothing measured
             state.unmeasured += 1
             return result
-        paired = None
+        paired, later = None, None
         if self.impl == REFERENCE:  # kept for the impls of this kernel that follow it
             state.references[self.kernel] = ((run, setup_synced), float(bench.stats.stats.median))
         elif self.kernel in state.references:
@@ -166,7 +131,10 @@ class PerfCase:
             block_s = (calls[0] + 1) * ref_median + (calls[1] + 1) * warm
             max_time = float(config.getoption("benchmark_max_time"))
             n = max(MIN_ROUNDS, min(rounds, math.ceil(max_time / max(block_s, 1e-6))))
-            paired = interleaved(ref_timed, (run, setup_synced), n, calls)
+            # a share now, the rest in later visits at the session's end (state.revisit)
+            shares = [len(v) for v in np.array_split(range(n), state.visits) if len(v)]
+            paired = interleaved(ref_timed, (run, setup_synced), shares[0], calls)
+            later = Visits(self.kernel, self.impl, ref_timed, (run, setup_synced), calls, shares[1:])
         args = () if setup is None else (setup(),)
         # rows gated on memory take the median of 3 peaks: CPU peaks move by a few stray pages
         repeats = 3 if any(self._request.node.iter_markers("memory")) else 1
@@ -178,9 +146,13 @@ class PerfCase:
                         "from the test name and its non-impl parameters; rename one")
         state.results.setdefault(self.kernel, {})[self.impl] = Measurement(
             times=list(bench.stats.stats.data), size=self.size, label=label, peak_bytes=peak,
-            work_bytes=work_bytes, paired=paired)
+            work_bytes=work_bytes, paired=paired, visits=1 + len(later.shares) if later else 1)
+        if later is not None and later.shares:
+            state.pending.append(later)
         for mark_name, floors in (("speedup", state.floors), ("memory", state.memory_floors)):
             floor = _floor(self._request.node, mark_name, self.impl, self.device, self.size)
+            if mark_name == "speedup" and not state.cpu_floors_apply:
+                floor = None  # CPU floors were measured at torch's default threads (plugin.py)
             if floor is not None:
                 floors[(self.kernel, self.impl)] = floor
         return result

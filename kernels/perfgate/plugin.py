@@ -25,6 +25,10 @@ from .stats import format_table
 from .timing import configure_malloc, resolve_device
 
 SIZES = ("smoke", "full")
+# CPU speedup floors are measured at torch's default thread count; at another --perf-threads
+# they are not applied (a 2-thread floor says nothing of 1 thread) and only the baseline rule
+# gates: on a shared 2-vCPU host one thread is what makes speedups repeatable (README).
+_DEFAULT_THREADS: int | None = None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -41,6 +45,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(default); 'default' leaves malloc alone")
     group.addoption("--perf-threads", type=int, default=None,
                     help="torch CPU threads, fixed for the session (default: torch's default)")
+    group.addoption("--perf-visits", type=int, default=3,
+                    help="time each impl's interleaved rounds with its reference in this many visits: "
+                         "one during its test, the rest at the session's end (default 3)")
     group.addoption("--perf-slowdown", type=float, default=1.0,
                     help="TEST ONLY, for python -m kernels.perfgate.fidelity: make every 'optimized' "
                          "impl this many times slower in the harness, to measure what the gate catches")
@@ -66,7 +73,10 @@ def pytest_configure(config: pytest.Config) -> None:
     tolerance = config.getoption("speedup_tolerance")
     if not 0.0 <= tolerance < 1.0:
         raise pytest.UsageError(f"--speedup-tolerance must be in [0, 1), got {tolerance}")
-    threads = config.getoption("perf_threads") or torch.get_num_threads()
+    global _DEFAULT_THREADS
+    if _DEFAULT_THREADS is None:  # torch's own default, before any session (pytester) sets it
+        _DEFAULT_THREADS = torch.get_num_threads()
+    threads = config.getoption("perf_threads") or _DEFAULT_THREADS
     if threads < 1:
         raise pytest.UsageError(f"--perf-threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)
@@ -79,8 +89,12 @@ def pytest_configure(config: pytest.Config) -> None:
     saving = config.getoption("benchmark_save", None) or config.getoption("benchmark_autosave", None)
     if slowdown != 1.0 and saving:
         raise pytest.UsageError("--perf-slowdown is for measuring the gate; a slowed run cannot be a baseline")
+    visits = config.getoption("perf_visits")
+    if visits < 1:
+        raise pytest.UsageError(f"--perf-visits must be >= 1, got {visits}")
     state = GateState(device=device, size=size, threads=threads, tolerance=tolerance,
-                      fingerprint=fp, slug=slug(fp), slowdown=slowdown)
+                      fingerprint=fp, slug=slug(fp), slowdown=slowdown, visits=visits,
+                      cpu_floors_apply=device != "cpu" or threads == _DEFAULT_THREADS)
     config.stash[STATE] = state
     # Baselines live in one folder per fingerprint and size (pytest-benchmark configures after
     # us), so a plain --benchmark-compare takes the newest baseline of this machine and size.
@@ -176,6 +190,10 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if state is None or not state.results:
         return
     tr = terminalreporter
+    if not state.cpu_floors_apply:
+        tr.write_line(f"perfgate: CPU speedup floors are set at torch's default {_DEFAULT_THREADS} thread(s); "
+                      f"at --perf-threads {state.threads} they are not applied, the stored baseline gates",
+                      yellow=True)
     rows = state.compute_rows()
     tr.section(f"perfgate speedups ({state.device}, {state.size}, {state.slug})")
     for line in format_table([r.as_dict() for r in rows]):

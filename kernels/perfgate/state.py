@@ -8,6 +8,7 @@ from statistics import median
 import pytest
 
 from .stats import SpeedupRow, gate, speedup_interval
+from .timing import Timed, interleaved
 
 REFERENCE = "reference"
 
@@ -20,6 +21,19 @@ class Measurement:
     peak_bytes: int | None
     work_bytes: float | None = None  # bytes one call moves, when the test declares it
     paired: list[tuple[float, float]] | None = None  # (reference, this impl) rounds timed alternately
+    visits: int = 1  # how many visits timed ``paired``
+
+
+@dataclass
+class Visits:
+    """The interleaved rounds of one impl still to time, one entry of ``shares`` per later visit."""
+
+    kernel: str
+    impl: str
+    reference: Timed
+    timed: Timed
+    calls: tuple[int, int]
+    shares: list[int]
 
 
 @dataclass
@@ -40,11 +54,27 @@ class GateState:
     unmeasured: int = 0  # perf calls that ran with benchmarks disabled
     slowdown: float = 1.0  # TEST ONLY: --perf-slowdown, the optimized impls made this much slower
     references: dict = field(default_factory=dict)  # kernel -> (timed reference callable, its median s)
+    cpu_floors_apply: bool = True  # False on CPU at a thread count other than torch's default
+    visits: int = 3  # --perf-visits: each impl's interleaved rounds are timed in this many visits
+    pending: list[Visits] = field(default_factory=list)  # the later visits, timed by revisit()
+
+    def revisit(self) -> None:
+        """Time every impl's later visits, in passes over all impls (visit 2 of each, then visit 3
+        of each, ...), so each row's interleaved rounds sample host states apart in time, not only
+        the one it happened to meet during its test. Then free the kept callables."""
+        for v in range(max((len(p.shares) for p in self.pending), default=0)):
+            for p in self.pending:
+                if v < len(p.shares):
+                    m = self.results[p.kernel][p.impl]
+                    m.paired += interleaved(p.reference, p.timed, p.shares[v], p.calls, first_round=len(m.paired))
+        self.pending.clear()
+        self.references.clear()
 
     def compute_rows(self) -> list[SpeedupRow]:
         """Speedup rows for every impl measured beside its reference (computed once)."""
         if self.rows is not None:
             return self.rows
+        self.revisit()
         rows = []
         for kernel, impls in self.results.items():
             ref = impls.get(REFERENCE)
@@ -61,6 +91,7 @@ class GateState:
                     kernel=kernel, impl=impl, size=m.size, label=m.label, device=self.device,
                     reference_ms=1e3 * median(ref_t), optimized_ms=1e3 * median(opt_t),
                     speedup=point, low=low, high=high, rounds=(len(ref_t), len(opt_t)), interleaved=bool(m.paired),
+                    visits=m.visits,
                     floor=self.floors.get((kernel, impl)),
                     baseline=(self.baseline or {}).get(baseline_key(kernel, impl, m.size)),
                     reference_peak_bytes=ref.peak_bytes, optimized_peak_bytes=m.peak_bytes,

@@ -8,9 +8,12 @@ speedup comes from those pairs (resampled as pairs): both sides of a pair see th
 state. Otherwise the two sides' own rounds are resampled
 independently.
 The gate fails a row when the interval's lower bound is under the floor, or, when a stored
-baseline is compared, when the speedup fell more than ``tolerance`` under the baseline's with
-confidence: the interval's upper bound is under (1 - tolerance) x baseline. Both rules ask the
-interval, not the point, so a noisy round cannot fail a kernel that did not get slower.
+baseline is compared, when the speedup fell more than ``tolerance`` under the baseline's (the
+size of the drop: a practical threshold) and the whole interval is under the baseline's (the
+drop is real, not a noisy round): asv's rule of a factor plus a significance test, on the
+speedup. The first version asked the interval's upper bound to be under (1 - tolerance) x
+baseline; its measured fidelity caught too few 1.5x slowdowns once the interval became honest
+about host states (README, "The gate's fidelity").
 
 Memory (``@pytest.mark.memory``): saved = 1 - optimized peak / reference peak, each peak the
 median of three calls (CPU peaks move by allocator reuse and stray pages). Only rows that declare
@@ -75,6 +78,7 @@ class SpeedupRow:
     high: float
     rounds: tuple[int, int]
     interleaved: bool = False  # the speedup comes from reference/impl rounds timed alternately
+    visits: int = 1  # the interleaved rounds were timed in this many visits spread over the session
     floor: float | None = None
     baseline: float | None = None
     reference_peak_bytes: int | None = None
@@ -109,10 +113,11 @@ def gate(row: SpeedupRow, tolerance: float) -> list[str]:
             f"{where}: {measured} is under the floor {row.floor:.2f}x "
             "(the interval's lower bound must reach it)"
         )
-    if row.baseline is not None and row.high < (1.0 - tolerance) * row.baseline:
+    if row.baseline is not None and row.speedup < (1.0 - tolerance) * row.baseline and row.high < row.baseline:
         failures.append(
             f"{where}: {measured} fell more than {tolerance:.0%} under the stored baseline's "
-            f"{row.baseline:.2f}x (the whole interval is under {(1.0 - tolerance) * row.baseline:.2f}x)"
+            f"{row.baseline:.2f}x (under {(1.0 - tolerance) * row.baseline:.2f}x, and the whole interval under "
+            f"{row.baseline:.2f}x)"
         )
     ratio = row.memory_ratio
     if row.memory_floor is not None and row.reference_peak_bytes == 0:
