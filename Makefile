@@ -33,7 +33,9 @@ perf: $(STAMP)
 
 test: lint correctness perf
 
-# Main job: perf suite, gated against this machine's stored baseline when there is one.
+# Main job: perf suite, gated against this machine's stored baseline when there is one. On a
+# shared small CPU host gate regressions single-threaded (README, "The gate's fidelity"):
+# `make bench PERF_ARGS="--perf-threads 1"` against a baseline saved the same way.
 bench: $(STAMP)
 	$(PYTEST) perf_tests -q --benchmark-compare --benchmark-json=bench.json $(PERF_ARGS)
 	$(PY) -m kernels.perfgate.report $$(find .benchmarks -name "*.json" | sort) bench.json --png bench.png --quiet
