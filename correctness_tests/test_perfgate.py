@@ -381,18 +381,18 @@ def test_zz_later():
 
 def test_later_visits_run_after_every_test(pytester: pytest.Pytester) -> None:
     """With 3 visits a third of the interleaved rounds are timed during the test and two thirds
-    at the session's end, after test_zz_later made both sides equal: the row reads ~1x, from 30
-    rounds. With 1 visit it reads the 4x of the test's own moment."""
+    at the session's end, after test_zz_later made both sides equal: the row reads ~1x.
+    With 1 visit it reads the 4x of the test's own moment."""
     pytester.makepyfile(test_later=LATER)
     rows = {}
     for visits in (1, 3):
         (pytester.path / "later").unlink(missing_ok=True)
-        args = (f"--perf-visits={visits}", "--benchmark-max-time=0.5", f"--benchmark-json=v{visits}.json")
+        args = (f"--perf-visits={visits}", "--benchmark-max-time=1.5", f"--benchmark-json=v{visits}.json")
         assert _run(pytester, *args).ret == 0
         rows[visits] = json.loads((pytester.path / f"v{visits}.json").read_text())["kernelgate"]["speedups"][0]
     assert 3.4 < rows[1]["speedup"] < 4.4 and rows[1]["visits"] == 1
     assert 0.8 < rows[3]["speedup"] < 1.2 and rows[3]["visits"] == 3
-    assert rows[3]["rounds"] == rows[1]["rounds"]  # the same rounds, spread over the session
+    assert rows[3]["rounds"][0] >= 12  # at least 4 pairs a visit
     result = _run(pytester, "--perf-visits=0")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--perf-visits must be >= 1*"])

@@ -16,6 +16,7 @@ from .timing import interleaved, peak_memory, synced
 OPTIMIZED = "optimized"  # the impl --perf-slowdown slows
 MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the options say
 MAX_ROUNDS = 1000
+MIN_VISIT_ROUNDS = 4  # interleaved pairs a visit times, at least
 
 
 def _floor(item: pytest.Item, mark_name: str, impl: str, device: str, size: str) -> float | None:
@@ -131,8 +132,11 @@ class PerfCase:
             block_s = (calls[0] + 1) * ref_median + (calls[1] + 1) * warm
             max_time = float(config.getoption("benchmark_max_time"))
             n = max(MIN_ROUNDS, min(rounds, math.ceil(max_time / max(block_s, 1e-6))))
-            # a share now, the rest in later visits at the session's end (state.revisit)
-            shares = [len(v) for v in np.array_split(range(n), state.visits) if len(v)]
+            # a share now, the rest in later visits at the session's end (GateState.revisit); a
+            # visit times at least MIN_VISIT_ROUNDS pairs, so a slow kernel's few (and long) pairs
+            # stay in fewer visits: 5 pairs in 3 visits gave a 2-3x wide bootstrap interval
+            visits = max(1, min(state.visits, n // MIN_VISIT_ROUNDS))
+            shares = [len(v) for v in np.array_split(range(n), visits)]
             paired = interleaved(ref_timed, (run, setup_synced), shares[0], calls)
             later = Visits(self.kernel, self.impl, ref_timed, (run, setup_synced), calls, shares[1:])
         args = () if setup is None else (setup(),)
