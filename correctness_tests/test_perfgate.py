@@ -392,7 +392,7 @@ def test_later_visits_run_after_every_test(pytester: pytest.Pytester) -> None:
         rows[visits] = json.loads((pytester.path / f"v{visits}.json").read_text())["kernelgate"]["speedups"][0]
     assert 3.4 < rows[1]["speedup"] < 4.4 and rows[1]["visits"] == 1
     assert 0.8 < rows[3]["speedup"] < 1.2 and rows[3]["visits"] == 3
-    assert rows[3]["rounds"][0] >= 12  # at least 4 pairs a visit
+    assert rows[3]["rounds"][0] >= 9  # at least 3 pairs a visit
     result = _run(pytester, "--perf-visits=0")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--perf-visits must be >= 1*"])

@@ -16,7 +16,7 @@ from .timing import interleaved, peak_memory, synced
 OPTIMIZED = "optimized"  # the impl --perf-slowdown slows
 MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the options say
 MAX_ROUNDS = 1000
-MIN_VISIT_ROUNDS = 4  # interleaved pairs a visit times, at least
+MIN_VISIT_ROUNDS = 3  # interleaved pairs a visit times, at least
 
 
 def _floor(item: pytest.Item, mark_name: str, impl: str, device: str, size: str) -> float | None:
