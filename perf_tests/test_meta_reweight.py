@@ -8,7 +8,13 @@ Measured on the 2-core CPU (peak MiB and ms, reference -> impl), batch 100 (smok
 1.21-1.35x: micro-batches of 10 are slow convolutions on this CPU, so smoke runs batch 100.
 The "optimized" row is the fixed recipe bf16 (CPU) / fp16 (CUDA) x 4 micro-batches, so the
 gated row does not move with Recipe.auto's timing; the CLI's optimized run uses Recipe.auto.
-Floors sit under the lowest measurement.
+Floors sit under the lowest measurement. The optimized row's smoke floor was 1.6x, set from two
+runs (2.06x, 2.22x); 12 runs over two days on this shared host then read 1.53-2.06x (clean-clone
+CI: 1.93, 1.70, 1.68, 1.81, 1.53; baselines and suites: 1.65, 1.82, 1.85, ...), interval lower
+bounds down to 1.40x, with the code unchanged: bf16 in micro-batches of 25 moves with the host
+more than DARTS fp32 alone (1.85-1.95x in the same runs). So the smoke floor is 1.3x: under every
+measurement, and still far above losing the DARTS kernel (the reference's exact hypergradient:
+1.0x). Losing bf16 is the darts+amp row's floor (1.5x; measured 1.93-2.52x).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ def _recipe(impl: str, device: str) -> Recipe:
     return amp_recipe(device, k) if amp or impl == "optimized" else Recipe(accumulation=k)
 
 
-@pytest.mark.speedup(cpu=1.6)
+@pytest.mark.speedup(cpu={"smoke": 1.3, "full": 1.6})
 @pytest.mark.speedup(cpu=1.5, impl="darts+amp")
 @pytest.mark.memory(cpu=0.7, cuda=0.3)
 @pytest.mark.memory(cpu=0.4, impl="darts")
