@@ -18,7 +18,8 @@ Each optimized row of each run is one trial for every rule, all computed from th
 The first two judge the optimized side against itself across runs, so anything that slows the
 whole host (a neighbour, a clock change) reads as a regression; the speedup rules compare
 reference and optimized measured side by side in one run. Runs are single-threaded by default
-(``--threads``): CPU floors are then not applied, the baseline rule alone is measured.
+(``--threads``): where torch's default is more threads, CPU floors are then not applied and
+the baseline rule alone is measured.
 """
 
 from __future__ import annotations

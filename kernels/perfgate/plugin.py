@@ -29,6 +29,29 @@ SIZES = ("smoke", "full")
 # they are not applied (a 2-thread floor says nothing of 1 thread) and only the baseline rule
 # gates: on a shared 2-vCPU host one thread is what makes speedups repeatable (README).
 _DEFAULT_THREADS: int | None = None
+_PREV_THREADS = pytest.StashKey[int]()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Give torch back the thread count it had, so a session inside a process (pytester) does
+    not leave the outer one running at its --perf-threads."""
+    state = config.stash.get(STATE, None)
+    if state in _LIVE:
+        _LIVE.remove(state)
+    prev = config.stash.get(_PREV_THREADS, None)
+    if prev is not None:
+        import torch
+
+        torch.set_num_threads(prev)
+
+
+def pytest_keyboard_interrupt(excinfo: Any) -> None:
+    """An interrupted session reports what it measured; it does not start the later visits."""
+    for state in _LIVE:
+        state.pending.clear()
+
+
+_LIVE: list = []  # the GateStates of the sessions now configured in this process
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -77,6 +100,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if _DEFAULT_THREADS is None:  # torch's own default, before any session (pytester) sets it
         _DEFAULT_THREADS = torch.get_num_threads()
     threads = config.getoption("perf_threads") or _DEFAULT_THREADS
+    config.stash[_PREV_THREADS] = torch.get_num_threads()  # put back at unconfigure (pytester runs)
     if threads < 1:
         raise pytest.UsageError(f"--perf-threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)
@@ -96,6 +120,7 @@ def pytest_configure(config: pytest.Config) -> None:
                       fingerprint=fp, slug=slug(fp), slowdown=slowdown, visits=visits,
                       cpu_floors_apply=device != "cpu" or threads == _DEFAULT_THREADS)
     config.stash[STATE] = state
+    _LIVE.append(state)
     # Baselines live in one folder per fingerprint and size (pytest-benchmark configures after
     # us), so a plain --benchmark-compare takes the newest baseline of this machine and size.
     storage = getattr(config.option, "benchmark_storage", None)
@@ -192,7 +217,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     tr = terminalreporter
     if not state.cpu_floors_apply:
         tr.write_line(f"perfgate: CPU speedup floors are set at torch's default {_DEFAULT_THREADS} thread(s); "
-                      f"at --perf-threads {state.threads} they are not applied, the stored baseline gates",
+                      f"at --perf-threads {state.threads} they are not applied: only a stored baseline "
+                      "(--benchmark-compare) gates the speedups",
                       yellow=True)
     rows = state.compute_rows()
     tr.section(f"perfgate speedups ({state.device}, {state.size}, {state.slug})")
@@ -217,5 +243,5 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         tr.write_line(f"GATE FAILED: {f}", red=True, bold=True)
     if not failures and rows:
         what = ("at or above their floors" if state.cpu_floors_apply
-                else "within the baseline rule (no floors applied)")
+                else "without speedup floors (not applied at this thread count)")
         tr.write_line(f"gate passed: {len(rows)} speedup(s) {what}", green=True)
