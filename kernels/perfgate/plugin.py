@@ -35,23 +35,12 @@ _PREV_THREADS = pytest.StashKey[int]()
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Give torch back the thread count it had, so a session inside a process (pytester) does
     not leave the outer one running at its --perf-threads."""
-    state = config.stash.get(STATE, None)
-    if state in _LIVE:
-        _LIVE.remove(state)
     prev = config.stash.get(_PREV_THREADS, None)
     if prev is not None:
         import torch
 
         torch.set_num_threads(prev)
 
-
-def pytest_keyboard_interrupt(excinfo: Any) -> None:
-    """An interrupted session reports what it measured; it does not start the later visits."""
-    for state in _LIVE:
-        state.pending.clear()
-
-
-_LIVE: list = []  # the GateStates of the sessions now configured in this process
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -120,7 +109,6 @@ def pytest_configure(config: pytest.Config) -> None:
                       fingerprint=fp, slug=slug(fp), slowdown=slowdown, visits=visits,
                       cpu_floors_apply=device != "cpu" or threads == _DEFAULT_THREADS)
     config.stash[STATE] = state
-    _LIVE.append(state)
     # Baselines live in one folder per fingerprint and size (pytest-benchmark configures after
     # us), so a plain --benchmark-compare takes the newest baseline of this machine and size.
     storage = getattr(config.option, "benchmark_storage", None)
@@ -198,8 +186,15 @@ def perf_size(request: pytest.FixtureRequest) -> str:
     return request.config.stash[STATE].size
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> Any:
+    """Outermost, before pytest-benchmark writes the JSON (which computes the rows): an
+    interrupted session reports what it measured and does not start the later visits. After
+    every other hook: a failed gate fails the session."""
     state = session.config.stash.get(STATE, None)
+    if state is not None and session.exitstatus == pytest.ExitCode.INTERRUPTED:
+        state.pending.clear()
+    yield
     if state is None or not state.results:
         return
     if any(r.failures for r in state.compute_rows()) and session.exitstatus == pytest.ExitCode.OK:
