@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.perfgate.fingerprint import bf16_instructions
 from kernels.training import Recipe
 from kernels.workloads.meta_reweight import Config, amp_recipe, batches, datasets, learner, outer_step
 from reference.workloads.meta_reweight import reference_learner, reference_step
@@ -36,8 +37,8 @@ def _recipe(impl: str, device: str) -> Recipe:
     return amp_recipe(device, k) if amp or impl == "optimized" else Recipe(accumulation=k)
 
 
-@pytest.mark.speedup(cpu={"smoke": 1.3, "full": 1.6})
-@pytest.mark.speedup(cpu=1.5, impl="darts+amp")
+@pytest.mark.speedup(cpu={"smoke": 1.3, "full": 1.6}, variant="bf16 instructions")
+@pytest.mark.speedup(cpu=1.5, impl="darts+amp", variant="bf16 instructions")
 @pytest.mark.memory(cpu=0.7, cuda=0.3)
 @pytest.mark.memory(cpu=0.4, impl="darts")
 @pytest.mark.memory(cpu=0.6, cuda=0.3, impl="darts+amp")
@@ -58,7 +59,9 @@ def test_meta_reweight_step(perf, impl: str) -> None:
         step(ln, batch, meta, cfg)
         calls.append(1)
 
-    perf(outer, label=f"batch {b}, {ln.recipe.name} x{ln.recipe.accumulation}")
+    # the bf16 rows' CPU floors hold where the CPU has bf16 instructions (fingerprint.py)
+    variant = "bf16 instructions" if bf16_instructions() else "no bf16 instructions"
+    perf(outer, label=f"batch {b}, {ln.recipe.name} x{ln.recipe.accumulation}", variant=variant)
     w = next(ln.weight_net.parameters())  # every call made one Adam step of W, none skipped
     assert int(ln.outer_opt.state[w]["step"]) == len(calls)
     assert all(bool(torch.isfinite(p).all()) for p in ln.model.parameters())

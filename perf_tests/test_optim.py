@@ -10,8 +10,8 @@ Measured on the 2-core CPU (AMD EPYC, --perf-malloc cache, 2 runs): AdamW 3.50-3
 Python loop (torch's for-loop and foreach 0.95-1.01x); SGD with momentum 1.36x (for-loop and
 foreach 1.01-1.04x); AdamW at 50M params 152 GB/s against a 194 GB/s stream, 0.78 of it (the
 issue's target: 0.75); across the day AdamW moved 3.0-3.5x and the stream 144-199 GB/s.
-Floors: AdamW 2.0x (losing fused gives ~1.0x); bandwidth 0.7, under the 0.78-0.80 measured so
-that noise does not trip it while a fall to the for-loop's bandwidth (~0.2) would. SGD: 1.0x,
+Floors (docs/measurements/floors.md): AdamW 2.0x (losing fused gives ~1.0x); bandwidth 0.6,
+under every CPU model's measurements, while a fall to the for-loop's bandwidth (~0.2) fails. SGD: 1.0x,
 "never slower than the Python loop". It was 1.1x until a clean-clone CI run measured fused SGD
 at 1.09x (95% CI 1.09-1.10; the loop 2.13 ms, fused 1.94): across sessions it moved 1.09-1.47x
 on this memory-bound step, while torch's for-loop and foreach measure 1.00-1.11x, so no floor
@@ -70,7 +70,7 @@ def test_sgd_step(perf, impl: str) -> None:
     _time_steps(perf, "sgd", impl)
 
 
-@pytest.mark.speedup(cpu=0.7)
+@pytest.mark.speedup(cpu=0.6)
 @pytest.mark.parametrize("impl", ["reference", "optimized"])
 def test_adamw_bandwidth(perf, impl: str) -> None:
     n = BANDWIDTH_PARAMS[perf.size]

@@ -4,7 +4,7 @@ range finder (q = 20, 4 power iterations). The timed result must be within 1e-4 
 reference's values.
 
 Measured on the 2-core CPU: 512 9.0x (15.3 -> 1.70 ms), 1024 16.4x (91.0 -> 5.55 ms; the issue's
-MEASUREMENTS row: ~19x at q = 2k, niter = 4 on a Xeon). Floors 6x and 10x.
+MEASUREMENTS row: ~19x at q = 2k, niter = 4 on a Xeon). Floors: docs/measurements/floors.md.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ SIZE = {"smoke": 512, "full": 1024}
 IMPLS = {"reference": RS, "optimized": KS}
 
 
-@pytest.mark.speedup(cpu={"smoke": 6.0, "full": 10.0})
+@pytest.mark.speedup(cpu={"smoke": 5.5, "full": 10.0})
 @pytest.mark.parametrize("impl", list(IMPLS))
 def test_topk_singular_values(perf, impl: str) -> None:
     n = SIZE[perf.size]

@@ -3,8 +3,10 @@
 (cached RoPE + the attention kernel, fused AdamW, the engine under Recipe.auto with 2
 micro-batches a step; auto picks bf16, so attention runs in SDPA).
 
-Measured on the 2-core CPU: B=32 1.27-1.37x (176-190 -> 138 ms, auto = bf16 + channels_last);
-floor 1.1.
+No CPU speedup floor: the step's gain is bf16 matmul's on the CPU at hand (the fp32 engine alone
+is ~1.03x), and that differs between CPU models with the same bf16 instructions, so no floor is
+true of every CPU (docs/measurements/floors.md). The row is gated against its machine's own
+baseline (`make bench`); losing its kernels fails their own rows (attention, AdamW).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from kernels.workloads.vit_rope import Config, optimized_method, reference_metho
 BATCH = {"smoke": 32, "full": 128}
 
 
-@pytest.mark.speedup(cpu=1.1)
 @pytest.mark.parametrize("impl", ["reference", "optimized"])
 def test_vit_rope_step(perf, impl: str) -> None:
     cfg = Config(steps=1, warmup_steps=0, batch=BATCH[perf.size], device=perf.device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import time
 from collections.abc import Callable
@@ -23,23 +24,33 @@ MIN_VISIT_ROUNDS = 3  # interleaved pairs a visit times, at least
 MIN_PAIRS = 7
 
 
-def _floor(item: pytest.Item, mark_name: str, impl: str, device: str, size: str) -> float | None:
-    """The ``speedup`` or ``memory`` floor ``item`` declares for ``impl`` on this device class and size."""
+def _floor(item: pytest.Item, mark_name: str, impl: str, device: str, size: str,
+           variant: str | None) -> tuple[float | None, str]:
+    """The ``speedup`` or ``memory`` floor ``item`` declares for ``impl`` on this device class and
+    size, and, when a declared floor does not apply, why. A marker with ``variant=`` (an fnmatch
+    pattern) applies only to a call made with a matching ``variant``: a floor that holds only where
+    a recipe (bf16 on a CPU with bf16 instructions, say) was chosen."""
     device_class = "cuda" if device.startswith("cuda") else "cpu"
+    note = ""
     for mark in item.iter_markers(mark_name):
         if mark.args:
-            raise pytest.UsageError(f"{item.nodeid}: {mark_name} marker takes keywords cpu=, cuda=, impl=")
+            raise pytest.UsageError(f"{item.nodeid}: {mark_name} marker takes keywords "
+                                    "cpu=, cuda=, impl=, variant=")
         if mark.kwargs.get("impl", "optimized") != impl:
             continue
         value = mark.kwargs.get(device_class)
         if isinstance(value, dict):
             value = value.get(size)
         if value is None:
-            return None
+            continue
+        pattern = mark.kwargs.get("variant")
+        if pattern is not None and not fnmatch.fnmatchcase(variant or "", pattern):
+            note = note or f"set for {pattern}, ran {variant or 'no variant'}"
+            continue
         if mark_name == "memory" and not 0.0 <= float(value) < 1.0:
             raise pytest.UsageError(f"{item.nodeid}: a memory floor is a fraction saved in [0, 1), got {value}")
-        return float(value)
-    return None
+        return float(value), ""
+    return None, note
 
 
 def _slowed(run: Callable[..., Any], factor: float) -> Callable[..., Any]:
@@ -91,6 +102,7 @@ class PerfCase:
         rounds: int | None = None,
         warmup_rounds: int = 2,
         work_bytes: float | None = None,
+        variant: str | None = None,
     ) -> Any:
         """Time ``fn()`` (or ``fn(setup())`` with a fresh setup each round, untimed).
 
@@ -98,7 +110,9 @@ class PerfCase:
         ``--benchmark-min-rounds``, never under 5, at most 1000). The first call is reported
         apart as ``first_call_ms`` (compile and warm-up live there), never in the timed rounds.
         ``work_bytes``: bytes one call moves; declared on both impls, the row's speedup becomes a
-        throughput ratio and GB/s are reported.
+        throughput ratio and GB/s are reported. ``variant``: what this impl chose at run time that
+        its speedup depends on (e.g. ``Recipe.auto``'s recipe name); a ``speedup`` marker with
+        ``variant=`` applies only when it matches.
         """
         config, state, bench = self._request.config, self._state, self._benchmark
         run = synced(fn, self.device)
@@ -155,12 +169,18 @@ class PerfCase:
         state.results.setdefault(self.kernel, {})[self.impl] = Measurement(
             times=list(bench.stats.stats.data), size=self.size, label=label, peak_bytes=peak,
             work_bytes=work_bytes, paired=paired, visits=1 + len(later.shares) if later else 1)
-        if later is not None and later.shares:
-            state.pending.append(later)
+        if later is not None:
+            state.timers[(self.kernel, self.impl)] = later  # kept to extend a straddled floor
+            if later.shares:
+                state.pending.append(later)
+        key = (self.kernel, self.impl)
         for mark_name, floors in (("speedup", state.floors), ("memory", state.memory_floors)):
-            floor = _floor(self._request.node, mark_name, self.impl, self.device, self.size)
-            if mark_name == "speedup" and not state.cpu_floors_apply:
-                floor = None  # CPU floors were measured at torch's default threads (plugin.py)
+            floor, note = _floor(self._request.node, mark_name, self.impl, self.device, self.size, variant)
+            if mark_name == "speedup" and floor is not None and not state.cpu_floors_apply:
+                # CPU floors were measured at torch's default threads (plugin.py)
+                floor, note = None, f"not applied at {state.threads} thread(s)"
             if floor is not None:
-                floors[(self.kernel, self.impl)] = floor
+                floors[key] = floor
+            elif note and mark_name == "speedup":
+                state.floor_notes[key] = note
         return result

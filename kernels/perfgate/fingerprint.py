@@ -7,8 +7,8 @@ import platform
 import re
 
 
-def _cpu_model() -> str:
-    """Model name plus family/model/stepping: hypervisors often show only "AMD EPYC"."""
+def _cpuinfo_first() -> dict[str, str]:
+    """The fields /proc/cpuinfo gives for its first processor ({} off Linux)."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf8") as fh:
@@ -19,6 +19,18 @@ def _cpu_model() -> str:
                 fields[key.strip()] = value.strip()
     except OSError:
         pass
+    return fields
+
+
+def bf16_instructions() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16): without them bf16
+    autocast is converted in software, and a floor set on a bf16 recipe does not hold."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(_cpuinfo_first().get("flags", "").split()))
+
+
+def _cpu_model() -> str:
+    """Model name plus family/model/stepping: hypervisors often show only "AMD EPYC"."""
+    fields = _cpuinfo_first()
     name = fields.get("model name") or platform.processor() or platform.machine()
     ids = [f"{k.split()[-1]} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields]
     return f"{name} ({', '.join(ids)})" if ids else name

@@ -60,6 +60,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--perf-visits", type=int, default=3,
                     help="time each impl's interleaved rounds with its reference in this many visits: "
                          "one during its test, the rest at the session's end (default 3)")
+    group.addoption("--perf-extend", type=float, default=60.0,
+                    help="seconds of extra interleaved pairs a row may take when its interval straddles "
+                         "its floor, before it is reported unresolved (default 60; 0: never extend)")
     group.addoption("--perf-slowdown", type=float, default=1.0,
                     help="TEST ONLY, for python -m kernels.perfgate.fidelity: make every 'optimized' "
                          "impl this many times slower in the harness, to measure what the gate catches")
@@ -68,8 +71,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "speedup(cpu=None, cuda=None, impl='optimized'): speedup floor of impl over the "
-        "reference per device class; a float, or a dict keyed by perf size",
+        "speedup(cpu=None, cuda=None, impl='optimized', variant=None): speedup floor of impl over the "
+        "reference per device class; a float, or a dict keyed by perf size; with variant (an fnmatch "
+        "pattern), only for a perf call whose variant= matches it",
     )
     config.addinivalue_line(
         "markers",
@@ -105,8 +109,11 @@ def pytest_configure(config: pytest.Config) -> None:
     visits = config.getoption("perf_visits")
     if visits < 1:
         raise pytest.UsageError(f"--perf-visits must be >= 1, got {visits}")
+    extend_s = config.getoption("perf_extend")
+    if not extend_s >= 0.0:
+        raise pytest.UsageError(f"--perf-extend must be seconds >= 0, got {extend_s}")
     state = GateState(device=device, size=size, threads=threads, tolerance=tolerance,
-                      fingerprint=fp, slug=slug(fp), slowdown=slowdown, visits=visits,
+                      fingerprint=fp, slug=slug(fp), slowdown=slowdown, visits=visits, extend_s=extend_s,
                       cpu_floors_apply=device != "cpu" or threads == _DEFAULT_THREADS)
     config.stash[STATE] = state
     # Baselines live in one folder per fingerprint and size (pytest-benchmark configures after
@@ -189,11 +196,11 @@ def perf_size(request: pytest.FixtureRequest) -> str:
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session) -> Any:
     """Outermost, before pytest-benchmark writes the JSON (which computes the rows): an
-    interrupted session reports what it measured and does not start the later visits. After
+    interrupted session reports what it measured and starts no later visit or extension. After
     every other hook: a failed gate fails the session."""
     state = session.config.stash.get(STATE, None)
     if state is not None and session.exitstatus == pytest.ExitCode.INTERRUPTED:
-        state.pending.clear()
+        state.interrupted = True
     yield
     if state is None or not state.results:
         return
@@ -233,10 +240,21 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         matched = sum(r.baseline is not None for r in rows)
         tr.write_line(f"compared against baseline in {state.baseline_path}: {matched} of {len(rows)} "
                       f"row(s) have a stored speedup at size {state.size}")
+    for r in rows:
+        if r.extended:
+            tr.write_line(f"extended: {r.kernel} [{r.impl}] +{r.extended} interleaved pairs at the session's end, "
+                          f"its interval straddled the floor {r.floor:.2f}x: now {r.speedup:.2f}x "
+                          f"(95% CI {r.low:.2f}-{r.high:.2f}x), {r.outcome}")
+    unresolved = [u for r in rows for u in r.unresolved]
+    for u in unresolved:
+        tr.write_line(f"UNRESOLVED: {u} after {state.extend_s:g} s of extra pairs (--perf-extend); "
+                      "not failed, not passed: rerun, or run on a quieter host", yellow=True, bold=True)
     failures = [f for r in rows for f in r.failures]
     for f in failures:
         tr.write_line(f"GATE FAILED: {f}", red=True, bold=True)
     if not failures and rows:
         what = ("at or above their floors" if state.cpu_floors_apply
                 else "without speedup floors (not applied at this thread count)")
-        tr.write_line(f"gate passed: {len(rows)} speedup(s) {what}", green=True)
+        ok = len(rows) - len({(r.kernel, r.impl) for r in rows if r.unresolved})
+        tail = f"; {len(rows) - ok} unresolved" if ok < len(rows) else ""
+        tr.write_line(f"gate passed: {ok} speedup(s) {what}{tail}", green=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -57,52 +58,92 @@ class GateState:
     cpu_floors_apply: bool = True  # False on CPU at a thread count other than torch's default
     visits: int = 3  # --perf-visits: each impl's interleaved rounds are timed in this many visits
     pending: list[Visits] = field(default_factory=list)  # the later visits, timed by revisit()
+    timers: dict[tuple[str, str], Visits] = field(default_factory=dict)  # kept to extend a row's pairs
+    extend_s: float = 60.0  # --perf-extend: seconds of extra pairs a row with a straddled floor may take
+    floor_notes: dict[tuple[str, str], str] = field(default_factory=dict)  # why a declared floor is not applied
+    interrupted: bool = False  # Ctrl-C: no later visits, no extensions
 
     def revisit(self) -> None:
         """Time every impl's later visits, in passes over all impls (visit 2 of each, then visit 3
         of each, ...), so each row's interleaved rounds sample host states apart in time, not only
-        the one it happened to meet during its test. Then free the kept callables."""
+        the one it happened to meet during its test."""
+        if self.interrupted:
+            self.pending.clear()
         for v in range(max((len(p.shares) for p in self.pending), default=0)):
             for p in self.pending:
                 if v < len(p.shares):
-                    m = self.results[p.kernel][p.impl]
-                    m.paired += interleaved(p.reference, p.timed, p.shares[v], p.calls, first_round=len(m.paired))
+                    self._time_pairs(p, p.shares[v])
         self.pending.clear()
-        self.references.clear()
+
+    def _time_pairs(self, timer: Visits, pairs: int) -> None:
+        m = self.results[timer.kernel][timer.impl]
+        m.paired += interleaved(timer.reference, timer.timed, pairs, timer.calls, first_round=len(m.paired))
 
     def compute_rows(self) -> list[SpeedupRow]:
-        """Speedup rows for every impl measured beside its reference (computed once)."""
+        """Speedup rows for every impl measured beside its reference (computed once). A row whose
+        interval straddles its floor gets more interleaved pairs first (``resolve``); then every
+        kept callable is freed."""
         if self.rows is not None:
             return self.rows
         self.revisit()
         rows = []
         for kernel, impls in self.results.items():
-            ref = impls.get(REFERENCE)
-            for impl, m in impls.items():
-                if impl == REFERENCE or ref is None:
-                    continue
-                # With declared work on both sides the ratio is of throughput (bytes/s), e.g. a
-                # kernel against the streaming bandwidth; with equal work it is the time ratio.
-                scale = m.work_bytes / ref.work_bytes if ref.work_bytes and m.work_bytes else 1.0
-                # interleaved pairs when the reference ran first in this session, else the two runs
-                ref_t, opt_t = (list(t) for t in zip(*m.paired, strict=True)) if m.paired else (ref.times, m.times)
-                point, low, high = (scale * v for v in speedup_interval(ref_t, opt_t, paired=bool(m.paired)))
-                row = SpeedupRow(
-                    kernel=kernel, impl=impl, size=m.size, label=m.label, device=self.device,
-                    reference_ms=1e3 * median(ref_t), optimized_ms=1e3 * median(opt_t),
-                    speedup=point, low=low, high=high, rounds=(len(ref_t), len(opt_t)), interleaved=bool(m.paired),
-                    visits=m.visits,
-                    floor=self.floors.get((kernel, impl)),
-                    baseline=(self.baseline or {}).get(baseline_key(kernel, impl, m.size)),
-                    reference_peak_bytes=ref.peak_bytes, optimized_peak_bytes=m.peak_bytes,
-                    reference_gbps=_gbps(ref.work_bytes, ref_t), optimized_gbps=_gbps(m.work_bytes, opt_t),
-                    memory_floor=self.memory_floors.get((kernel, impl)),
-                    memory_baseline=self.memory_baseline.get(baseline_key(kernel, impl, m.size)),
-                )
-                gate(row, self.tolerance)
-                rows.append(row)
+            if REFERENCE not in impls:
+                continue
+            for impl in impls:
+                if impl != REFERENCE:
+                    row = self._row(kernel, impl)
+                    if row.straddles_floor and not self.interrupted:
+                        row = self.resolve(row)
+                    rows.append(row)
+        self.timers.clear()
+        self.references.clear()
         self.rows = rows
         return rows
+
+    def resolve(self, row: SpeedupRow) -> SpeedupRow:
+        """Time more interleaved pairs of ``row`` until its interval leaves the floor (above: met;
+        under: missed) or ``extend_s`` is spent: each step doubles the pairs, so the interval
+        narrows by about 1/sqrt(2) a step, and a step is taken only while the budget holds it."""
+        timer = self.timers.get((row.kernel, row.impl))
+        if timer is None:  # timed apart from its reference (e.g. under -k): nothing to extend
+            return row
+        m = self.results[row.kernel][row.impl]
+        start, pairs = time.perf_counter(), len(m.paired)
+        while row.straddles_floor:
+            spent = time.perf_counter() - start
+            per_pair = (spent / (len(m.paired) - pairs)) if len(m.paired) > pairs else _pair_seconds(m, timer)
+            step = min(len(m.paired), int((self.extend_s - spent) / max(per_pair, 1e-9)))
+            if step < 1:
+                break
+            self._time_pairs(timer, step)
+            row = self._row(row.kernel, row.impl)
+            row.extended = len(m.paired) - pairs
+        return row
+
+    def _row(self, kernel: str, impl: str) -> SpeedupRow:
+        """``impl``'s speedup row from what is measured now, gated."""
+        ref, m = self.results[kernel][REFERENCE], self.results[kernel][impl]
+        # With declared work on both sides the ratio is of throughput (bytes/s), e.g. a
+        # kernel against the streaming bandwidth; with equal work it is the time ratio.
+        scale = m.work_bytes / ref.work_bytes if ref.work_bytes and m.work_bytes else 1.0
+        # interleaved pairs when the reference ran first in this session, else the two runs
+        ref_t, opt_t = (list(t) for t in zip(*m.paired, strict=True)) if m.paired else (ref.times, m.times)
+        point, low, high = (scale * v for v in speedup_interval(ref_t, opt_t, paired=bool(m.paired)))
+        row = SpeedupRow(
+            kernel=kernel, impl=impl, size=m.size, label=m.label, device=self.device,
+            reference_ms=1e3 * median(ref_t), optimized_ms=1e3 * median(opt_t),
+            speedup=point, low=low, high=high, rounds=(len(ref_t), len(opt_t)), interleaved=bool(m.paired),
+            visits=m.visits,
+            floor=self.floors.get((kernel, impl)), floor_note=self.floor_notes.get((kernel, impl), ""),
+            baseline=(self.baseline or {}).get(baseline_key(kernel, impl, m.size)),
+            reference_peak_bytes=ref.peak_bytes, optimized_peak_bytes=m.peak_bytes,
+            reference_gbps=_gbps(ref.work_bytes, ref_t), optimized_gbps=_gbps(m.work_bytes, opt_t),
+            memory_floor=self.memory_floors.get((kernel, impl)),
+            memory_baseline=self.memory_baseline.get(baseline_key(kernel, impl, m.size)),
+        )
+        gate(row, self.tolerance)
+        return row
 
     def memory_unmeasured(self) -> list[str]:
         """Rows with a memory floor but no peak from this platform: reported, not gated."""
@@ -114,6 +155,12 @@ class GateState:
 
 
 STATE = pytest.StashKey[GateState]()
+
+
+def _pair_seconds(m: Measurement, timer: Visits) -> float:
+    """Seconds one interleaved pair takes: each side's block is a warming call and its timed calls."""
+    ref_s, opt_s = (median(t) for t in zip(*m.paired, strict=True))
+    return (timer.calls[0] + 1) * ref_s + (timer.calls[1] + 1) * opt_s
 
 
 def _gbps(work_bytes: float | None, times: list[float]) -> float | None:

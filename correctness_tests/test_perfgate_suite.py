@@ -1,0 +1,148 @@
+"""The gate over this project's own perf suite: its CPU floors hold on every CPU model measured,
+and what the gate must catch, it catches.
+
+- Every CPU floor sits under every measured speedup of its row with a margin (noise on a new
+  machine does not trip it), above a quarter of the highest (a 4x slower kernel fails it), and at
+  or above LOST (a kernel replaced by its reference, ~1x, fails it) unless it is one of the
+  floors listed in NO_REGRESSION with the reason no higher floor is true of every CPU.
+- A kernel replaced by its reference's algorithm fails the gate without a baseline, and so does
+  a 4x slowdown (``--perf-slowdown``, the harness's test-only spin); a 1.5x slowdown fails it
+  against a baseline saved on the same machine, at ``make bench``'s thread count.
+
+The last three run real perf tests in a scratch copy (pytester, a fresh process each).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EVIDENCE = ROOT / "docs" / "measurements" / "floor-evidence.json"
+MARGIN = 0.85  # a floor sits at most this fraction of the lowest speedup measured for its row
+LOST = 1.2  # a floor at or above this fails a row whose kernel became its reference (~1.0x)
+SLOWDOWN = 4.0  # a kernel this many times slower must fall under its floor on every CPU measured
+# Floors under LOST, and why no floor that would catch a lost kernel is true of every CPU:
+NO_REGRESSION = {
+    ("rope_attention_s128", "optimized"): "at 64-128 tokens the cached-RoPE path gains 1.5-1.7x on the "
+    "AMD hosts but 1.04-1.26x on a Xeon; S=512's row (floor 1.2) catches a lost kernel",
+    ("sgd_step", "optimized"): "fused SGD is a memory-bound step: 1.20-1.39x over the Python loop, "
+    "so only 'never slower' holds everywhere",
+    ("adamw_bandwidth", "optimized"): "a fraction of the in-place stream, not a speedup: losing "
+    "fused AdamW drops it to ~0.2, under 0.6",
+}
+# (perf test file, -k expression, rows that must fail) for the scratch-copy runs: fast kernels
+# of three kinds (memory-bound per-sample grads, LAPACK-bound SVD, reductions).
+CAUGHT = ("test_per_sample.py", "test_spectral.py", "test_standardize.py")
+CAUGHT_K = "test_per_sample_grads or test_topk_singular_values or test_standardize"
+CAUGHT_ROWS = ("per_sample_grads [[]optimized", "topk_singular_values [[]optimized", "standardize [[]optimized")
+# Replaces each kernel by its reference before the perf tests import it.
+LOST_CONFTEST = """
+import kernels, kernels.per_sample, kernels.spectral, kernels.standardize
+import reference.per_sample, reference.spectral, reference.standardize
+
+for module, name, slow in [
+    (kernels.per_sample, "per_sample_grads", reference.per_sample.per_sample_grads),
+    (kernels.spectral, "topk_singular_values", reference.spectral.topk_singular_values),
+    (kernels.standardize, "Standardizer", reference.standardize.Standardizer),
+]:
+    setattr(module, name, slow)
+    setattr(kernels, name, slow)
+"""
+
+
+def _cpu_floors() -> list[tuple[str, str, str, float]]:
+    """(kernel, impl, size, floor) for every CPU speedup floor the perf tests declare."""
+    floors = []
+    for path in sorted((ROOT / "perf_tests").glob("test_*.py")):
+        module = importlib.import_module(f"perf_tests.{path.stem}")
+        for name, fn in vars(module).items():
+            for mark in getattr(fn, "pytestmark", []) if name.startswith("test_") else []:
+                value = mark.kwargs.get("cpu") if mark.name == "speedup" else None
+                for size in ("smoke", "full"):
+                    floor = value.get(size) if isinstance(value, dict) else value
+                    impl = mark.kwargs.get("impl", "optimized")
+                    if floor is not None:
+                        floors.append((name.removeprefix("test_"), impl, size, floor))
+    return floors
+
+
+def _measured(kernel: str, impl: str, size: str) -> dict[str, list[float]]:
+    """{CPU model: point speedups} of the row (every parametrization of the test) at ``size``."""
+    out: dict[str, list[float]] = {}
+    for run in json.loads(EVIDENCE.read_text(encoding="utf8"))["runs"]:
+        if run["size"] != size:
+            continue
+        for key, speedup in run["speedups"].items():
+            row_kernel, row_impl = key.rsplit("::", 1)
+            if row_kernel.split("[")[0] == kernel and row_impl == impl:
+                out.setdefault(run["cpu"], []).append(speedup)
+    return out
+
+
+FLOORS = _cpu_floors()
+
+
+def test_the_suite_declares_cpu_floors() -> None:
+    assert len(FLOORS) >= 20, FLOORS  # a refactor that hid the markers would make the next test vacuous
+
+
+@pytest.mark.parametrize(("kernel", "impl", "size", "floor"), FLOORS, ids=lambda v: str(v))
+def test_cpu_floor_holds_on_every_measured_cpu(kernel: str, impl: str, size: str, floor: float) -> None:
+    measured = _measured(kernel, impl, size)
+    models = 2 if size == "smoke" else 1  # full size: measured on one CPU model so far (floors.md)
+    assert len(measured) >= models, f"{kernel} [{impl}] at {size}: measured on {sorted(measured)}, " \
+        f"a floor needs {models} CPU model(s): add runs with docs/measurements/floor_evidence.py"
+    values = [v for vs in measured.values() for v in vs]
+    assert floor <= MARGIN * min(values), f"{kernel} [{impl}] {size}: floor {floor} is not under " \
+        f"{MARGIN} x the lowest measured {min(values)} ({measured})"
+    assert SLOWDOWN * floor > max(values), f"{kernel} [{impl}] {size}: a {SLOWDOWN:g}x slower kernel " \
+        f"({max(values) / SLOWDOWN:.2f}x) would still meet the floor {floor}"
+    if floor < LOST:
+        assert (kernel, impl) in NO_REGRESSION, f"{kernel} [{impl}]: floor {floor} < {LOST} cannot catch a " \
+            "kernel replaced by its reference; raise it, or list it in NO_REGRESSION with the reason"
+
+
+@pytest.fixture
+def scratch(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """A scratch folder with copies of the CAUGHT perf tests, run in fresh processes that import
+    this checkout (the copies import correctness_tests' tolerances)."""
+    for name in CAUGHT:
+        shutil.copy(ROOT / "perf_tests" / name, pytester.path / name)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    return pytester
+
+
+def _perf(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_subprocess(*CAUGHT, "-k", CAUGHT_K, "-p", "no:cacheprovider", "--device", "cpu",
+                                         "--perf-size", "smoke", *args)
+
+
+def test_a_kernel_replaced_by_its_reference_fails_without_a_baseline(scratch: pytest.Pytester) -> None:
+    scratch.makeconftest(LOST_CONFTEST)
+    result = _perf(scratch)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines_random([f"GATE FAILED: {row}*is under the floor*" for row in CAUGHT_ROWS])
+
+
+def test_a_4x_slower_kernel_fails_without_a_baseline(scratch: pytest.Pytester) -> None:
+    result = _perf(scratch, f"--perf-slowdown={SLOWDOWN}")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines_random([f"GATE FAILED: {row}*is under the floor*" for row in CAUGHT_ROWS])
+
+
+def test_a_1_5x_slower_kernel_fails_against_this_machines_baseline(scratch: pytest.Pytester) -> None:
+    """At make bench's thread count (Makefile BENCH_THREADS), where the baseline rule gates."""
+    threads = next(line.split("=", 1)[1].strip() for line in (ROOT / "Makefile").read_text().splitlines()
+                   if line.startswith("BENCH_THREADS"))
+    storage = f"--benchmark-storage=file://{scratch.path / 'baselines'}"
+    common = (storage, f"--perf-threads={threads}")
+    assert _perf(scratch, *common, "--benchmark-save=base").ret == 0
+    result = _perf(scratch, *common, "--benchmark-compare", "--perf-slowdown=1.5")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines_random([f"GATE FAILED: {row}*under the stored baseline's*" for row in CAUGHT_ROWS])
