@@ -110,6 +110,7 @@ class GateState:
             return row
         m = self.results[row.kernel][row.impl]
         start, pairs = time.perf_counter(), len(m.paired)
+        m.visits += 1  # the extension's pairs are one more visit, at the session's end
         while row.straddles_floor:
             spent = time.perf_counter() - start
             per_pair = (spent / (len(m.paired) - pairs)) if len(m.paired) > pairs else _pair_seconds(m, timer)
