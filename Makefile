@@ -5,7 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kernelgate-installed
 PYTEST := $(PY) -m pytest
-# Extra pytest flags, e.g. `make bench PERF_ARGS="--device cuda --perf-size full"`.
+# Extra pytest flags, e.g. `make bench BENCH_THREADS=0 PERF_ARGS="--device cuda --perf-size full"`
+# (a GPU runner: at torch's default threads, as its baselines are saved).
 PERF_ARGS ?=
 
 .PHONY: install test lint correctness perf bench baseline report clean
@@ -39,7 +40,7 @@ test: lint correctness perf
 # the one that caught every 1.5x slowdown with the fewest false alarms. The CPU floors are set
 # at torch's default threads, so `make test` gates them; `make bench BENCH_THREADS=0` runs at
 # the default (floors and baseline both).
-BENCH_THREADS = 1
+BENCH_THREADS ?= 1
 BENCH_ARGS = $(if $(filter 0,$(BENCH_THREADS)),,--perf-threads=$(BENCH_THREADS))
 bench: $(STAMP)
 	$(PYTEST) perf_tests -q --benchmark-compare --benchmark-json=bench.json $(BENCH_ARGS) $(PERF_ARGS)

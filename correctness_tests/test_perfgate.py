@@ -457,7 +457,7 @@ def test_straddled_floor_is_measured_further(pytester: pytest.Pytester, settled:
     assert result.ret == 0
     result.stdout.fnmatch_lines(["*noisy*2.00x*unresolved*",
                                  "*UNRESOLVED: noisy [[]optimized*straddles the floor 2.00x*",
-                                 "*gate passed: 0 speedup(s) at or above their floors; 1 unresolved*"])
+                                 "*gate not failed: 0 speedup(s) at or above their floors, 1 unresolved*"])
     row = json.loads((pytester.path / "out.json").read_text())["kernelgate"]["speedups"][0]
     assert row["outcome"] == "unresolved" and row["extended"] == 0 and row["failures"] == []
     (pytester.path / "settled").unlink()
@@ -487,9 +487,21 @@ def test_floor_keyed_to_a_variant(pytester: pytest.Pytester, variant: str, ret: 
     """A floor declared for the bf16 recipe gates a run that chose it (2x against 3x fails) and
     is not applied, with the reason in the table, to a run that chose fp32."""
     pytester.makepyfile(test_keyed=VARIANT.format(variant=variant))
-    result = _run(pytester)
+    result = _run(pytester, "--benchmark-json=out.json")
     assert result.ret == ret
     if ret:
         result.stdout.fnmatch_lines(["*GATE FAILED: keyed*under the floor 3.00x*"])
     else:
         result.stdout.fnmatch_lines(["*keyed*- (set for bf16[*], ran fp32)*ok*"])
+    row = json.loads((pytester.path / "out.json").read_text())["kernelgate"]["speedups"][0]
+    assert row["variant"] == variant and (row["floor"] is None) == (variant == "fp32")
+
+
+def test_two_floors_for_one_row_are_refused(pytester: pytest.Pytester) -> None:
+    """Which of two applicable markers wins must not hang on decorator order."""
+    pytester.makepyfile(test_two=VARIANT.format(variant="bf16").replace(
+        '@pytest.mark.speedup(cpu=3.0, variant="bf16*")', '@pytest.mark.speedup(cpu=3.0, variant="bf16*")\n'
+        '@pytest.mark.speedup(cpu=1.5)'))
+    result = _run(pytester)
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*2 speedup markers apply to impl 'optimized' on cpu at size smoke*"])

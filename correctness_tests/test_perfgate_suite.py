@@ -14,6 +14,7 @@ The last three run real perf tests in a scratch copy (pytester, a fresh process 
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import json
 import os
@@ -56,8 +57,8 @@ for module, name, slow in [
 """
 
 
-def _cpu_floors() -> list[tuple[str, str, str, float]]:
-    """(kernel, impl, size, floor) for every CPU speedup floor the perf tests declare."""
+def _cpu_floors() -> list[tuple[str, str, str, float, str | None]]:
+    """(kernel, impl, size, floor, variant pattern) for every CPU speedup floor the perf tests declare."""
     floors = []
     for path in sorted((ROOT / "perf_tests").glob("test_*.py")):
         module = importlib.import_module(f"perf_tests.{path.stem}")
@@ -66,20 +67,24 @@ def _cpu_floors() -> list[tuple[str, str, str, float]]:
                 value = mark.kwargs.get("cpu") if mark.name == "speedup" else None
                 for size in ("smoke", "full"):
                     floor = value.get(size) if isinstance(value, dict) else value
-                    impl = mark.kwargs.get("impl", "optimized")
+                    impl, variant = mark.kwargs.get("impl", "optimized"), mark.kwargs.get("variant")
                     if floor is not None:
-                        floors.append((name.removeprefix("test_"), impl, size, floor))
+                        floors.append((name.removeprefix("test_"), impl, size, floor, variant))
     return floors
 
 
-def _measured(kernel: str, impl: str, size: str) -> dict[str, list[float]]:
-    """{CPU model: point speedups} of the row (every parametrization of the test) at ``size``."""
+def speedups_measured(kernel: str, impl: str, size: str, variant: str | None = None) -> dict[str, list[float]]:
+    """{CPU model: point speedups} of the row (every parametrization of the test) at ``size``; for a
+    floor keyed to a ``variant`` pattern, only runs whose row ran a matching variant."""
     out: dict[str, list[float]] = {}
     for run in json.loads(EVIDENCE.read_text(encoding="utf8"))["runs"]:
         if run["size"] != size:
             continue
         for key, speedup in run["speedups"].items():
             row_kernel, row_impl = key.rsplit("::", 1)
+            ran = run.get("variants", {}).get(key)
+            if variant is not None and (ran is None or not fnmatch.fnmatchcase(ran, variant)):
+                continue
             if row_kernel.split("[")[0] == kernel and row_impl == impl:
                 out.setdefault(run["cpu"], []).append(speedup)
     return out
@@ -92,9 +97,10 @@ def test_the_suite_declares_cpu_floors() -> None:
     assert len(FLOORS) >= 20, FLOORS  # a refactor that hid the markers would make the next test vacuous
 
 
-@pytest.mark.parametrize(("kernel", "impl", "size", "floor"), FLOORS, ids=lambda v: str(v))
-def test_cpu_floor_holds_on_every_measured_cpu(kernel: str, impl: str, size: str, floor: float) -> None:
-    measured = _measured(kernel, impl, size)
+@pytest.mark.parametrize(("kernel", "impl", "size", "floor", "variant"), FLOORS, ids=lambda v: str(v))
+def test_cpu_floor_holds_on_every_measured_cpu(kernel: str, impl: str, size: str, floor: float,
+                                               variant: str | None) -> None:
+    measured = speedups_measured(kernel, impl, size, variant)
     models = 2 if size == "smoke" else 1  # full size: measured on one CPU model so far (floors.md)
     assert len(measured) >= models, f"{kernel} [{impl}] at {size}: measured on {sorted(measured)}, " \
         f"a floor needs {models} CPU model(s): add runs with docs/measurements/floor_evidence.py"
@@ -118,8 +124,8 @@ def scratch(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytes
     return pytester
 
 
-def _perf(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_subprocess(*CAUGHT, "-k", CAUGHT_K, "-p", "no:cacheprovider", "--device", "cpu",
+def _perf(pytester: pytest.Pytester, *args: str, k: str = CAUGHT_K) -> pytest.RunResult:
+    return pytester.runpytest_subprocess(*CAUGHT, "-k", k, "-p", "no:cacheprovider", "--device", "cpu",
                                          "--perf-size", "smoke", *args)
 
 
@@ -137,12 +143,16 @@ def test_a_4x_slower_kernel_fails_without_a_baseline(scratch: pytest.Pytester) -
 
 
 def test_a_1_5x_slower_kernel_fails_against_this_machines_baseline(scratch: pytest.Pytester) -> None:
-    """At make bench's thread count (Makefile BENCH_THREADS), where the baseline rule gates."""
+    """At make bench's thread count (Makefile BENCH_THREADS), where the baseline rule gates. Top-k
+    SVD and the Standardizer: per-sample grads at 1 thread moved 2.2-4.7x between unchanged runs
+    on a Zen 4 (docs/gate.md), more than a 1.5x slowdown, so one save/compare pair cannot show it."""
     threads = next(line.split("=", 1)[1].strip() for line in (ROOT / "Makefile").read_text().splitlines()
                    if line.startswith("BENCH_THREADS"))
     storage = f"--benchmark-storage=file://{scratch.path / 'baselines'}"
     common = (storage, f"--perf-threads={threads}")
-    assert _perf(scratch, *common, "--benchmark-save=base").ret == 0
-    result = _perf(scratch, *common, "--benchmark-compare", "--perf-slowdown=1.5")
+    k = "test_topk_singular_values or test_standardize"
+    assert _perf(scratch, *common, "--benchmark-save=base", k=k).ret == 0
+    result = _perf(scratch, *common, "--benchmark-compare", "--perf-slowdown=1.5", k=k)
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
-    result.stdout.fnmatch_lines_random([f"GATE FAILED: {row}*under the stored baseline's*" for row in CAUGHT_ROWS])
+    fell = [f"GATE FAILED: {row}*under the stored baseline's*" for row in CAUGHT_ROWS[1:]]
+    result.stdout.fnmatch_lines_random(fell)

@@ -1,7 +1,8 @@
 """Add one perf run's speedups to floor-evidence.json, the measurements the CPU floors are set
 from (correctness_tests/test_perfgate_suite.py checks every floor against them).
 
-    python docs/measurements/floor_evidence.py bench.json --commit abc1234 [--source "make test, clean clone"]
+    python docs/measurements/floor_evidence.py add bench.json --commit abc1234 [--source "make test, clean clone"]
+    python docs/measurements/floor_evidence.py table    # floors.md's table: each floor beside its evidence
 
 The CPU model, thread count and size come from the run's own fingerprint.
 """
@@ -10,30 +11,61 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 EVIDENCE = Path(__file__).with_name("floor-evidence.json")
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: the floors are read from its perf tests
 
 
 def run_entry(run: dict, commit: str, source: str) -> dict:
-    """One evidence entry: the CPU model, threads, size and each row's point speedup."""
+    """One evidence entry: the CPU model, threads, size, each row's point speedup and, where the
+    impl reported one, the variant it ran (a floor keyed to a variant is held to those runs only)."""
     gate = run["kernelgate"]
+    if gate["fingerprint"]["device_type"] != "cpu" or not gate.get("floors_applied", True):
+        raise SystemExit(f"not CPU floor evidence: {gate['slug']} (CPU floors are set at torch's default "
+                         "threads; `make bench` runs at BENCH_THREADS=1: add `make test`'s runs, or "
+                         "`make bench BENCH_THREADS=0`)")
+    rows = gate["speedups"]
     return {
         "cpu": gate["fingerprint"]["device_name"],
         "threads": gate["fingerprint"]["threads"],
         "size": gate["size"],
         "commit": commit,
         "source": source,
-        "speedups": {f"{r['kernel']}::{r['impl']}": round(r["speedup"], 3) for r in gate["speedups"]},
+        "speedups": {f"{r['kernel']}::{r['impl']}": round(r["speedup"], 3) for r in rows},
+        "variants": {f"{r['kernel']}::{r['impl']}": r["variant"] for r in rows if r.get("variant")},
     }
+
+
+def table() -> list[str]:
+    """Markdown: every CPU floor the perf tests declare beside its row's speedups per CPU model."""
+    sys.path.insert(0, str(ROOT))
+    from correctness_tests.test_perfgate_suite import FLOORS, speedups_measured
+
+    models = sorted({run["cpu"] for run in json.loads(EVIDENCE.read_text(encoding="utf8"))["runs"]})
+    lines = ["| row | size | floor | " + " | ".join(models) + " |", "|---|---|---|" + "---|" * len(models)]
+    for kernel, impl, size, floor, variant in FLOORS:
+        values = speedups_measured(kernel, impl, size, variant)
+        cells = [f"{min(v):.2f}-{max(v):.2f}x (n={len(v)})" if len(v) > 1 else f"{v[0]:.2f}x"
+                 if v else "-" for v in (values.get(m, []) for m in models)]
+        keyed = f" ({variant})" if variant else ""
+        lines.append(f"| {kernel} [{impl}] | {size} | {floor:g}{keyed} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path, help="benchmark JSON files written by a perf run")
-    parser.add_argument("--commit", required=True, help="the commit that was measured")
-    parser.add_argument("--source", default="perf run", help="how the run was made")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add = sub.add_parser("add", help="add runs to floor-evidence.json")
+    add.add_argument("runs", nargs="+", type=Path, help="benchmark JSON files written by a perf run")
+    add.add_argument("--commit", required=True, help="the commit that was measured")
+    add.add_argument("--source", default="perf run", help="how the run was made")
+    sub.add_parser("table", help="print floors.md's table")
     args = parser.parse_args(argv)
+    if args.command == "table":
+        print("\n".join(table()))
+        return 0
     evidence = json.loads(EVIDENCE.read_text(encoding="utf8"))
     for path in args.runs:
         evidence["runs"].append(run_entry(json.loads(path.read_text(encoding="utf8")), args.commit, args.source))

@@ -29,9 +29,10 @@ def _floor(item: pytest.Item, mark_name: str, impl: str, device: str, size: str,
     """The ``speedup`` or ``memory`` floor ``item`` declares for ``impl`` on this device class and
     size, and, when a declared floor does not apply, why. A marker with ``variant=`` (an fnmatch
     pattern) applies only to a call made with a matching ``variant``: a floor that holds only where
-    a recipe (bf16 on a CPU with bf16 instructions, say) was chosen."""
+    a recipe (bf16 on a CPU with bf16 instructions, say) was chosen. Two markers that both apply
+    to one impl are an error: which one would win should not depend on decorator order."""
     device_class = "cuda" if device.startswith("cuda") else "cpu"
-    note = ""
+    note, found = "", []
     for mark in item.iter_markers(mark_name):
         if mark.args:
             raise pytest.UsageError(f"{item.nodeid}: {mark_name} marker takes keywords "
@@ -49,8 +50,11 @@ def _floor(item: pytest.Item, mark_name: str, impl: str, device: str, size: str,
             continue
         if mark_name == "memory" and not 0.0 <= float(value) < 1.0:
             raise pytest.UsageError(f"{item.nodeid}: a memory floor is a fraction saved in [0, 1), got {value}")
-        return float(value), ""
-    return None, note
+        found.append(float(value))
+    if len(found) > 1:
+        raise pytest.UsageError(f"{item.nodeid}: {len(found)} {mark_name} markers apply to impl {impl!r} on "
+                                f"{device_class} at size {size}; key them apart with impl= or variant=")
+    return (found[0], "") if found else (None, note)
 
 
 def _slowed(run: Callable[..., Any], factor: float) -> Callable[..., Any]:
@@ -168,7 +172,7 @@ class PerfCase:
                         "from the test name and its non-impl parameters; rename one")
         state.results.setdefault(self.kernel, {})[self.impl] = Measurement(
             times=list(bench.stats.stats.data), size=self.size, label=label, peak_bytes=peak,
-            work_bytes=work_bytes, paired=paired, visits=1 + len(later.shares) if later else 1)
+            work_bytes=work_bytes, paired=paired, visits=1 + len(later.shares) if later else 1, variant=variant)
         if later is not None:
             state.timers[(self.kernel, self.impl)] = later  # kept to extend a straddled floor
             if later.shares:

@@ -167,6 +167,7 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks: Any, output_
         "slug": state.slug,
         "size": state.size,
         "tolerance": state.tolerance,
+        "floors_applied": state.cpu_floors_apply,  # False: CPU floors not applied at this thread count
         "speedups": [r.as_dict() for r in state.compute_rows()],
     }
 
@@ -206,6 +207,8 @@ def pytest_sessionfinish(session: pytest.Session) -> Any:
         return
     if any(r.failures for r in state.compute_rows()) and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if state.interrupted and session.exitstatus == pytest.ExitCode.OK:  # Ctrl-C in the extra timing
+        session.exitstatus = pytest.ExitCode.INTERRUPTED
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
@@ -245,16 +248,21 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
             tr.write_line(f"extended: {r.kernel} [{r.impl}] +{r.extended} interleaved pairs at the session's end, "
                           f"its interval straddled the floor {r.floor:.2f}x: now {r.speedup:.2f}x "
                           f"(95% CI {r.low:.2f}-{r.high:.2f}x), {r.outcome}")
-    unresolved = [u for r in rows for u in r.unresolved]
-    for u in unresolved:
-        tr.write_line(f"UNRESOLVED: {u} after {state.extend_s:g} s of extra pairs (--perf-extend); "
-                      "not failed, not passed: rerun, or run on a quieter host", yellow=True, bold=True)
+    for r in rows:
+        for u in r.unresolved:
+            how = (f"after +{r.extended} pairs" if r.extended else "not extended") + \
+                f" (--perf-extend {state.extend_s:g} s{', interrupted' if state.interrupted else ''})"
+            tr.write_line(f"UNRESOLVED: {u}; {how}: neither failed nor passed; rerun, or run on a quieter host",
+                          yellow=True, bold=True)
     failures = [f for r in rows for f in r.failures]
     for f in failures:
         tr.write_line(f"GATE FAILED: {f}", red=True, bold=True)
     if not failures and rows:
         what = ("at or above their floors" if state.cpu_floors_apply
                 else "without speedup floors (not applied at this thread count)")
-        ok = len(rows) - len({(r.kernel, r.impl) for r in rows if r.unresolved})
-        tail = f"; {len(rows) - ok} unresolved" if ok < len(rows) else ""
-        tr.write_line(f"gate passed: {ok} speedup(s) {what}{tail}", green=True)
+        unresolved = sum(r.outcome == "unresolved" for r in rows)
+        if unresolved:
+            tr.write_line(f"gate not failed: {len(rows) - unresolved} speedup(s) {what}, {unresolved} unresolved "
+                          "(their intervals straddle their floors)", yellow=True, bold=True)
+        else:
+            tr.write_line(f"gate passed: {len(rows)} speedup(s) {what}", green=True)

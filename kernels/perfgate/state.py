@@ -12,6 +12,7 @@ from .stats import SpeedupRow, gate, speedup_interval
 from .timing import Timed, interleaved
 
 REFERENCE = "reference"
+MAX_PAIRS = 1000  # a straddled row is extended up to this many interleaved pairs in all
 
 
 @dataclass
@@ -23,6 +24,7 @@ class Measurement:
     work_bytes: float | None = None  # bytes one call moves, when the test declares it
     paired: list[tuple[float, float]] | None = None  # (reference, this impl) rounds timed alternately
     visits: int = 1  # how many visits timed ``paired``
+    variant: str | None = None  # what the impl chose at run time (``perf(..., variant=)``)
 
 
 @dataclass
@@ -82,10 +84,14 @@ class GateState:
     def compute_rows(self) -> list[SpeedupRow]:
         """Speedup rows for every impl measured beside its reference (computed once). A row whose
         interval straddles its floor gets more interleaved pairs first (``resolve``); then every
-        kept callable is freed."""
+        kept callable is freed. Ctrl-C during that extra timing stops it, and the rows are made
+        from what was measured (the session then ends interrupted, plugin.py)."""
         if self.rows is not None:
             return self.rows
-        self.revisit()
+        try:
+            self.revisit()
+        except KeyboardInterrupt:
+            self.interrupted = True
         rows = []
         for kernel, impls in self.results.items():
             if REFERENCE not in impls:
@@ -93,8 +99,12 @@ class GateState:
             for impl in impls:
                 if impl != REFERENCE:
                     row = self._row(kernel, impl)
-                    if row.straddles_floor and not self.interrupted:
-                        row = self.resolve(row)
+                    if row.straddles_floor and not row.failures and not self.interrupted:
+                        try:
+                            row = self.resolve(row)
+                        except KeyboardInterrupt:
+                            self.interrupted = True
+                            row = self._row(kernel, impl)
                     rows.append(row)
         self.timers.clear()
         self.references.clear()
@@ -110,13 +120,15 @@ class GateState:
             return row
         m = self.results[row.kernel][row.impl]
         start, pairs = time.perf_counter(), len(m.paired)
-        m.visits += 1  # the extension's pairs are one more visit, at the session's end
         while row.straddles_floor:
             spent = time.perf_counter() - start
             per_pair = (spent / (len(m.paired) - pairs)) if len(m.paired) > pairs else _pair_seconds(m, timer)
-            step = min(len(m.paired), int((self.extend_s - spent) / max(per_pair, 1e-9)))
+            fits = int((self.extend_s - spent) / max(per_pair, 1e-9))
+            step = min(len(m.paired), MAX_PAIRS - len(m.paired), fits)
             if step < 1:
                 break
+            if len(m.paired) == pairs:
+                m.visits += 1  # the extension's pairs are one more visit, at the session's end
             self._time_pairs(timer, step)
             row = self._row(row.kernel, row.impl)
             row.extended = len(m.paired) - pairs
@@ -135,7 +147,7 @@ class GateState:
             kernel=kernel, impl=impl, size=m.size, label=m.label, device=self.device,
             reference_ms=1e3 * median(ref_t), optimized_ms=1e3 * median(opt_t),
             speedup=point, low=low, high=high, rounds=(len(ref_t), len(opt_t)), interleaved=bool(m.paired),
-            visits=m.visits,
+            visits=m.visits, variant=m.variant,
             floor=self.floors.get((kernel, impl)), floor_note=self.floor_notes.get((kernel, impl), ""),
             baseline=(self.baseline or {}).get(baseline_key(kernel, impl, m.size)),
             reference_peak_bytes=ref.peak_bytes, optimized_peak_bytes=m.peak_bytes,

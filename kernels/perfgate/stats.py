@@ -81,6 +81,7 @@ class SpeedupRow:
     rounds: tuple[int, int]
     interleaved: bool = False  # the speedup comes from reference/impl rounds timed alternately
     visits: int = 1  # the interleaved rounds were timed in this many visits spread over the session
+    variant: str | None = None  # what the impl chose at run time that a floor may be keyed to
     floor: float | None = None
     baseline: float | None = None
     reference_peak_bytes: int | None = None
