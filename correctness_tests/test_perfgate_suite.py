@@ -129,15 +129,19 @@ def _perf(pytester: pytest.Pytester, *args: str, k: str = CAUGHT_K) -> pytest.Ru
                                          "--perf-size", "smoke", *args)
 
 
+# Short rounds for the two floor cases: their rows fall 2.5x or more under the floors, far past noise.
+QUICK = "--benchmark-max-time=0.25"
+
+
 def test_a_kernel_replaced_by_its_reference_fails_without_a_baseline(scratch: pytest.Pytester) -> None:
     scratch.makeconftest(LOST_CONFTEST)
-    result = _perf(scratch)
+    result = _perf(scratch, QUICK)
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     result.stdout.fnmatch_lines_random([f"GATE FAILED: {row}*is under the floor*" for row in CAUGHT_ROWS])
 
 
 def test_a_4x_slower_kernel_fails_without_a_baseline(scratch: pytest.Pytester) -> None:
-    result = _perf(scratch, f"--perf-slowdown={SLOWDOWN}")
+    result = _perf(scratch, QUICK, f"--perf-slowdown={SLOWDOWN}")
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     result.stdout.fnmatch_lines_random([f"GATE FAILED: {row}*is under the floor*" for row in CAUGHT_ROWS])
 
