@@ -69,10 +69,9 @@ class GateState:
         """Time every impl's later visits, in passes over all impls (visit 2 of each, then visit 3
         of each, ...), so each row's interleaved rounds sample host states apart in time, not only
         the one it happened to meet during its test."""
-        if self.interrupted:
-            self.pending.clear()
-        for v in range(max((len(p.shares) for p in self.pending), default=0)):
-            for p in self.pending:
+        pending = [] if self.interrupted else self.pending
+        for v in range(max((len(p.shares) for p in pending), default=0)):
+            for p in pending:
                 if v < len(p.shares):
                     self._time_pairs(p, p.shares[v])
         self.pending.clear()
