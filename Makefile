@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kernelgate-installed
 PYTEST := $(PY) -m pytest
-# Extra pytest flags, e.g. `make bench BENCH_THREADS=0 PERF_ARGS="--device cuda --perf-size full"`
+# Extra pytest flags, e.g. `make bench BENCH_THREADS=0 PERF_ARGS="--perf-device cuda --perf-size full"`
 # (a GPU runner: at torch's default threads, as its baselines are saved).
 PERF_ARGS ?=
 
@@ -13,9 +13,9 @@ PERF_ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml perfgate/pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -c constraints.txt -e ./perfgate -e '.[test]'
 	touch $(STAMP)
 
 # ruff, and actionlint over the GitHub workflows (a broken workflow cannot land).
@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(VENV)/bin/actionlint
 
 correctness: $(STAMP)
-	$(PYTEST) correctness_tests -q
+	$(PYTEST) correctness_tests perfgate/tests -q
 
 # The perf suite at smoke size, gated by its speedup floors. No baseline compare here: on the
 # shared CI host memory bandwidth moved 167-199 GB/s between runs and memory-bound ratios with
@@ -44,7 +44,7 @@ BENCH_THREADS ?= 1
 BENCH_ARGS = $(if $(filter 0,$(BENCH_THREADS)),,--perf-threads=$(BENCH_THREADS))
 bench: $(STAMP)
 	$(PYTEST) perf_tests -q --benchmark-compare --benchmark-json=bench.json $(BENCH_ARGS) $(PERF_ARGS)
-	$(PY) -m kernels.perfgate.report $$(find .benchmarks -name "*.json" | sort) bench.json --png bench.png --quiet
+	$(PY) -m perfgate.report $$(find .benchmarks -name "*.json" | sort) bench.json --png bench.png --quiet
 
 # Save a new baseline for this machine's fingerprint, named by commit: only from a clean tree,
 # so the name says exactly which code was measured.
@@ -53,7 +53,7 @@ baseline: $(STAMP)
 	$(PYTEST) perf_tests -q --benchmark-save=$$(git rev-parse --short HEAD) $(BENCH_ARGS) $(PERF_ARGS)
 
 report: $(STAMP)
-	$(PY) -m kernels.perfgate.report --png bench.png
+	$(PY) -m perfgate.report --png bench.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis bench.json bench.png

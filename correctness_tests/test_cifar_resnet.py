@@ -7,7 +7,8 @@ import torch
 
 from kernels.models import ResNet10
 from kernels.training import Recipe
-from kernels.workloads.cifar_resnet import Config, ablation, format_rows, main, run, synthetic_cifar
+from workloads.cifar_resnet import Config, ablation, format_rows, run, synthetic_cifar
+from workloads.cli.cifar_resnet import main
 
 
 def test_synthetic_cifar_shapes_and_determinism() -> None:

@@ -13,8 +13,8 @@ from torch import Tensor, nn
 
 from correctness_tests.tolerances import FINITE_DIFFERENCE, REDUCTION, assert_close
 from kernels.hypergrad import darts_hypergradient, reweighted_loss
-from kernels.workloads.meta_reweight import MetaWeightNet
 from reference.hypergrad import exact_hypergradient
+from workloads.meta_reweight import MetaWeightNet
 
 
 def _flat(ts: list[Tensor]) -> Tensor:

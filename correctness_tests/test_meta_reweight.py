@@ -9,9 +9,10 @@ import torch
 
 from correctness_tests.tolerances import FINITE_DIFFERENCE, FINITE_DIFFERENCE_RELU, REDUCTION, assert_close
 from kernels.training import Recipe
-from kernels.workloads import meta_reweight as M
-from kernels.workloads import meta_reweight_ablation as A
-from reference.workloads.meta_reweight import reference_learner, reference_step
+from reference.workloads.meta_reweight import reference_step
+from workloads import meta_reweight as M
+from workloads.cli import meta_reweight as meta_reweight_cli
+from workloads.meta_reweight import reference_learner
 
 # The workload's ResNet-10 widths: narrower nets cross more ReLU kinks in the finite difference
 # (tolerances.FINITE_DIFFERENCE_RELU). Small batches and sets keep it fast.
@@ -129,7 +130,7 @@ def test_config_and_cli(capsys) -> None:
     with pytest.raises(ValueError, match="batch of 100 needs at least 100 samples"):
         next(M.batches((torch.zeros(10, 3), torch.zeros(10)), 100, seed=0))
     with pytest.raises(SystemExit):
-        A.main(["--steps", "0"])
-    assert A.main(["--steps", "1", "--max-per-class", "100", "--accumulation", "2"]) == 0
+        meta_reweight_cli.main(["--steps", "0"])
+    assert meta_reweight_cli.main(["--steps", "1", "--max-per-class", "100", "--accumulation", "2"]) == 0
     out = capsys.readouterr().out
     assert "balanced test accuracy" in out and "+ AMP + accumulation 2" in out and "peak MiB" in out

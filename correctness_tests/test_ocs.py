@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels.training import Recipe
-from kernels.workloads import ocs
-from kernels.workloads.ocs_ablation import main
-from kernels.workloads.rotated_digits import digits, mnist, rotated_tasks
-from reference.workloads.ocs import REFERENCE
+from workloads import ocs
+from workloads.cli.ocs import main
+from workloads.ocs import REFERENCE
+from workloads.rotated_digits import digits, mnist, rotated_tasks
 
 
 @pytest.fixture(scope="module")

@@ -125,7 +125,7 @@ def scratch(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytes
 
 
 def _perf(pytester: pytest.Pytester, *args: str, k: str = CAUGHT_K) -> pytest.RunResult:
-    return pytester.runpytest_subprocess(*CAUGHT, "-k", k, "-p", "no:cacheprovider", "--device", "cpu",
+    return pytester.runpytest_subprocess(*CAUGHT, "-k", k, "-p", "no:cacheprovider", "--perf-device", "cpu",
                                          "--perf-size", "smoke", *args)
 
 

@@ -9,7 +9,8 @@ import torch
 
 from kernels.feature_cache import FeatureCache
 from kernels.training import Recipe
-from kernels.workloads import spectral_probe as P
+from workloads import spectral_probe as P
+from workloads.cli import spectral_probe as spectral_probe_cli
 
 SMALL = P.Config(samples=60, layers=2, dim=32, rank=4, max_epochs=3, patience=2)
 
@@ -45,13 +46,14 @@ def test_config_and_cli() -> None:
     with pytest.raises(ValueError, match="5 per class"):
         P.Config(samples=20)
     with pytest.raises(SystemExit):
-        P.main(["--samples", "0"])
+        spectral_probe_cli.main(["--samples", "0"])
 
 
 def test_seed_comparison_pairs_reference_and_optimized(capsys) -> None:
     pairs = P.compare_seeds(SMALL, 2)
     assert len(pairs) == 2 and all(0.0 <= a <= 1.0 for pair in pairs for a in pair)
-    assert P.main(["--samples", "60", "--layers", "1", "--dim", "32", "--max-epochs", "2", "--seeds", "1"]) == 0
+    argv = ["--samples", "60", "--layers", "1", "--dim", "32", "--max-epochs", "2", "--seeds", "1"]
+    assert spectral_probe_cli.main(argv) == 0
     assert "optimized - reference: mean" in capsys.readouterr().out
 
 

@@ -12,7 +12,8 @@ import reference.training
 from correctness_tests.tolerances import REDUCTION, assert_dicts_close
 from kernels.models import RopeViT
 from kernels.training import Recipe
-from kernels.workloads import vit_rope
+from workloads import vit_rope
+from workloads.cli import vit_rope as vit_rope_cli
 
 
 def test_model_shapes_and_reference_attention_share_parameters() -> None:
@@ -84,9 +85,9 @@ def test_cosine_schedule_warms_up_then_decays() -> None:
 
 
 def test_cli_ablation_rows(capsys) -> None:
-    assert vit_rope.main(["--steps", "1", "--batch", "8", "--depth", "1", "--ablation"]) == 0
+    assert vit_rope_cli.main(["--steps", "1", "--batch", "8", "--depth", "1", "--ablation"]) == 0
     out = capsys.readouterr().out
     for row in ("reference (fp32", "+ cached RoPE", "+ attention kernel", "+ fused AdamW", "+ AMP", "optimized ("):
         assert f"| {row}" in out, row
     with pytest.raises(SystemExit):
-        vit_rope.main(["--steps", "0"])
+        vit_rope_cli.main(["--steps", "0"])

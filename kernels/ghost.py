@@ -9,13 +9,9 @@ by ``kernels.per_sample.ghost_terms``; Gram, norms and OCS scores are computed f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
-
-if TYPE_CHECKING:
-    from kernels.per_sample import _Plan
+from torch import Tensor, nn
 
 
 def _ghost_weight(a: Tensor, g: Tensor, diagonal: bool) -> Tensor:
@@ -37,11 +33,20 @@ def _gram_of(flat: Tensor, diagonal: bool) -> Tensor:
 
 
 @dataclass
+class Plan:
+    """Which parameters take the layer identity and which go through vmap (kernels.per_sample)."""
+
+    names: list[str]  # trainable parameters, model order (requires_grad False: skipped)
+    linear: dict[str, nn.Linear]  # modules whose trainable params use the layer identity
+    other: list[str]  # trainable parameters that go through vmap
+
+
+@dataclass
 class GhostTerms:
     """What one forward and backward over a batch leaves for Gram products: captured (A, G) of
     the identity layers and materialized per-sample gradients of every other parameter."""
 
-    plan: _Plan
+    plan: Plan
     terms: dict[str, tuple[Tensor, Tensor]]
     grads: dict[str, Tensor]  # name -> (B, *param.shape), parameters in plan.other
     batch: int

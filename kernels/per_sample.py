@@ -27,23 +27,15 @@ over the loop of backward passes: grads 6.6x at B=64 and 8.4x at B=256 (vmap alo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from kernels.ghost import GhostTerms
+from kernels.ghost import Plan as _Plan
 from kernels.layer_capture import Fallback, LossFn, capture
 
 RANDOMNESS = ("error", "different", "same")
-
-
-@dataclass
-class _Plan:
-    names: list[str]  # trainable parameters, model order (requires_grad False: skipped)
-    linear: dict[str, nn.Linear]  # modules whose trainable params use the layer identity
-    other: list[str]  # trainable parameters that go through vmap
 
 
 def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,

@@ -18,7 +18,7 @@ import reference
 import reference.training
 from kernels.models import ResNet10
 from kernels.training import Recipe, train
-from kernels.workloads.cifar_resnet import synthetic_cifar
+from workloads.cifar_resnet import synthetic_cifar
 
 BATCH = {"smoke": 64, "full": 2048}  # full: the seed's baseline batch
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import kernels
 import reference
 from kernels.models import MLP
-from kernels.workloads.rotated_digits import digits, rotated_tasks
+from workloads.rotated_digits import digits, rotated_tasks
 
 STREAM = {"smoke": 100, "full": 512}
 MEMORY = 200

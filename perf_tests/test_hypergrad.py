@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.hypergrad import darts_hypergradient, reweighted_loss
-from kernels.workloads.meta_reweight import Config, batches, datasets, learner, per_sample_ce
 from reference.hypergrad import exact_hypergradient
+from workloads.meta_reweight import Config, batches, datasets, learner, per_sample_ce
 
 BATCH = {"smoke": 32, "full": 100}
 IMPLS = {"reference": exact_hypergradient, "optimized": darts_hypergradient}

@@ -22,10 +22,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.perfgate.fingerprint import bf16_instructions
 from kernels.training import Recipe
-from kernels.workloads.meta_reweight import Config, amp_recipe, batches, datasets, learner, outer_step
-from reference.workloads.meta_reweight import reference_learner, reference_step
+from perfgate.fingerprint import bf16_instructions
+from reference.workloads.meta_reweight import reference_step
+from workloads.meta_reweight import Config, amp_recipe, batches, datasets, learner, outer_step, reference_learner
 
 BATCH = {"smoke": 100, "full": 200}
 ACCUMULATION = 4

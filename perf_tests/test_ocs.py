@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from kernels.training import Recipe
-from kernels.workloads.ocs import Config, Learner, Method, optimized, optimized_recipe, start, train_task
-from kernels.workloads.rotated_digits import digits, rotated_tasks
-from reference.workloads.ocs import REFERENCE
+from workloads.ocs import REFERENCE, Config, Learner, Method, optimized, optimized_recipe, start, train_task
+from workloads.rotated_digits import digits, rotated_tasks
 
 PASSES = {"smoke": 1, "full": 10}
 

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 
 from kernels.feature_cache import FeatureCache
-from kernels.workloads import spectral_probe as P
+from workloads import spectral_probe as P
 
 CFG = {"smoke": P.Config(samples=100, layers=2, max_epochs=5, patience=5),
        "full": P.Config(samples=400, layers=8, max_epochs=20, patience=10)}

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.models import RopeViT
-from kernels.workloads.vit_rope import Config, optimized_method, reference_method
+from workloads.vit_rope import Config, optimized_method, reference_method
 
 BATCH = {"smoke": 32, "full": 128}
 

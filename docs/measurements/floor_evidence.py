@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: the floors are read 
 def run_entry(run: dict, commit: str, source: str) -> dict:
     """One evidence entry: the CPU model, threads, size, each row's point speedup and, where the
     impl reported one, the variant it ran (a floor keyed to a variant is held to those runs only)."""
-    gate = run["kernelgate"]
+    gate = run["perfgate"]
     if gate["fingerprint"]["device_type"] != "cpu" or not gate.get("floors_applied", True):
         raise SystemExit(f"not CPU floor evidence: {gate['slug']} (CPU floors are set at torch's default "
                          "threads; `make bench` runs at BENCH_THREADS=1: add `make test`'s runs, or "

@@ -8,7 +8,7 @@ Prints the median of 20 calls and the minor page faults per call (MLP 784-256-25
 
 import sys
 
-from kernels.perfgate.timing import configure_malloc
+from perfgate.timing import configure_malloc
 
 mode = configure_malloc(sys.argv[1])  # before any large allocation
 

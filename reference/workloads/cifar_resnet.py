@@ -1,20 +1,21 @@
-"""Reference run of the ResNet-on-CIFAR workload: the seed's baseline, fp32 SGD, plain loop."""
+"""Reference run of the ResNet-on-CIFAR workload: fp32, per-parameter Python SGD (lr 0.01,
+momentum 0.9, the original baseline's), the plain loop, one batch a step."""
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
+
 import torch.nn.functional as F
+from torch import nn
 
 import reference.training
-from kernels.models import ResNet10
-from kernels.workloads.cifar_resnet import Config, RunReport, timed
+from kernels.training import TrainResult
 from reference.optim import sgd
 
+NAME = "baseline (fp32, SGD, plain loop)"
 
-def run_reference(cfg: Config, lr: float = 0.01) -> RunReport:
-    """fp32, per-parameter Python SGD (lr 0.01, momentum 0.9: the seed's baseline), one batch a step."""
-    torch.manual_seed(cfg.seed)
-    model = ResNet10().to(cfg.device)
+
+def steps(model: nn.Module, device: str, lr: float = 0.01) -> Callable[[list], TrainResult]:
+    """A function that trains ``model`` over a list of (x, y) batches, one SGD step a batch."""
     opt = sgd(model.parameters(), lr=lr, momentum=0.9)
-    return timed("baseline (fp32, SGD, plain loop)", cfg, model,
-                 lambda d: reference.training.train(model, F.cross_entropy, opt, d, device=cfg.device))
+    return lambda batches: reference.training.train(model, F.cross_entropy, opt, batches, device=device)

@@ -4,21 +4,23 @@ the unrolled step (reference.hypergrad: autograd through theta - lr grad L_in)."
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn.functional as F
+from torch import Tensor
 
 import reference.training
 from kernels.hypergrad import reweighted_loss
-from kernels.workloads.meta_reweight import Batch, Config, Learner, learner, per_sample_ce
 from reference.hypergrad import exact_hypergradient
-from reference.optim import sgd
+
+Batch = tuple[Tensor, Tensor]
 
 
-def reference_learner(cfg: Config) -> Learner:
-    return learner(cfg, sgd_fn=sgd)
-
-
-def reference_step(ln: Learner, batch: Batch, meta: Batch, cfg: Config, reweight: bool = True) -> None:
-    """Inner SGD step on the reweighted loss, then Adam on W with the exact hypergradient."""
+def reference_step(ln: Any, batch: Batch, meta: Batch, cfg: Any, reweight: bool = True) -> None:
+    """Inner SGD step on the reweighted loss, then Adam on W with the exact hypergradient.
+    ``ln``: a workloads.meta_reweight.Learner (model, weight_net, inner_opt, outer_opt); ``cfg``:
+    its Config (lr, device)."""
+    per_sample_ce = lambda logits, y: F.cross_entropy(logits.float(), y, reduction="none")
     x, y = batch
     if not reweight:
         reference.training.train(ln.model, F.cross_entropy, ln.inner_opt, [batch], device=cfg.device)

@@ -12,9 +12,9 @@ parameters against ~70 ms of scoring).
 
 from __future__ import annotations
 
-import reference
-import reference.training
-from kernels.optim import sgd
-from kernels.workloads.ocs import Method
+from kernels.optim import sgd as optimizer
+from reference.coreset import ocs_scores as scores
+from reference.training import train
 
-REFERENCE = Method("reference (loop scores, fp32)", reference.ocs_scores, reference.training.train, sgd)
+NAME = "reference (loop scores, fp32)"
+__all__ = ["NAME", "optimizer", "scores", "train"]

@@ -10,15 +10,13 @@ import json
 import os
 from pathlib import Path
 
-import matplotlib.pyplot  # noqa: F401  (imported once here: pytester's inline runs unload
-import numpy as np  #                   modules first imported inside them, and C extensions
-import pytest  #                        such as numpy.fft's cannot load twice in one process)
-import scipy.stats  # noqa: F401
+import numpy as np
+import pytest
 
-from kernels.perfgate import fidelity
-from kernels.perfgate.fingerprint import slug
-from kernels.perfgate.report import main as report_main
-from kernels.perfgate.stats import SpeedupRow, gate, speedup_interval
+from perfgate import fidelity
+from perfgate.fingerprint import slug
+from perfgate.report import main as report_main
+from perfgate.stats import SpeedupRow, gate, speedup_interval
 
 SUITE = """
 import time
@@ -31,7 +29,7 @@ SLEEP = {{"reference": 0.008, "optimized": {opt}}}
 def test_sleepy(perf, impl):
     perf(lambda: time.sleep(SLEEP[impl]), label="8ms")
 """
-FAST = ["--device", "cpu", "--benchmark-max-time=0.15", "--benchmark-min-rounds=12", "-p", "no:cacheprovider"]
+FAST = ["--perf-device", "cpu", "--benchmark-max-time=0.15", "--benchmark-min-rounds=12", "-p", "no:cacheprovider"]
 
 
 PAIR = """
@@ -69,8 +67,8 @@ def test_pair_with_known_speedup_passes(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=2)
     assert result.ret == 0
     result.stdout.fnmatch_lines(["*perfgate speedups*", "*sleepy*optimized*8ms*cpu*2.00x*ok*",
-                                 "*run `make baseline`*", "*gate passed*"])
-    row = json.loads((pytester.path / "out.json").read_text())["kernelgate"]["speedups"][0]
+                                 "*--benchmark-save=NAME*", "*gate passed*"])
+    row = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]
     assert 3.2 < row["speedup"] < 4.3 and row["low"] <= row["speedup"] <= row["high"]
     assert row["floor"] == 2.0 and row["failures"] == []
     if os.access("/proc/self/clear_refs", os.W_OK):  # Linux: the CPU peak measure exists
@@ -90,7 +88,7 @@ def test_rerun_against_saved_baseline_passes(pytester: pytest.Pytester) -> None:
     _suite(pytester)
     assert _run(pytester, "--benchmark-save=base").ret == 0
     [saved] = _saved(pytester)
-    section = json.loads(saved.read_text())["kernelgate"]
+    section = json.loads(saved.read_text())["perfgate"]
     assert (saved.parent.parent.parent.name, saved.parent.parent.name) == (section["slug"], "smoke")
     result = _run(pytester, "--benchmark-compare")
     assert result.ret == 0
@@ -104,7 +102,7 @@ def test_speedup_fallen_under_baseline_fails(pytester: pytest.Pytester) -> None:
     result = _run(pytester, "--benchmark-compare")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*GATE FAILED*fell more than 20% under the stored baseline's*"])
-    assert _run(pytester, "--benchmark-compare", "--speedup-tolerance=0.6").ret == 0
+    assert _run(pytester, "--benchmark-compare", "--perf-tolerance=0.6").ret == 0
 
 
 def test_baseline_from_another_fingerprint_is_refused(pytester: pytest.Pytester) -> None:
@@ -112,7 +110,7 @@ def test_baseline_from_another_fingerprint_is_refused(pytester: pytest.Pytester)
     assert _run(pytester, "--benchmark-save=base").ret == 0
     [saved] = _saved(pytester)
     data = json.loads(saved.read_text())
-    data["machine_info"]["kernelgate"]["device_name"] = "Some Other CPU"
+    data["machine_info"]["perfgate"]["device_name"] = "Some Other CPU"
     other = pytester.path / "other.json"
     other.write_text(json.dumps(data))
     result = _run(pytester, f"--benchmark-compare={other}")
@@ -142,7 +140,7 @@ def test_memory_floor_is_gated(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_mem=MEMORY.format(opt_mib=12, floor=0.5))
     result = _run(pytester, "--benchmark-json=out.json")
     assert result.ret == 0, result.stdout.str()
-    row = json.loads((pytester.path / "out.json").read_text())["kernelgate"]["speedups"][0]
+    row = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]
     assert 0.08 < row["memory_ratio"] < 0.2 and row["memory_floor"] == 0.5
     result.stdout.fnmatch_lines(["*hungry*optimized*alloc*8?% (>=50%)*ok*"])
     pytester.makepyfile(test_mem=MEMORY.format(opt_mib=12, floor=0.95))
@@ -172,7 +170,7 @@ def test_first_run_without_baseline_passes_with_hint(pytester: pytest.Pytester) 
     _suite(pytester)
     result = _run(pytester, "--benchmark-compare")
     assert result.ret == 0
-    result.stdout.fnmatch_lines(["*no stored baseline compared*run `make baseline`*"])
+    result.stdout.fnmatch_lines(["*no stored baseline compared*--benchmark-save=NAME*"])
 
 
 def test_declared_work_gives_a_throughput_ratio(pytester: pytest.Pytester) -> None:
@@ -180,7 +178,7 @@ def test_declared_work_gives_a_throughput_ratio(pytester: pytest.Pytester) -> No
     _pair(pytester, "stream", 1.5,
           'perf(lambda: time.sleep(0.004), work_bytes=4e6 if impl == "reference" else 8e6)')
     assert _run(pytester, "--benchmark-json=out.json").ret == 0
-    row = json.loads((pytester.path / "out.json").read_text())["kernelgate"]["speedups"][0]
+    row = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]
     assert 1.8 < row["speedup"] < 2.2
     assert 0.8 < row["reference_gbps"] < 1.0 and 1.6 < row["optimized_gbps"] < 2.0
 
@@ -237,7 +235,7 @@ def test_unavailable_device_is_a_usage_error(pytester: pytest.Pytester) -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
     _suite(pytester)
-    result = pytester.runpytest("--device", "cuda")
+    result = pytester.runpytest("--perf-device", "cuda")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*no CUDA device is available*"])
 
@@ -305,7 +303,7 @@ def test_slowdown_hook_slows_only_the_optimized_side(pytester: pytest.Pytester) 
     """--perf-slowdown 2 turns the 4x pair into 2x; it is refused below 1 and for a baseline."""
     _suite(pytester, floor=1.0)
     assert _run(pytester, "--perf-slowdown=2", "--benchmark-json=out.json").ret == 0
-    row = json.loads((pytester.path / "out.json").read_text())["kernelgate"]["speedups"][0]
+    row = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]
     assert 1.7 < row["speedup"] < 2.2
     result = _run(pytester, "--perf-slowdown=0.5")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -318,7 +316,7 @@ def test_slowdown_hook_slows_only_the_optimized_side(pytester: pytest.Pytester) 
 def _fake_run(opt_ms: list[float], speedup: float, failures: list[str]) -> dict:
     return {"benchmarks": [{"extra_info": {"kernel": "k", "impl": "optimized"}, "stats": {"data": opt_ms}},
                            {"extra_info": {"kernel": "k", "impl": "reference"}, "stats": {"data": [4.0] * 9}}],
-            "kernelgate": {"speedups": [{"kernel": "k", "impl": "optimized", "speedup": speedup,
+            "perfgate": {"speedups": [{"kernel": "k", "impl": "optimized", "speedup": speedup,
                                          "failures": failures}]}}
 
 
@@ -360,7 +358,7 @@ def test_interleaved_rounds_cancel_a_host_change(pytester: pytest.Pytester) -> N
     pytester.makepyfile(test_drift=DRIFT)
     assert _run(pytester, "--benchmark-json=out.json").ret == 0
     data = json.loads((pytester.path / "out.json").read_text())
-    row = data["kernelgate"]["speedups"][0]
+    row = data["perfgate"]["speedups"][0]
     assert row["interleaved"] and 3.6 < row["speedup"] < 4.4
     medians = {b["extra_info"]["impl"]: b["stats"]["median"] for b in data["benchmarks"]}
     assert 1.7 < medians["reference"] / medians["optimized"] < 2.3  # what the separate rounds say
@@ -396,7 +394,7 @@ def test_later_visits_run_after_every_test(pytester: pytest.Pytester) -> None:
         (pytester.path / "later").unlink(missing_ok=True)
         args = (f"--perf-visits={visits}", "--benchmark-max-time=1.5", f"--benchmark-json=v{visits}.json")
         assert _run(pytester, *args).ret == 0
-        rows[visits] = json.loads((pytester.path / f"v{visits}.json").read_text())["kernelgate"]["speedups"][0]
+        rows[visits] = json.loads((pytester.path / f"v{visits}.json").read_text())["perfgate"]["speedups"][0]
     assert 3.2 < rows[1]["speedup"] < 4.4 and rows[1]["visits"] == 1
     assert 0.8 < rows[3]["speedup"] < 1.2 and rows[3]["visits"] == 3
     result = _run(pytester, "--perf-visits=0")
@@ -409,9 +407,9 @@ def test_cpu_floors_apply_only_at_the_default_threads(pytester: pytest.Pytester)
     floor (measured at the default) is not applied, and the run says so."""
     import torch
 
-    from kernels.perfgate import plugin
+    from perfgate import session
 
-    default = plugin._DEFAULT_THREADS or torch.get_num_threads()
+    default = session._DEFAULT_THREADS[0] if session._DEFAULT_THREADS else torch.get_num_threads()
     other = 1 if default != 1 else 2
     _suite(pytester, opt=0.008)
     assert _run(pytester, f"--perf-threads={default}").ret == pytest.ExitCode.TESTS_FAILED
@@ -420,7 +418,7 @@ def test_cpu_floors_apply_only_at_the_default_threads(pytester: pytest.Pytester)
     result.stdout.fnmatch_lines([f"*floors are set at torch's default {default} thread(s)*not applied*",
                                  "*gate passed: 1 speedup(s) without speedup floors*"])
     assert torch.get_num_threads() == default  # the inner session gave the thread count back
-    assert json.loads((pytester.path / "out.json").read_text())["kernelgate"]["speedups"][0]["floor"] is None
+    assert json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]["floor"] is None
 
 
 
@@ -458,11 +456,11 @@ def test_straddled_floor_is_measured_further(pytester: pytest.Pytester, settled:
     result.stdout.fnmatch_lines(["*noisy*2.00x*unresolved*",
                                  "*UNRESOLVED: noisy [[]optimized*straddles the floor 2.00x*",
                                  "*gate not failed: 0 speedup(s) at or above their floors, 1 unresolved*"])
-    row = json.loads((pytester.path / "out.json").read_text())["kernelgate"]["speedups"][0]
+    row = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]
     assert row["outcome"] == "unresolved" and row["extended"] == 0 and row["failures"] == []
     (pytester.path / "settled").unlink()
     result = _run(pytester, "--perf-extend=20", *args)
-    row = json.loads((pytester.path / "out.json").read_text())["kernelgate"]["speedups"][0]
+    row = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]
     assert row["outcome"] == outcome and row["extended"] > 0, row
     assert result.ret == (0 if outcome == "ok" else pytest.ExitCode.TESTS_FAILED)
     extended = f"extended: noisy [[]optimized[]] +{row['extended']} interleaved pairs*{outcome}"
@@ -493,7 +491,7 @@ def test_floor_keyed_to_a_variant(pytester: pytest.Pytester, variant: str, ret: 
         result.stdout.fnmatch_lines(["*GATE FAILED: keyed*under the floor 3.00x*"])
     else:
         result.stdout.fnmatch_lines(["*keyed*- (set for bf16[*], ran fp32)*ok*"])
-    row = json.loads((pytester.path / "out.json").read_text())["kernelgate"]["speedups"][0]
+    row = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]
     assert row["variant"] == variant and (row["floor"] is None) == (variant == "fp32")
 
 

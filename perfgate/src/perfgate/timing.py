@@ -13,16 +13,26 @@ from collections.abc import Callable
 from typing import Any
 
 
+def torch_or_none() -> Any:
+    """torch when it is installed, else None: perfgate times plain Python callables too."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
 def resolve_device(requested: str) -> str:
     """``auto`` means cuda when available, else cpu; ``cuda`` without a GPU is an error."""
-    import torch
-
+    if requested != "auto" and requested != "cpu" and not requested.startswith("cuda"):
+        raise ValueError(f"--perf-device must be auto, cpu or cuda[:N], got {requested!r}")
+    torch = torch_or_none() if requested != "cpu" else None
+    cuda = torch is not None and torch.cuda.is_available()
     if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {requested}: no CUDA device is available; use --device cpu")
-    if requested != "cpu" and not requested.startswith("cuda"):
-        raise ValueError(f"--device must be auto, cpu or cuda[:N], got {requested!r}")
+        return "cuda" if cuda else "cpu"
+    if requested.startswith("cuda") and not cuda:
+        why = "torch is not installed" if torch is None else "no CUDA device is available"
+        raise ValueError(f"--perf-device {requested}: {why}; use --perf-device cpu")
     return requested
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from . import compat
 from .state import REFERENCE, GateState, Measurement, Visits
 from .timing import interleaved, peak_memory, synced
 
@@ -20,7 +21,6 @@ MAX_ROUNDS = 1000
 MIN_VISIT_ROUNDS = 3  # interleaved pairs a visit times, at least
 # Interleaved pairs, at least: with 5 pairs a percentile bootstrap's 2.5% bound is set by one
 # outlying pair (a resample repeats it 3 times in 5 with probability 6%; in 7, 4 times: 0.9%):
-# a clean-clone CI run read meta_reweight_step 1.81x with its interval's lower bound at 1.40x.
 MIN_PAIRS = 7
 
 
@@ -58,7 +58,7 @@ def _floor(item: pytest.Item, mark_name: str, impl: str, device: str, size: str,
 
 
 def _slowed(run: Callable[..., Any], factor: float) -> Callable[..., Any]:
-    """TEST ONLY (``--perf-slowdown``, for kernels.perfgate.fidelity): ``run`` made ``factor``
+    """TEST ONLY (``--perf-slowdown``, for perfgate.fidelity): ``run`` made ``factor``
     times slower by spinning after it for (factor - 1) x its own duration. The harness does it,
     so no kernel carries a switch that could slow it in production."""
 
@@ -142,12 +142,13 @@ class PerfCase:
         else:
             result = bench.pedantic(run, setup=lambda: ((setup_synced(),), {}), rounds=rounds,
                                     warmup_rounds=warmup_rounds, iterations=1)
-        if bench.stats is None:  # --benchmark-disable or xdist: ran once, nothing measured
+        times = compat.rounds(bench)
+        if times is None:  # --benchmark-disable or xdist: ran once, nothing measured
             state.unmeasured += 1
             return result
         paired, later = None, None
         if self.impl == REFERENCE:  # kept for the impls of this kernel that follow it
-            state.references[self.kernel] = ((run, setup_synced), float(bench.stats.stats.median))
+            state.references[self.kernel] = ((run, setup_synced), float(np.median(times)))
         elif self.kernel in state.references:
             ref_timed, ref_median = state.references[self.kernel]
             calls = (_block_calls(ref_median), _block_calls(warm))
@@ -171,7 +172,7 @@ class PerfCase:
             pytest.fail(f"two perf tests measure {self.kernel} [{self.impl}]: perf kernel names come "
                         "from the test name and its non-impl parameters; rename one")
         state.results.setdefault(self.kernel, {})[self.impl] = Measurement(
-            times=list(bench.stats.stats.data), size=self.size, label=label, peak_bytes=peak,
+            times=times, size=self.size, label=label, peak_bytes=peak,
             work_bytes=work_bytes, paired=paired, visits=1 + len(later.shares) if later else 1, variant=variant)
         if later is not None:
             state.timers[(self.kernel, self.impl)] = later  # kept to extend a straddled floor

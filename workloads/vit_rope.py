@@ -2,7 +2,7 @@
 
 Model: kernels.models.RopeViT (4x4 patches of 32x32 images -> 64 tokens, D 192, 6 heads, pre-LN,
 RoPE over the patch index with theta 2^16 and interleaved pairs). Data: CIFAR-shaped images a
-model can learn (kernels.workloads.cifar_resnet.synthetic_cifar: per-class templates plus
+model can learn (workloads.cifar_resnet.synthetic_cifar: per-class templates plus
 noise), or CIFAR-10 from local files (``--cifar PATH``, torchvision layout, never downloaded).
 Training: AdamW lr 1e-3 (a short budget; the seed's 1e-4 is for long runs), weight decay 0.05,
 linear warm-up then cosine decay. The seed's gradient clipping (1.0) is left out: the engine
@@ -14,12 +14,11 @@ at these 64 tokens its measured explicit path, kernels/attention.py), fused Adam
 ``Recipe.auto`` (AMP only where it measures faster) with gradient accumulation: each step's batch
 in ``accumulation`` micro-batches, the same samples as the reference's step.
 
-    python -m kernels.workloads.vit_rope [--steps 20] [--batch 64] [--accumulation 2] [--ablation]
+    python -m workloads.cli.vit_rope [--steps 20] [--batch 64] [--accumulation 2] [--ablation]
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections.abc import Callable
@@ -32,10 +31,12 @@ from torch import Tensor, nn
 from kernels.attention import RopeSelfAttention, check_attention
 from kernels.models import RopeViT
 from kernels.optim import adamw
-from kernels.perfgate.timing import peak_memory
 from kernels.training import Recipe, train
-from kernels.workloads.cifar_resnet import synthetic_cifar
-from kernels.workloads.common import markdown, mib, require_positive
+from perfgate.timing import peak_memory
+from reference.attention import softmax_attention
+from reference.workloads import vit_rope as reference_run
+from workloads.cifar_resnet import synthetic_cifar
+from workloads.common import markdown, mib, require_positive
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class Method:
 class ViTReport:
     name: str
     ms_per_step: float
-    peak_mib: float | None  # memory the timed steps added (kernels.perfgate's measure)
+    peak_mib: float | None  # memory the timed steps added (perfgate's measure)
     accuracy: float
     final_loss: float
 
@@ -145,8 +146,6 @@ def run(method: Method, cfg: Config) -> ViTReport:
 def _cached_rope_manual(q: Tensor, k: Tensor, v: Tensor, rope, *, causal: bool = False,
                         attn_mask: Tensor | None = None) -> Tensor:
     """Ablation row: the cached RoPE kernel, then the reference's explicit softmax attention."""
-    from reference.attention import softmax_attention
-
     check_attention(q, k, v, attn_mask)
     return softmax_attention(rope(q), rope(k), v, causal=causal, attn_mask=attn_mask)
 
@@ -156,12 +155,8 @@ class CachedRopeManualAttention(RopeSelfAttention):
 
 
 def reference_method() -> Method:
-    import reference.training
-    from reference.attention import RopeSelfAttention as ReferenceAttention
-    from reference.optim import adamw as reference_adamw
-
-    return Method("reference (fp32, per-call RoPE, manual softmax, Python AdamW)", ReferenceAttention,
-                  reference_adamw, reference.training.train)
+    """The reference run (reference/workloads/vit_rope.py)."""
+    return Method(reference_run.NAME, reference_run.attention, reference_run.optimizer, reference_run.train)
 
 
 def optimized_method(cfg: Config, recipe: Recipe | None = None) -> Method:
@@ -193,31 +188,3 @@ def format_rows(rows: list[ViTReport]) -> list[str]:
                     [[r.name, f"{r.ms_per_step:.1f}", f"{base / r.ms_per_step:.2f}x",
                       mib(r.peak_mib), f"{r.accuracy:.1%}", f"{r.final_loss:.3f}"]
                      for r in rows])
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.workloads.vit_rope", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--accumulation", type=int, default=2)
-    parser.add_argument("--depth", type=int, default=6)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--cifar", metavar="PATH", help="local CIFAR-10 (torchvision layout) instead of synthetic")
-    parser.add_argument("--ablation", action="store_true", help="every row, not only reference/optimized")
-    args = parser.parse_args(argv)
-    try:
-        cfg = Config(steps=args.steps, batch=args.batch, accumulation=args.accumulation, depth=args.depth,
-                     device=args.device, cifar=args.cifar)
-    except ValueError as e:
-        parser.error(str(e))
-    data = f"CIFAR-10 from {cfg.cifar}" if cfg.cifar else "synthetic CIFAR"
-    print(f"RoPE ViT (D {cfg.dim}, {cfg.heads} heads, depth {cfg.depth}) on {data}, {cfg.steps} steps "
-          f"of batch {cfg.batch} on {cfg.device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    rows = ablation(cfg) if args.ablation else [run(reference_method(), cfg), run(optimized_method(cfg), cfg)]
-    print("\n".join(format_rows(rows)))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

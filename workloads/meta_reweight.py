@@ -8,7 +8,7 @@ Inner SGD lr 0.1, momentum 0.9, weight decay 5e-4 and Adam weight decay 1e-4 as 
 meta lr 1e-3 (Betty 1e-4 over 10000 steps; this budget is a few hundred). Through one unrolled
 step, momentum and weight decay add nothing to d theta' / dw (they do not depend on w), so the
 hypergradient is exact in them. Data: the class-template images of
-kernels.workloads.cifar_resnet with pixel noise 8 (at its 2.5 every run reached 100% balanced
+workloads.cifar_resnet with pixel noise 8 (at its 2.5 every run reached 100% balanced
 accuracy), standardized together (train, meta and test share one normalization), no download.
 
 Optimized (this module): the engine (kernels.training) under Recipe.auto with gradient
@@ -16,10 +16,10 @@ accumulation k, fused SGD, kernels.darts_hypergradient with W's inputs held at t
 Reference (reference/workloads/meta_reweight.py): the plain fp32 loop, per-parameter Python SGD,
 one batch per step, and the exact hypergradient (autograd through the step).
 
-    python -m kernels.workloads.meta_reweight [--steps 200] [--accumulation 4] [--device cpu]
+    python -m workloads.cli.meta_reweight [--steps 200] [--accumulation 4] [--device cpu]
 
-runs kernels/workloads/meta_reweight_ablation.py: accuracy with and without reweighting for
-both runs, then Betty's memory table.
+prints accuracy with and without reweighting for both runs, then Betty's memory table
+(workloads/meta_reweight_ablation.py).
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from torch import Tensor, nn
 from kernels.hypergrad import darts_hypergradient, reweighted_loss
 from kernels.models import ResNet10
 from kernels.optim import sgd
-from kernels.perfgate.timing import peak_memory
 from kernels.training import Recipe, train
-from kernels.workloads.cifar_resnet import synthetic_cifar
-from kernels.workloads.common import require_positive
+from perfgate.timing import peak_memory
+from reference.optim import sgd as reference_sgd
+from workloads.cifar_resnet import synthetic_cifar
+from workloads.common import require_positive
 
 Batch = tuple[Tensor, Tensor]
 
@@ -240,7 +241,6 @@ def optimized_recipe(cfg: Config, accumulation: int) -> Recipe:
                        batch=(x.to(cfg.device), y.to(cfg.device)))
 
 
-if __name__ == "__main__":  # the CLI lives with the ablation
-    from kernels.workloads.meta_reweight_ablation import main
-
-    raise SystemExit(main())
+def reference_learner(cfg: Config) -> Learner:
+    """The reference run's learner: the same initial classifier and W, per-parameter Python SGD."""
+    return learner(cfg, sgd_fn=reference_sgd)

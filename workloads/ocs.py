@@ -23,7 +23,7 @@ rest instead of raising the other classes' quota; the random first 100 batches (
 out; scoring runs with the model in eval mode (the original scores under the training step's
 dropout masks, which makes the selection random, and no two implementations could be compared).
 
-    python -m kernels.workloads.ocs [--tasks 3] [--passes 10] [--ablation] [--mnist PATH]
+    python -m workloads.cli.ocs [--tasks 3] [--passes 10] [--ablation] [--mnist PATH]
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ from torch import Tensor, nn
 from kernels.coreset import Memory, ocs_scores, top_k
 from kernels.models import MLP
 from kernels.optim import sgd
-from kernels.perfgate.timing import peak_memory
 from kernels.training import Recipe, train
-from kernels.workloads.common import require_positive
-from kernels.workloads.rotated_digits import Split
+from perfgate.timing import peak_memory
+from reference.workloads import ocs as reference_run
+from workloads.common import require_positive
+from workloads.rotated_digits import Split
 
 Scorer = Callable[..., Tensor]  # (model, loss_fn, inputs, targets, *, memory, tau) -> (N,) scores
 
@@ -76,7 +77,7 @@ class OCSReport:
     accuracy: list[list[float]] = field(default_factory=list)  # [t][j]: after task t+1, on task j+1
     seconds: list[float] = field(default_factory=list)  # per task: training, selection, memory update
     selected: list[Tensor] = field(default_factory=list)  # every step's picked train indices
-    peak_bytes: list[int | None] = field(default_factory=list)  # per task, kernels.perfgate's measure
+    peak_bytes: list[int | None] = field(default_factory=list)  # per task, perfgate's measure
     params: Tensor | None = None  # the model's parameters after the last task, flattened
 
     @property
@@ -263,7 +264,5 @@ def optimized(recipe: Recipe, scorer: Scorer = ocs_scores, name: str | None = No
     return Method(name or f"optimized (ghost Gram, {recipe.name})", scorer, train, sgd, recipe)
 
 
-if __name__ == "__main__":  # the CLI lives with the ablation
-    from kernels.workloads.ocs_ablation import main
-
-    raise SystemExit(main())
+# The reference run (reference/workloads/ocs.py): loop scores, the plain fp32 loop, the same SGD.
+REFERENCE = Method(reference_run.NAME, reference_run.scores, reference_run.train, reference_run.optimizer)

@@ -16,17 +16,15 @@ LoRA layers of SD 1.5 are scaled to 16 square layers of 256 x 256 for a 2-core C
 sd15`` generates the real ones (``SD15_SHAPES``: 16 transformer blocks of width 320/640/1280, each
 with self-attention q, k, v, out (d x d) and cross-attention q, out (d x d), k, v (d x 768)).
 
-    python -m kernels.workloads.spectral_probe [--samples 400] [--layers 16] [--shapes sd15] [--ablation]
+    python -m workloads.cli.spectral_probe [--samples 400] [--layers 16] [--shapes sd15] [--ablation]
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import hashlib
 import inspect
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -39,7 +37,8 @@ from kernels.feature_cache import FeatureCache
 from kernels.spectral import spectral_features
 from kernels.standardize import Standardizer
 from kernels.training import Recipe, train
-from kernels.workloads.common import markdown, require_positive
+from reference.workloads import spectral_probe as reference_run
+from workloads.common import markdown, require_positive
 
 
 def _sd15_shapes() -> tuple[tuple[int, int], ...]:
@@ -213,12 +212,9 @@ def run(method: Method, cfg: Config) -> ProbeReport:
 
 
 def reference_method() -> Method:
-    import reference.training
-    from reference.spectral import spectral_features as exact_features
-    from reference.standardize import Standardizer as SklearnScaler
-
-    return Method("reference (svdvals, sklearn, fp32, batch 64)", exact_features, SklearnScaler, 64,
-                  reference.training.train)
+    """The reference run (reference/workloads/spectral_probe.py)."""
+    return Method(reference_run.NAME, reference_run.features, reference_run.scaler, reference_run.BATCH,
+                  reference_run.train)
 
 
 def optimized_method(cfg: Config, cache: FeatureCache | None) -> Method:
@@ -275,45 +271,3 @@ def format_rows(rows: list[ProbeReport]) -> list[str]:
     cells = [[r.name, f"{r.feature_s:.2f}", f"{r.train_s:.2f}", f"{base / (r.feature_s + r.train_s):.2f}x",
               str(r.epochs), f"{r.accuracy:.1%}"] for r in rows]
     return markdown(["run", "features s", "train s", "total speedup", "epochs", "test accuracy"], cells)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.workloads.spectral_probe", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=400)
-    parser.add_argument("--layers", type=int, default=None, help="16, or 128 with --shapes sd15")
-    parser.add_argument("--dim", type=int, default=256, help="the square layers' width")
-    parser.add_argument("--shapes", choices=SHAPES, default="square", help="sd15: SD 1.5's 128 attention shapes")
-    parser.add_argument("--max-epochs", type=int, default=60)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--ablation", action="store_true", help="every row, not only reference/optimized")
-    parser.add_argument("--seeds", type=int, default=0, help="compare test accuracy over this many seeds")
-    args = parser.parse_args(argv)
-    try:
-        layers = args.layers if args.layers is not None else len(SD15_SHAPES) if args.shapes == "sd15" else 16
-        cfg = Config(samples=args.samples, layers=layers, dim=args.dim, max_epochs=args.max_epochs,
-                     device=args.device, shapes=args.shapes)
-    except ValueError as e:
-        parser.error(str(e))
-    shape = "SD 1.5's shapes" if cfg.shapes == "sd15" else f"{cfg.dim}x{cfg.dim}"
-    print(f"Spectral probe: {cfg.samples} samples x {cfg.layers} layers of {shape} (rank "
-          f"{cfg.rank}), {cfg.classes} classes, on {cfg.device}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}")
-    if args.seeds > 0:
-        pairs = compare_seeds(cfg, args.seeds)
-        cells = [[str(i), f"{r:.1%}", f"{o:.1%}"] for i, (r, o) in enumerate(pairs)]
-        print("\n".join(markdown(["seed", "reference", "optimized"], cells)))
-        print(accuracy_claim(pairs))
-        return 0
-    with tempfile.TemporaryDirectory() as cache_dir:
-        if args.ablation:
-            rows = ablation(cfg, cache_dir)
-        else:
-            opt = optimized_method(cfg, FeatureCache(cache_dir))
-            rows = [run(m, cfg) for m in (reference_method(), opt, replace(opt, name=opt.name + ", cached"))]
-    print("\n".join(format_rows(rows)))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

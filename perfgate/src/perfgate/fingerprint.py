@@ -36,17 +36,19 @@ def _cpu_model() -> str:
     return f"{name} ({', '.join(ids)})" if ids else name
 
 
-def fingerprint(device: str, threads: int, malloc: str) -> dict[str, str | int | None]:
+def fingerprint(device: str, threads: int | None, malloc: str) -> dict[str, str | int | None]:
     """The facts that make timings comparable: device model, threads, torch/CUDA, Python, and
-    and on CPU how memory is allocated (``--perf-malloc``; torch's THP_MEM_ALLOC_ENABLE)."""
-    import torch
+    on CPU how memory is allocated (``--perf-malloc``; torch's THP_MEM_ALLOC_ENABLE). Without
+    torch installed, ``threads`` and ``torch`` are None."""
+    from .timing import torch_or_none
 
+    torch = torch_or_none()
     is_cuda = device.startswith("cuda")
     return {
         "device_type": "cuda" if is_cuda else "cpu",
         "device_name": torch.cuda.get_device_name(device) if is_cuda else _cpu_model(),
         "threads": threads,
-        "torch": torch.__version__,
+        "torch": None if torch is None else torch.__version__,
         "cuda": torch.version.cuda if is_cuda else None,
         "python": ".".join(platform.python_version_tuple()[:2]),
         # Huge pages for torch's CPU allocator change fresh-allocation cost several-fold.
@@ -57,7 +59,9 @@ def fingerprint(device: str, threads: int, malloc: str) -> dict[str, str | int |
 
 def slug(fp: dict[str, str | int | None]) -> str:
     """A folder name for a fingerprint, e.g. ``cpu-AMD_EPYC-t2-torch2.14.1-py3.11``."""
-    parts = [fp["device_type"], fp["device_name"], f"t{fp['threads']}", f"torch{fp['torch']}"]
+    parts = [fp["device_type"], fp["device_name"]]
+    parts += [f"t{fp['threads']}"] if fp.get("threads") is not None else []
+    parts += [f"torch{fp['torch']}"] if fp.get("torch") is not None else []
     if fp.get("cuda"):
         parts.append(f"cuda{fp['cuda']}")
     parts.append(f"py{fp['python']}")

@@ -5,7 +5,7 @@ Data: CIFAR-shaped (3x32x32, 10 classes) synthetic images a model can learn: eac
 smooth random template (4x4 noise upsampled), each image its template plus pixel noise. No
 download; pass real CIFAR-10 tensors to ``run`` instead if you have them locally.
 
-    python -m kernels.workloads.cifar_resnet --steps 30 --batch 128 [--device cpu] [--no-compile]
+    python -m workloads.cli.cifar_resnet --steps 30 --batch 128 [--device cpu] [--no-compile]
 
 prints the ablation table: each row adds one optimization, measured on this device in one run,
 compile time apart, accuracy on held-out images after the same number of steps.
@@ -13,7 +13,6 @@ compile time apart, accuracy on held-out images after the same number of steps.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -25,7 +24,8 @@ from torch import Tensor
 from kernels.models import ResNet10
 from kernels.optim import adamw
 from kernels.training import Recipe, train
-from kernels.workloads.common import markdown
+from reference.workloads import cifar_resnet as reference_run
+from workloads.common import markdown
 
 
 def synthetic_cifar(n: int, *, seed: int = 0, classes: int = 10, noise: float = 2.5,
@@ -103,10 +103,15 @@ def run(cfg: Config, recipe: Recipe, name: str, lr: float = 2e-3) -> RunReport:
                  recipe.channels_last)
 
 
+def run_reference(cfg: Config, lr: float = 0.01) -> RunReport:
+    """The reference run (reference.workloads.cifar_resnet) on the same model and data."""
+    torch.manual_seed(cfg.seed)
+    model = ResNet10().to(cfg.device)
+    return timed(reference_run.NAME, cfg, model, reference_run.steps(model, cfg.device, lr))
+
+
 def ablation(cfg: Config, compile_: bool = True) -> list[RunReport]:
     """baseline / + fused AdamW / + AMP / + channels_last / + compile / auto, in one process."""
-    from reference.workloads.cifar_resnet import run_reference
-
     amp = Recipe(torch.float16, grad_scaler=True) if cfg.device.startswith("cuda") else Recipe(torch.bfloat16)
     rows = [run_reference(cfg), run(cfg, Recipe(), "+ fused AdamW (fp32)"), run(cfg, amp, "+ AMP"),
             run(cfg, replace(amp, channels_last=True), "+ channels_last")]
@@ -123,24 +128,3 @@ def format_rows(rows: list[RunReport]) -> list[str]:
     return markdown(["run", "ms/step", "speedup", "warm-up s (compile)", "accuracy", "final loss"],
                     [[r.name, f"{r.ms_per_step:.1f}", f"{base / r.ms_per_step:.2f}x", f"{r.first_steps_s:.1f}",
                       f"{r.accuracy:.1%}", f"{r.final_loss:.3f}"] for r in rows])
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.workloads.cifar_resnet", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
-    args = parser.parse_args(argv)
-    if args.steps < 1 or args.batch < 1:
-        parser.error("--steps and --batch must be >= 1")
-    cfg = Config(steps=args.steps, batch=args.batch, device=args.device)
-    print(f"ResNet10 on synthetic CIFAR, {cfg.steps} steps of batch {cfg.batch} on {cfg.device}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
-    print("\n".join(format_rows(ablation(cfg, compile_=not args.no_compile))))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""``python -m kernels.perfgate.report [JSON ...] [--png PATH]``: the speedup table and charts.
+"""``python -m perfgate.report [JSON ...] [--png PATH]``: the speedup table and charts.
 
 With no JSON given it reads every run saved under ``.benchmarks/`` (all fingerprints). It
 prints the table of the newest run of each fingerprint and size and, with ``--png``, draws the
@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from .session import JSON_KEY
 from .stats import format_table
 
 
@@ -21,7 +22,7 @@ def load_runs(paths: list[Path]) -> list[dict]:
     runs = []
     for path in paths:
         data = json.loads(path.read_text(encoding="utf8"))
-        if "kernelgate" not in data:
+        if JSON_KEY not in data:
             print(f"skipping {path}: no perfgate section (not written by the perfgate plugin)",
                   file=sys.stderr)
             continue
@@ -32,7 +33,7 @@ def load_runs(paths: list[Path]) -> list[dict]:
 
 def _where(run: dict) -> tuple[str, str]:
     """Runs are comparable within one fingerprint and one size."""
-    return run["kernelgate"]["slug"], run["kernelgate"]["size"]
+    return run[JSON_KEY]["slug"], run[JSON_KEY]["size"]
 
 
 def _label(run: dict) -> str:
@@ -48,7 +49,7 @@ def draw(runs: list[dict], png: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = [r for r in runs if _where(r) == _where(runs[-1])]
-    latest = runs[-1]["kernelgate"]["speedups"]
+    latest = runs[-1][JSON_KEY]["speedups"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 0.5 * max(len(latest), 4) + 2))
     names = [f"{r['kernel']} [{r['impl']}, {r['label'] or r['size']}]" for r in latest]
     ys = range(len(latest))
@@ -61,11 +62,11 @@ def draw(runs: list[dict], png: Path) -> None:
     ax1.set_xscale("log")
     ax1.axvline(1.0, color="gray", lw=0.8)
     ax1.set_xlabel("speedup over reference (log; red: floor)")
-    ax1.set_title(f"{runs[-1]['kernelgate']['slug']}, {runs[-1]['kernelgate']['size']}\n{_label(runs[-1])}",
+    ax1.set_title(f"{runs[-1][JSON_KEY]['slug']}, {runs[-1][JSON_KEY]['size']}\n{_label(runs[-1])}",
                   fontsize=9)
     history: dict[str, list[tuple[int, float]]] = {}
     for i, run in enumerate(runs):
-        for r in run["kernelgate"]["speedups"]:
+        for r in run[JSON_KEY]["speedups"]:
             history.setdefault(f"{r['kernel']} [{r['impl']}]", []).append((i, r["speedup"]))
     for name, points in history.items():
         ax2.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
@@ -80,7 +81,7 @@ def draw(runs: list[dict], png: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.perfgate.report", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m perfgate.report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("json", nargs="*", type=Path, help="benchmark JSON files (default: .benchmarks/**)")
     parser.add_argument("--png", type=Path, help="write the charts to this PNG")
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no such file: {', '.join(map(str, missing))}")
     runs = load_runs(paths)
     if not runs:
-        print("no perfgate runs found: run `make bench` or `make baseline` first", file=sys.stderr)
+        print("no perfgate runs found: save one with `pytest --benchmark-save=NAME` (or --benchmark-json=FILE)",
+              file=sys.stderr)
         return 1
     newest: dict[tuple[str, str], dict] = {}
     for run in runs:
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         for run in newest.values():
             slug, size = _where(run)
             print(f"{slug}  size {size}  {_label(run)}  ({run['_path']})")
-            print("\n".join(format_table(run["kernelgate"]["speedups"])))
+            print("\n".join(format_table(run[JSON_KEY]["speedups"])))
             print()
     if args.png:
         draw(runs, args.png)

@@ -1,4 +1,4 @@
-"""``python -m kernels.perfgate.fidelity``: how often the gate cries wolf, and how often it bites.
+"""``python -m perfgate.fidelity``: how often the gate cries wolf, and how often it bites.
 
 Runs a subset of the perf suite once to save a baseline (into a scratch folder, never
 ``.benchmarks/``), then ``--runs`` times unchanged (every alarm is false) and ``--runs`` times
@@ -34,9 +34,8 @@ import tempfile
 from pathlib import Path
 from statistics import median
 
-DEFAULT_TESTS = ["perf_tests/test_per_sample.py::test_per_sample_grads",
-                 "perf_tests/test_spectral.py", "perf_tests/test_standardize.py",
-                 "perf_tests/test_attention.py::test_rope_attention_s128"]
+from .session import JSON_KEY
+
 RULES = ("perfgate", "pytest-benchmark median:10%", "asv (x1.1 + Mann-Whitney)", "10% of the speedup",
          "perfgate: unresolved")
 
@@ -60,9 +59,9 @@ def verdicts(base: dict, run: dict, p: float = 0.05) -> dict[str, dict[str, bool
     from scipy.stats import mannwhitneyu
 
     old, new = _rounds(base), _rounds(run)
-    base_speedup = {r["kernel"]: r["speedup"] for r in base["kernelgate"]["speedups"] if r["impl"] == "optimized"}
+    base_speedup = {r["kernel"]: r["speedup"] for r in base[JSON_KEY]["speedups"] if r["impl"] == "optimized"}
     out = {}
-    for row in run["kernelgate"]["speedups"]:
+    for row in run[JSON_KEY]["speedups"]:
         kernel = row["kernel"]
         if row["impl"] != "optimized" or kernel not in base_speedup:
             continue
@@ -114,16 +113,15 @@ def table(results: dict[float, list[dict]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.perfgate.fidelity", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m perfgate.fidelity", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("tests", nargs="*", default=DEFAULT_TESTS,
-                        help="perf test node ids (default: a fast subset)")
+    parser.add_argument("tests", nargs="+", help="perf test node ids (a fast subset: every run times them all)")
     parser.add_argument("--runs", type=int, default=20, help="runs per condition (default 20)")
     parser.add_argument("--factors", type=float, nargs="+", default=[1.2, 1.5, 2.0])
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (--perf-threads; default 1: on a shared 2-vCPU host a 2-thread "
-                             "speedup moves with the other vCPU's neighbours, README)")
-    parser.add_argument("--pytest-args", default="", help="extra pytest arguments, e.g. '--device cuda'")
+                             "speedup moves with the other vCPU's neighbours)")
+    parser.add_argument("--pytest-args", default="", help="extra pytest arguments, e.g. '--perf-device cuda'")
     parser.add_argument("--keep", type=Path, default=None, help="keep every run's JSON in this folder")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.threads < 1 or any(f <= 1.0 for f in args.factors):

@@ -1,0 +1,285 @@
+"""``PerfSession``: the one object the plugin's hooks delegate to.
+
+It reads and checks the ``--perf-*`` options at configure and does nothing else until the session
+has collected a test that uses the ``perf`` fixture (or was given a ``--perf-*`` option): only
+then does it import torch, fix torch's threads, set glibc's malloc mode, fingerprint the machine
+and move pytest-benchmark's storage to that fingerprint's folder. A session without perf tests
+is left as it would be without the plugin.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from . import compat
+
+if TYPE_CHECKING:  # the rest of perfgate (numpy, scipy) loads when a perf session starts
+    from .state import GateState
+
+JSON_KEY = "perfgate"  # perfgate's section in pytest-benchmark's JSON and its machine_info
+
+SIZES = ("smoke", "full")
+# (flag, default, help). Every option perfgate adds is here, and any of them given on the
+# command line makes the session a perf session.
+OPTIONS: list[tuple[str, Any, str]] = [
+    ("--perf-device", "auto", "auto|cpu|cuda[:N] (auto: cuda when available)"),
+    ("--perf-size", None, "problem sizes: smoke or full (default: smoke on CPU, full on CUDA)"),
+    ("--perf-tolerance", 0.2, "with --benchmark-compare: fail when a speedup fell more than this fraction "
+                              "under the stored baseline's (default 0.2)"),
+    ("--perf-malloc", "cache", "CPU: 'cache' makes glibc keep freed memory for reuse, as CUDA's caching "
+                               "allocator does, so timings do not depend on page faults and test order "
+                               "(default); 'default' leaves malloc alone"),
+    ("--perf-threads", None, "torch CPU threads, fixed for the session (default: torch's default)"),
+    ("--perf-visits", 3, "time each impl's interleaved rounds with its reference in this many visits: one "
+                         "during its test, the rest at the session's end (default 3)"),
+    ("--perf-extend", 60.0, "seconds of extra interleaved pairs a row may take when its interval straddles its "
+                            "floor, before it is reported unresolved (default 60; 0: never extend)"),
+    ("--perf-slowdown", 1.0, "TEST ONLY, for python -m perfgate.fidelity: make every 'optimized' impl this many "
+                             "times slower in the harness, to measure what the gate catches"),
+]
+_TYPES = {"--perf-tolerance": float, "--perf-threads": int, "--perf-visits": int, "--perf-extend": float,
+          "--perf-slowdown": float}
+_CHOICES = {"--perf-size": SIZES, "--perf-malloc": ("cache", "default")}
+
+# torch's own thread count, read before any session in this process (pytester) sets it: CPU
+# floors are claims at the default threads, not applied at another --perf-threads.
+_DEFAULT_THREADS: list[int | None] = []
+
+
+def add_options(parser: pytest.Parser) -> None:
+    group = parser.getgroup("perfgate", "perfgate: speedup gate over a reference")
+    for flag, default, text in OPTIONS:
+        group.addoption(flag, default=default, type=_TYPES.get(flag), choices=_CHOICES.get(flag), help=text)
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+class PerfSession:
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        opt = {flag: config.getoption(_dest(flag)) for flag, _, _ in OPTIONS}
+        self.asked = any(opt[flag] != default for flag, default, _ in OPTIONS)
+        self.requested_device, self.requested_size = opt["--perf-device"], opt["--perf-size"]
+        self.tolerance, self.malloc = opt["--perf-tolerance"], opt["--perf-malloc"]
+        self.threads_option, self.visits = opt["--perf-threads"], opt["--perf-visits"]
+        self.extend_s, self.slowdown = opt["--perf-extend"], opt["--perf-slowdown"]
+        if not 0.0 <= self.tolerance < 1.0:
+            raise pytest.UsageError(f"--perf-tolerance must be in [0, 1), got {self.tolerance}")
+        if self.threads_option is not None and self.threads_option < 1:
+            raise pytest.UsageError(f"--perf-threads must be >= 1, got {self.threads_option}")
+        if self.visits < 1:
+            raise pytest.UsageError(f"--perf-visits must be >= 1, got {self.visits}")
+        if not self.extend_s >= 0.0:
+            raise pytest.UsageError(f"--perf-extend must be seconds >= 0, got {self.extend_s}")
+        if self.slowdown < 1.0:
+            raise pytest.UsageError(f"--perf-slowdown must be >= 1, got {self.slowdown}")
+        if self.slowdown != 1.0 and self.saving:
+            raise pytest.UsageError("--perf-slowdown is for measuring the gate; a slowed run cannot be a baseline")
+        self.state: GateState | None = None
+        self._held_compare: Any = None
+        self._prev_threads: int | None = None
+
+    @property
+    def saving(self) -> bool:
+        opt = self.config.getoption
+        return bool(opt("benchmark_save", None) or opt("benchmark_autosave", None))
+
+    # -- configure and collection ---------------------------------------------------------------
+
+    def configure(self) -> None:
+        """Before pytest-benchmark configures: hold its baseline loading until collection says
+        whether this is a perf session (its storage moves then)."""
+        if self.config.getoption("benchmark_compare", None):
+            self._held_compare = compat.hold_compare(self.config)
+
+    def collected(self, items: list[pytest.Item]) -> None:
+        """After collection: a perf test among ``items`` (or a --perf-* option) starts the gate."""
+        if self.asked or any("perf" in getattr(item, "fixturenames", ()) for item in items):
+            self.activate()
+        elif self._held_compare is not None:
+            compare, self._held_compare = self._held_compare, None
+            compat.load_compare(self.config, compare, storage=None)
+
+    def activate(self) -> GateState:
+        """Fix threads and malloc, fingerprint the machine, and point pytest-benchmark's storage at
+        this fingerprint's folder (one folder per fingerprint and size, so a plain
+        --benchmark-compare takes the newest baseline of this machine and size)."""
+        if self.state is not None:
+            return self.state
+        from .fingerprint import fingerprint, slug
+        from .state import GateState
+        from .timing import configure_malloc, resolve_device, torch_or_none
+
+        try:
+            device = resolve_device(self.requested_device)
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from exc
+        torch = torch_or_none()
+        if torch is None and self.threads_option is not None:
+            raise pytest.UsageError("--perf-threads sets torch's thread count: torch is not installed")
+        if torch is not None:
+            if not _DEFAULT_THREADS:
+                _DEFAULT_THREADS.append(torch.get_num_threads())
+            self._prev_threads = torch.get_num_threads()  # put back at unconfigure (pytester runs)
+            threads = self.threads_option or _DEFAULT_THREADS[0]
+            torch.set_num_threads(threads)
+        else:
+            threads = None
+        size = self.requested_size or ("full" if device.startswith("cuda") else "smoke")
+        malloc = configure_malloc(self.malloc) if device == "cpu" else "n/a"
+        fp = fingerprint(device, threads, malloc)
+        floors_apply = device != "cpu" or threads is None or threads == _DEFAULT_THREADS[0]
+        self.state = GateState(device=device, size=size, threads=threads, tolerance=self.tolerance,
+                               fingerprint=fp, slug=slug(fp), slowdown=self.slowdown, visits=self.visits,
+                               extend_s=self.extend_s, cpu_floors_apply=floors_apply)
+        path = compat.storage_url(self.config)
+        storage = None if path is None else f"file://{path}/{self.state.slug}/{size}"
+        compare, self._held_compare = self._held_compare, None
+        compat.load_compare(self.config, compare, storage=storage)
+        if self.config.get_verbosity() >= 0:
+            reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(f"perfgate: device={device} size={size} threads={threads} "
+                                    f"fingerprint={self.state.slug}")
+        return self.state
+
+    def unconfigure(self) -> None:
+        """Give torch back the thread count it had, so a session inside a process (pytester) does
+        not leave the outer one at its --perf-threads."""
+        if self._prev_threads is not None:
+            import torch
+
+            torch.set_num_threads(self._prev_threads)
+
+    # -- pytest-benchmark's hooks -----------------------------------------------------------------
+
+    def machine_info(self, machine_info: dict) -> None:
+        if self.state is not None:
+            machine_info[JSON_KEY] = self.state.fingerprint
+
+    def compare_machine_info(self, benchmarksession: Any, compared_benchmark: dict) -> None:
+        from .state import baseline_key
+
+        state = self.state
+        if state is None:
+            return
+        theirs = compared_benchmark.get("machine_info", {}).get(JSON_KEY)
+        if theirs != state.fingerprint:
+            raise pytest.UsageError(
+                "perfgate refuses to compare against a baseline from another machine fingerprint:\n"
+                f"  this machine: {state.fingerprint}\n  baseline:     {theirs}\n"
+                "Speedups are only comparable on the same device, threads and torch build. Save a "
+                "baseline on this machine (--benchmark-save=NAME), or compare against one saved on "
+                "this fingerprint.")
+        rows = compared_benchmark.get(JSON_KEY, {}).get("speedups", [])
+        state.baseline = {baseline_key(r["kernel"], r["impl"], r["size"]): r["speedup"] for r in rows}
+        state.memory_baseline = {baseline_key(r["kernel"], r["impl"], r["size"]): r["memory_ratio"]
+                                 for r in rows if r.get("memory_ratio") is not None}
+        state.baseline_path = str(benchmarksession.storage)
+
+    def update_json(self, output_json: dict) -> None:
+        """The rows computed in ``finish`` (no timing happens here)."""
+        state = self.state
+        if state is None or state.rows is None:
+            return
+        output_json[JSON_KEY] = {
+            "fingerprint": state.fingerprint,
+            "slug": state.slug,
+            "size": state.size,
+            "tolerance": state.tolerance,
+            "floors_applied": state.cpu_floors_apply,  # False: CPU floors not applied at this thread count
+            "speedups": [r.as_dict() for r in state.rows],
+        }
+
+    # -- the session's end --------------------------------------------------------------------------
+
+    def finish(self, session: pytest.Session) -> None:
+        """Before pytest-benchmark writes its JSON: the later visits, the extensions of straddled
+        floors, the rows. An interrupted session starts no more timing."""
+        state = self.state
+        if state is None or not state.results:
+            return
+        if session.exitstatus == pytest.ExitCode.INTERRUPTED:
+            state.interrupted = True
+        state.compute_rows()
+
+    def exit_status(self, session: pytest.Session) -> None:
+        """After every other hook: a failed gate fails the session; Ctrl-C in the extra timing
+        ends it interrupted."""
+        state = self.state
+        if state is None or not state.results or session.exitstatus != pytest.ExitCode.OK:
+            return
+        if any(r.failures for r in state.compute_rows()):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        elif state.interrupted:
+            session.exitstatus = pytest.ExitCode.INTERRUPTED
+
+    def summary(self, tr: Any) -> None:
+        state = self.state
+        if state is None:
+            return
+        if state.unmeasured:
+            tr.write_line(f"perfgate: {state.unmeasured} perf call(s) ran once with benchmarks disabled "
+                          "(--benchmark-disable, or xdist): no speedup measured, the gate did not run",
+                          yellow=True)
+        if not state.results:
+            return
+        from .stats import format_table
+
+        if not state.cpu_floors_apply:
+            tr.write_line(f"perfgate: CPU speedup floors are set at torch's default {_DEFAULT_THREADS[0]} "
+                          f"thread(s); at --perf-threads {state.threads} they are not applied: only a stored "
+                          "baseline (--benchmark-compare) gates the speedups", yellow=True)
+        rows = state.compute_rows()
+        tr.section(f"perfgate speedups ({state.device}, {state.size}, {state.slug})")
+        for line in format_table([r.as_dict() for r in rows]):
+            tr.write_line(line)
+        for kernel in state.unpaired():
+            tr.write_line(f"{kernel}: no reference/optimized pair measured, no speedup", yellow=True)
+        for row in state.memory_unmeasured():
+            tr.write_line(f"{row}: a memory floor is declared but this platform gives no peak memory "
+                          "(CUDA, or Linux /proc/self/clear_refs): memory not gated", yellow=True)
+        if self.saving:
+            tr.write_line(f"saved these speedups as a baseline for {state.slug}")
+        elif state.baseline is None:
+            tr.write_line(f"no stored baseline compared for {state.slug}: save one on this machine with "
+                          "--benchmark-save=NAME, then --benchmark-compare gates against it")
+        else:
+            matched = sum(r.baseline is not None for r in rows)
+            tr.write_line(f"compared against baseline in {state.baseline_path}: {matched} of {len(rows)} "
+                          f"row(s) have a stored speedup at size {state.size}")
+        self._verdict(tr, rows)
+
+    def _verdict(self, tr: Any, rows: list) -> None:
+        state = self.state
+        for r in rows:
+            if r.extended:
+                tr.write_line(f"extended: {r.kernel} [{r.impl}] +{r.extended} interleaved pairs at the session's "
+                              f"end, its interval straddled the floor {r.floor:.2f}x: now {r.speedup:.2f}x "
+                              f"(95% CI {r.low:.2f}-{r.high:.2f}x), {r.outcome}")
+        for r in rows:
+            for u in r.unresolved:
+                how = (f"after +{r.extended} pairs" if r.extended else "not extended") + \
+                    f" (--perf-extend {state.extend_s:g} s{', interrupted' if state.interrupted else ''})"
+                tr.write_line(f"UNRESOLVED: {u}; {how}: neither failed nor passed; rerun, or run on a quieter "
+                              "host", yellow=True, bold=True)
+        failures = [f for r in rows for f in r.failures]
+        for f in failures:
+            tr.write_line(f"GATE FAILED: {f}", red=True, bold=True)
+        if failures or not rows:
+            return
+        what = ("at or above their floors" if state.cpu_floors_apply
+                else "without speedup floors (not applied at this thread count)")
+        unresolved = sum(r.outcome == "unresolved" for r in rows)
+        if unresolved:
+            tr.write_line(f"gate not failed: {len(rows) - unresolved} speedup(s) {what}, {unresolved} unresolved "
+                          "(their intervals straddle their floors)", yellow=True, bold=True)
+        else:
+            tr.write_line(f"gate passed: {len(rows)} speedup(s) {what}", green=True)
+
+
+SESSION = pytest.StashKey[PerfSession]()

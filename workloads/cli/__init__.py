@@ -1,0 +1,1 @@
+"""One command-line entry point per workload: ``python -m workloads.cli.<name>``."""

@@ -1,0 +1,32 @@
+"""``python -m workloads.cli.cifar_resnet``: the ResNet-on-CIFAR ablation table on this device."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from workloads import cifar_resnet as workload
+from workloads.cifar_resnet import Config, ablation, format_rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workloads.cli.cifar_resnet",
+                                     description=workload.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.batch < 1:
+        parser.error("--steps and --batch must be >= 1")
+    cfg = Config(steps=args.steps, batch=args.batch, device=args.device)
+    print(f"ResNet10 on synthetic CIFAR, {cfg.steps} steps of batch {cfg.batch} on {cfg.device}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    print("\n".join(format_rows(ablation(cfg, compile_=not args.no_compile))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""``python -m workloads.cli.meta_reweight``: Meta-Weight-Net accuracy and memory tables on this device."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from workloads import meta_reweight as workload
+from workloads.common import markdown, mib
+from workloads.meta_reweight import Config, class_counts, optimized_recipe
+from workloads.meta_reweight_ablation import accuracy_runs, memory_ablation
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workloads.cli.meta_reweight", description=workload.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200, help="outer steps of the accuracy runs")
+    parser.add_argument("--accumulation", type=int, default=4)
+    parser.add_argument("--max-per-class", type=int, default=490)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    try:
+        cfg = Config(steps=args.steps, max_per_class=args.max_per_class, device=args.device)
+        recipe = optimized_recipe(cfg, args.accumulation)
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"Meta-Weight-Net: train {sum(class_counts(cfg))} long-tailed (n_c {class_counts(cfg)}), meta "
+          f"{10 * cfg.meta_per_class}, test {10 * cfg.test_per_class}, batch {cfg.batch}, on {cfg.device}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    rows = accuracy_runs(cfg, recipe)
+    print("\n".join(markdown(["run", "ms / outer step", "balanced test accuracy"],
+                             [[r.name, f"{r.ms_per_step:.1f}", f"{r.balanced_accuracy:.1%}"] for r in rows])))
+    print()
+    mem = memory_ablation(cfg, args.accumulation)
+    base = mem[1].peak_mib
+    print("\n".join(markdown(["run", "peak MiB", "saved vs baseline", "ms / outer step"],
+                             [[r.name, mib(r.peak_mib), "-" if not (base and r.peak_mib) else
+                               f"{1 - r.peak_mib / base:.1%}", f"{r.ms_per_step:.1f}"] for r in mem])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""``python -m workloads.cli.vit_rope``: the RoPE ViT run (or its ablation) on this device."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from workloads import vit_rope as workload
+from workloads.vit_rope import Config, ablation, format_rows, optimized_method, reference_method, run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workloads.cli.vit_rope", description=workload.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--accumulation", type=int, default=2)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--cifar", metavar="PATH", help="local CIFAR-10 (torchvision layout) instead of synthetic")
+    parser.add_argument("--ablation", action="store_true", help="every row, not only reference/optimized")
+    args = parser.parse_args(argv)
+    try:
+        cfg = Config(steps=args.steps, batch=args.batch, accumulation=args.accumulation, depth=args.depth,
+                     device=args.device, cifar=args.cifar)
+    except ValueError as e:
+        parser.error(str(e))
+    data = f"CIFAR-10 from {cfg.cifar}" if cfg.cifar else "synthetic CIFAR"
+    print(f"RoPE ViT (D {cfg.dim}, {cfg.heads} heads, depth {cfg.depth}) on {data}, {cfg.steps} steps "
+          f"of batch {cfg.batch} on {cfg.device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    rows = ablation(cfg) if args.ablation else [run(reference_method(), cfg), run(optimized_method(cfg), cfg)]
+    print("\n".join(format_rows(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

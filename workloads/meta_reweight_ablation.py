@@ -1,0 +1,42 @@
+"""The Meta-Weight-Net workload's ablation: balanced-test accuracy with and without
+reweighting for the reference and the optimized run, then Betty's memory table (baseline / + AMP
+/ + accumulation / both), peak memory of one outer step (CUDA: max_memory_allocated; CPU: the
+perf gate's resident-set high-water mark) and time per outer step, every row in one process
+(``python -m workloads.cli.meta_reweight``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kernels.training import Recipe
+from reference.workloads.meta_reweight import reference_step
+from workloads.meta_reweight import (
+    Config,
+    RunReport,
+    amp_recipe,
+    learner,
+    outer_step,
+    reference_learner,
+    run,
+)
+
+
+def memory_ablation(cfg: Config, accumulation: int = 4, steps: int = 5) -> list[RunReport]:
+    """Betty's memory table, each row ``steps`` timed outer steps after 2 warm-up steps."""
+    cfg = replace(cfg, steps=steps)
+    rows = [("reference (fp32, exact hypergradient)", reference_step, reference_learner(cfg)),
+            ("baseline (fp32, DARTS kernel)", outer_step, learner(cfg)),
+            ("+ AMP", outer_step, learner(cfg, recipe=amp_recipe(cfg.device))),
+            (f"+ accumulation {accumulation}", outer_step, learner(cfg, recipe=Recipe(accumulation=accumulation))),
+            (f"+ AMP + accumulation {accumulation}", outer_step,
+             learner(cfg, recipe=amp_recipe(cfg.device, accumulation)))]
+    return [run(name, step, ln, cfg, warmup=2, measure_peak=True) for name, step, ln in rows]
+
+
+def accuracy_runs(cfg: Config, recipe: Recipe) -> list[RunReport]:
+    """Balanced-test accuracy after ``cfg.steps`` outer steps, with and without reweighting."""
+    return [run(f"{side}, {'reweighted' if rw else 'plain CE'}", step, make(), cfg, rw)
+            for side, step, make in (("reference", reference_step, lambda: reference_learner(cfg)),
+                                     (f"optimized ({recipe.name}, accumulation {recipe.accumulation})",
+                                      outer_step, lambda: learner(cfg, recipe=recipe)))
+            for rw in (True, False)]
