@@ -52,8 +52,9 @@ baseline: $(STAMP)
 	@git diff --quiet HEAD -- || { echo "make baseline: the tree has uncommitted changes; commit first, so the baseline's name (the commit) says what was measured" >&2; exit 1; }
 	$(PYTEST) perf_tests -q --benchmark-save=$$(git rev-parse --short HEAD) $(BENCH_ARGS) $(PERF_ARGS)
 
+# The stored baselines' tables as docs/results.md (and the charts as bench.png).
 report: $(STAMP)
-	$(PY) -m perfgate.report --png bench.png
+	$(PY) -m perfgate.report --markdown docs/results.md --png bench.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis bench.json bench.png

@@ -15,12 +15,45 @@ Public API (loaded on first use, so ``import kernels`` stays light):
 - ``darts_hypergradient``, ``reweighted_loss``: the finite-difference hypergradient of one
   unrolled inner step, and Meta-Weight-Net's weighted loss (kernels.hypergrad)
 - ``models``: model definitions shared by kernels, references and workloads
+
+The import name ``kernels`` is also that of Hugging Face's ``kernels`` distribution: installed in
+one environment, the two overwrite each other's files (pip does not detect it), so importing this
+package warns when that distribution is present (``KernelsConflictWarning``). Use a separate
+environment for one of them.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
+from importlib import metadata
 from typing import Any
+
+OWN_DISTRIBUTION = "kernelgate"
+CONFLICTING_DISTRIBUTION = "kernels"  # Hugging Face's hub-kernel loader
+
+
+class KernelsConflictWarning(UserWarning):
+    """Another distribution installs the import package ``kernels`` into this environment."""
+
+
+def _check_conflict() -> None:
+    """Warn when Hugging Face's ``kernels`` is installed beside kernelgate: one of the two has
+    overwritten the other's files, whichever was installed last."""
+    try:
+        other = metadata.distribution(CONFLICTING_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return
+    warnings.warn(
+        f"the '{CONFLICTING_DISTRIBUTION}' distribution ({other.metadata.get('Summary') or 'Hugging Face kernels'}, "
+        f"version {other.version}) is installed in this environment beside {OWN_DISTRIBUTION}: both install the "
+        "import package 'kernels', so whichever was installed last has overwritten the other's files and neither "
+        f"is reliable here. Install {OWN_DISTRIBUTION} and '{CONFLICTING_DISTRIBUTION}' in separate virtual "
+        f"environments (or `pip uninstall {CONFLICTING_DISTRIBUTION}` and reinstall {OWN_DISTRIBUTION}).",
+        KernelsConflictWarning, stacklevel=2)
+
+
+_check_conflict()
 
 _EXPORTS = {
     "adamw": "kernels.optim",

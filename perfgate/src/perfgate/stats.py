@@ -179,10 +179,12 @@ def _floor_cell(r: dict) -> str:
     return f"- ({r['floor_note']})" if r.get("floor_note") else "-"
 
 
-def format_table(rows: Sequence[dict]) -> list[str]:
-    """Rows (``SpeedupRow.as_dict()``) as fixed-width text lines."""
-    header = ("kernel", "impl", "size", "device", "ref ms", "opt ms", "speedup", "95% CI",
+TABLE_HEADER = ("kernel", "impl", "size", "device", "ref ms", "opt ms", "speedup", "95% CI",
               "floor", "baseline", "peak MiB ref/opt", "mem saved", "GB/s ref/opt", "gate")
+
+
+def table_cells(rows: Sequence[dict]) -> list[tuple[str, ...]]:
+    """Rows (``SpeedupRow.as_dict()``) as the cells of ``TABLE_HEADER``."""
     body = []
     for r in rows:
         body.append((
@@ -196,6 +198,12 @@ def format_table(rows: Sequence[dict]) -> list[str]:
             _gb(r.get("reference_gbps"), r.get("optimized_gbps")),
             _outcome(r),
         ))
+    return body
+
+
+def format_table(rows: Sequence[dict]) -> list[str]:
+    """Rows (``SpeedupRow.as_dict()``) as fixed-width text lines."""
+    header, body = TABLE_HEADER, table_cells(rows)
     widths = [max(len(str(c)) for c in col) for col in zip(header, *body, strict=True)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [

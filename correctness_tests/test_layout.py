@@ -1,0 +1,162 @@
+"""The repository's layout holds: everything about X is found by its name, imports run one way
+(tests -> workloads -> reference -> kernels; perfgate stands apart), no import circle, and the
+library warns when another distribution shares its import name."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+import kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Every module without its full set of mirrored files, and why: the one place these are listed.
+EXCEPTIONS: dict[str, str] = {
+    "kernels/ghost.py": "internal to per_sample (the ghost Gram terms): tested and timed through per_sample",
+    "kernels/layer_capture.py": "internal to per_sample (captures Linear inputs and output grads)",
+    "kernels/feature_cache.py": "a cache has no slow counterpart: its test compares cached to recomputed; "
+                                "timed as spectral_probe's cached rerun",
+    "kernels/rope.py": "timed inside attention (perf_tests/test_attention.py)",
+    "kernels/training.py": "timed as the workloads' steps (perf_tests/test_cifar_resnet.py, ...)",
+    "workloads/common.py": "table formatting and config checks shared by the workloads",
+    "workloads/rotated_digits.py": "OCS's data: tested in correctness_tests/test_ocs.py",
+    "workloads/ocs_ablation.py": "the OCS ablation: tested in correctness_tests/test_ocs.py",
+    "workloads/meta_reweight_ablation.py": "the Meta-Weight-Net ablation: tested in test_meta_reweight.py",
+    "correctness_tests/test_perfgate_suite.py": "checks the perf suite's floors against their evidence",
+    "correctness_tests/test_layout.py": "this file: the layout itself",
+}
+
+
+def _mirrors(path: str) -> list[str]:
+    """The files a module of kernels/ or workloads/ should have beside it, by name."""
+    name = Path(path).stem
+    ref = f"reference/{name}.py" if path.startswith("kernels/") else f"reference/workloads/{name}.py"
+    return [ref, f"correctness_tests/test_{name}.py", f"perf_tests/test_{name}.py"]
+
+
+def _modules(folder: str) -> list[str]:
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / folder).glob("*.py") if not p.name.startswith("_"))
+
+
+def test_every_module_is_found_by_its_name() -> None:
+    missing = [f"{m}: no {f}" for m in _modules("kernels") + _modules("workloads")
+               if m not in EXCEPTIONS for f in _mirrors(m) if not (ROOT / f).is_file()]
+    assert not missing, "add the mirrored file, or list the module in EXCEPTIONS with why:\n" + "\n".join(missing)
+
+
+def test_every_test_names_a_module() -> None:
+    """correctness_tests/test_X.py and perf_tests/test_X.py each test a kernels/X.py or workloads/X.py."""
+    orphans = [t for t in _modules("correctness_tests") + _modules("perf_tests")
+               if Path(t).name.startswith("test_") and t not in EXCEPTIONS
+               and not any((ROOT / d / f"{Path(t).stem.removeprefix('test_')}.py").is_file()
+                           for d in ("kernels", "workloads"))]
+    assert not orphans, f"tests named after no module: {orphans}"
+
+
+def test_exceptions_are_current() -> None:
+    """An exception for a file that is gone, or that now has all its mirrors, is removed."""
+    stale = [p for p in EXCEPTIONS if not (ROOT / p).is_file()
+             or (p.startswith(("kernels/", "workloads/")) and all((ROOT / f).is_file() for f in _mirrors(p)))]
+    assert not stale, f"stale EXCEPTIONS entries: {stale}"
+
+
+# -- imports ------------------------------------------------------------------------------------
+
+PACKAGES = {"kernels": ROOT / "kernels", "reference": ROOT / "reference", "workloads": ROOT / "workloads",
+            "perfgate": ROOT / "perfgate" / "src" / "perfgate"}
+# What each package may import of the others (itself always): the one-way rule.
+ALLOWED = {"kernels": set(), "reference": {"kernels"}, "workloads": {"kernels", "reference", "perfgate"},
+           "perfgate": set()}
+
+
+def _module_name(path: Path) -> str:
+    for package, folder in PACKAGES.items():
+        if path.is_relative_to(folder):
+            parts = [package, *path.relative_to(folder).with_suffix("").parts]
+            return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    raise ValueError(path)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> project modules it imports anywhere in its file (in functions and under
+    TYPE_CHECKING too: a lazy import is still a dependency)."""
+    files = {_module_name(p): p for folder in PACKAGES.values() for p in folder.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        is_package = path.name == "__init__.py"
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf8"))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's package
+                    anchor = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                    base = ".".join([*anchor, base] if base else anchor)
+                # `from pkg import mod` imports the submodule pkg.mod where there is one
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in files and t != module}
+        graph[module] = edges
+    return graph
+
+
+def test_imports_run_one_way() -> None:
+    wrong = [f"{m} imports {t}" for m, targets in import_graph().items() for t in targets
+             if t.split(".")[0] != m.split(".")[0] and t.split(".")[0] not in ALLOWED[m.split(".")[0]]]
+    assert not wrong, "imports against the layering (tests -> workloads -> reference -> kernels; " \
+                      "perfgate apart):\n" + "\n".join(sorted(wrong))
+
+
+def test_no_import_circle() -> None:
+    graph, state, cycles = import_graph(), {}, []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import circles:\n" + "\n".join(cycles)
+
+
+def test_the_graph_sees_imports() -> None:
+    """The checks above are not vacuous: known edges are in the graph."""
+    graph = import_graph()
+    assert "kernels.ghost" in graph["kernels.per_sample"]
+    assert "reference.workloads.ocs" in graph["workloads.ocs"]
+    assert "perfgate.compat" in graph["perfgate.session"]  # relative import resolved
+    assert "perfgate.timing" in graph["workloads.vit_rope"]
+
+
+# -- the import name `kernels` ---------------------------------------------------------------------
+
+def test_conflicting_kernels_distribution_warns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With Hugging Face's `kernels` installed (a dist-info on the path), importing ours warns,
+    naming the other distribution and the fix."""
+    info = tmp_path / "kernels-0.17.2.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kernels\nVersion: 0.17.2\n"
+                                   "Summary: Download compute kernels\n", encoding="utf8")
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    with pytest.warns(kernels.KernelsConflictWarning, match=r"'kernels' distribution.*separate virtual environments"):
+        kernels._check_conflict()
+
+
+def test_no_warning_without_the_other_distribution() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernels._check_conflict()
