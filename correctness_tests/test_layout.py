@@ -150,7 +150,8 @@ def test_conflicting_kernels_distribution_warns(tmp_path: Path, monkeypatch: pyt
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kernels\nVersion: 0.17.2\n"
                                    "Summary: Download compute kernels\n", encoding="utf8")
     monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
-    with pytest.warns(kernels.KernelsConflictWarning, match=r"'kernels' distribution.*separate virtual environments"):
+    match = r"'kernels' distribution.*separate virtual environments"
+    with pytest.warns(kernels.KernelsConflictWarning, match=match):
         kernels._check_conflict()
 
 

@@ -1,4 +1,4 @@
-"""The OCS workload: data, memory, loss, and the issue's claim that the fp32 reference and the
+"""The OCS workload: data, memory, loss, and the claim that the fp32 reference and the
 optimized run select the same samples and end within 0.5 points of average accuracy."""
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ def test_features_of_a_known_spectrum() -> None:
 @given(r=st.integers(1, 16), shapes=st.lists(st.tuples(st.integers(4, 200), st.integers(4, 200)), min_size=1,
                                              max_size=3), seed=st.integers(0, 2**16))
 def test_features_follow_values_that_match_reference_within_the_bound(r, shapes, seed) -> None:
-    """LoRA-like layers (rank r update plus noise), batched. The features are the seed's formulas
+    """LoRA-like layers (rank r update plus noise), batched. The features are the original's formulas
     applied to the kernel's values (checked exactly), and those values are the reference's within
     the returned error bound. Features that divide by noise-floor values (gaps past rank r, s_1 /
     s_10) are as uncertain as those values, so they are not compared with the reference."""

@@ -7,7 +7,7 @@ Public API (loaded on first use, so ``import kernels`` stays light):
 - ``RotaryEmbedding``, ``rope_attention``, ``RopeSelfAttention``: cached RoPE + SDPA (kernels.rope,
   kernels.attention)
 - ``topk_singular_values``, ``spectral_features``: randomized top-k singular values with an error
-  bound, and the seed's 32 spectral features per matrix (kernels.spectral)
+  bound, and the spectral probe's 32 features per matrix (kernels.spectral)
 - ``Standardizer``: scikit-learn StandardScaler semantics on any device (kernels.standardize)
 - ``FeatureCache``: tensors computed once per input, safetensors on disk (kernels.feature_cache)
 - ``adamw``, ``sgd``: torch optimizers with the implementation that measured fastest (kernels.optim)
@@ -44,8 +44,9 @@ def _check_conflict() -> None:
         other = metadata.distribution(CONFLICTING_DISTRIBUTION)
     except metadata.PackageNotFoundError:
         return
+    summary = other.metadata.get("Summary") or "Hugging Face kernels"
     warnings.warn(
-        f"the '{CONFLICTING_DISTRIBUTION}' distribution ({other.metadata.get('Summary') or 'Hugging Face kernels'}, "
+        f"the '{CONFLICTING_DISTRIBUTION}' distribution ({summary}, "
         f"version {other.version}) is installed in this environment beside {OWN_DISTRIBUTION}: both install the "
         "import package 'kernels', so whichever was installed last has overwritten the other's files and neither "
         f"is reliable here. Install {OWN_DISTRIBUTION} and '{CONFLICTING_DISTRIBUTION}' in separate virtual "

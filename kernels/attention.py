@@ -6,13 +6,10 @@ flash CPU kernel on CPU) instead of materializing the (S, S) score matrix. Group
 attention (kv heads dividing q heads) goes to SDPA's ``enable_gqa``; causal plus a mask becomes
 one mask.
 
-Except where SDPA measured slower: on this project's 2-core CPU, fp32, B8 H8 D64, torch's flash
-CPU kernel took 2.13 ms at S=128 against 1.45 for one batched matmul, in-place scale and mask,
-softmax and a second matmul (0.62 against 0.39 at S=64; a ViT block's attention at S=64,
-forward and backward, 4.08 against 2.83), tied at S=256-384 and won at 512 (23.8 against 24.7;
-causal 23.9 against 28.6: the explicit path computes the masked half). So CPU fp32 attention
-over at most ``CPU_MATH_MAX_SEQ`` = 192 positions takes that explicit path, grouped-query heads
-as extra query rows of their kv head (no repeated k, v); everything else goes to SDPA.
+Except on CPU in fp32 over at most ``CPU_MATH_MAX_SEQ`` = 192 positions, where one batched matmul,
+in-place scale and mask, softmax and a second matmul measured faster than torch's flash CPU kernel
+(docs/measurements/from-the-code.md): there grouped-query heads become extra query rows of their
+kv head (no repeated k, v). Everything else goes to SDPA.
 """
 
 from __future__ import annotations
@@ -70,7 +67,7 @@ def combined_mask(attn_mask: Tensor | None, causal: bool, s: int, device: torch.
     return mask
 
 
-CPU_MATH_MAX_SEQ = 192  # measured crossover, module note
+CPU_MATH_MAX_SEQ = 192  # measured crossover (module note)
 
 
 def _math_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None) -> Tensor:

@@ -11,11 +11,10 @@ G = E E^T (the ghost identity for Linear layers), |E_i| = sqrt(G_ii) and the div
 only. g = mean_i E_i and r = the memory's mean per-sample gradient are built from the captured
 layer terms (g_W = sum_i b_i a_i^T / N, one product) and <g, E_i> = sum_t b_it^T g_W a_it is one
 forward-sized product, no E_i built. Two cheaper-looking shortcuts lose accuracy or time:
-<g, E_i> = mean_j G_ij with |g|^2 = mean_ij G_ij was 12x less accurate than the reference
-(against fp64) when g nearly cancels (|g| << |E_i|, found by hypothesis), since the reference's
-cosine of one vector g cancels its own rounding; and an N x M Gram block against the memory
-(with the M x M block for |r|) measured slower than building r. The stream and the memory share
-one captured forward and backward.
+<g, E_i> = mean_j G_ij with |g|^2 = mean_ij G_ij loses digits when g nearly cancels
+(|g| << |E_i|), which the reference's cosine of one vector g does not; and an N x M Gram block
+against the memory measured slower than building r (docs/measurements/from-the-code.md). The
+stream and the memory share one captured forward and backward.
 
 The loss must reduce per-sample losses by their mean (the original's CrossEntropyLoss) or sum:
 g and r are its batch gradients, the reduction is checked on the first samples, and anything

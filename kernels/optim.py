@@ -2,36 +2,18 @@
 
 ``adamw`` and ``sgd`` return plain ``torch.optim.AdamW`` / ``torch.optim.SGD`` objects (with one
 step pre-hook that guards the fused step, see below; GradScaler, LR schedulers, hooks and
-``state_dict`` work as usual) with the implementation chosen per
-device type. Measured choice table, ms per step (2-core AMD EPYC, torch 2.14.1, default malloc
-with THP_MEM_ALLOC_ENABLE=1, torch.utils.benchmark median with both threads;
-perf_tests/test_optim.py gates the resnet18 rows):
+``state_dict`` work as usual) with the implementation chosen per device type: fused on CPU,
+where it measured fastest for AdamW and SGD in fp32 and bf16 (docs/measurements/from-the-code.md),
+and on CUDA, torch's fastest documented path (not yet measured in this project). Other device
+types get torch's default.
 
-| parameters                    | dtype | optimizer | for-loop | foreach | fused |
-|-------------------------------|-------|-----------|----------|---------|-------|
-| resnet18 (11.7M, 62 tensors)  | fp32  | AdamW     | 9.14     | 10.12   | 2.29  |
-| resnet18                      | bf16  | AdamW     | 7.48     | 7.62    | 3.28  |
-| 200 x 256x256                 | fp32  | AdamW     | 14.57    | 17.80   | 3.29  |
-| 200 x 256x256                 | bf16  | AdamW     | 14.02    | 14.17   | 4.28  |
-| resnet18                      | fp32  | SGD m=0.9 | 1.98     | 1.90    | 1.44  |
-| resnet18                      | bf16  | SGD m=0.9 | 2.53     | 2.53    | 1.61  |
-| 200 x 256x256                 | fp32  | SGD m=0.9 | 4.46     | 4.11    | 2.14  |
-| 200 x 256x256                 | bf16  | SGD m=0.9 | 5.20     | 4.71    | 2.32  |
-
-So on CPU: fused, always. foreach never beats fused and is slower than the loop for AdamW (as
-shared/MEASUREMENTS.md found on a Xeon); for SGD it is a few percent ahead of the loop. On CUDA
-fused is chosen too: not measured in this project yet (no GPU lent), it is torch's fastest
-documented path; record the numbers here when measured. Other device types get torch's default.
-
-A trap found by the correctness tests: torch 2.14.1's fused kernels index parameter, grad and
-state as flat arrays, so a grad whose strides differ from its parameter's (a transposed
-parameter with a grad set by hand, say) gets silently wrong steps: after 10 steps on a
-transposed 3x5 parameter, AdamW was off by 4.5e-3 and SGD (momentum 0.9) by 4.2, against the
-for-loop; state created before a model went channels_last, or loaded from a state_dict, mis-steps
-the same way. Autograd's own grads follow the parameter's layout, so plain training is
-unaffected, but these optimizers copy any grad or state tensor laid out unlike its parameter
-into the parameter's layout before each fused step, and never choose fused for a parameter that
-is a strided view (no layout of its own to match).
+torch 2.14.1's fused kernels index parameter, grad and state as flat arrays, so a grad whose
+strides differ from its parameter's (a transposed parameter with a grad set by hand, say) gets
+silently wrong steps (correctness_tests/test_optim.py); state created before a model went
+channels_last, or loaded from a state_dict, mis-steps the same way. Autograd's own grads follow
+the parameter's layout, so plain training is unaffected, but these optimizers copy any grad or
+state tensor laid out unlike its parameter into the parameter's layout before each fused step,
+and never choose fused for a parameter that is a strided view (no layout of its own to match).
 """
 
 from __future__ import annotations
@@ -43,7 +25,7 @@ import torch
 from torch import Tensor
 
 Params = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
-FUSED_DEVICES = ("cpu", "cuda")  # where torch has fused AdamW/SGD and we choose it (table above)
+FUSED_DEVICES = ("cpu", "cuda")  # where torch has fused AdamW/SGD and we choose it (module note)
 
 
 def _groups(params: Params, arg: str) -> list:
@@ -116,7 +98,7 @@ def _guard(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def implementation(params: list[Tensor]) -> dict[str, bool]:
-    """The ``fused``/``foreach`` keywords for these parameters, by the measured table above:
+    """The ``fused``/``foreach`` keywords for these parameters, as measured (module note):
     fused on one CPU or CUDA device for dense real floating parameters; otherwise torch's own
     default (fused kernels mis-step strided views and do not take complex parameters)."""
     devices = {p.device.type for p in params}

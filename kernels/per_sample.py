@@ -12,17 +12,11 @@ batch of one, so the result does not depend on the loss's reduction.
   Gram: <g_i(W), g_j(W)> = sum_{t,s} (a_it . a_js)(b_it . b_js) ("ghost" identity), no g_i built.
 - Every other trainable parameter goes through ``torch.func.vmap(grad(...))`` with
   ``functional_call``, materialized (these are the only per-sample gradients a Gram builds).
-  Conv2d included, by measurement (2 threads, torch.utils.benchmark, B=64, conv-conv-Linear
-  CNN): its identity (unfold patches, batched matmul, no safety checks) took 9.33 ms against
-  vmap's 7.97 on 3x32x32 inputs (loop 23.4), though 1.39 against 2.09 on 1x8x8.
+  Conv2d included: its identity (unfold patches, batched matmul) measured slower than vmap on
+  3x32x32 inputs (docs/measurements/from-the-code.md).
 - per_sample_grads uses the identity only when every trainable parameter has it: a model that
-  mixes (identity pass + vmap pass) measured slower than one vmap pass (the CNN above: 9.95 vs
-  7.97 ms; 2.94 vs 2.09). The Gram keeps the mix: ghost products spare it materializing the big
-  Linear layers (3x32x32: 9.09 ms against 13.36 for vmap then E E^T; 1x8x8: 2.57 vs 2.28).
-
-Measured on the 2-core CPU (AMD EPYC; MLP 784-256-256-10, perf_tests/test_per_sample.py), speedup
-over the loop of backward passes: grads 6.6x at B=64 and 8.4x at B=256 (vmap alone 4.1x and
-4.2x); ghost Gram 23x and 62x (materialize, then E E^T: 1.5x and 1.2x).
+  mixes (identity pass + vmap pass) measured slower than one vmap pass. The Gram keeps the mix:
+  ghost products spare it materializing the big Linear layers.
 """
 
 from __future__ import annotations
@@ -88,8 +82,7 @@ def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Ten
 def _plan(model: nn.Module, names: list[str], randomness: str) -> _Plan:
     if randomness != "error":
         # Live dropout: the identity's checks compare forwards, which random masks make differ,
-        # so vmap (torch.func's own randomness handling) does everything. Measured cost on the
-        # MLP at B=64: vmap alone 3.4-3.5x over the loop against the identity's 3.9-4.0x.
+        # so vmap (torch.func's own randomness handling) does everything.
         return _Plan(names, {}, names)
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):

@@ -10,16 +10,10 @@ discarded tail, and the power iterations make the values far more accurate than 
 so it certifies a steep spectrum (0.7^i: 4e-4 relative on the 10th value) and flags a flat one,
 where the fast path is indeed inexact.
 
-Defaults from measurements on this 2-core CPU (top-10, fp32, worst relative error of the 10
-values): at 1024 x 1024 the exact svdvals took 91 ms; the seed's q = k, 2 iterations 13 ms and
-1.4% (decaying spectrum) / 12% (flat) off; q = 2k, 2 iterations 3.8 ms, 7e-7 / 9%; q = 2k,
-4 iterations 5.5 ms, 7e-7 / 4.8%; q = 3k, 4 iterations 8.5 ms, 6e-7 / 4.0%. So q = 2k and 4
-iterations (16x): the flat spectrum's error halves for 1.7 ms, and the bound reports it anyway
-(it covered the true error in every case). For small k the oversampling is at least 10 (q = 2
-was 2e-4 off on the top value of a 0.75^i spectrum; Halko et al. advise 5-10 extra columns).
-The exact ``svdvals`` is used when min(m, n) <= ``EXACT_BELOW`` = 96 (n = 64: exact 0.11 ms,
-randomized 0.25; n = 128: 0.42 against 0.38) or q >= min(m, n) / 2. fp16/bf16 input is
-computed in fp32.
+Defaults: q = 2k (at least 10 extra columns; Halko et al. advise 5-10) and 4 power iterations,
+the best time/error trade measured on CPU; the exact ``svdvals`` when min(m, n) <= ``EXACT_BELOW``
+= 96, where it measured faster, or q >= min(m, n) / 2 (docs/measurements/from-the-code.md).
+fp16/bf16 input is computed in fp32.
 """
 
 from __future__ import annotations
@@ -88,9 +82,9 @@ def topk_singular_values(A: Tensor, k: int, *, oversample: int | None = None, ni
 
 
 def features_from_values(s: Tensor) -> Tensor:
-    """The seed's 3k + 2 features from top-k values s (..., k), zero-padded: s, s / sum(s), the gaps
-    (s_i - s_i+1) / s_i, entropy of s / sum(s), s_1 / s_k, and sum(s) (the seed's "nuclear norm",
-    over the top k). Its 1e-8 guards are kept, so these equal the seed's numbers."""
+    """The original's (weightspace-lora-for-diffusion) 3k + 2 features from top-k values s (..., k),
+    zero-padded: s, s / sum(s), the gaps (s_i - s_i+1) / s_i, entropy of s / sum(s), s_1 / s_k, and
+    sum(s) (its "nuclear norm", over the top k). Its 1e-8 guards are kept, so these equal its numbers."""
     norm = s / (s.sum(-1, keepdim=True) + 1e-8)
     entropy = -(norm * torch.log(norm + 1e-8)).sum(-1, keepdim=True)
     cond = s[..., :1] / (s[..., -1:] + 1e-8)
@@ -104,8 +98,8 @@ def _pad(s: Tensor, k: int) -> Tensor:
 
 def spectral_features(weights: Tensor | list[Tensor], k: int = 10, *,
                       generator: torch.Generator | None = None) -> Tensor:
-    """Per matrix 3k + 2 features (32 for k = 10) from its top-k singular values (WORKLOADS.md
-    section 3). weights: (..., m, n) -> (..., 3k + 2), or a list of (B, m_l, n_l) layers ->
+    """Per matrix 3k + 2 features (32 for k = 10) from its top-k singular values (the spectral
+    probe's). weights: (..., m, n) -> (..., 3k + 2), or a list of (B, m_l, n_l) layers ->
     (B, L * (3k + 2)), layers in order. Matrices with fewer than k values are zero-padded.
     Values at the noise floor (a rank-r update's s_r+1..s_k) come with the randomized error bound,
     and the features that divide by them (gaps there, s_1 / s_k) inherit it."""

@@ -7,15 +7,13 @@ to the device (``non_blocking`` when they come pinned, e.g. from ``DataLoader(pi
 workloads preload them on the device), a scheduler stepped once per optimizer step, and steps
 the GradScaler skipped (inf/NaN gradients) counted, never applied.
 
-``Recipe.auto`` picks per device what measured faster. The CPU answer differs between CPU
-kinds: shared/MEASUREMENTS.md found bf16 autocast and channels_last SLOWER for resnet18 on a
-Xeon, while on this project's 2-core AMD EPYC (AVX512-BF16) a ResNet-10 step at batch 128 went
-51.3 ms fp32 -> 37.3 bf16, 37.9 channels_last, 30.0 both, 37.0 compiled (after a 15 s compile).
-So on CPU ``auto`` times the candidates on the caller's model and batch when given them, and
-otherwise keeps plain fp32; it leaves fp32 only for a candidate at least 10% faster (the OCS
-MLP's 20-row step timed fp32 0.92-1.03 ms against bf16 0.90-0.94: noise, not a reason to lose
-precision and the reference's exact selections). CUDA: fp16 + GradScaler + channels_last, torch's documented fast
-path, not yet measured in this project (no GPU lent).
+``Recipe.auto`` picks per device what measured faster. On CPU the answer differs between CPU
+kinds (bf16 and channels_last sped a ResNet-10 up on an AVX512-BF16 AMD EPYC and slowed
+resnet18 down on a Xeon; docs/measurements/from-the-code.md), so ``auto`` times the candidates
+on the caller's model and batch when given them, and otherwise keeps plain fp32; it leaves fp32
+only for a candidate at least 10% faster (a smaller gain is timing noise, not a reason to lose
+precision and the reference's exact selections). CUDA: fp16 + GradScaler + channels_last,
+torch's documented fast path, not yet measured in this project.
 """
 
 from __future__ import annotations

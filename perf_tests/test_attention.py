@@ -1,17 +1,9 @@
 """RoPE attention, B8 H8 D64, causal or not: per-call RoPE + explicit softmax (the reference)
 against cached RoPE + SDPA (or, on CPU fp32 up to 192 positions, the measured explicit path of
-kernels/attention.py). Forward, as the MEASUREMENTS.md rows; the timed result must equal the
-reference's.
+kernels/attention.py). Forward only; the timed result must equal the reference's.
 
-Measured on the 2-core CPU (AMD EPYC, --perf-malloc cache), alone and in the whole suite: S=128
-1.17-1.78x (reference 2.31-3.04 ms, kernel 1.68-2.11; the low end in a whole-suite run where this
-test came first), causal 1.41-1.70x; S=512 1.42-1.66x (35.6-36.3 -> 21.9-25.1 ms), causal
-1.64-1.92x. Floors: 1.05x at S=128, under that spread (it still fails a kernel that lost its
-fast path, which measures ~1.0x), 1.2x at S=512. The issue aimed at 1.5x at S=128 (met in most
-measurements, not all) and 3x at S=512 (not met): torch's flash CPU kernel needs 22-24 ms at
-S=512 here and no path measured faster (the explicit one 24.7, blocked 21.9-29.2), while the
-reference, which writes the 67 MB score matrix, is only 35.6: this host streams memory at
-~150 GB/s, where MEASUREMENTS.md's Xeon (3.0-3.8x) had 24-37 GB/s.
+The floors sit under the measured spread and above a kernel that lost its fast path (~1.0x)
+(docs/measurements/from-the-code.md).
 """
 
 from __future__ import annotations

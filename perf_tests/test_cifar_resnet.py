@@ -20,7 +20,7 @@ from kernels.models import ResNet10
 from kernels.training import Recipe, train
 from workloads.cifar_resnet import synthetic_cifar
 
-BATCH = {"smoke": 64, "full": 2048}  # full: the seed's baseline batch
+BATCH = {"smoke": 64, "full": 2048}  # full: the original's baseline batch
 
 
 @pytest.mark.speedup(cpu=1.2, variant="bfloat16*")

@@ -5,14 +5,8 @@ Stream of rotated digits (smoke 100, the original's stream; full 512), replay me
 original's total memory, against which every step from task 2 on measures affinity). The timed
 result must select the reference's samples.
 
-Measured on the 2-core CPU (AMD EPYC, --perf-malloc cache): N=100 13.4x (52.1 -> 3.89 ms), N=512
-45.5x (710 -> 15.6 ms); peak memory 309 -> 10 MiB and 1.58 GiB -> 21 MiB. The issue aimed at 30x:
-met at N=512, not at the original's N=100, where the kernel's floor is the forward and backward
-of 300 rows (stream + memory, ~1.2 ms) plus the Gram, g, r and their dots (~1.5 ms), all fp32
-matmuls near this CPU's rate, and the checks of the batched pass (~0.3 ms). Without memory
-(task 1) N=100 measured 26-29x. In the whole suite N=100 measured 11.9x (the kernel 5.0 ms, 3.9
-alone); the materialized-E rows of the workload's ablation run ~1.2x, so a lost ghost path fails
-the floor. Floors: docs/measurements/floors.md.
+The floors sit under the measured speedups and far above a lost ghost path (materialized E:
+~1.2x) (docs/measurements/from-the-code.md, floors.md).
 """
 
 from __future__ import annotations

@@ -2,19 +2,10 @@
 its peak memory, Betty's memory table as gated rows: every impl against the reference (fp32,
 one batch, Python SGD, the exact hypergradient) in the same run.
 
-Measured on the 2-core CPU (peak MiB and ms, reference -> impl), batch 100 (smoke): reference
-346 MiB / 232 ms; DARTS fp32 150 / 125 (1.86x), + AMP (bf16) 92 / 91 (2.55x), + accumulation 4
-67 / 126 (1.84x), optimized (bf16 x 4) 39 / 105 (2.22x). At batch 40 the optimized row measured
-1.21-1.35x: micro-batches of 10 are slow convolutions on this CPU, so smoke runs batch 100.
-The "optimized" row is the fixed recipe bf16 (CPU) / fp16 (CUDA) x 4 micro-batches, so the
-gated row does not move with Recipe.auto's timing; the CLI's optimized run uses Recipe.auto.
-Floors sit under the lowest measurement. The optimized row's smoke floor was 1.6x, set from two
-runs (2.06x, 2.22x); 12 runs over two days on this shared host then read 1.53-2.06x (clean-clone
-CI: 1.93, 1.70, 1.68, 1.81, 1.53; baselines and suites: 1.65, 1.82, 1.85, ...), interval lower
-bounds down to 1.40x, with the code unchanged: bf16 in micro-batches of 25 moves with the host
-more than DARTS fp32 alone (1.85-1.95x in the same runs). So the smoke floor is 1.3x: under every
-measurement, and still far above losing the DARTS kernel (the reference's exact hypergradient:
-1.0x). Losing bf16 is the darts+amp row's floor (1.5x; measured 1.93-2.52x).
+Smoke runs batch 100: smaller micro-batches are slow convolutions on CPU. The "optimized" row is
+the fixed recipe bf16 (CPU) / fp16 (CUDA) x 4 micro-batches, so the gated row does not move with
+Recipe.auto's timing; the CLI's optimized run uses Recipe.auto. The floors sit under every
+measurement and above losing the DARTS kernel (1.0x) or bf16 (docs/measurements/from-the-code.md).
 """
 
 from __future__ import annotations

@@ -6,17 +6,9 @@ the ablation rows are torch's own for-loop and foreach implementations. The band
 written) with an in-place stream over 50M floats (x.mul_, 8 bytes a value) in the same run:
 its "speedup" is the fraction of the streaming bandwidth AdamW reaches.
 
-Measured on the 2-core CPU (AMD EPYC, --perf-malloc cache, 2 runs): AdamW 3.50-3.51x over the
-Python loop (torch's for-loop and foreach 0.95-1.01x); SGD with momentum 1.36x (for-loop and
-foreach 1.01-1.04x); AdamW at 50M params 152 GB/s against a 194 GB/s stream, 0.78 of it (the
-issue's target: 0.75); across the day AdamW moved 3.0-3.5x and the stream 144-199 GB/s.
-Floors (docs/measurements/floors.md): AdamW 2.0x (losing fused gives ~1.0x); bandwidth 0.6,
-under every CPU model's measurements, while a fall to the for-loop's bandwidth (~0.2) fails. SGD: 1.0x,
-"never slower than the Python loop". It was 1.1x until a clean-clone CI run measured fused SGD
-at 1.09x (95% CI 1.09-1.10; the loop 2.13 ms, fused 1.94): across sessions it moved 1.09-1.47x
-on this memory-bound step, while torch's for-loop and foreach measure 1.00-1.11x, so no floor
-above 1.0 separates fused from not without tripping on noise. The baseline compare of `make
-bench` (and interleaved rounds, issue 8) are what can watch the rest.
+The floors sit under every measurement and above losing fused (AdamW ~1.0x, bandwidth ~0.2); SGD's
+1.0x means "never slower than the Python loop", the baseline compare of `make bench` watches the
+rest (docs/measurements/from-the-code.md, floors.md).
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Per-sample gradients of the OCS MLP (784-256-256-10): loop of backward passes vs identities.
 
-Measured on the 2-core CPU (AMD EPYC, --perf-malloc cache, whole suite and per_sample alone):
-grads B=64 6.6-6.7x (vmap alone 4.0x), B=256 8.9x (vmap 4.3x); ghost Gram B=64 21-22x, B=256
-62x (the `materialized` row, per-sample grads then E E^T: 1.5x, 1.2x); norms B=64 13x, B=256
-28x. The per-sample grads result is 69 MB a call, so its speedup over the loop follows the
-machine's memory bandwidth, which neighbours on this shared host move: across runs of one day
-the in-place stream measured 167-199 GB/s and grads B=64 4.2-6.7x (vmap alone 2.9-4.1x). Its
-floors (3.5x, 5.0x) sit under that worst case; they catch losing the kernel (1x), but they cannot
-also separate the identity from vmap alone here: the vmap row and `make bench`'s baseline
-compare show that. Gram and norm floors sit far under their measurements (norms B=64 moved
-12.4-16.3x across the day, hence 8x) and far above the materialized row (~1.5x).
-No CUDA floors yet: a floor is set only from a measurement.
+The floors sit under the measured spread (the grads row follows memory bandwidth) and above losing
+the kernel (~1x; the Gram's materialized row ~1.5x) (docs/measurements/from-the-code.md). No CUDA
+floors yet: a floor is set only from a measurement.
 """
 
 from __future__ import annotations

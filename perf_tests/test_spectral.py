@@ -1,10 +1,7 @@
 """Top-10 singular values of one matrix with a decaying spectrum (0.9^i, a LoRA-like update's
 shape), smoke 512 x 512, full 1024 x 1024: full svdvals (the reference) against the randomized
 range finder (q = 20, 4 power iterations). The timed result must be within 1e-4 relative of the
-reference's values.
-
-Measured on the 2-core CPU: 512 9.0x (15.3 -> 1.70 ms), 1024 16.4x (91.0 -> 5.55 ms; the issue's
-MEASUREMENTS row: ~19x at q = 2k, niter = 4 on a Xeon). Floors: docs/measurements/floors.md.
+reference's values. Floors: docs/measurements/floors.md (measurements: docs/measurements/from-the-code.md).
 """
 
 from __future__ import annotations

@@ -2,10 +2,8 @@
 CI-sized scale (smoke: 100 samples x 2 layers of 256 x 256, 5 epochs at most). Reference:
 svdvals, sklearn, batch 64, fp32. Optimized: randomized top-k, Standardizer, batch 256, the
 engine, features computed into an empty FeatureCache each round; cached: the same, reading the
-features back from a filled cache.
-
-Measured on the 2-core CPU (smoke, the whole run incl. generating the weights): reference 649 ms,
-optimized 180 ms (3.6x), cached 29 ms (22x). Floors: docs/measurements/floors.md.
+features back from a filled cache. Floors: docs/measurements/floors.md (measurements:
+docs/measurements/from-the-code.md).
 """
 
 from __future__ import annotations

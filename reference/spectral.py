@@ -21,5 +21,5 @@ def topk_singular_values(A: Tensor, k: int, *, oversample: int | None = None, ni
 
 def spectral_features(weights: Tensor | list[Tensor], k: int = 10, *,
                       generator: torch.Generator | None = None) -> Tensor:
-    """The same features from the full svdvals of every matrix (the seed's torch.linalg.svd)."""
+    """The same features from the full svdvals of every matrix (the original's torch.linalg.svd)."""
     return features_with(topk_singular_values, weights, k)

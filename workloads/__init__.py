@@ -1,1 +1,1 @@
-"""The seed workloads end to end: data, the optimized run, its ablation."""
+"""The workloads end to end: data, the optimized run, its ablation."""

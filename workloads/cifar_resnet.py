@@ -1,6 +1,6 @@
-"""The ResNet-on-CIFAR workload (seed 001): reference loop vs the engine, with the seed's ablation.
+"""The ResNet-on-CIFAR workload: reference loop vs the engine, with the original's ablation.
 
-Model: kernels.models.ResNet10 (0.31M parameters, the size class of the seed's 230k course net).
+Model: kernels.models.ResNet10 (0.31M parameters, the size class of the original's 230k course net).
 Data: CIFAR-shaped (3x32x32, 10 classes) synthetic images a model can learn: each class is a
 smooth random template (4x4 noise upsampled), each image its template plus pixel noise. No
 download; pass real CIFAR-10 tensors to ``run`` instead if you have them locally.
@@ -92,7 +92,7 @@ def timed(name: str, cfg: Config, model: torch.nn.Module, step: Callable[[list],
 
 
 def run(cfg: Config, recipe: Recipe, name: str, lr: float = 2e-3) -> RunReport:
-    """The optimized loop: fused AdamW (the seed's opt 2 optimizer) under ``recipe``."""
+    """The optimized loop: fused AdamW (the original's opt 2 optimizer) under ``recipe``."""
     torch.manual_seed(cfg.seed)
     model = ResNet10().to(cfg.device)
     opt = adamw(model.parameters(), lr=lr, weight_decay=1e-4)

@@ -1,4 +1,4 @@
-"""What the workloads share: their results as a markdown table (the README's format) and the
+"""What the workloads share: their results as markdown tables (as in docs/measurements/) and the
 checks of their configs."""
 
 from __future__ import annotations

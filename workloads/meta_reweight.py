@@ -1,4 +1,4 @@
-"""Meta-Weight-Net data reweighting on long-tailed CIFAR-shaped data (seed 004, after Betty).
+"""Meta-Weight-Net data reweighting on long-tailed CIFAR-shaped data (after Betty).
 
 Inner: a CIFAR ResNet (kernels.models.ResNet10) trained on mean_i W(l_i; w) l_i over a
 long-tailed training set, n_c = max_per_class / imbalance^(c / 9) (CIFAR-10-LT: 4900 and 100;

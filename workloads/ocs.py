@@ -1,4 +1,4 @@
-"""Online Coreset Selection on rotated digits (seed 000, jaehong31/OCS ocs_mnist.py), end to end.
+"""Online Coreset Selection on rotated digits (after jaehong31/OCS ocs_mnist.py), end to end.
 
 Data: scikit-learn's digits (1797 8x8 images, shipped with the package) upsampled to 28x28 so the
 model is the original MLP 784-256-256-10 (dropout 0.2 after the first hidden layer), split 80/20;

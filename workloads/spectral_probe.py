@@ -1,17 +1,17 @@
-"""The LoRA spectral-feature probe (seed 002, after weightspace-lora-for-diffusion), end to end.
+"""The LoRA spectral-feature probe (after weightspace-lora-for-diffusion), end to end.
 
 Data: synthetic LoRA-like weight sets. Each sample has ``layers`` updates U diag(s) V^T + noise
 (rank ``rank``, Haar-random U and V); its class (10) sets the spectral shape, s_i =
 exp(-i / tau_c) with tau_c from 1.0 to 3.0 and +-30% jitter per sample and layer, so classes
 overlap.
-Features: the seed's 32 spectral features per layer, concatenated; standardized; then the
-seed's classifier (3 x [Linear 512, BatchNorm1d, ReLU, Dropout 0.5] -> Linear), Adam lr 1e-3 wd
+Features: the original's 32 spectral features per layer, concatenated; standardized; then the
+original's classifier (3 x [Linear 512, BatchNorm1d, ReLU, Dropout 0.5] -> Linear), Adam lr 1e-3 wd
 1e-4, ReduceLROnPlateau on the validation loss, early stopping after ``patience`` epochs.
 
 Reference: exact singular values (svdvals), scikit-learn's StandardScaler, fp32, batch 64, the
 plain loop. Optimized: randomized top-10 (kernels.spectral), kernels.Standardizer, batch 256, the
 engine under Recipe.auto (AMP where it measures faster), features kept in a FeatureCache keyed
-by the generating settings and code (a second run reads them back). By default the seed's 128
+by the generating settings and code (a second run reads them back). By default the original's 128
 LoRA layers of SD 1.5 are scaled to 16 square layers of 256 x 256 for a 2-core CPU; ``--shapes
 sd15`` generates the real ones (``SD15_SHAPES``: 16 transformer blocks of width 320/640/1280, each
 with self-attention q, k, v, out (d x d) and cross-attention q, out (d x d), k, v (d x 768)).
@@ -99,7 +99,7 @@ def layer_weights(cfg: Config, layer: int) -> Tensor:
 
 def features(cfg: Config, values: Callable[..., Tensor]) -> tuple[Tensor, float]:
     """(samples, layers * 32) and the seconds ``values`` took (generating the weights, which the
-    seed loads from disk, is not counted): ``values`` maps one layer (samples, dim, dim) to its
+    original loads from disk, is not counted): ``values`` maps one layer (samples, dim, dim) to its
     features."""
     out, seconds = [], 0.0
     for layer in range(cfg.layers):
@@ -112,7 +112,7 @@ def features(cfg: Config, values: Callable[..., Tensor]) -> tuple[Tensor, float]
 
 
 class Probe(nn.Module):
-    """The seed's classifier: 3 x [Linear 512, BatchNorm1d, ReLU, Dropout 0.5] -> Linear."""
+    """The original's classifier: 3 x [Linear 512, BatchNorm1d, ReLU, Dropout 0.5] -> Linear."""
 
     def __init__(self, d_in: int, classes: int, hidden: int = 512) -> None:
         super().__init__()

@@ -1,11 +1,11 @@
-"""The RoPE vision transformer workload (seed 003, after Vision-BDH): reference loop vs the engine.
+"""The RoPE vision transformer workload (after Vision-BDH): reference loop vs the engine.
 
 Model: kernels.models.RopeViT (4x4 patches of 32x32 images -> 64 tokens, D 192, 6 heads, pre-LN,
 RoPE over the patch index with theta 2^16 and interleaved pairs). Data: CIFAR-shaped images a
 model can learn (workloads.cifar_resnet.synthetic_cifar: per-class templates plus
 noise), or CIFAR-10 from local files (``--cifar PATH``, torchvision layout, never downloaded).
-Training: AdamW lr 1e-3 (a short budget; the seed's 1e-4 is for long runs), weight decay 0.05,
-linear warm-up then cosine decay. The seed's gradient clipping (1.0) is left out: the engine
+Training: AdamW lr 1e-3 (a short budget; the original's 1e-4 is for long runs), weight decay 0.05,
+linear warm-up then cosine decay. The original's gradient clipping (1.0) is left out: the engine
 has no clipping yet, and both runs must use the same loop semantics.
 
 Reference: fp32, per-call RoPE + explicit softmax attention, per-parameter Python AdamW, the

@@ -1,7 +1,7 @@
 """A small CIFAR ResNet-10: a stem conv, four stages of one BasicBlock, a linear head.
 
 Ten weight layers (stem, 4 x 2 block convs, head), widths 16-32-64-128, about 0.3M parameters:
-the size class of the seed's 230k-parameter course net, in the standard residual form.
+the size class of the original's 230k-parameter course net, in the standard residual form.
 ``norm="group"`` swaps BatchNorm for GroupNorm (8 groups where the width allows): per-sample
 statistics, so a batch split into micro-batches computes exactly the same function.
 """

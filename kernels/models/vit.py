@@ -1,5 +1,5 @@
-"""A RoPE vision transformer (seed 003, after Vision-BDH): 4x4 patches of 32x32 images -> 64
-tokens, pre-LN blocks of RoPE self-attention and a GELU MLP, mean-pooled into a linear head.
+"""A RoPE vision transformer (after Vision-BDH): 4x4 patches of 32x32 images -> 64 tokens,
+pre-LN blocks of RoPE self-attention and a GELU MLP, mean-pooled into a linear head.
 
 RoPE runs over the patch index with BDH's settings (theta 2^16, pairs (2i, 2i + 1)). The
 attention module is a parameter (``kernels.RopeSelfAttention`` or the reference's, which share

@@ -3,11 +3,8 @@ literal formulas, fp32, the plain loop (reference.training.train).
 
 It steps the same SGD as the optimized run (``kernels.sgd``), so the two runs differ only in how
 samples are chosen and in the loop, whose fp32 arithmetic is the same: "the same samples at every
-step" then tests the scores. Measured (20 tasks x 10 passes, 2800 steps): identical selections
-and bit-identical parameters to the end. With the per-parameter Python SGD instead, parameters
-drift apart by rounding (~1e-6 after 10 tasks) until a top-k boundary tie flips one sample at
-step 1406 of task 11, and the runs part from there. The SGD is under 1% of a step here (0.27M
-parameters against ~70 ms of scoring).
+step" then tests the scores (a per-parameter Python SGD drifts apart by rounding until a top-k
+tie flips; docs/measurements/from-the-code.md). The SGD is a negligible part of a step.
 """
 
 from __future__ import annotations

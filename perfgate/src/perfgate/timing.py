@@ -75,9 +75,9 @@ def configure_malloc(mode: str) -> str:
     """``cache``: glibc serves every block from its heap (no mmap) and keeps freed memory
     (trims only above 2 GiB free), so a fresh tensor reuses resident pages, as CUDA's caching
     allocator does. Without it a large tensor (a (B, P) per-sample gradient) is mmap-ed and
-    page-faulted anew on every call, or not, depending on what ran before: measured on the
-    2-core CPU, optimized per-sample grads at B=64 took 8.2 ms cold, 1.7-2.0 ms after other
-    tests, 1.8 ms in cache mode. Returns the mode in effect ("default" where mallopt is absent)."""
+    page-faulted anew on every call, or not, depending on what ran before, which moved timings
+    several-fold (docs/measurements/from-the-code.md). Returns the mode in effect ("default"
+    where mallopt is absent)."""
     if mode != "cache":
         return "default"
     try:
@@ -154,7 +154,7 @@ def interleaved(reference: Timed, impl: Timed, rounds: int, calls: tuple[int, in
     move with it. A block is
     ``calls`` back-to-back calls after a warming one, so each side runs with its own data in
     cache, as in its separate rounds; alternating single calls measured small kernels with the
-    other's data in cache (per-sample grad norms 13.7x apart, 7.7x call by call)."""
+    other's data in cache (docs/measurements/from-the-code.md)."""
     pairs = []
     for i in range(first_round, first_round + rounds):
         if i % 2 == 0:
