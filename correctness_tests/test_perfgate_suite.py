@@ -147,16 +147,16 @@ def test_a_4x_slower_kernel_fails_without_a_baseline(scratch: pytest.Pytester) -
 
 
 def test_a_1_5x_slower_kernel_fails_against_this_machines_baseline(scratch: pytest.Pytester) -> None:
-    """At make bench's thread count (Makefile BENCH_THREADS), where the baseline rule gates. Top-k
-    SVD and the Standardizer: per-sample grads at 1 thread moved 2.2-4.7x between unchanged runs
-    on a Zen 4 (docs/gate.md), more than a 1.5x slowdown, so one save/compare pair cannot show it."""
+    """At make bench's thread count (Makefile BENCH_THREADS), where the baseline rule gates, on
+    top-k SVD (compute-bound). One save/compare pair is one trial: memory-bound rows move between
+    unchanged runs by more than a 1.5x slowdown on some hosts (per-sample grads, the Standardizer:
+    docs/gate.md), so their detection rate is measured by perfgate.fidelity, not asserted here."""
     threads = next(line.split("=", 1)[1].strip() for line in (ROOT / "Makefile").read_text().splitlines()
                    if line.startswith("BENCH_THREADS"))
     storage = f"--benchmark-storage=file://{scratch.path / 'baselines'}"
     common = (storage, f"--perf-threads={threads}")
-    k = "test_topk_singular_values or test_standardize"
+    k = "test_topk_singular_values"
     assert _perf(scratch, *common, "--benchmark-save=base", k=k).ret == 0
     result = _perf(scratch, *common, "--benchmark-compare", "--perf-slowdown=1.5", k=k)
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
-    fell = [f"GATE FAILED: {row}*under the stored baseline's*" for row in CAUGHT_ROWS[1:]]
-    result.stdout.fnmatch_lines_random(fell)
+    result.stdout.fnmatch_lines([f"GATE FAILED: {CAUGHT_ROWS[1]}*under the stored baseline's*"])
