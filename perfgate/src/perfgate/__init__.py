@@ -1,8 +1,11 @@
 """perfgate: a pytest plugin that gates optimized kernels on their speedup over a reference.
 
-It imports nothing else of kernelgate, so any project that installs kernelgate can use it:
+Its own distribution (``pip install ./perfgate``, ``pytest-perfgate``), for any project with
+reference/optimized pairs; torch is optional. Inert in a session that has no perf test.
 
-- ``plugin``: options, fixtures, the ``speedup`` marker, the verdict (entry point pytest11).
+- ``plugin``: the pytest hooks and fixtures (entry point pytest11), each delegating to
+- ``session``: ``PerfSession``, the options, when the gate starts, the verdict and its report.
+- ``compat``: every use of pytest-benchmark beyond its documented API.
 - ``case``: ``PerfCase``, what the ``perf`` fixture gives a test, and the timing call.
 - ``state``: what one session measured, its floors and the stored baseline's speedups.
 - ``timing``: device-correct timing helpers and peak-memory measurement.
