@@ -102,6 +102,19 @@ def test_bad_input_is_refused(side) -> None:
         side.topk_singular_values(a, 2, oversample=-1)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", [(0, 0), (299, 199), (150, 7)])
+def test_randomized_path_refuses_nan_and_inf(bad: float, where: tuple[int, int]) -> None:
+    """The randomized path checks A @ G, not A: one bad entry anywhere, in a batch too, is refused."""
+    a = torch.randn(3, 300, 200)
+    a[1, where[0], where[1]] = bad
+    for m in (a, a.mT):  # both orientations (the wide one is transposed first)
+        with pytest.raises(ValueError, match="NaN or inf"):
+            KS.topk_singular_values(m, 10)
+        with pytest.raises(ValueError, match="NaN or inf"):
+            KS.spectral_features(m)
+
+
 def test_features_of_a_known_spectrum() -> None:
     """diag(4, 2, 1, 0...): 10 values, their shares, gaps, entropy, s_1 / s_10, sum."""
     a = torch.diag(torch.tensor([4.0, 2.0, 1.0] + [0.0] * 9, dtype=torch.float64))
