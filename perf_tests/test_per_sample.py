@@ -3,9 +3,15 @@
 The floors sit under the measured spread (the grads row follows memory bandwidth) and above losing
 the kernel (~1x; the Gram's materialized row ~1.5x) (docs/measurements/from-the-code.md). No CUDA
 floors yet: a floor is set only from a measurement.
+
+Peer rows: Opacus's GradSampleModule (per-layer hooks; its norms as its clipping computes them),
+the library a user would pick for per-sample gradients; skipped with the reason where opacus is
+not installed. The "vmap" row is torch.func's vmap(grad) recipe for every layer.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -43,6 +49,36 @@ def _time(perf, fn, ref_fn) -> None:
         assert_close(got, want, REDUCTION)
 
 
+_WRAPPED: dict[int, torch.nn.Module] = {}
+
+
+def _opacus_grads(model, loss_fn, x, y):
+    """Peer row: Opacus's per-sample gradients (hooks on a copy of ``model``, wrapped once, outside
+    the timed calls), as the reference's: sample i's gradient of its own loss."""
+    from opacus import GradSampleModule
+
+    if id(model) not in _WRAPPED:
+        _WRAPPED.clear()
+        _WRAPPED[id(model)] = GradSampleModule(copy.deepcopy(model), batch_first=True, loss_reduction="mean")
+    gsm = _WRAPPED[id(model)]
+    for p in gsm.parameters():
+        p.grad, p.grad_sample = None, None
+    loss_fn(gsm(x), y).backward()
+    return {n: p.grad_sample for n, p in gsm._module.named_parameters() if p.requires_grad}
+
+
+def _opacus_norms(model, loss_fn, x, y):
+    """Peer row: Opacus's per-sample gradients, then the per-sample norm its clipping takes."""
+    grads = _opacus_grads(model, loss_fn, x, y)
+    return torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], 1).norm(dim=1)
+
+
+def _peer(impl: str):
+    """The peer's function; its row is skipped, with the reason, where its library is missing."""
+    pytest.importorskip(impl.split()[1], reason=f"{impl}: not installed (pip install {impl.split()[1]})")
+    return {"peer: opacus": _opacus_grads, "peer: opacus norms": _opacus_norms}[impl]
+
+
 def _materialized_gram(model, loss_fn, x, y):
     """Ablation row: the kernel's per-sample gradients, flattened, then E @ E.T (no ghost)."""
     flat = torch.cat([g.flatten(1) for g in kernels.per_sample_grads(model, loss_fn, x, y).values()], 1)
@@ -50,9 +86,10 @@ def _materialized_gram(model, loss_fn, x, y):
 
 
 @pytest.mark.speedup(cpu={"smoke": 3.5, "full": 5.0})
-@pytest.mark.parametrize("impl", ["reference", "vmap", "optimized"])
+@pytest.mark.parametrize("impl", ["reference", "vmap", "optimized", "peer: opacus"])
 def test_per_sample_grads(perf, impl: str) -> None:
-    _time(perf, _vmap_only if impl == "vmap" else IMPLS[impl].per_sample_grads, reference.per_sample_grads)
+    fn = _peer(impl) if impl.startswith("peer") else _vmap_only if impl == "vmap" else IMPLS[impl].per_sample_grads
+    _time(perf, fn, reference.per_sample_grads)
 
 
 @pytest.mark.speedup(cpu={"smoke": 10.0, "full": 20.0})
@@ -63,6 +100,7 @@ def test_per_sample_grad_gram(perf, impl: str) -> None:
 
 
 @pytest.mark.speedup(cpu={"smoke": 8.0, "full": 20.0})
-@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("impl", [*IMPLS, "peer: opacus norms"])
 def test_per_sample_grad_norms(perf, impl: str) -> None:
-    _time(perf, IMPLS[impl].per_sample_grad_norms, reference.per_sample_grad_norms)
+    fn = _peer(impl) if impl.startswith("peer") else IMPLS[impl].per_sample_grad_norms
+    _time(perf, fn, reference.per_sample_grad_norms)
