@@ -602,3 +602,52 @@ def test_ghost_sum_grad_and_dots_match_materialized(p: dict) -> None:
     v_flat = torch.cat([t.flatten() for t in v.values()])
     # a dot product's rounding scales with |v| |g_i|, not with the (possibly cancelled) result
     assert_close(terms.dots(v), flat @ v_flat, REDUCTION, scale=(v_flat.norm() * flat.norm(dim=1).max()).item())
+
+
+# -- out=: the result written into given tensors ------------------------------------------------
+
+def _out_like(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: torch.full_like(g, float("nan")) for n, g in grads.items()}
+
+
+@pytest.mark.parametrize("model", [MLP((6, 5, 3)), nn.Sequential(nn.LayerNorm(6), MLP((6, 5, 3)))],
+                         ids=["identity", "vmap"])
+def test_out_is_filled_and_returned(model: nn.Module) -> None:
+    """The same dict and tensors come back, equal to a fresh call, on two calls with different
+    inputs (a buffer reused from the previous step), on the identity and the vmap path."""
+    torch.manual_seed(0)
+    out = None
+    for step in range(2):
+        x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+        want = kernels.per_sample_grads(model, F.cross_entropy, x, y)
+        out = out if out is not None else _out_like(want)
+        ptrs = {n: t.data_ptr() for n, t in out.items()}
+        got = kernels.per_sample_grads(model, F.cross_entropy, x, y, out=out)
+        assert got is out and {n: t.data_ptr() for n, t in got.items()} == ptrs, f"step {step}"
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=0, atol=0)
+
+
+def test_out_with_an_empty_batch_is_returned_as_is() -> None:
+    model = MLP((6, 5, 3))
+    out = {n: p.new_zeros((0, *p.shape)) for n, p in model.named_parameters()}
+    assert kernels.per_sample_grads(model, F.cross_entropy, torch.randn(0, 6), torch.zeros(0, dtype=torch.int64),
+                                    out=out) is out
+
+
+def test_bad_out_is_refused_clearly() -> None:
+    model = MLP((6, 5, 3))
+    x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+    good = _out_like(kernels.per_sample_grads(model, F.cross_entropy, x, y))
+    first = next(iter(good))
+    cases = {
+        "out must be a dict": [good[first]],
+        "missing": {n: t for n, t in good.items() if n != first},
+        r"must be \(4, 5, 6\) torch.float32": {**good, first: good[first][:3]},
+        "torch.float64": {**good, first: good[first].double()},
+        "contiguous": {**good, first: good[first].transpose(1, 2).contiguous().transpose(1, 2)},
+        "share memory": {**good, "net.2.weight": good[first].view(-1)[:60].view(4, 3, 5)},
+    }
+    for message, out in cases.items():
+        with pytest.raises((ValueError, TypeError), match=message):
+            kernels.per_sample_grads(model, F.cross_entropy, x, y, out=out)

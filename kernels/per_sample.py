@@ -140,46 +140,84 @@ def _empty(model: nn.Module, names: list[str]) -> dict[str, Tensor]:
     return {n: params[n].new_zeros((0, *params[n].shape)) for n in names}
 
 
+def check_out(model: nn.Module, names: list[str], batch: int, out: dict[str, Tensor]) -> None:
+    """``out`` of ``per_sample_grads``: one (B, *param.shape) tensor per trainable parameter, in
+    the parameter's dtype and device, contiguous, and no two sharing memory."""
+    if not isinstance(out, dict):
+        raise TypeError(f"out must be a dict {{name: Tensor(B, *param.shape)}}, got {type(out).__name__}")
+    params = dict(model.named_parameters())
+    if set(out) != set(names):
+        raise ValueError(f"out must have exactly the trainable parameters' names; missing "
+                         f"{sorted(set(names) - set(out))}, unexpected {sorted(set(out) - set(names))}")
+    for n in names:
+        t, p = out[n], params[n]
+        want = (batch, *p.shape)
+        if not isinstance(t, Tensor) or tuple(t.shape) != want or t.dtype != p.dtype or t.device != p.device:
+            got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"out[{n!r}] must be {want} {p.dtype} on {p.device} (batch, *param.shape), got {got}")
+        if not t.is_contiguous():
+            raise ValueError(f"out[{n!r}] must be contiguous")
+    filled = [t for t in out.values() if t.numel()]
+    if len({t.untyped_storage().data_ptr() for t in filled}) != len(filled):
+        raise ValueError("out's tensors must not share memory")
+
+
 @torch.enable_grad()  # a gradient computation: works when called under no_grad
 def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
-                     chunk_size: int | None = None, randomness: str = "error") -> dict[str, Tensor]:
+                     chunk_size: int | None = None, randomness: str = "error",
+                     out: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
     """Gradient of each sample's own loss: ``{name: Tensor(B, *param.shape)}``.
 
     inputs (B, ...) floating, targets (B, ...). Parameters with requires_grad=False are skipped.
     ``chunk_size`` bounds how many samples vmap processes at once (non-Linear layers only).
     ``randomness`` is torch.func's: 'error' refuses active dropout; 'different' or 'same'.
+    ``out``: tensors to write the result into (the same dict is returned), e.g. the previous
+    call's result: the B x P result is then not allocated afresh on every call, which under
+    glibc's default malloc page-faults every page of it (docs/kernels/per_sample.md).
     """
     names = check_inputs(model, loss_fn, inputs, targets, randomness)
+    if out is not None:
+        check_out(model, names, inputs.shape[0], out)
     if inputs.shape[0] == 0:
-        return _empty(model, names)
+        return out if out is not None else _empty(model, names)
     plan = _plan(model, names, randomness)
     if plan.other:  # identity + vmap passes measured slower than one vmap pass (module note)
         plan = _Plan(names, {}, names)
     plan, terms = _terms(model, loss_fn, inputs, targets, plan)
     with torch.autocast(inputs.device.type, enabled=False):  # gradients in the weights' dtype
-        out = _from_terms(plan, terms, inputs.shape[0])
+        result = _from_terms(plan, terms, inputs.shape[0], out)
     if plan.other:
-        out.update(_vmap_grads(model, loss_fn, inputs, targets, plan.other, randomness, chunk_size))
-    return {n: out[n] for n in names}
+        grads = _vmap_grads(model, loss_fn, inputs, targets, plan.other, randomness, chunk_size)
+        for n, g in grads.items():
+            result[n] = g if out is None else out[n].copy_(g)
+    if out is not None:
+        return out
+    return {n: result[n] for n in names}
 
 
-def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int) -> dict[str, Tensor]:
+def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int,
+                into: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """Per-sample gradients of the identity layers, written into ``into``'s tensors when given."""
     out: dict[str, Tensor] = {}
+    into = into or {}
     for mname, (a, g) in terms.items():
         prefix = f"{mname}." if mname else ""
         m = plan.linear[mname]
         if m.weight.requires_grad:
             # (B, out, T) @ (B, T, in): bmm writes the (B, out, in) result directly; the same
             # einsum measured 1.3x slower for the 784-256 layer (docs/kernels/per_sample.md)
-            out[prefix + "weight"] = torch.bmm(g.transpose(1, 2), a)
+            w = into.get(prefix + "weight")
+            out[prefix + "weight"] = torch.bmm(g.transpose(1, 2), a, out=w)
         if m.bias is not None and m.bias.requires_grad:
-            out[prefix + "bias"] = g.sum(dim=1)
+            b = into.get(prefix + "bias")
+            out[prefix + "bias"] = torch.sum(g, dim=1, out=b) if b is not None else g.sum(dim=1)
     for mname, m in plan.linear.items():  # layers never called get zero gradients
         if mname not in terms:
             prefix = f"{mname}." if mname else ""
             for n, p in m.named_parameters():
                 if p.requires_grad:
-                    out[prefix + n] = p.new_zeros((batch, *p.shape))
+                    z = into.get(prefix + n)
+                    out[prefix + n] = z.zero_() if z is not None else p.new_zeros((batch, *p.shape))
     return out
 
 
