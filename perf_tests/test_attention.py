@@ -4,38 +4,59 @@ kernels/attention.py). Forward only; the timed result must equal the reference's
 
 The floors sit under the measured spread and above a kernel that lost its fast path (~1.0x)
 (docs/measurements/from-the-code.md).
+
+Peer row: rotary-embedding-torch (interleaved pairs, its cached frequencies) then SDPA, what a
+user would write instead; checked against the reference with the same (interleaved) rotation.
+Skipped, with the reason, where rotary-embedding-torch is not installed.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import kernels
 import reference
 from correctness_tests.tolerances import REDUCTION, assert_close
 
 IMPLS = {"reference": reference, "optimized": kernels}
+PEER = "peer: rotary-embedding-torch + SDPA"
+
+
+def _peer(device: str):
+    """rotary-embedding-torch's rotation of q and k, then torch's SDPA; our interleaved RoPE is the
+    same function."""
+    ret = pytest.importorskip("rotary_embedding_torch", reason=f"{PEER}: pip install rotary-embedding-torch")
+    rotary = ret.RotaryEmbedding(dim=64).to(device)
+
+    def attend(q, k, v, rope, *, causal: bool):
+        rotate = rotary.rotate_queries_or_keys
+        return F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=causal)
+
+    return attend, kernels.RotaryEmbedding(64, interleaved=True).to(device)
 
 
 def _time(perf, impl: str, seq: int, causal: bool) -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(8, 8, seq, 64, device=perf.device) for _ in range(3))
     rope = kernels.RotaryEmbedding(64).to(perf.device)
-    fn = IMPLS[impl].rope_attention
+    fn = IMPLS[impl].rope_attention if impl in IMPLS else None
+    if impl == PEER:
+        fn, rope = _peer(perf.device)
     got = perf(lambda: fn(q, k, v, rope, causal=causal), label=f"B8 H8 S{seq} D64")
     assert_close(got, reference.rope_attention(q, k, v, rope, causal=causal), REDUCTION)
 
 
 @pytest.mark.speedup(cpu=1.05)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("impl", [*IMPLS, PEER])
 def test_rope_attention_s128(perf, impl: str, causal: bool) -> None:
     _time(perf, impl, 128, causal)
 
 
 @pytest.mark.speedup(cpu=1.2)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("impl", [*IMPLS, PEER])
 def test_rope_attention_s512(perf, impl: str, causal: bool) -> None:
     _time(perf, impl, 512, causal)
