@@ -123,3 +123,29 @@ def test_bad_input_is_refused() -> None:
     with pytest.raises(ValueError, match="fitted statistics on cpu"):
         s.partial_fit(torch.randn(4, 3, device="meta"))
     assert s.fit(torch.randn(4, 3)) is s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_transform_into_out(dtype: torch.dtype) -> None:
+    """transform(X, out=buf) writes the same values into buf and returns it, call after call."""
+    scaler = Standardizer()
+    buf = None
+    for seed in range(2):
+        x = 7.0 + 2.0 * torch.randn(50, 6, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+        want = scaler.fit(x).transform(x)
+        buf = torch.full_like(x, float("nan")) if buf is None else buf
+        got = scaler.transform(x, out=buf)
+        assert got is buf
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_bad_out_is_refused() -> None:
+    x = torch.randn(20, 4)
+    scaler = Standardizer().fit(x)
+    for out, message in ((x[:10].clone(), "must be"), (x.double(), "must be"), (x, "of its own"),
+                         (torch.empty(4, 20).T, "contiguous"), ([1.0], "must be a Tensor")):
+        with pytest.raises((ValueError, TypeError), match=message):
+            scaler.transform(x, out=out)
+    with pytest.raises(ValueError, match="float32 or float64"):
+        scaler16 = Standardizer().fit(x.half())
+        scaler16.transform(x.half(), out=torch.empty_like(x.half()))
