@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from sklearn.utils.extmath import randomized_svd
 
 import kernels.spectral as KS
 import reference.spectral as RS
@@ -30,8 +31,6 @@ def _svd_lowrank(a: torch.Tensor, k: int, generator: torch.Generator) -> torch.T
 
 def _randomized_svd(a: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
     """scikit-learn's randomized SVD with its defaults (10 oversamples, 'auto' power iterations)."""
-    from sklearn.utils.extmath import randomized_svd
-
     seed = int(torch.randint(2**31, (), generator=generator))
     s = randomized_svd(a.cpu().numpy(), k, random_state=np.random.RandomState(seed))[1]
     return torch.from_numpy(s).to(a.device)

@@ -44,19 +44,22 @@ def hold_compare(config: pytest.Config) -> Any:
 
 
 def load_compare(config: pytest.Config, compare: Any, storage: str | None) -> None:
-    """Give pytest-benchmark back ``--benchmark-compare`` (held by ``hold_compare``), with its
-    storage moved to ``storage`` when given, and load the baseline as its configure would have."""
+    """Give pytest-benchmark back ``--benchmark-compare`` when ``hold_compare`` took it (``compare``
+    not None), with its storage moved to ``storage`` when given, and load the baseline as its
+    configure would have. Options the user did not give are left as they are."""
     from pytest_benchmark.utils import load_storage
 
-    config.option.benchmark_compare = compare
     session = benchmark_session(config)
+    if compare is not None:
+        config.option.benchmark_compare = compare
     if session is None:
         return
     if storage is not None:
         session.storage = load_storage(storage, logger=session.logger, default_machine_id=session.machine_id,
                                        netrc=config.getoption("benchmark_netrc"))
-    session.compare = compare
-    session.handle_loading()
+    if compare is not None:
+        session.compare = compare
+        session.handle_loading()
 
 
 def storage_url(config: pytest.Config) -> str | None:
