@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from perfgate.case import comparison
+
 ROOT = Path(__file__).resolve().parents[1]
 EVIDENCE = ROOT / "docs" / "measurements" / "floor-evidence.json"
 MARGIN = 0.85  # a floor sits at most this fraction of the lowest speedup measured for its row
@@ -68,6 +70,8 @@ def _cpu_floors() -> list[tuple[str, str, str, float, str | None]]:
                 for size in ("smoke", "full"):
                     floor = value.get(size) if isinstance(value, dict) else value
                     impl, variant = mark.kwargs.get("impl", "optimized"), mark.kwargs.get("variant")
+                    if mark.kwargs.get("over") is not None:  # a row timed against a peer
+                        impl = comparison(impl, mark.kwargs["over"])
                     if floor is not None:
                         floors.append((name.removeprefix("test_"), impl, size, floor, variant))
     return floors

@@ -49,6 +49,7 @@ def _time(perf, impl: str, seq: int, causal: bool) -> None:
 
 
 @pytest.mark.speedup(cpu=1.05)
+@pytest.mark.speedup(over=PEER)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("impl", [*IMPLS, PEER])
 def test_rope_attention_s128(perf, impl: str, causal: bool) -> None:
@@ -56,6 +57,7 @@ def test_rope_attention_s128(perf, impl: str, causal: bool) -> None:
 
 
 @pytest.mark.speedup(cpu=1.2)
+@pytest.mark.speedup(over=PEER)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("impl", [*IMPLS, PEER])
 def test_rope_attention_s512(perf, impl: str, causal: bool) -> None:

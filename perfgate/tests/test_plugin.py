@@ -183,6 +183,47 @@ def test_declared_work_gives_a_throughput_ratio(pytester: pytest.Pytester) -> No
     assert 0.8 < row["reference_gbps"] < 1.0 and 1.6 < row["optimized_gbps"] < 2.0
 
 
+PEERS = """
+import time
+import pytest
+
+SLEEP = {{"reference": 0.012, "optimized": 0.002, "peer": {peer}}}
+
+@pytest.mark.speedup(cpu=2.0)
+@pytest.mark.speedup(cpu={floor}, over="peer")
+@pytest.mark.parametrize("impl", ["reference", {order}])
+def test_sleepy(perf, impl):
+    perf(lambda: time.sleep(SLEEP[impl]), label="12ms")
+"""
+
+
+@pytest.mark.parametrize("order", ['"optimized", "peer"', '"peer", "optimized"'])
+def test_speedup_over_a_peer_is_timed_against_it_and_gated(pytester: pytest.Pytester, order: str) -> None:
+    """A speedup(over=) row pairs the two impls directly, whichever ran first, and is gated by its floor."""
+    pytester.makepyfile(test_peers=PEERS.format(peer=0.006, floor=2.0, order=order))
+    result = _run(pytester, "--benchmark-json=out.json")
+    assert result.ret == 0, result.stdout.str()
+    rows = {r["impl"]: r for r in json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"]}
+    assert set(rows) == {"optimized", "peer", "optimized vs peer"}
+    row = rows["optimized vs peer"]
+    assert 2.5 < row["speedup"] < 3.3 and row["interleaved"] and row["floor"] == 2.0
+    assert 5.0 < row["reference_ms"] < 8.0 and 1.5 < row["optimized_ms"] < 3.0  # the peer's side, ours
+    result.stdout.fnmatch_lines(["*sleepy*optimized vs peer*12ms*ok*", "*gate passed*"])
+
+    pytester.makepyfile(test_peers=PEERS.format(peer=0.002, floor=2.0, order=order))  # the peer caught up
+    result = _run(pytester)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*GATE FAILED: sleepy [[]optimized vs peer, 12ms]*under the floor 2.00x*"])
+
+
+def test_speedup_over_an_impl_the_test_lacks_is_refused(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_peers=PEERS.format(peer=0.006, floor=2.0, order='"optimized", "peeer"'))
+    result = _run(pytester)
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*speedup(impl='optimized', over='peer') names 'peer', which is not one of "
+                                 "the test's impls*"])
+
+
 def test_perf_test_without_impl_param_fails_clearly(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("def test_x(perf):\n    perf(lambda: None)\n")
     result = _run(pytester)

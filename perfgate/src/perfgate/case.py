@@ -24,20 +24,38 @@ MIN_VISIT_ROUNDS = 3  # interleaved pairs a visit times, at least
 MIN_PAIRS = 7
 
 
+def comparison(impl: str, over: str) -> str:
+    """The row name of ``impl`` timed against ``over`` (a peer) instead of the reference."""
+    return f"{impl} vs {over}"
+
+
+def _impls(item: pytest.Item) -> list[str]:
+    """The values the test parametrizes ``impl`` over."""
+    for mark in item.iter_markers("parametrize"):
+        names = mark.args[0] if mark.args else mark.kwargs.get("argnames", "")
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        if names == ["impl"]:
+            return [str(v) for v in mark.args[1]]
+    return []
+
+
 def _floor(item: pytest.Item, mark_name: str, impl: str, device: str, size: str,
-           variant: str | None) -> tuple[float | None, str]:
+           variant: str | None, over: str | None = None) -> tuple[float | None, str]:
     """The ``speedup`` or ``memory`` floor ``item`` declares for ``impl`` on this device class and
-    size, and, when a declared floor does not apply, why. A marker with ``variant=`` (an fnmatch
-    pattern) applies only to a call made with a matching ``variant``: a floor that holds only where
-    a recipe (bf16 on a CPU with bf16 instructions, say) was chosen. Two markers that both apply
-    to one impl are an error: which one would win should not depend on decorator order."""
+    size (over the reference, or with ``over``, over that impl), and, when a declared floor does
+    not apply, why. A marker with ``variant=`` (an fnmatch pattern) applies only to a call made
+    with a matching ``variant``: a floor that holds only where a recipe (bf16 on a CPU with bf16
+    instructions, say) was chosen. Two markers that both apply to one impl are an error: which one
+    would win should not depend on decorator order."""
     device_class = "cuda" if device.startswith("cuda") else "cpu"
     note, found = "", []
     for mark in item.iter_markers(mark_name):
         if mark.args:
             raise pytest.UsageError(f"{item.nodeid}: {mark_name} marker takes keywords "
-                                    "cpu=, cuda=, impl=, variant=")
-        if mark.kwargs.get("impl", "optimized") != impl:
+                                    "cpu=, cuda=, impl=, variant=, over=")
+        if mark_name == "memory" and "over" in mark.kwargs:
+            raise pytest.UsageError(f"{item.nodeid}: a memory floor is over the reference; over= is for speedups")
+        if mark.kwargs.get("impl", "optimized") != impl or mark.kwargs.get("over") != over:
             continue
         value = mark.kwargs.get(device_class)
         if isinstance(value, dict):
@@ -55,6 +73,25 @@ def _floor(item: pytest.Item, mark_name: str, impl: str, device: str, size: str,
         raise pytest.UsageError(f"{item.nodeid}: {len(found)} {mark_name} markers apply to impl {impl!r} on "
                                 f"{device_class} at size {size}; key them apart with impl= or variant=")
     return (found[0], "") if found else (None, note)
+
+
+def _comparisons(item: pytest.Item, impl: str) -> list[tuple[str, str]]:
+    """(impl, over) pairs of the ``speedup(over=...)`` markers that name ``impl`` on either side.
+    Both names must be values of the test's ``impl`` parameter: a misspelt one would never be
+    timed, and its floor would pass unseen."""
+    impls, pairs = _impls(item), []
+    for mark in item.iter_markers("speedup"):
+        over = mark.kwargs.get("over")
+        if over is None:
+            continue
+        side = mark.kwargs.get("impl", "optimized")
+        for name in (side, over):
+            if name not in impls:
+                raise pytest.UsageError(f"{item.nodeid}: speedup(impl={side!r}, over={over!r}) names {name!r}, "
+                                        f"which is not one of the test's impls {impls}")
+        if impl in (side, over) and (side, over) not in pairs:
+            pairs.append((side, over))
+    return pairs
 
 
 def _slowed(run: Callable[..., Any], factor: float) -> Callable[..., Any]:
@@ -146,22 +183,12 @@ class PerfCase:
         if times is None:  # --benchmark-disable or xdist: ran once, nothing measured
             state.unmeasured += 1
             return result
+        # every impl's timed callable is kept for the impls of this kernel that follow it: the
+        # reference for all of them, a peer for the impls a speedup(over=) marker compares with it
         paired, later = None, None
-        if self.impl == REFERENCE:  # kept for the impls of this kernel that follow it
-            state.references[self.kernel] = ((run, setup_synced), float(np.median(times)))
-        elif self.kernel in state.references:
-            ref_timed, ref_median = state.references[self.kernel]
-            calls = (_block_calls(ref_median), _block_calls(warm))
-            block_s = (calls[0] + 1) * ref_median + (calls[1] + 1) * warm
-            max_time = float(config.getoption("benchmark_max_time"))
-            n = max(MIN_PAIRS, min(rounds, math.ceil(max_time / max(block_s, 1e-6))))
-            # a share now, the rest in later visits at the session's end (GateState.revisit); a
-            # visit times at least MIN_VISIT_ROUNDS pairs, so a slow kernel's few (and long) pairs
-            # stay in fewer visits: 5 pairs in 3 visits gave a 2-3x wide bootstrap interval
-            visits = 1 if n <= MIN_PAIRS else max(1, min(state.visits, n // MIN_VISIT_ROUNDS))
-            shares = [len(v) for v in np.array_split(range(n), visits)]
-            paired = interleaved(ref_timed, (run, setup_synced), shares[0], calls)
-            later = Visits(self.kernel, self.impl, ref_timed, (run, setup_synced), calls, shares[1:])
+        state.runners[(self.kernel, self.impl)] = ((run, setup_synced), float(np.median(times)))
+        if self.impl != REFERENCE and (self.kernel, REFERENCE) in state.runners:
+            paired, later = self._pair(REFERENCE, self.impl, rounds)
         args = () if setup is None else (setup(),)
         # rows gated on memory take the median of 3 peaks: CPU peaks move by a few stray pages
         repeats = 3 if any(self._request.node.iter_markers("memory")) else 1
@@ -178,9 +205,54 @@ class PerfCase:
             state.timers[(self.kernel, self.impl)] = later  # kept to extend a straddled floor
             if later.shares:
                 state.pending.append(later)
-        key = (self.kernel, self.impl)
+        self._set_floors(self.impl, variant)
+        for side, over in _comparisons(self._request.node, self.impl):
+            if (self.kernel, side) in state.runners and (self.kernel, over) in state.runners:
+                self._compare(side, over, rounds)
+        return result
+
+    def _pair(self, base: str, side: str, rounds: int) -> tuple[list[tuple[float, float]], Visits]:
+        """Interleaved (base, side) pairs timed now, and the later visits' share of them."""
+        state, config = self._state, self._request.config
+        (base_timed, base_median), (side_timed, side_median) = (state.runners[(self.kernel, i)]
+                                                                for i in (base, side))
+        calls = (_block_calls(base_median), _block_calls(side_median))
+        block_s = (calls[0] + 1) * base_median + (calls[1] + 1) * side_median
+        max_time = float(config.getoption("benchmark_max_time"))
+        n = max(MIN_PAIRS, min(rounds, math.ceil(max_time / max(block_s, 1e-6))))
+        # a share now, the rest in later visits at the session's end (GateState.revisit); a
+        # visit times at least MIN_VISIT_ROUNDS pairs, so a slow kernel's few (and long) pairs
+        # stay in fewer visits: 5 pairs in 3 visits gave a 2-3x wide bootstrap interval
+        visits = 1 if n <= MIN_PAIRS else max(1, min(state.visits, n // MIN_VISIT_ROUNDS))
+        shares = [len(v) for v in np.array_split(range(n), visits)]
+        name = side if base == REFERENCE else comparison(side, base)
+        paired = interleaved(base_timed, side_timed, shares[0], calls)
+        return paired, Visits(self.kernel, name, base_timed, side_timed, calls, shares[1:])
+
+    def _compare(self, side: str, over: str, rounds: int) -> None:
+        """A row of ``side`` timed interleaved against ``over`` (a peer), as its speedup over the
+        reference is: the question "why not the peer?" answered by one paired measurement."""
+        state = self._state
+        measured = state.results[self.kernel][side]
+        paired, later = self._pair(over, side, rounds)
+        name = comparison(side, over)
+        state.results[self.kernel][name] = Measurement(
+            times=measured.times, size=self.size, label=measured.label, peak_bytes=measured.peak_bytes,
+            work_bytes=measured.work_bytes, paired=paired, visits=1 + len(later.shares),
+            variant=measured.variant, against=over)
+        state.timers[(self.kernel, name)] = later
+        if later.shares:
+            state.pending.append(later)
+        self._set_floors(side, measured.variant, over)
+
+    def _set_floors(self, impl: str, variant: str | None, over: str | None = None) -> None:
+        """Record the floors that apply to ``impl``'s row (over ``over`` when given)."""
+        state = self._state
+        key = (self.kernel, impl if over is None else comparison(impl, over))
         for mark_name, floors in (("speedup", state.floors), ("memory", state.memory_floors)):
-            floor, note = _floor(self._request.node, mark_name, self.impl, self.device, self.size, variant)
+            if mark_name == "memory" and over is not None:
+                continue
+            floor, note = _floor(self._request.node, mark_name, impl, self.device, self.size, variant, over)
             if mark_name == "speedup" and floor is not None and not state.cpu_floors_apply:
                 # CPU floors were measured at torch's default threads (plugin.py)
                 floor, note = None, f"not applied at {state.threads} thread(s)"
@@ -188,4 +260,3 @@ class PerfCase:
                 floors[key] = floor
             elif note and mark_name == "speedup":
                 state.floor_notes[key] = note
-        return result

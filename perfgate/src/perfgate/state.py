@@ -25,6 +25,7 @@ class Measurement:
     paired: list[tuple[float, float]] | None = None  # (reference, this impl) rounds timed alternately
     visits: int = 1  # how many visits timed ``paired``
     variant: str | None = None  # what the impl chose at run time (``perf(..., variant=)``)
+    against: str = REFERENCE  # the impl ``paired`` times it against: a peer for a comparison row
 
 
 @dataclass
@@ -56,7 +57,7 @@ class GateState:
     rows: list[SpeedupRow] | None = None
     unmeasured: int = 0  # perf calls that ran with benchmarks disabled
     slowdown: float = 1.0  # TEST ONLY: --perf-slowdown, the optimized impls made this much slower
-    references: dict = field(default_factory=dict)  # kernel -> (timed reference callable, its median s)
+    runners: dict = field(default_factory=dict)  # (kernel, impl) -> (timed callable, its median s)
     cpu_floors_apply: bool = True  # False on CPU at a thread count other than torch's default
     visits: int = 3  # --perf-visits: each impl's interleaved rounds are timed in this many visits
     pending: list[Visits] = field(default_factory=list)  # the later visits, timed by revisit()
@@ -106,7 +107,7 @@ class GateState:
                             row = self._row(kernel, impl)
                     rows.append(row)
         self.timers.clear()
-        self.references.clear()
+        self.runners.clear()
         self.rows = rows
         return rows
 
@@ -135,7 +136,8 @@ class GateState:
 
     def _row(self, kernel: str, impl: str) -> SpeedupRow:
         """``impl``'s speedup row from what is measured now, gated."""
-        ref, m = self.results[kernel][REFERENCE], self.results[kernel][impl]
+        m = self.results[kernel][impl]
+        ref = self.results[kernel][m.against]
         # With declared work on both sides the ratio is of throughput (bytes/s), e.g. a
         # kernel against the streaming bandwidth; with equal work it is the time ratio.
         scale = m.work_bytes / ref.work_bytes if ref.work_bytes and m.work_bytes else 1.0
