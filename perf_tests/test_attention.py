@@ -14,37 +14,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kernels
 import reference
 from correctness_tests.tolerances import REDUCTION, assert_close
+from perf_tests.peers import ROTARY as PEER
+from perf_tests.peers import rotary_attention
 
 IMPLS = {"reference": reference, "optimized": kernels}
-PEER = "peer: rotary-embedding-torch + SDPA"
-
-
-def _peer(device: str):
-    """rotary-embedding-torch's rotation of q and k, then torch's SDPA; our interleaved RoPE is the
-    same function."""
-    ret = pytest.importorskip("rotary_embedding_torch", reason=f"{PEER}: pip install rotary-embedding-torch")
-    rotary = ret.RotaryEmbedding(dim=64).to(device)
-
-    def attend(q, k, v, rope, *, causal: bool):
-        rotate = rotary.rotate_queries_or_keys
-        return F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=causal)
-
-    return attend, kernels.RotaryEmbedding(64, interleaved=True).to(device)
 
 
 def _time(perf, impl: str, seq: int, causal: bool) -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(8, 8, seq, 64, device=perf.device) for _ in range(3))
     rope = kernels.RotaryEmbedding(64).to(perf.device)
-    fn = IMPLS[impl].rope_attention if impl in IMPLS else None
-    if impl == PEER:
-        fn, rope = _peer(perf.device)
-    got = perf(lambda: fn(q, k, v, rope, causal=causal), label=f"B8 H8 S{seq} D64")
+    if impl == PEER:  # the interleaved RoPE, which rotary-embedding-torch computes
+        rotary = rotary_attention(64, perf.device)
+        rope = kernels.RotaryEmbedding(64, interleaved=True).to(perf.device)
+        fn = lambda: rotary(q, k, v, causal=causal)
+    else:
+        fn = lambda: IMPLS[impl].rope_attention(q, k, v, rope, causal=causal)
+    got = perf(fn, label=f"B8 H8 S{seq} D64")
     assert_close(got, reference.rope_attention(q, k, v, rope, causal=causal), REDUCTION)
 
 

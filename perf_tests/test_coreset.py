@@ -5,6 +5,9 @@ Stream of rotated digits (smoke 100, the original's stream; full 512), replay me
 original's total memory, against which every step from task 2 on measures affinity). The timed
 result must select the reference's samples.
 
+Peer row: Opacus's per-sample gradients (E materialized by hooks) and the original's formulas
+(perf_tests/peers.py), what a user with a per-sample-gradient library would write.
+
 The floors sit under the measured speedups and far above a lost ghost path (materialized E:
 ~1.2x) (docs/measurements/from-the-code.md, floors.md).
 """
@@ -18,16 +21,19 @@ import torch.nn.functional as F
 import kernels
 import reference
 from kernels.models import MLP
+from perf_tests.peers import PEERS
 from workloads.rotated_digits import digits, rotated_tasks
 
 STREAM = {"smoke": 100, "full": 512}
 MEMORY = 200
 K = 10
-IMPLS = {"reference": reference, "optimized": kernels}
+IMPLS = {"reference": reference.ocs_select, "optimized": kernels.ocs_select}
+PEER = "peer: opacus + OCS formulas"
 
 
 @pytest.mark.speedup(cpu={"smoke": 7.5, "full": 30.0})
-@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.speedup(over=PEER)
+@pytest.mark.parametrize("impl", [*IMPLS, PEER])
 def test_ocs_select(perf, impl: str) -> None:
     (train, _), = rotated_tasks(digits(), 1, device=perf.device)
     n = STREAM[perf.size]
@@ -35,6 +41,7 @@ def test_ocs_select(perf, impl: str) -> None:
     memory = (train[0][-MEMORY:], train[1][-MEMORY:])
     torch.manual_seed(0)
     model = MLP().to(perf.device).eval()
-    got = perf(lambda: IMPLS[impl].ocs_select(model, F.cross_entropy, x, y, K, memory=memory),
+    fn = IMPLS.get(impl) or PEERS[impl]
+    got = perf(lambda: fn(model, F.cross_entropy, x, y, K, memory=memory),
                label=f"MLP N={n} M={MEMORY} k={K}")
     assert torch.equal(got, reference.ocs_select(model, F.cross_entropy, x, y, K, memory=memory))

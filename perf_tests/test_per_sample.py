@@ -11,8 +11,6 @@ not installed. The "vmap" row is torch.func's vmap(grad) recipe for every layer.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +20,7 @@ import reference
 from correctness_tests.tolerances import ELEMENTWISE, REDUCTION, assert_close, assert_dicts_close
 from kernels.models import MLP
 from kernels.per_sample import _vmap_grads
+from perf_tests.peers import PEERS
 
 BATCH = {"smoke": 64, "full": 256}
 IMPLS = {"reference": reference, "optimized": kernels}
@@ -49,30 +48,6 @@ def _time(perf, fn, ref_fn) -> None:
         assert_close(got, want, REDUCTION)
 
 
-_WRAPPED: dict[int, torch.nn.Module] = {}
-
-
-def _opacus_grads(model, loss_fn, x, y):
-    """Peer row: Opacus's per-sample gradients (hooks on a copy of ``model``, wrapped once, outside
-    the timed calls), as the reference's: sample i's gradient of its own loss."""
-    from opacus import GradSampleModule
-
-    if id(model) not in _WRAPPED:
-        _WRAPPED.clear()
-        _WRAPPED[id(model)] = GradSampleModule(copy.deepcopy(model), batch_first=True, loss_reduction="mean")
-    gsm = _WRAPPED[id(model)]
-    for p in gsm.parameters():
-        p.grad, p.grad_sample = None, None
-    loss_fn(gsm(x), y).backward()
-    return {n: p.grad_sample for n, p in gsm._module.named_parameters() if p.requires_grad}
-
-
-def _opacus_norms(model, loss_fn, x, y):
-    """Peer row: Opacus's per-sample gradients, then the per-sample norm its clipping takes."""
-    grads = _opacus_grads(model, loss_fn, x, y)
-    return torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], 1).norm(dim=1)
-
-
 def _into_buffers():
     """Row "optimized, out=": per_sample_grads writing into the previous call's result, as a
     training loop can, so its B x P output is not allocated (and page-faulted) on every call."""
@@ -84,12 +59,6 @@ def _into_buffers():
         return kernels.per_sample_grads(model, loss_fn, x, y, out=buffers)
 
     return run
-
-
-def _peer(impl: str):
-    """The peer's function; its row is skipped, with the reason, where its library is missing."""
-    pytest.importorskip(impl.split()[1], reason=f"{impl}: not installed (pip install {impl.split()[1]})")
-    return {"peer: opacus": _opacus_grads, "peer: opacus norms": _opacus_norms}[impl]
 
 
 def _materialized_gram(model, loss_fn, x, y):
@@ -104,7 +73,7 @@ def _materialized_gram(model, loss_fn, x, y):
 @pytest.mark.speedup(over="peer: opacus")
 @pytest.mark.parametrize("impl", ["reference", "vmap", "optimized", "optimized, out=", "peer: opacus"])
 def test_per_sample_grads(perf, impl: str) -> None:
-    fn = (_peer(impl) if impl.startswith("peer") else _vmap_only if impl == "vmap" else
+    fn = (PEERS[impl] if impl.startswith("peer") else _vmap_only if impl == "vmap" else
           _into_buffers() if impl == "optimized, out=" else IMPLS[impl].per_sample_grads)
     _time(perf, fn, reference.per_sample_grads)
 
@@ -120,5 +89,5 @@ def test_per_sample_grad_gram(perf, impl: str) -> None:
 @pytest.mark.speedup(over="peer: opacus norms")
 @pytest.mark.parametrize("impl", [*IMPLS, "peer: opacus norms"])
 def test_per_sample_grad_norms(perf, impl: str) -> None:
-    fn = _peer(impl) if impl.startswith("peer") else IMPLS[impl].per_sample_grad_norms
+    fn = PEERS.get(impl) or IMPLS[impl].per_sample_grad_norms
     _time(perf, fn, reference.per_sample_grad_norms)

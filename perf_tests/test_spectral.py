@@ -5,38 +5,22 @@ reference's values. Floors: docs/measurements/floors.md (measurements: docs/meas
 
 Peers, the libraries a user would call instead, timed in the same group at the same accuracy
 check: ``torch.svd_lowrank(A, q=20, niter=4)`` (the same range finder, without our per-value
-error bound) and scikit-learn's ``randomized_svd(A, 10)``. Their rows carry no floor: ours is
-not ahead of them yet (docs/kernels/spectral.md).
+error bound) and scikit-learn's ``randomized_svd(A, 10)`` (perf_tests/peers.py); the
+``speedup(over=...)`` rows time ours against each directly.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from sklearn.utils.extmath import randomized_svd
 
 import kernels.spectral as KS
 import reference.spectral as RS
+from perf_tests import peers
 
 SIZE = {"smoke": 512, "full": 1024}
 IMPLS = {"reference": RS.topk_singular_values, "optimized": KS.topk_singular_values}
-
-
-def _svd_lowrank(a: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
-    """torch's randomized SVD at our oversampling and power iterations (it takes no generator: it
-    draws from the global one, left as it is)."""
-    return torch.svd_lowrank(a, q=2 * k, niter=4)[1][:k]
-
-
-def _randomized_svd(a: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
-    """scikit-learn's randomized SVD with its defaults (10 oversamples, 'auto' power iterations)."""
-    seed = int(torch.randint(2**31, (), generator=generator))
-    s = randomized_svd(a.cpu().numpy(), k, random_state=np.random.RandomState(seed))[1]
-    return torch.from_numpy(s).to(a.device)
-
-
-PEERS = {"peer: torch.svd_lowrank": _svd_lowrank, "peer: sklearn randomized_svd": _randomized_svd}
+PEERS = {"peer: torch.svd_lowrank": peers.svd_lowrank, "peer: sklearn randomized_svd": peers.randomized_svd}
 
 
 @pytest.mark.speedup(cpu={"smoke": 5.5, "full": 10.0})

@@ -1,0 +1,114 @@
+"""The peers: what a user would call instead of a kernel, each as a function with the kernel's (or
+the reference's) signature, so a perf test times it as one more ``impl`` of its group.
+
+Each optional library is imported when its row runs: a missing one skips that row with the
+reason and the install command (``need``), never the whole file.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kernels.coreset import top_k
+from reference.coreset import literal_scores
+
+
+def need(module: str, package: str, row: str) -> ModuleType:
+    """``module``, or the row ``row`` skipped with the pip command that would run it."""
+    return pytest.importorskip(module, reason=f"{row}: not installed (pip install {package})")
+
+
+# Per-sample gradients: Opacus's GradSampleModule (per-layer hooks), wrapped once per model,
+# outside the timed calls, as a training loop wraps its model once.
+_WRAPPED: dict[int, nn.Module] = {}
+
+
+def opacus_grads(model: nn.Module, loss_fn: Callable, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    """Opacus's per-sample gradients, as ``reference.per_sample_grads``: sample i's gradient of its
+    own loss (``loss_reduction="mean"`` scales Opacus's samples back to that)."""
+    opacus = need("opacus", "opacus", "peer: opacus")
+    if id(model) not in _WRAPPED:
+        _WRAPPED.clear()
+        _WRAPPED[id(model)] = opacus.GradSampleModule(copy.deepcopy(model), batch_first=True,
+                                                      loss_reduction="mean")
+    gsm = _WRAPPED[id(model)]
+    for p in gsm.parameters():
+        p.grad, p.grad_sample = None, None
+    loss_fn(gsm(x), y).backward()
+    return {n: p.grad_sample for n, p in gsm._module.named_parameters() if p.requires_grad}
+
+
+def opacus_norms(model: nn.Module, loss_fn: Callable, x: Tensor, y: Tensor) -> Tensor:
+    """Opacus's per-sample gradients, then the per-sample norm its clipping takes: (B,)."""
+    grads = opacus_grads(model, loss_fn, x, y)
+    return torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], 1).norm(dim=1)
+
+
+def opacus_ocs_select(model: nn.Module, loss_fn: Callable, x: Tensor, y: Tensor, k: int, *,
+                      memory: tuple[Tensor, Tensor] | None = None, tau: float = 1000.0) -> Tensor:
+    """OCS with a per-sample-gradient library: Opacus's E (N, P), then the original's formulas."""
+    return top_k(literal_scores(model, loss_fn, x, y, memory, tau, opacus_grads), k)
+
+
+# Top-k singular values: the randomized SVDs a user already has.
+def svd_lowrank(a: Tensor, k: int, generator: torch.Generator) -> Tensor:
+    """torch's randomized SVD at our oversampling and power iterations (it takes no generator: it
+    draws from the global one, left as it is)."""
+    return torch.svd_lowrank(a, q=2 * k, niter=4)[1][:k]
+
+
+def randomized_svd(a: Tensor, k: int, generator: torch.Generator) -> Tensor:
+    """scikit-learn's randomized SVD with its defaults (10 oversamples, 'auto' power iterations)."""
+    extmath = need("sklearn.utils.extmath", "scikit-learn", "peer: sklearn randomized_svd")
+    seed = int(torch.randint(2**31, (), generator=generator))
+    s = extmath.randomized_svd(a.cpu().numpy(), k, random_state=np.random.RandomState(seed))[1]
+    return torch.from_numpy(s).to(a.device)
+
+
+# RoPE attention: rotary-embedding-torch's rotation of q and k, then torch's SDPA.
+ROTARY = "peer: rotary-embedding-torch + SDPA"
+
+
+def rotary_attention(head_dim: int, device: str) -> Callable[..., Tensor]:
+    """``fn(q, k, v, causal=)``: rotary-embedding-torch rotates q and k (the interleaved RoPE our
+    ``RotaryEmbedding(interleaved=True)`` computes), SDPA attends."""
+    ret = need("rotary_embedding_torch", "rotary-embedding-torch", ROTARY)
+    rotary = ret.RotaryEmbedding(dim=head_dim).to(device)
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool) -> Tensor:
+        rotate = rotary.rotate_queries_or_keys
+        return F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=causal)
+
+    return attend
+
+
+# A training step: PyTorch's own recipe, written as its AMP docs write it, with torch's optimizer
+# at its defaults (foreach): the loop a user has before reaching for an engine.
+def torch_step(model: nn.Module, loss_fn: Callable, opt: torch.optim.Optimizer, x: Tensor, y: Tensor,
+               dtype: torch.dtype | None = None) -> Tensor:
+    """One step: forward (under ``torch.autocast`` at ``dtype`` when given), backward, step,
+    ``zero_grad``; returns the loss."""
+    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
+        loss = loss_fn(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+PEERS: dict[str, Any] = {
+    "peer: opacus": opacus_grads,
+    "peer: opacus norms": opacus_norms,
+    "peer: opacus + OCS formulas": opacus_ocs_select,
+    "peer: torch.svd_lowrank": svd_lowrank,
+    "peer: sklearn randomized_svd": randomized_svd,
+}
