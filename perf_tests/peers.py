@@ -41,6 +41,10 @@ def opacus_grads(model: nn.Module, loss_fn: Callable, x: Tensor, y: Tensor) -> d
         _WRAPPED[id(model)] = opacus.GradSampleModule(copy.deepcopy(model), batch_first=True,
                                                       loss_reduction="mean")
     gsm = _WRAPPED[id(model)]
+    if any(isinstance(m, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)) for m in gsm.modules()):
+        raise ValueError("the Opacus peer runs its copy in train mode (Opacus captures only there): "
+                         "a model with dropout or batch norm would compute another function")
+    gsm.train()
     for p in gsm.parameters():
         p.grad, p.grad_sample = None, None
     loss_fn(gsm(x), y).backward()
