@@ -38,6 +38,14 @@ NO_REGRESSION = {
     "so only 'never slower' holds everywhere",
     ("adamw_bandwidth", "optimized"): "a fraction of the in-place stream, not a speedup: losing "
     "fused AdamW drops it to ~0.2, under 0.6",
+    # over a peer: the claim is "not behind it", where the peer is as fast an algorithm as ours
+    ("topk_singular_values", "optimized vs peer: torch.svd_lowrank"): "the same range finder without "
+    "our error bound: 1.04-1.12x ahead, so only 'not behind' holds everywhere",
+    ("rope_attention_s128", "optimized vs peer: rotary-embedding-torch + SDPA"): "both end in SDPA: "
+    "1.05-1.74x ahead (causal 1.05-1.45x)",
+    ("rope_attention_s512", "optimized vs peer: rotary-embedding-torch + SDPA"): "both end in SDPA, "
+    "which dominates at 512 tokens: 1.10-1.28x ahead",
+    ("sgd_step", "optimized vs torch_foreach"): "fused SGD over torch's foreach SGD, memory-bound: 1.24-1.53x",
 }
 # (perf test file, -k expression, rows that must fail) for the scratch-copy runs: fast kernels
 # of three kinds (memory-bound per-sample grads, LAPACK-bound SVD, reductions).

@@ -51,14 +51,14 @@ def _time_steps(perf, kind: str, impl: str) -> None:
 
 
 @pytest.mark.speedup(cpu=2.0)
-@pytest.mark.speedup(over="torch_foreach")
+@pytest.mark.speedup(cpu={"smoke": 2.4}, over="torch_foreach")
 @pytest.mark.parametrize("impl", ["reference", "torch_forloop", "torch_foreach", "optimized"])
 def test_adamw_step(perf, impl: str) -> None:
     _time_steps(perf, "adamw", impl)
 
 
 @pytest.mark.speedup(cpu=1.0)
-@pytest.mark.speedup(over="torch_foreach")
+@pytest.mark.speedup(cpu={"smoke": 1.0}, over="torch_foreach")
 @pytest.mark.parametrize("impl", ["reference", "torch_forloop", "torch_foreach", "optimized"])
 def test_sgd_step(perf, impl: str) -> None:
     _time_steps(perf, "sgd", impl)

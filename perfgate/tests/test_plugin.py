@@ -457,9 +457,23 @@ def test_cpu_floors_apply_only_at_the_default_threads(pytester: pytest.Pytester)
     result = _run(pytester, f"--perf-threads={other}", "--benchmark-json=out.json")
     assert result.ret == 0
     result.stdout.fnmatch_lines([f"*floors are set at torch's default {default} thread(s)*not applied*",
-                                 "*gate passed: 1 speedup(s) without speedup floors*"])
+                                 f"*gate passed: 1 speedup(s) without speedup floors (not applied at "
+                                 f"--perf-threads {other})*"])
     assert torch.get_num_threads() == default  # the inner session gave the thread count back
     assert json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]["floor"] is None
+
+
+def test_cpu_floors_apply_only_under_the_caching_malloc(pytester: pytest.Pytester) -> None:
+    """Floors are claims under --perf-malloc cache (where they were measured): under glibc's
+    default malloc the same 1x pair passes without them, and the run and its JSON say so."""
+    _suite(pytester, opt=0.008)
+    result = _run(pytester, "--perf-malloc=default", "--benchmark-json=out.json")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["*floors are set*under --perf-malloc cache; under --perf-malloc default they are "
+                                 "not applied*", "*gate passed: 1 speedup(s) without speedup floors (not applied "
+                                 "under --perf-malloc default)*"])
+    section = json.loads((pytester.path / "out.json").read_text())["perfgate"]
+    assert section["floors_applied"] is False and section["speedups"][0]["floor"] is None
 
 
 

@@ -253,9 +253,9 @@ class PerfCase:
             if mark_name == "memory" and over is not None:
                 continue
             floor, note = _floor(self._request.node, mark_name, impl, self.device, self.size, variant, over)
-            if mark_name == "speedup" and floor is not None and not state.cpu_floors_apply:
-                # CPU floors were measured at torch's default threads (plugin.py)
-                floor, note = None, f"not applied at {state.threads} thread(s)"
+            if mark_name == "speedup" and floor is not None and state.cpu_floors_off:
+                # CPU floors were measured at torch's default threads, malloc cache (session.py)
+                floor, note = None, f"not applied {state.cpu_floors_off}"
             if floor is not None:
                 floors[key] = floor
             elif note and mark_name == "speedup":

@@ -58,7 +58,7 @@ class GateState:
     unmeasured: int = 0  # perf calls that ran with benchmarks disabled
     slowdown: float = 1.0  # TEST ONLY: --perf-slowdown, the optimized impls made this much slower
     runners: dict = field(default_factory=dict)  # (kernel, impl) -> (timed callable, its median s)
-    cpu_floors_apply: bool = True  # False on CPU at a thread count other than torch's default
+    cpu_floors_off: str = ""  # why CPU floors are not applied (another thread count, malloc mode), or ""
     visits: int = 3  # --perf-visits: each impl's interleaved rounds are timed in this many visits
     pending: list[Visits] = field(default_factory=list)  # the later visits, timed by revisit()
     timers: dict[tuple[str, str], Visits] = field(default_factory=dict)  # kept to extend a row's pairs
