@@ -8,8 +8,8 @@ reason and the install command (``need``), never the whole file.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from types import ModuleType
+from collections.abc import Callable, Iterable
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -93,6 +93,33 @@ def rotary_attention(head_dim: int, device: str) -> Callable[..., Tensor]:
         return F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=causal)
 
     return attend
+
+
+# The DARTS hypergradient: Betty's own (betty.hypergradient.darts), the original implementation's
+# library, on its problem interface (duck-typed here: its Engine would build the same two objects).
+BETTY = "peer: betty darts"
+
+
+def betty_darts(model: nn.Module, inner: Callable, outer: Callable, weight_params: Iterable[Tensor], *,
+                lr: float, at: dict[str, Tensor] | None = None) -> list[Tensor]:
+    """``kernels.darts_hypergradient``'s quantity through Betty: v = the outer loss's gradient at
+    the model's parameters, then Betty's finite difference, which perturbs them in place and
+    backpropagates each inner loss through the whole graph. Betty centres it at the current
+    parameters (theta', ``at=None``); its result is ours / lr. Betty 0.1.1 leaves the parameters
+    at theta' - eps v (its restoring ``add`` is not in place), so they are copied back here."""
+    darts = need("betty.hypergradient.darts", "betty-ml", BETTY).darts
+    if at is not None:
+        raise ValueError("Betty takes the difference at the current parameters only (at=None)")
+    params, w = [p for p in model.parameters() if p.requires_grad], list(weight_params)
+    v = torch.autograd.grad(outer(model), params)
+    saved = [p.detach().clone() for p in params]
+    curr = SimpleNamespace(config=SimpleNamespace(darts_alpha=0.01), trainable_parameters=lambda: params,
+                           training_step_exec=lambda batch: inner(model), cur_batch=None)
+    grads = darts(v, curr, SimpleNamespace(trainable_parameters=lambda: w))
+    with torch.no_grad():
+        for p, s in zip(params, saved, strict=True):
+            p.copy_(s)
+    return [lr * g for g in grads]
 
 
 # A training step: PyTorch's own recipe, written as its AMP docs write it, with torch's optimizer
