@@ -57,6 +57,12 @@ def opacus_norms(model: nn.Module, loss_fn: Callable, x: Tensor, y: Tensor) -> T
     return torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], 1).norm(dim=1)
 
 
+def opacus_gram(model: nn.Module, loss_fn: Callable, x: Tensor, y: Tensor) -> Tensor:
+    """Opacus's per-sample gradients flattened into E (B, P), then E @ E.T: (B, B)."""
+    flat = torch.cat([g.flatten(1) for g in opacus_grads(model, loss_fn, x, y).values()], 1)
+    return flat @ flat.T
+
+
 def opacus_ocs_select(model: nn.Module, loss_fn: Callable, x: Tensor, y: Tensor, k: int, *,
                       memory: tuple[Tensor, Tensor] | None = None, tau: float = 1000.0) -> Tensor:
     """OCS with a per-sample-gradient library: Opacus's E (N, P), then the original's formulas."""
@@ -139,6 +145,7 @@ def torch_step(model: nn.Module, loss_fn: Callable, opt: torch.optim.Optimizer, 
 PEERS: dict[str, Any] = {
     "peer: opacus": opacus_grads,
     "peer: opacus norms": opacus_norms,
+    "peer: opacus Gram": opacus_gram,
     "peer: opacus + OCS formulas": opacus_ocs_select,
     "peer: torch.svd_lowrank": svd_lowrank,
     "peer: sklearn randomized_svd": randomized_svd,

@@ -4,9 +4,10 @@ The floors sit under the measured spread (the grads row follows memory bandwidth
 the kernel (~1x; the Gram's materialized row ~1.5x) (docs/measurements/from-the-code.md). No CUDA
 floors yet: a floor is set only from a measurement.
 
-Peer rows: Opacus's GradSampleModule (per-layer hooks; its norms as its clipping computes them),
-the library a user would pick for per-sample gradients; skipped with the reason where opacus is
-not installed. The "vmap" row is torch.func's vmap(grad) recipe for every layer.
+Peer rows (perf_tests/peers.py): Opacus's GradSampleModule (per-layer hooks; its norms as its
+clipping computes them; its E @ E.T for the Gram), the library a user would pick for per-sample
+gradients; skipped with the reason where opacus is not installed. The "vmap" row is torch.func's
+vmap(grad) recipe for every layer; "optimized vs X" rows time ours against X directly.
 """
 
 from __future__ import annotations
@@ -79,9 +80,10 @@ def test_per_sample_grads(perf, impl: str) -> None:
 
 
 @pytest.mark.speedup(cpu={"smoke": 10.0, "full": 20.0})
-@pytest.mark.parametrize("impl", ["reference", "materialized", "optimized"])
+@pytest.mark.speedup(over="peer: opacus Gram")
+@pytest.mark.parametrize("impl", ["reference", "materialized", "optimized", "peer: opacus Gram"])
 def test_per_sample_grad_gram(perf, impl: str) -> None:
-    fn = _materialized_gram if impl == "materialized" else IMPLS[impl].per_sample_grad_gram
+    fn = {"materialized": _materialized_gram, **PEERS}.get(impl) or IMPLS[impl].per_sample_grad_gram
     _time(perf, fn, reference.per_sample_grad_gram)
 
 
