@@ -30,7 +30,7 @@ def test_the_optimized_run_learns() -> None:
 def test_ablation_runs_every_row() -> None:
     rows = ablation(Config(steps=6, batch=16, warmup=1), compile_=False)
     assert [r.name.split(" (")[0] for r in rows] == [
-        "baseline", "+ fused AdamW", "+ AMP", "+ channels_last", "auto"]
+        "baseline", "+ fused AdamW", "+ AMP", "+ channels_last", "auto", "auto + OneCycleLR, accumulation 2"]
     assert all(r.ms_per_step > 0 and 0.0 <= r.accuracy <= 1.0 for r in rows)
     assert all(torch.isfinite(torch.tensor(r.final_loss)) for r in rows)
     assert len(format_rows(rows)) == len(rows) + 2
@@ -42,6 +42,7 @@ def test_resnet10_refuses_non_images() -> None:
 
 
 def test_cli_rejects_bad_sizes(capsys) -> None:
-    with pytest.raises(SystemExit):
-        main(["--steps", "0"])
-    assert "--steps and --batch must be >= 1" in capsys.readouterr().err
+    for bad in (["--steps", "0"], ["--batch", "7"]):
+        with pytest.raises(SystemExit):
+            main(bad)
+        assert "--steps must be >= 1 and --batch an even number >= 2" in capsys.readouterr().err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,6 +122,20 @@ def test_one_cycle_scheduler_steps_once_per_optimizer_step() -> None:
     assert result.optimizer_steps == 4 and sched.last_epoch == 4
 
 
+def test_one_cycle_with_accumulation_matches_the_reference_on_merged_batches() -> None:
+    """AdamW-free but the same shape as the CIFAR workload's OneCycleLR row: k micro-batches per
+    step under OneCycleLR == the reference loop on the merged batches with its own OneCycleLR."""
+    data, k = _data(12, 8), 3
+    merged = [(torch.cat([x for x, _ in data[i : i + k]]), torch.cat([y for _, y in data[i : i + k]]))
+              for i in range(0, 12, k)]
+    (m1, o1), (m2, o2) = _setup(), _setup()
+    s1, s2 = (torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=4) for o in (o1, o2))
+    got = train(m1, F.cross_entropy, o1, data, Recipe(accumulation=k), scheduler=s1)
+    want = ref.train(m2, F.cross_entropy, o2, merged, scheduler=s2)
+    assert got.optimizer_steps == want.optimizer_steps == 4 and s1.get_last_lr() == s2.get_last_lr()
+    assert_close(_params(m1), _params(m2), REDUCTION)
+
+
 def test_channels_last_matches_fp32() -> None:
     torch.manual_seed(3)
     net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
@@ -186,3 +202,61 @@ def test_recipe_auto_leaves_fp32_only_for_a_clear_win(monkeypatch, bf16_ms: floa
     x, y = _data(1, 16)[0]
     recipe = Recipe.auto("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y))
     assert recipe.autocast_dtype is chosen and recipe.measured_ms == timed
+
+
+# Gradient clipping by global norm. MAX_NORM binds on these data: the first steps' gradient
+# norms are 0.3-0.6 (the tests check that clipping changed the run, so they cannot pass vacuously).
+MAX_NORM = 0.05
+
+
+def test_clipping_matches_the_reference_and_binds() -> None:
+    data = _data(6, 16)
+    (m1, o1), (m2, o2), (m3, o3) = _setup(), _setup(), _setup()
+    got = train(m1, F.cross_entropy, o1, data, max_grad_norm=MAX_NORM)
+    want = ref.train(m2, F.cross_entropy, o2, data, max_grad_norm=MAX_NORM)
+    train(m3, F.cross_entropy, o3, data)
+    assert len(got.grad_norms) == len(want.grad_norms) == 6 and min(want.grad_norms) > MAX_NORM
+    assert_close(torch.tensor(got.grad_norms), torch.tensor(want.grad_norms), REDUCTION)
+    assert_close(_params(m1), _params(m2), REDUCTION)
+    assert not torch.allclose(_params(m1), _params(m3), rtol=1e-3, atol=1e-4)  # clipping changed the run
+
+
+@given(k=st.integers(2, 4), micro=st.integers(2, 7), size=st.integers(1, 8))
+def test_clipping_acts_once_per_step_on_the_accumulated_gradient(k: int, micro: int, size: int) -> None:
+    """k micro-batches clipped once per window == one batch of B clipped once per step (the
+    trailing partial window included); clipping each micro-batch would differ."""
+    data = _data(micro, size)
+    windows = [data[i : i + k] for i in range(0, micro, k)]
+    merged = [(torch.cat([x for x, _ in w]), torch.cat([y for _, y in w])) for w in windows]
+    (m1, o1), (m2, o2) = _setup(), _setup()
+    got = train(m1, F.cross_entropy, o1, data, Recipe(accumulation=k), max_grad_norm=MAX_NORM)
+    want = ref.train(m2, F.cross_entropy, o2, merged, max_grad_norm=MAX_NORM)
+    assert len(got.grad_norms) == len(windows)
+    assert_close(torch.tensor(got.grad_norms), torch.tensor(want.grad_norms), REDUCTION)
+    assert_close(_params(m1), _params(m2), REDUCTION)
+
+
+def test_clipping_unscales_first_under_a_grad_scaler() -> None:
+    """Under GradScaler (fp32 autocast off, so the only difference is the scale of 2^16) the
+    clipped run equals the unscaled one: clipping the scaled gradient would shrink every step
+    2^16-fold. A step whose gradients overflow is still skipped, its norm reported as inf."""
+    data = _data(4, 8)
+    (m1, o1), (m2, o2) = _setup(), _setup()
+    got = train(m1, F.cross_entropy, o1, data, Recipe(grad_scaler=True), max_grad_norm=MAX_NORM)
+    want = train(m2, F.cross_entropy, o2, data, max_grad_norm=MAX_NORM)
+    assert_close(torch.tensor(got.grad_norms), torch.tensor(want.grad_norms), REDUCTION)
+    assert_close(_params(m1), _params(m2), REDUCTION)
+    bad = [data[0], (_poison(data[1][0]), data[1][1])]
+    (m3, o3), (m4, o4) = _setup(), _setup()
+    result = train(m3, F.cross_entropy, o3, bad, Recipe(grad_scaler=True), max_grad_norm=MAX_NORM)
+    train(m4, F.cross_entropy, o4, bad[:1], Recipe(grad_scaler=True), max_grad_norm=MAX_NORM)
+    assert result.skipped_steps == 1 and not math.isfinite(result.grad_norms[1])
+    torch.testing.assert_close(_params(m3), _params(m4), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "1.0", True])
+def test_bad_max_grad_norm_is_refused(bad) -> None:
+    model, opt = _setup()
+    for loop in (train, ref.train):
+        with pytest.raises(ValueError, match="max_grad_norm must be None .* or a finite number > 0"):
+            loop(model, F.cross_entropy, opt, _data(1, 4), max_grad_norm=bad)

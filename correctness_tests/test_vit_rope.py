@@ -70,6 +70,9 @@ def test_config_and_data() -> None:
         vit_rope.Config(batch=9, accumulation=2)
     with pytest.raises(FileNotFoundError, match="never downloads"):
         vit_rope.cifar10("/nonexistent", train=True)
+    assert vit_rope.Config().max_grad_norm == 1.0  # the original's clipping
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        vit_rope.Config(max_grad_norm=0.0)
 
 
 def test_cosine_schedule_warms_up_then_decays() -> None:
@@ -89,5 +92,7 @@ def test_cli_ablation_rows(capsys) -> None:
     out = capsys.readouterr().out
     for row in ("reference (fp32", "+ cached RoPE", "+ attention kernel", "+ fused AdamW", "+ AMP", "optimized ("):
         assert f"| {row}" in out, row
-    with pytest.raises(SystemExit):
-        vit_rope_cli.main(["--steps", "0"])
+    assert "clipped at 1" in out and ", no clipping |" in out  # the clipping's own ablation row
+    for bad in (["--steps", "0"], ["--max-grad-norm", "-1"], ["--no-clip", "--max-grad-norm", "2"]):
+        with pytest.raises(SystemExit):
+            vit_rope_cli.main(bad)

@@ -102,6 +102,16 @@ class TrainResult:
     optimizer_steps: int
     skipped_steps: int  # GradScaler found inf/NaN gradients and did not apply the step
     seconds: float
+    grad_norms: list[float] = field(default_factory=list)  # with max_grad_norm: each step's norm before clipping
+
+
+def check_max_grad_norm(max_grad_norm: float | None) -> None:
+    """``max_grad_norm``: None (no clipping) or a finite number > 0. Shared with the reference."""
+    if max_grad_norm is None:
+        return
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) \
+            or not math.isfinite(max_grad_norm) or max_grad_norm <= 0:
+        raise ValueError(f"max_grad_norm must be None (no clipping) or a finite number > 0, got {max_grad_norm!r}")
 
 
 def _all_finite(tensors: list[Tensor]) -> bool:
@@ -121,13 +131,17 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
           batches: Iterable[tuple[Tensor, Tensor]], recipe: Recipe | None = None, *,
           device: str | torch.device | None = None,
           scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-          scaler: torch.amp.GradScaler | None = None) -> TrainResult:
+          scaler: torch.amp.GradScaler | None = None, max_grad_norm: float | None = None) -> TrainResult:
     """Run ``recipe`` over ``batches`` (x (B, ...), y (B, ...)); one optimizer step per window.
 
     Pass the same ``scaler`` to successive calls (epochs) to keep its scale; by default each
-    call starts a fresh one. channels_last converts ``model`` in place.
+    call starts a fresh one. channels_last converts ``model`` in place. ``max_grad_norm``: clip
+    the global 2-norm of the optimizer's gradients to it once per optimizer step, on the window's
+    accumulated gradient, unscaled first under a GradScaler (``torch.nn.utils.clip_grad_norm_``);
+    the norms before clipping are returned in ``grad_norms``.
     """
     recipe = recipe or Recipe()
+    check_max_grad_norm(max_grad_norm)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -142,6 +156,7 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
         raise ValueError("a scaler was passed but recipe.grad_scaler is False")
     params = [p for g in optimizer.param_groups for p in g["params"]]
     k, losses, window, skipped, start = recipe.accumulation, [], [], 0, time.perf_counter()
+    norms: list[Tensor] = []
     model.train()
     optimizer.zero_grad(set_to_none=True)
 
@@ -156,6 +171,9 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
                 f"loss {loss:.4g} or its gradients are not finite at optimizer step {len(losses) + 1}; "
                 "the step was not applied. Lower the learning rate, or use grad_scaler=True to skip "
                 "such steps")
+        if max_grad_norm is not None:
+            scaler.unscale_(optimizer)  # clip true gradients, not scaled ones (a no-op when disabled)
+            norms.append(torch.nn.utils.clip_grad_norm_(params, max_grad_norm).detach())
         scale = scaler.get_scale() if recipe.grad_scaler else None
         scaler.step(optimizer)
         scaler.update()
@@ -179,4 +197,5 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
             step()
     if window:
         step()
-    return TrainResult(losses, len(losses), skipped, time.perf_counter() - start)
+    grad_norms = torch.stack(norms).tolist() if norms else []  # one sync for all steps
+    return TrainResult(losses, len(losses), skipped, time.perf_counter() - start, grad_norms)

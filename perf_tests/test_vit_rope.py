@@ -29,6 +29,7 @@ def test_vit_rope_step(perf, impl: str) -> None:
     model = RopeViT(attention=method.attention).to(perf.device)
     opt = method.optimizer_fn(model.parameters(), lr=1e-3, weight_decay=0.05)
     batches = cfg.data(method.recipe.accumulation if method.recipe else 1)
-    result = perf(lambda: method.train_fn(model, F.cross_entropy, opt, batches, method.recipe, device=perf.device),
-                  label=f"B={cfg.batch} {method.name}")
+    step = lambda: method.train_fn(model, F.cross_entropy, opt, batches, method.recipe, device=perf.device,
+                                   max_grad_norm=cfg.max_grad_norm)  # both clip at 1.0, as the original
+    result = perf(step, label=f"B={cfg.batch} {method.name}")
     assert result.optimizer_steps == 1 and all(torch.isfinite(torch.tensor(result.losses)))

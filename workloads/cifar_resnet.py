@@ -62,14 +62,17 @@ class Config:
     device: str = "cpu"
     seed: int = 0
 
-    def batches(self, channels_last: bool = False) -> list[tuple[Tensor, Tensor]]:
+    def batches(self, channels_last: bool = False, micro: int = 1) -> list[tuple[Tensor, Tensor]]:
         """Preloaded on the device once, in the layout the run uses: the loops time compute,
-        not host copies or layout conversions."""
+        not host copies or layout conversions. Each step's batch in ``micro`` micro-batches."""
+        if self.batch % micro:
+            raise ValueError(f"batch ({self.batch}) must split into {micro} equal micro-batches")
         x, y = synthetic_cifar((self.steps + self.warmup) * self.batch, seed=self.seed)
         x, y = x.to(self.device), y.to(self.device)
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        return [(x[i : i + self.batch], y[i : i + self.batch]) for i in range(0, len(x), self.batch)]
+        size = self.batch // micro
+        return [(x[i : i + size], y[i : i + size]) for i in range(0, len(x), size)]
 
 
 @torch.no_grad()
@@ -80,27 +83,33 @@ def accuracy(model: torch.nn.Module, device: str, n: int = 1000) -> float:
 
 
 def timed(name: str, cfg: Config, model: torch.nn.Module, step: Callable[[list], object],
-          channels_last: bool = False) -> RunReport:
+          channels_last: bool = False, micro: int = 1) -> RunReport:
     """Warm-up steps apart, then the timed steps; accuracy after both."""
-    data = cfg.batches(channels_last)
+    data = cfg.batches(channels_last, micro)
     t0 = time.perf_counter()
-    step(data[: cfg.warmup])
+    step(data[: cfg.warmup * micro])
     t1 = time.perf_counter()
-    result = step(data[cfg.warmup :])
+    result = step(data[cfg.warmup * micro :])
     t2 = time.perf_counter()
     return RunReport(name, 1e3 * (t2 - t1) / cfg.steps, t1 - t0, accuracy(model, cfg.device), result.losses[-1])
 
 
-def run(cfg: Config, recipe: Recipe, name: str, lr: float = 2e-3) -> RunReport:
-    """The optimized loop: fused AdamW (the original's opt 2 optimizer) under ``recipe``."""
+def run(cfg: Config, recipe: Recipe, name: str, lr: float = 2e-3, one_cycle: bool = False) -> RunReport:
+    """The optimized loop: fused AdamW (the original's opt 2 optimizer) under ``recipe``, each
+    step's batch in ``recipe.accumulation`` micro-batches; ``one_cycle``: OneCycleLR peaking at
+    ``lr`` over the run's optimizer steps (the original's opt 2 schedule), stepped by the engine
+    once per applied step."""
     torch.manual_seed(cfg.seed)
     model = ResNet10().to(cfg.device)
     opt = adamw(model.parameters(), lr=lr, weight_decay=1e-4)
+    sched = (torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=cfg.warmup + cfg.steps)
+             if one_cycle else None)
     # one scaler across the warm-up and timed calls, so the timed steps keep its learned scale
     scaler = torch.amp.GradScaler(torch.device(cfg.device).type) if recipe.grad_scaler else None
     return timed(name, cfg, model,
-                 lambda d: train(model, F.cross_entropy, opt, d, recipe, device=cfg.device, scaler=scaler),
-                 recipe.channels_last)
+                 lambda d: train(model, F.cross_entropy, opt, d, recipe, device=cfg.device, scaler=scaler,
+                                 scheduler=sched),
+                 recipe.channels_last, recipe.accumulation)
 
 
 def run_reference(cfg: Config, lr: float = 0.01) -> RunReport:
@@ -111,7 +120,8 @@ def run_reference(cfg: Config, lr: float = 0.01) -> RunReport:
 
 
 def ablation(cfg: Config, compile_: bool = True) -> list[RunReport]:
-    """baseline / + fused AdamW / + AMP / + channels_last / + compile / auto, in one process."""
+    """baseline / + fused AdamW / + AMP / + channels_last / + compile / auto / auto + OneCycleLR
+    with accumulation 2, in one process (--batch must be even for the last)."""
     amp = Recipe(torch.float16, grad_scaler=True) if cfg.device.startswith("cuda") else Recipe(torch.bfloat16)
     rows = [run_reference(cfg), run(cfg, Recipe(), "+ fused AdamW (fp32)"), run(cfg, amp, "+ AMP"),
             run(cfg, replace(amp, channels_last=True), "+ channels_last")]
@@ -120,6 +130,8 @@ def ablation(cfg: Config, compile_: bool = True) -> list[RunReport]:
     x, y = cfg.batches()[0]
     auto = Recipe.auto(cfg.device, model=ResNet10().to(cfg.device), loss_fn=F.cross_entropy, batch=(x, y))
     rows.append(run(cfg, auto, f"auto ({auto.name})"))
+    # the original's "Optimization 2": AdamW + OneCycleLR + gradient accumulation
+    rows.append(run(cfg, replace(auto, accumulation=2), "auto + OneCycleLR, accumulation 2", one_cycle=True))
     return rows
 
 

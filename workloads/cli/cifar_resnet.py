@@ -19,8 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.batch < 1:
-        parser.error("--steps and --batch must be >= 1")
+    if args.steps < 1 or args.batch < 2 or args.batch % 2:
+        parser.error("--steps must be >= 1 and --batch an even number >= 2 (the OneCycleLR row splits each "
+                     "batch into 2 micro-batches)")
     cfg = Config(steps=args.steps, batch=args.batch, device=args.device)
     print(f"ResNet10 on synthetic CIFAR, {cfg.steps} steps of batch {cfg.batch} on {cfg.device}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")

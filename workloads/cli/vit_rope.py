@@ -20,15 +20,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--cifar", metavar="PATH", help="local CIFAR-10 (torchvision layout) instead of synthetic")
     parser.add_argument("--ablation", action="store_true", help="every row, not only reference/optimized")
+    clip = parser.add_mutually_exclusive_group()
+    clip.add_argument("--max-grad-norm", type=float, default=1.0, help="clip gradients to this global norm (1.0)")
+    clip.add_argument("--no-clip", action="store_true", help="no gradient clipping")
     args = parser.parse_args(argv)
     try:
         cfg = Config(steps=args.steps, batch=args.batch, accumulation=args.accumulation, depth=args.depth,
-                     device=args.device, cifar=args.cifar)
+                     device=args.device, cifar=args.cifar,
+                     max_grad_norm=None if args.no_clip else args.max_grad_norm)
     except ValueError as e:
         parser.error(str(e))
     data = f"CIFAR-10 from {cfg.cifar}" if cfg.cifar else "synthetic CIFAR"
+    clipped = f"clipped at {cfg.max_grad_norm:g}" if cfg.max_grad_norm else "no clipping"
     print(f"RoPE ViT (D {cfg.dim}, {cfg.heads} heads, depth {cfg.depth}) on {data}, {cfg.steps} steps "
-          f"of batch {cfg.batch} on {cfg.device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+          f"of batch {cfg.batch} ({clipped}) on {cfg.device}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}")
     rows = ablation(cfg) if args.ablation else [run(reference_method(), cfg), run(optimized_method(cfg), cfg)]
     print("\n".join(format_rows(rows)))
     return 0
