@@ -197,7 +197,8 @@ def test_sleepy(perf, impl):
 """
 
 
-@pytest.mark.parametrize("order", ['"optimized", "peer"', '"peer", "optimized"'])
+@pytest.mark.parametrize("order", ['"optimized", "peer"', '"peer", "optimized"',
+                                   '"optimized", pytest.param("peer")'])
 def test_speedup_over_a_peer_is_timed_against_it_and_gated(pytester: pytest.Pytester, order: str) -> None:
     """A speedup(over=) row pairs the two impls directly, whichever ran first, and is gated by its floor."""
     pytester.makepyfile(test_peers=PEERS.format(peer=0.006, floor=2.0, order=order))

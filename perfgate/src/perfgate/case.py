@@ -34,8 +34,8 @@ def _impls(item: pytest.Item) -> list[str]:
     for mark in item.iter_markers("parametrize"):
         names = mark.args[0] if mark.args else mark.kwargs.get("argnames", "")
         names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
-        if names == ["impl"]:
-            return [str(v) for v in mark.args[1]]
+        if names == ["impl"]:  # values, or pytest.param(value, ...) sets
+            return [str(v.values[0]) if hasattr(v, "marks") else str(v) for v in mark.args[1]]
     return []
 
 
