@@ -260,3 +260,79 @@ def test_bad_max_grad_norm_is_refused(bad) -> None:
     for loop in (train, ref.train):
         with pytest.raises(ValueError, match="max_grad_norm must be None .* or a finite number > 0"):
             loop(model, F.cross_entropy, opt, _data(1, 4), max_grad_norm=bad)
+
+
+# Checkpoint and resume: N steps == N/2 steps, save, fresh objects, load, N/2 steps, bitwise.
+def _resumable(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """Dropout (the torch RNG), AdamW (tensor and plain state), OneCycleLR (plain state)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=8)
+
+
+@pytest.mark.parametrize("recipe", [Recipe(), Recipe(grad_scaler=True, accumulation=2)],
+                         ids=["fp32", "scaler+acc2"])
+def test_resume_from_a_checkpoint_continues_the_run_bitwise(tmp_path, recipe: Recipe) -> None:
+    import random
+
+    import numpy as np
+
+    from kernels.training import load_checkpoint, save_checkpoint
+
+    def seed(n: int) -> None:
+        torch.manual_seed(n)
+        random.seed(n)
+        np.random.seed(n)
+
+    data = _data(8 * recipe.accumulation, 8)
+    half = 4 * recipe.accumulation
+    model, opt, sched = _resumable(0)
+    scaler = torch.amp.GradScaler("cpu") if recipe.grad_scaler else None
+    seed(123)
+    whole = train(model, F.cross_entropy, opt, data, recipe, scheduler=sched, scaler=scaler)
+    draws = (torch.rand(3), random.random(), np.random.rand())
+
+    model2, opt2, sched2 = _resumable(0)
+    scaler2 = torch.amp.GradScaler("cpu") if recipe.grad_scaler else None
+    seed(123)
+    first = train(model2, F.cross_entropy, opt2, data[:half], recipe, scheduler=sched2, scaler=scaler2)
+    save_checkpoint(tmp_path / "ckpt.safetensors", model2, opt2, scheduler=sched2, scaler=scaler2, step=4)
+    seed(999)  # the fresh process's own RNG states, which the checkpoint replaces
+    model3, opt3, sched3 = _resumable(7)  # other initial weights: all of them come from the file
+    scaler3 = torch.amp.GradScaler("cpu") if recipe.grad_scaler else None
+    assert load_checkpoint(tmp_path / "ckpt.safetensors", model3, opt3, scheduler=sched3, scaler=scaler3) == 4
+    rest = train(model3, F.cross_entropy, opt3, data[half:], recipe, scheduler=sched3, scaler=scaler3)
+    torch.testing.assert_close(_params(model3), _params(model), atol=0, rtol=0)
+    assert first.losses + rest.losses == whole.losses and sched3.get_last_lr() == sched.get_last_lr()
+    assert (torch.rand(3).tolist(), random.random(), np.random.rand()) == (draws[0].tolist(), *draws[1:])
+    if scaler is not None:
+        assert scaler3.get_scale() == scaler.get_scale()
+
+
+def test_bad_checkpoints_are_refused(tmp_path) -> None:
+    from kernels.training import load_checkpoint, save_checkpoint
+
+    model, opt, sched = _resumable(0)
+    path = tmp_path / "ckpt.safetensors"
+    with pytest.raises(ValueError, match="step must be an int >= 0"):
+        save_checkpoint(path, model, opt, step=-1)
+    save_checkpoint(path, model, opt, scheduler=sched, step=1)
+    with pytest.raises(ValueError, match="holds scheduler state but scheduler= was not passed"):
+        load_checkpoint(path, model, opt)
+    with pytest.raises(ValueError, match="holds no scaler state but scaler= was passed"):
+        load_checkpoint(path, model, opt, scheduler=sched, scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(RuntimeError, match="size mismatch"):  # another model's checkpoint
+        load_checkpoint(path, nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 4)),
+                        opt, scheduler=sched)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF  # one flipped bit in the last tensor's bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="fails its checksum"):
+        load_checkpoint(path, model, opt, scheduler=sched)
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(tmp_path / "missing.safetensors", model, opt)
+    lam = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    lam.base_lrs = [object()]  # a state value JSON cannot hold
+    with pytest.raises(TypeError, match="JSON cannot store"):
+        save_checkpoint(path, model, opt, scheduler=lam)

@@ -11,7 +11,8 @@ Public API (loaded on first use, so ``import kernels`` stays light):
 - ``Standardizer``: scikit-learn StandardScaler semantics on any device (kernels.standardize)
 - ``FeatureCache``: tensors computed once per input, safetensors on disk (kernels.feature_cache)
 - ``adamw``, ``sgd``: torch optimizers with the implementation that measured fastest (kernels.optim)
-- ``Recipe``, ``train``: the shared training-loop engine (kernels.training)
+- ``Recipe``, ``train``, ``save_checkpoint``, ``load_checkpoint``: the shared training-loop engine
+  and its checkpoints (kernels.training)
 - ``darts_hypergradient``, ``reweighted_loss``: the finite-difference hypergradient of one
   unrolled inner step, and Meta-Weight-Net's weighted loss (kernels.hypergrad)
 - ``models``: model definitions shared by kernels, references and workloads
@@ -61,6 +62,8 @@ _EXPORTS = {
     "sgd": "kernels.optim",
     "Recipe": "kernels.training",
     "train": "kernels.training",
+    "save_checkpoint": "kernels.training",
+    "load_checkpoint": "kernels.training",
     "darts_hypergradient": "kernels.hypergrad",
     "reweighted_loss": "kernels.hypergrad",
     "per_sample_grads": "kernels.per_sample",

@@ -96,6 +96,37 @@ def _checksum(tensors: Mapping[str, Tensor]) -> str:
     return h.hexdigest()
 
 
+def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> None:
+    """``tensors`` (CPU, contiguous, not sharing storage) and ``metadata`` plus the tensors'
+    SHA-256 as ``path``, atomically: a temporary file in the same directory, then ``os.replace``
+    (a reader sees the old file or the new one, never a half-written one)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
+    os.close(fd)
+    try:
+        save_file(dict(tensors), tmp, metadata={**metadata, "sha256": _checksum(tensors)})
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The tensors and metadata ``write_safetensors`` wrote; ValueError when the file does not
+    parse or its tensors fail the recorded checksum (truncated, corrupted, edited)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(str(path))
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the caller decides what an unreadable file means
+        raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from e
+    if meta.get("sha256") != _checksum(tensors):
+        raise ValueError(f"{path} fails its checksum: corrupted or edited")
+    return tensors, meta
+
+
 class FeatureCache:
     """Tensors computed once per distinct input, kept in ``directory`` (created if missing)."""
 
@@ -111,16 +142,13 @@ class FeatureCache:
         if not path.exists():
             return None
         try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-            tensors = load_file(str(path))
-        except Exception as e:  # noqa: BLE001 - any unreadable file is recomputed, with a warning
-            warnings.warn(f"feature cache file {path.name} is unreadable ({type(e).__name__}: {e}); recomputing",
-                          stacklevel=3)
+            tensors, meta = read_safetensors(path)
+        except ValueError as e:  # any unreadable file is recomputed, with a warning
+            warnings.warn(f"feature cache file {path.name}: {e}; recomputing", stacklevel=3)
             return None
-        if meta.get("format") != FORMAT or meta.get("key") != digest or meta.get("sha256") != _checksum(tensors):
-            warnings.warn(f"feature cache file {path.name} fails its key or checksum (corrupted or tampered "
-                          "with); recomputing", stacklevel=3)
+        if meta.get("format") != FORMAT or meta.get("key") != digest:
+            warnings.warn(f"feature cache file {path.name} fails its key (corrupted or tampered with); "
+                          "recomputing", stacklevel=3)
             return None
         return tensors
 
@@ -139,12 +167,5 @@ class FeatureCache:
                                                    for k, v in out.items()):
             raise TypeError("compute() must return a dict[str, Tensor]")
         tensors = {k: v.detach().to("cpu").clone() for k, v in out.items()}  # own storage: views may share
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".safetensors")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata={"format": FORMAT, "key": digest, "sha256": _checksum(tensors)})
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_safetensors(path, tensors, {"format": FORMAT, "key": digest})
         return tensors

@@ -19,13 +19,19 @@ torch's documented fast path, not yet measured in this project.
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
+import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 from torch import Tensor, nn
+
+from kernels.feature_cache import read_safetensors, write_safetensors
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune")
@@ -199,3 +205,90 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
         step()
     grad_norms = torch.stack(norms).tolist() if norms else []  # one sync for all steps
     return TrainResult(losses, len(losses), skipped, time.perf_counter() - start, grad_norms)
+
+
+# Checkpoint and resume: one safetensors file (every tensor) whose metadata holds the rest as
+# JSON, written atomically; no pickle anywhere, so reading a checkpoint runs no code.
+CHECKPOINT_FORMAT = "kernelgate-checkpoint-1"
+
+
+def _json(value: object, what: str) -> str:
+    try:
+        return json.dumps(value)
+    except TypeError as e:
+        raise TypeError(f"{what} holds a value JSON cannot store ({e}); checkpoints keep tensors and "
+                        "plain values only (no pickle)") from None
+
+
+def _own(t: Tensor) -> Tensor:
+    return t.detach().to("cpu").clone().contiguous()  # own storage: safetensors refuses shared ones
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                    scaler: torch.amp.GradScaler | None = None, step: int = 0) -> None:
+    """Model, optimizer, scheduler, GradScaler and RNG states (torch, CUDA, Python, NumPy) and
+    ``step`` in one file at ``path``, replaced atomically (a crash leaves the previous one)."""
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    tensors = {f"model/{k}": _own(v) for k, v in model.state_dict().items()}
+    opt = optimizer.state_dict()
+    plain_state: dict[str, dict] = {}
+    for pid, entries in opt["state"].items():
+        for k, v in entries.items():
+            if isinstance(v, Tensor):
+                tensors[f"optimizer/{pid}/{k}"] = _own(v)
+            else:
+                plain_state.setdefault(str(pid), {})[k] = v
+    tensors["rng/torch"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng/cuda/{i}"] = s
+    py_version, py_state, py_gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state = {
+        "step": step,
+        "optimizer": {"param_groups": opt["param_groups"], "state": plain_state},
+        "scheduler": None if scheduler is None else scheduler.state_dict(),
+        "scaler": None if scaler is None else scaler.state_dict(),
+        "rng": {"python": [py_version, list(py_state), py_gauss],
+                "numpy": [np_kind, np_keys.tolist(), np_pos, np_has_gauss, np_gauss]},
+    }
+    write_safetensors(path, tensors, {"format": CHECKPOINT_FORMAT, "state": _json(state, "the training state")})
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                    scaler: torch.amp.GradScaler | None = None) -> int:
+    """Restore what ``save_checkpoint`` wrote into the given objects (built as for a fresh run)
+    and the RNG states; returns the saved ``step``. A checkpoint holding a scheduler or scaler
+    state not asked for (or the reverse) is an error: resuming without it would change the run."""
+    tensors, meta = read_safetensors(path)
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} is not a kernelgate checkpoint (format {meta.get('format')!r})")
+    state = json.loads(meta["state"])
+    for name, given in (("scheduler", scheduler), ("scaler", scaler)):
+        if (state[name] is None) != (given is None):
+            have = "holds" if state[name] is not None else "holds no"
+            raise ValueError(f"{path} {have} {name} state but {name}= was "
+                             f"{'not ' if given is None else ''}passed; resume with the run's own {name}")
+    model.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
+    opt_state: dict[int, dict] = {int(pid): dict(v) for pid, v in state["optimizer"]["state"].items()}
+    for key, v in tensors.items():
+        if key.startswith("optimizer/"):
+            _, pid, name = key.split("/", 2)
+            opt_state.setdefault(int(pid), {})[name] = v
+    optimizer.load_state_dict({"state": opt_state, "param_groups": state["optimizer"]["param_groups"]})
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None:
+        scaler.load_state_dict(state["scaler"])
+    torch.set_rng_state(tensors["rng/torch"])
+    cuda = [tensors[k] for k in sorted(t for t in tensors if t.startswith("rng/cuda/"))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    py_version, py_state, py_gauss = state["rng"]["python"]
+    random.setstate((py_version, tuple(py_state), py_gauss))
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = state["rng"]["numpy"]
+    np.random.set_state((np_kind, np.array(np_keys, dtype=np.uint32), np_pos, np_has_gauss, np_gauss))
+    return int(state["step"])
