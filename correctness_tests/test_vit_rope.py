@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -96,3 +98,42 @@ def test_cli_ablation_rows(capsys) -> None:
     for bad in (["--steps", "0"], ["--max-grad-norm", "-1"], ["--no-clip", "--max-grad-norm", "2"]):
         with pytest.raises(SystemExit):
             vit_rope_cli.main(bad)
+
+
+def test_a_run_resumed_from_its_checkpoint_ends_where_the_whole_run_does(tmp_path) -> None:
+    """The optimized loop (fixed recipe, accumulation 2, clipping) crashes after 3 saved steps;
+    --resume from the checkpoint ends with the uninterrupted run's loss and parameters, bitwise."""
+    from kernels.optim import adamw
+    from kernels.training import train
+
+    cfg = vit_rope.Config(steps=3, warmup_steps=2, batch=8, accumulation=2, dim=32, heads=2, depth=1)
+    method = vit_rope.Method("opt", vit_rope.RopeSelfAttention, adamw, train, vit_rope.Recipe(accumulation=2))
+    whole = vit_rope.run(method, cfg)
+    path = str(tmp_path / "vit.safetensors")
+    calls = []
+
+    def crashing(*args, **kwargs):
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the process dies after its third saved step
+        calls.append(1)
+        return train(*args, **kwargs)
+
+    with pytest.raises(KeyboardInterrupt):
+        vit_rope.run(replace(method, train_fn=crashing), replace(cfg, checkpoint=path, save_every=1))
+    steps_run = []
+
+    def counting(*args, **kwargs):
+        result = train(*args, **kwargs)
+        steps_run.append(result.optimizer_steps)
+        return result
+
+    resumed = vit_rope.run(replace(method, train_fn=counting),
+                           replace(cfg, checkpoint=path, save_every=1, resume=True))
+    assert sum(steps_run) == 2  # only the 5 - 3 steps left were run
+    assert resumed.final_loss == whole.final_loss and resumed.accuracy == whole.accuracy
+    with pytest.raises(ValueError, match="nothing left"):
+        vit_rope.run(method, replace(cfg, checkpoint=path, resume=True))
+    with pytest.raises(ValueError, match="resume needs an existing checkpoint"):
+        vit_rope.Config(resume=True, checkpoint=str(tmp_path / "none"))
+    with pytest.raises(SystemExit):
+        vit_rope_cli.main(["--ablation", "--checkpoint", path])

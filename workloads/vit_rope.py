@@ -15,6 +15,7 @@ at these 64 tokens its measured explicit path, kernels/attention.py), fused Adam
 in ``accumulation`` micro-batches, the same samples as the reference's step.
 
     python -m workloads.cli.vit_rope [--steps 20] [--batch 64] [--accumulation 2] [--ablation]
+        [--checkpoint PATH [--save-every K] [--resume]] [--max-grad-norm 1.0 | --no-clip]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +33,7 @@ from torch import Tensor, nn
 from kernels.attention import RopeSelfAttention, check_attention
 from kernels.models import RopeViT
 from kernels.optim import adamw
-from kernels.training import Recipe, check_max_grad_norm, train
+from kernels.training import Recipe, check_max_grad_norm, load_checkpoint, save_checkpoint, train
 from perfgate.timing import peak_memory
 from reference.attention import softmax_attention
 from reference.workloads import vit_rope as reference_run
@@ -54,10 +56,15 @@ class Config:
     seed: int = 0
     cifar: str | None = None  # local CIFAR-10 root (torchvision layout) instead of synthetic images
     max_grad_norm: float | None = 1.0  # the original's clipping; None: none
+    checkpoint: str | None = None  # save the run's state here every save_every steps (atomically)
+    save_every: int = 10
+    resume: bool = False  # continue from ``checkpoint``
 
     def __post_init__(self) -> None:
-        require_positive(self, ("steps", "batch", "accumulation", "dim", "heads", "depth"))
+        require_positive(self, ("steps", "batch", "accumulation", "dim", "heads", "depth", "save_every"))
         check_max_grad_norm(self.max_grad_norm)
+        if self.resume and (self.checkpoint is None or not Path(self.checkpoint).is_file()):
+            raise ValueError(f"resume needs an existing checkpoint file, got {self.checkpoint!r}")
         if self.batch % self.accumulation:
             raise ValueError(f"batch ({self.batch}) must split into {self.accumulation} equal micro-batches")
 
@@ -123,25 +130,42 @@ def accuracy(model: nn.Module, cfg: Config, n: int = 1000) -> float:
 
 
 def run(method: Method, cfg: Config) -> ViTReport:
-    """Warm-up steps apart, then the timed steps (peak memory measured around them)."""
+    """Warm-up steps apart, then the timed steps (peak memory measured around them). With
+    ``cfg.checkpoint`` the state is saved every ``cfg.save_every`` optimizer steps; with
+    ``cfg.resume`` the run continues from it (the time per step is then over the steps left)."""
     torch.manual_seed(cfg.seed)
     model = RopeViT(cfg.dim, cfg.heads, cfg.depth, attention=method.attention).to(cfg.device)
     opt = method.optimizer_fn(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = cosine_schedule(opt, cfg.steps + cfg.warmup_steps)
     micro = method.recipe.accumulation if method.recipe else 1
+    # one scaler over every call, so it keeps (and a checkpoint keeps) its learned scale
+    scaled = method.recipe is not None and method.recipe.grad_scaler
+    scaler = torch.amp.GradScaler(torch.device(cfg.device).type) if scaled else None
+    done = load_checkpoint(cfg.checkpoint, model, opt, scheduler=sched, scaler=scaler) if cfg.resume else 0
+    total = cfg.steps + cfg.warmup_steps
+    if done >= total:
+        raise ValueError(f"the checkpoint {cfg.checkpoint} is at step {done}: nothing left of {total} steps")
     data = cfg.data(micro)
     split = cfg.warmup_steps * micro
     result = []
 
     def steps(batches: list) -> None:
-        result.append(method.train_fn(model, F.cross_entropy, opt, batches, method.recipe, device=cfg.device,
-                                      scheduler=sched, max_grad_norm=cfg.max_grad_norm))
+        nonlocal done
+        chunk = (cfg.save_every if cfg.checkpoint else len(batches)) * micro
+        for i in range(0, len(batches), max(chunk, 1)):
+            result.append(method.train_fn(model, F.cross_entropy, opt, batches[i : i + chunk], method.recipe,
+                                          device=cfg.device, scheduler=sched, max_grad_norm=cfg.max_grad_norm,
+                                          **({"scaler": scaler} if scaler else {})))
+            done += result[-1].optimizer_steps
+            if cfg.checkpoint:
+                save_checkpoint(cfg.checkpoint, model, opt, scheduler=sched, scaler=scaler, step=done)
 
-    steps(data[:split])
+    steps(data[done * micro : split])
+    timed = data[max(split, done * micro) :]
     t0 = time.perf_counter()
-    peak = peak_memory(lambda: steps(data[split:]), cfg.device)
+    peak = peak_memory(lambda: steps(timed), cfg.device)
     seconds = time.perf_counter() - t0
-    return ViTReport(method.name, 1e3 * seconds / cfg.steps, None if peak is None else peak / 2**20,
+    return ViTReport(method.name, 1e3 * seconds / (len(timed) // micro), None if peak is None else peak / 2**20,
                      accuracy(model, cfg), result[-1].losses[-1])
 
 

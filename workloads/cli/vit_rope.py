@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
 
@@ -20,14 +21,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--cifar", metavar="PATH", help="local CIFAR-10 (torchvision layout) instead of synthetic")
     parser.add_argument("--ablation", action="store_true", help="every row, not only reference/optimized")
+    parser.add_argument("--checkpoint", metavar="PATH", help="save the optimized run's state here (atomically)")
+    parser.add_argument("--save-every", type=int, default=10, metavar="K", help="steps between saves (10)")
+    parser.add_argument("--resume", action="store_true", help="continue the optimized run from --checkpoint")
     clip = parser.add_mutually_exclusive_group()
     clip.add_argument("--max-grad-norm", type=float, default=1.0, help="clip gradients to this global norm (1.0)")
     clip.add_argument("--no-clip", action="store_true", help="no gradient clipping")
     args = parser.parse_args(argv)
+    if args.ablation and (args.checkpoint or args.resume):
+        parser.error("--checkpoint and --resume apply to the optimized run, not to --ablation")
     try:
         cfg = Config(steps=args.steps, batch=args.batch, accumulation=args.accumulation, depth=args.depth,
                      device=args.device, cifar=args.cifar,
-                     max_grad_norm=None if args.no_clip else args.max_grad_norm)
+                     max_grad_norm=None if args.no_clip else args.max_grad_norm, checkpoint=args.checkpoint,
+                     save_every=args.save_every, resume=args.resume)
     except ValueError as e:
         parser.error(str(e))
     data = f"CIFAR-10 from {cfg.cifar}" if cfg.cifar else "synthetic CIFAR"
@@ -35,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"RoPE ViT (D {cfg.dim}, {cfg.heads} heads, depth {cfg.depth}) on {data}, {cfg.steps} steps "
           f"of batch {cfg.batch} ({clipped}) on {cfg.device}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")
-    rows = ablation(cfg) if args.ablation else [run(reference_method(), cfg), run(optimized_method(cfg), cfg)]
+    plain = replace(cfg, checkpoint=None, resume=False)  # the reference run is never checkpointed
+    rows = ablation(cfg) if args.ablation else [run(reference_method(), plain), run(optimized_method(cfg), cfg)]
     print("\n".join(format_rows(rows)))
     return 0
 
