@@ -129,8 +129,10 @@ def test_config_and_cli(capsys) -> None:
         M.outer_step(ln, (x[:20], y[:20]), (x[:21], y[:21]), SMALL)
     with pytest.raises(ValueError, match="batch of 100 needs at least 100 samples"):
         next(M.batches((torch.zeros(10, 3), torch.zeros(10)), 100, seed=0))
-    with pytest.raises(SystemExit):
-        meta_reweight_cli.main(["--steps", "0"])
-    assert meta_reweight_cli.main(["--steps", "1", "--max-per-class", "100", "--accumulation", "2"]) == 0
+    for bad in (["--steps", "0"], ["--memory-steps", "0"]):
+        with pytest.raises(SystemExit):
+            meta_reweight_cli.main(bad)
+    assert meta_reweight_cli.main(["--steps", "1", "--max-per-class", "100", "--accumulation", "2",
+                                   "--memory-steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "balanced test accuracy" in out and "+ AMP + accumulation 2" in out and "peak MiB" in out

@@ -18,8 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200, help="outer steps of the accuracy runs")
     parser.add_argument("--accumulation", type=int, default=4)
     parser.add_argument("--max-per-class", type=int, default=490)
+    parser.add_argument("--memory-steps", type=int, default=5, help="timed outer steps per memory-table row")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
+    if args.memory_steps < 1:
+        parser.error(f"--memory-steps must be >= 1, got {args.memory_steps}")
     try:
         cfg = Config(steps=args.steps, max_per_class=args.max_per_class, device=args.device)
         recipe = optimized_recipe(cfg, args.accumulation)
@@ -32,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(markdown(["run", "ms / outer step", "balanced test accuracy"],
                              [[r.name, f"{r.ms_per_step:.1f}", f"{r.balanced_accuracy:.1%}"] for r in rows])))
     print()
-    mem = memory_ablation(cfg, args.accumulation)
+    mem = memory_ablation(cfg, args.accumulation, steps=args.memory_steps)
     base = mem[1].peak_mib
     print("\n".join(markdown(["run", "peak MiB", "saved vs baseline", "ms / outer step"],
                              [[r.name, mib(r.peak_mib), "-" if not (base and r.peak_mib) else
