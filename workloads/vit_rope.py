@@ -132,7 +132,8 @@ def accuracy(model: nn.Module, cfg: Config, n: int = 1000) -> float:
 def run(method: Method, cfg: Config) -> ViTReport:
     """Warm-up steps apart, then the timed steps (peak memory measured around them). With
     ``cfg.checkpoint`` the state is saved every ``cfg.save_every`` optimizer steps; with
-    ``cfg.resume`` the run continues from it (the time per step is then over the steps left)."""
+    ``cfg.resume`` the run continues from it (the time per step is then over the steps left, and
+    the saves made during the timed steps count in it)."""
     torch.manual_seed(cfg.seed)
     model = RopeViT(cfg.dim, cfg.heads, cfg.depth, attention=method.attention).to(cfg.device)
     opt = method.optimizer_fn(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
