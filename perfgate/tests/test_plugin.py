@@ -187,7 +187,7 @@ PEERS = """
 import time
 import pytest
 
-SLEEP = {{"reference": 0.012, "optimized": 0.002, "peer": {peer}}}
+SLEEP = {{"reference": 0.012, "optimized": {opt}, "peer": {peer}}}
 
 @pytest.mark.speedup(cpu=2.0)
 @pytest.mark.speedup(cpu={floor}, over="peer")
@@ -201,7 +201,7 @@ def test_sleepy(perf, impl):
                                    '"optimized", pytest.param("peer")'])
 def test_speedup_over_a_peer_is_timed_against_it_and_gated(pytester: pytest.Pytester, order: str) -> None:
     """A speedup(over=) row pairs the two impls directly, whichever ran first, and is gated by its floor."""
-    pytester.makepyfile(test_peers=PEERS.format(peer=0.006, floor=2.0, order=order))
+    pytester.makepyfile(test_peers=PEERS.format(opt=0.002, peer=0.006, floor=2.0, order=order))
     result = _run(pytester, "--benchmark-json=out.json")
     assert result.ret == 0, result.stdout.str()
     rows = {r["impl"]: r for r in json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"]}
@@ -211,14 +211,51 @@ def test_speedup_over_a_peer_is_timed_against_it_and_gated(pytester: pytest.Pyte
     assert 5.0 < row["reference_ms"] < 8.0 and 1.5 < row["optimized_ms"] < 3.0  # the peer's side, ours
     result.stdout.fnmatch_lines(["*sleepy*optimized vs peer*12ms*ok*", "*gate passed*"])
 
-    pytester.makepyfile(test_peers=PEERS.format(peer=0.002, floor=2.0, order=order))  # the peer caught up
+    # the peer caught up
+    pytester.makepyfile(test_peers=PEERS.format(opt=0.002, peer=0.002, floor=2.0, order=order))
     result = _run(pytester)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*GATE FAILED: sleepy [[]optimized vs peer, 12ms]*under the floor 2.00x*"])
 
 
+def test_rows_about_a_peer_are_not_gated_by_the_baseline(pytester: pytest.Pytester) -> None:
+    """A peer that got faster or slower since the baseline moves its rows (the peer's over the
+    reference, ours over the peer) without failing the session; ours over the reference is gated."""
+    order = '"optimized", "peer"'
+    pytester.makepyfile(test_peers=PEERS.format(opt=0.002, peer=0.006, floor=0.1, order=order))
+    assert _run(pytester, "--benchmark-save=base").ret == 0  # ours 6x, the peer 2x, ours over it 3x
+    for peer in (0.002, 0.024):  # the peer caught up (ours over it 1x), then fell behind (it: 0.5x)
+        pytester.makepyfile(test_peers=PEERS.format(opt=0.002, peer=peer, floor=0.1, order=order))
+        result = _run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+        assert result.ret == 0, result.stdout.str()
+        result.stdout.fnmatch_lines(["*sleepy*optimized vs peer*(peer, not gated)*ok*", "*gate passed*"])
+        rows = {r["impl"]: r for r in json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"]}
+        moved = rows["optimized vs peer"] if peer == 0.002 else rows["peer"]
+        assert moved["peer"] and moved["speedup"] < 0.5 * moved["baseline"]
+    pytester.makepyfile(test_peers=PEERS.format(opt=0.005, peer=0.006, floor=0.1, order=order))  # ours lost
+    result = _run(pytester, "--benchmark-compare")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*GATE FAILED: sleepy [[]optimized, 12ms]*under the stored baseline's*"])
+    assert "GATE FAILED: sleepy [optimized vs peer" not in result.stdout.str()
+
+
+def test_blas_and_openmp_pools_run_at_the_sessions_threads(pytester: pytest.Pytester) -> None:
+    """numpy's BLAS pool (a peer like scikit-learn runs on it) is pinned to --perf-threads while
+    impls are timed, and given back its thread count after the session."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    before = [p["num_threads"] for p in threadpoolctl.threadpool_info()]
+    _pair(pytester, "pools", 0.1, "import json, threadpoolctl\n    "
+          "perf(lambda: time.sleep(0.002))\n    "
+          "Path(impl).write_text(json.dumps([p['num_threads'] for p in threadpoolctl.threadpool_info()]))")
+    assert _run(pytester, "--perf-threads=1").ret == 0
+    for impl in ("reference", "optimized"):
+        pools = json.loads((pytester.path / impl).read_text())
+        assert pools and set(pools) == {1}, pools  # numpy's OpenBLAS is loaded here: at least one pool
+    assert [p["num_threads"] for p in threadpoolctl.threadpool_info()] == before
+
+
 def test_speedup_over_an_impl_the_test_lacks_is_refused(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_peers=PEERS.format(peer=0.006, floor=2.0, order='"optimized", "peeer"'))
+    pytester.makepyfile(test_peers=PEERS.format(opt=0.002, peer=0.006, floor=2.0, order='"optimized", "peeer"'))
     result = _run(pytester)
     assert result.ret != 0
     result.stdout.fnmatch_lines(["*speedup(impl='optimized', over='peer') names 'peer', which is not one of "
@@ -320,7 +357,13 @@ def test_gate_rules() -> None:
     assert gate(row, 0.2) == []
     row.baseline, row.high = 5.1, 5.2  # 20% under (4.08), but the interval reaches 5.1: noise
     assert gate(row, 0.2) == []
-    row.baseline, row.high = 4.9, 4.5
+    row.baseline, row.baseline_low, row.high = 5.7, 4.4, 4.5  # 20% under, but the baseline's interval
+    assert gate(row, 0.2) == []                                   # reaches this one: either run's noise
+    row.baseline_low = 4.6
+    assert "under the baseline's, 4.60x and up" in gate(row, 0.2)[0]
+    row.peer = True  # a row about a peer library: its baseline is reported, not gated
+    assert gate(row, 0.2) == []
+    row.peer, row.baseline, row.baseline_low, row.high = False, 4.9, None, 4.5
     row.memory_floor = 0.3
     assert gate(row, 0.2) == []  # no peak on this platform: reported unmeasured, not failed
     row.reference_peak_bytes, row.optimized_peak_bytes = 0, 0
@@ -358,8 +401,8 @@ def test_slowdown_hook_slows_only_the_optimized_side(pytester: pytest.Pytester) 
 def _fake_run(opt_ms: list[float], speedup: float, failures: list[str]) -> dict:
     return {"benchmarks": [{"extra_info": {"kernel": "k", "impl": "optimized"}, "stats": {"data": opt_ms}},
                            {"extra_info": {"kernel": "k", "impl": "reference"}, "stats": {"data": [4.0] * 9}}],
-            "perfgate": {"speedups": [{"kernel": "k", "impl": "optimized", "speedup": speedup,
-                                         "failures": failures}]}}
+            "perfgate": {"tolerance": 0.2, "speedups": [{"kernel": "k", "impl": "optimized", "speedup": speedup,
+                                                         "high": 1.05 * speedup, "failures": failures}]}}
 
 
 def test_fidelity_rules() -> None:
@@ -373,7 +416,8 @@ def test_fidelity_rules() -> None:
     host = fidelity.verdicts(base, _fake_run(list(1.2 + rng.normal(0, 0.01, 20)), 4.0, []))["k"]
     # a slower host: both sides slowed, the speedup rules hold
     assert host == {"perfgate": False, "pytest-benchmark median:10%": True, "asv (x1.1 + Mann-Whitney)": True,
-                    "10% of the speedup": False, "perfgate: unresolved": False}
+                    "10% of the speedup": False, "perfgate: unresolved": False,
+                    "perfgate before: under the baseline's point": False}
     lines = fidelity.table({1.0: [{"k": same}], 1.5: [{"k": slow}, {"k": same}]})
     assert lines[2].startswith("| perfgate | 0/1 (0%) | 1/2 (50%) |")
 

@@ -156,6 +156,7 @@ class PerfCase:
         ``variant=`` applies only when it matches.
         """
         config, state, bench = self._request.config, self._state, self._benchmark
+        state.pin_threads()  # a peer's BLAS pool loads at its first use: at the session's threads too
         run = synced(fn, self.device)
         if state.slowdown != 1.0 and self.impl == OPTIMIZED:
             run = _slowed(run, state.slowdown)
@@ -200,7 +201,8 @@ class PerfCase:
                         "from the test name and its non-impl parameters; rename one")
         state.results.setdefault(self.kernel, {})[self.impl] = Measurement(
             times=times, size=self.size, label=label, peak_bytes=peak,
-            work_bytes=work_bytes, paired=paired, visits=1 + len(later.shares) if later else 1, variant=variant)
+            work_bytes=work_bytes, paired=paired, visits=1 + len(later.shares) if later else 1, variant=variant,
+            peer=any(over == self.impl for _, over in _comparisons(self._request.node, self.impl)))
         if later is not None:
             state.timers[(self.kernel, self.impl)] = later  # kept to extend a straddled floor
             if later.shares:

@@ -16,6 +16,9 @@ Each optimized row of each run is one trial for every rule, all computed from th
 - 10% of the speedup: the speedup's point estimate more than 10% under the baseline's;
 - perfgate: unresolved: not an alarm but the gate's third outcome, a row whose interval still
   straddled its floor after ``--perf-extend`` (counted, so a rule that hides behind it shows).
+- perfgate before: the baseline rule as it was until the baseline's interval was used (the
+  speedup more than ``tolerance`` under the baseline's, the whole interval under its point), or
+  a floor's failure.
 
 The first two judge the optimized side against itself across runs, so anything that slows the
 whole host (a neighbour, a clock change) reads as a regression; the speedup rules compare
@@ -37,7 +40,7 @@ from statistics import median
 from .session import JSON_KEY
 
 RULES = ("perfgate", "pytest-benchmark median:10%", "asv (x1.1 + Mann-Whitney)", "10% of the speedup",
-         "perfgate: unresolved")
+         "perfgate: unresolved", "perfgate before: under the baseline's point")
 
 
 def _pytest(tests: list[str], storage: Path, out: Path, extra: list[str]) -> dict:
@@ -60,6 +63,7 @@ def verdicts(base: dict, run: dict, p: float = 0.05) -> dict[str, dict[str, bool
 
     old, new = _rounds(base), _rounds(run)
     base_speedup = {r["kernel"]: r["speedup"] for r in base[JSON_KEY]["speedups"] if r["impl"] == "optimized"}
+    tolerance = run[JSON_KEY]["tolerance"]
     out = {}
     for row in run[JSON_KEY]["speedups"]:
         kernel = row["kernel"]
@@ -73,6 +77,8 @@ def verdicts(base: dict, run: dict, p: float = 0.05) -> dict[str, dict[str, bool
             RULES[2]: ratio > 1.10 and mannwhitneyu(after, before, alternative="greater").pvalue < p,
             RULES[3]: row["speedup"] < 0.90 * base_speedup[kernel],
             RULES[4]: row.get("outcome") == "unresolved",  # a floor straddled at its budget: not an alarm
+            RULES[5]: any("under the floor" in f for f in row["failures"])
+            or (row["speedup"] < (1.0 - tolerance) * base_speedup[kernel] and row["high"] < base_speedup[kernel]),
         }
     return out
 

@@ -148,7 +148,9 @@ class PerfSession:
 
     def unconfigure(self) -> None:
         """Give torch back the thread count it had, so a session inside a process (pytester) does
-        not leave the outer one at its --perf-threads."""
+        not leave the outer one at its --perf-threads (torch's, and the BLAS and OpenMP pools')."""
+        if self.state is not None:
+            self.state.unpin_threads()
         if self._prev_threads is not None:
             import torch
 
@@ -175,7 +177,8 @@ class PerfSession:
                 "baseline on this machine (--benchmark-save=NAME), or compare against one saved on "
                 "this fingerprint.")
         rows = compared_benchmark.get(JSON_KEY, {}).get("speedups", [])
-        state.baseline = {baseline_key(r["kernel"], r["impl"], r["size"]): r["speedup"] for r in rows}
+        state.baseline = {baseline_key(r["kernel"], r["impl"], r["size"]):
+                          (r["speedup"], r.get("low", r["speedup"])) for r in rows}
         state.memory_baseline = {baseline_key(r["kernel"], r["impl"], r["size"]): r["memory_ratio"]
                                  for r in rows if r.get("memory_ratio") is not None}
         state.baseline_path = str(benchmarksession.storage)

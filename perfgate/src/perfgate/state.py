@@ -26,6 +26,7 @@ class Measurement:
     visits: int = 1  # how many visits timed ``paired``
     variant: str | None = None  # what the impl chose at run time (``perf(..., variant=)``)
     against: str = REFERENCE  # the impl ``paired`` times it against: a peer for a comparison row
+    peer: bool = False  # the impl is a peer library (a ``speedup(over=)`` target), not ours
 
 
 @dataclass
@@ -51,7 +52,7 @@ class GateState:
     results: dict[str, dict[str, Measurement]] = field(default_factory=dict)
     floors: dict[tuple[str, str], float] = field(default_factory=dict)
     memory_floors: dict[tuple[str, str], float] = field(default_factory=dict)  # least fraction saved
-    baseline: dict[str, float] | None = None
+    baseline: dict[str, tuple[float, float]] | None = None  # stored (speedup, low) by baseline_key
     memory_baseline: dict[str, float] = field(default_factory=dict)  # optimized/reference peak ratios
     baseline_path: str | None = None
     rows: list[SpeedupRow] | None = None
@@ -65,6 +66,22 @@ class GateState:
     extend_s: float = 60.0  # --perf-extend: seconds of extra pairs a row with a straddled floor may take
     floor_notes: dict[tuple[str, str], str] = field(default_factory=dict)  # why a declared floor is not applied
     interrupted: bool = False  # Ctrl-C: no later visits, no extensions
+    limiters: list = field(default_factory=list)  # threadpoolctl limits set by pin_threads, to restore
+
+    def pin_threads(self) -> None:
+        """Every BLAS and OpenMP pool loaded in the process (numpy's and scipy's OpenBLAS, a
+        peer's OpenMP) at the session's thread count, as torch's own pool is. Called before each
+        impl is timed: a library may load its pool at first use. A pool left at its default
+        gave scikit-learn's randomized SVD 12-148 ms a call under --perf-threads 1."""
+        if self.threads is not None:
+            from threadpoolctl import threadpool_limits
+
+            self.limiters.append(threadpool_limits(limits=self.threads))
+
+    def unpin_threads(self) -> None:
+        """The pools' thread counts as they were before the session (pytester runs in-process)."""
+        while self.limiters:
+            self.limiters.pop().restore_original_limits()
 
     def revisit(self) -> None:
         """Time every impl's later visits, in passes over all impls (visit 2 of each, then visit 3
@@ -144,13 +161,15 @@ class GateState:
         # interleaved pairs when the reference ran first in this session, else the two runs
         ref_t, opt_t = (list(t) for t in zip(*m.paired, strict=True)) if m.paired else (ref.times, m.times)
         point, low, high = (scale * v for v in speedup_interval(ref_t, opt_t, paired=bool(m.paired)))
+        stored = (self.baseline or {}).get(baseline_key(kernel, impl, m.size))
         row = SpeedupRow(
             kernel=kernel, impl=impl, size=m.size, label=m.label, device=self.device,
             reference_ms=1e3 * median(ref_t), optimized_ms=1e3 * median(opt_t),
             speedup=point, low=low, high=high, rounds=(len(ref_t), len(opt_t)), interleaved=bool(m.paired),
             visits=m.visits, variant=m.variant,
             floor=self.floors.get((kernel, impl)), floor_note=self.floor_notes.get((kernel, impl), ""),
-            baseline=(self.baseline or {}).get(baseline_key(kernel, impl, m.size)),
+            baseline=None if stored is None else stored[0], baseline_low=None if stored is None else stored[1],
+            peer=m.peer or m.against != REFERENCE,
             reference_peak_bytes=ref.peak_bytes, optimized_peak_bytes=m.peak_bytes,
             reference_gbps=_gbps(ref.work_bytes, ref_t), optimized_gbps=_gbps(m.work_bytes, opt_t),
             memory_floor=self.memory_floors.get((kernel, impl)),
