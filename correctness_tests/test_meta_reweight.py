@@ -117,7 +117,7 @@ def test_runs_report_accuracy_memory_and_plain_training() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, plain.weight_net.parameters(), strict=True))
 
 
-def test_config_and_cli(capsys) -> None:
+def test_config_and_cli(capsys, tmp_path) -> None:
     with pytest.raises(ValueError, match="imbalance must be >= 1"):
         M.Config(imbalance=0.5)
     with pytest.raises(ValueError, match="lr must be > 0"):
@@ -133,6 +133,8 @@ def test_config_and_cli(capsys) -> None:
         with pytest.raises(SystemExit):
             meta_reweight_cli.main(bad)
     assert meta_reweight_cli.main(["--steps", "1", "--max-per-class", "100", "--accumulation", "2",
-                                   "--memory-steps", "1"]) == 0
+                                   "--memory-steps", "1", "--output-dir", str(tmp_path)]) == 0
+    assert {p.name for p in tmp_path.iterdir()} == {f"meta_reweight_{t}.{e}" for t in ("accuracy", "memory")
+                                                     for e in ("csv", "json", "png")}
     out = capsys.readouterr().out
     assert "balanced test accuracy" in out and "+ AMP + accumulation 2" in out and "peak MiB" in out

@@ -3,6 +3,8 @@ optimized run select the same samples and end within 0.5 points of average accur
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -106,9 +108,11 @@ def test_report_metrics() -> None:
     assert ocs.OCSReport("one", accuracy=[[0.5]]).forgetting == 0.0
 
 
-def test_cli_and_ablation_rows(capsys) -> None:
-    assert main(["--tasks", "1", "--passes", "1", "--ablation"]) == 0
+def test_cli_and_ablation_rows(capsys, tmp_path) -> None:
+    assert main(["--tasks", "1", "--passes", "1", "--ablation", "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
+    record = json.loads((tmp_path / "ocs.json").read_text())
+    assert len(record["rows"]) == 5 and all(len(v) == 1 for v in record["curves"].popitem()[1].values())
     for row in ("reference (loop scores, fp32)", "vmap (materialized E)", "einsum (materialized E)",
                 "ghost Gram |", "ghost Gram + AMP"):
         assert f"| {row}" in out, row

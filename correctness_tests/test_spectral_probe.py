@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -80,3 +81,60 @@ def test_accuracy_claim_is_a_paired_non_inferiority_test() -> None:
     worse = [(0.75, 0.74), (0.79, 0.77), (0.77, 0.78)]
     assert "not shown to be within 1 point" in P.accuracy_claim(worse)
     assert "no spread" in P.accuracy_claim([(0.7, 0.7), (0.8, 0.8)])
+
+
+def test_sampled_layers_and_loader_workers() -> None:
+    """--sample-layers keeps a seeded subset of the layers; workers generate the same weights."""
+    cfg = replace(SMALL, layers=8, sample_layers=0.25)
+    used = P.layer_indices(cfg)
+    assert len(used) == 2 and used == sorted(used) and used == P.layer_indices(cfg)
+    assert P.layer_indices(replace(cfg, sample_layers=0.01)) != [] and P.layer_indices(SMALL) == [0, 1]
+    x, _ = P.features(cfg, P.spectral_features)
+    assert x.shape == (60, 2 * 32)
+    x2, _ = P.features(replace(cfg, num_workers=2), P.spectral_features)
+    assert torch.equal(x, x2)
+    for bad, match in (({"sample_layers": 0.0}, "sample_layers is a fraction"),
+                       ({"sample_layers": 1.5}, "sample_layers is a fraction"),
+                       ({"num_workers": -1}, "num_workers must be >= 0"), ({"device": "tpu"}, "device must be")):
+        with pytest.raises(ValueError, match=match):
+            replace(SMALL, **bad)
+
+
+TINY = ["--samples", "60", "--layers", "2", "--dim", "32", "--max-epochs", "2", "--no-amp"]
+
+
+def test_cli_keeps_features_between_runs(tmp_path, capsys) -> None:
+    """A second run with the same --cache-dir reads the optimized run's features back; --no-cache
+    keeps nothing; --output-dir writes the table, the epochs' curves and the machine."""
+    cache = tmp_path / "cache"
+    assert spectral_probe_cli.main([*TINY, "--cache-dir", str(cache)]) == 0
+    first = capsys.readouterr().out
+    assert f"features cache: {cache}" in first and len(list(cache.glob("*.safetensors"))) == 1
+    assert "| optimized (top-k, Standardizer, batch 256, fp32) | computed |" in first
+    assert ", again | cache |" in first
+    assert spectral_probe_cli.main([*TINY, "--cache-dir", str(cache), "--output-dir", str(tmp_path / "out")]) == 0
+    second = capsys.readouterr().out
+    assert "| optimized (top-k, Standardizer, batch 256, fp32) | cache |" in second
+    record = json.loads((tmp_path / "out" / "spectral_probe.json").read_text())
+    assert [r["features"] for r in record["rows"]] == ["computed", "cache", "cache"]
+    assert record["config"]["samples"] == 60 and record["machine"]["device_type"] == "cpu"
+    assert all(len(v) == 2 for v in record["curves"]["validation loss per epoch"].values())  # 2 epochs each
+    assert (tmp_path / "out" / "spectral_probe.png").stat().st_size > 0
+    assert spectral_probe_cli.main([*TINY, "--no-cache"]) == 0
+    out = capsys.readouterr().out
+    assert "features cache: none (--no-cache)" in out and ", again" not in out
+
+
+def test_cli_quick_and_bad_flags(tmp_path, capsys) -> None:
+    quick = ["--quick", "--layers", "4", "--dim", "32", "--max-epochs", "1", "--no-cache"]
+    assert spectral_probe_cli.main(quick) == 0
+    assert "Spectral probe: 100 samples x 1 of 4 layers of 32x32" in capsys.readouterr().out  # 0.25 x 4 layers
+    for bad in (["--ablation", "--cache-dir", str(tmp_path)], ["--sample-layers", "0"], ["--num-workers", "-1"],
+                ["--seeds", "-1"], ["--cache-dir", str(tmp_path / "f"), "--no-cache"]):
+        with pytest.raises(SystemExit) as exc:
+            spectral_probe_cli.main(bad)
+        assert exc.value.code == 2, bad
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):  # a cache folder that is a file: a usage error, not a traceback
+        spectral_probe_cli.main([*TINY, "--cache-dir", str(tmp_path / "file")])
+    assert "error:" in capsys.readouterr().err

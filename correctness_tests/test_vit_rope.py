@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -89,9 +90,14 @@ def test_cosine_schedule_warms_up_then_decays() -> None:
     assert lrs[-1] < 0.05
 
 
-def test_cli_ablation_rows(capsys) -> None:
-    assert vit_rope_cli.main(["--steps", "1", "--batch", "8", "--depth", "1", "--ablation"]) == 0
+def test_cli_ablation_rows(capsys, tmp_path) -> None:
+    assert vit_rope_cli.main(["--steps", "1", "--batch", "8", "--depth", "1", "--ablation",
+                              "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
+    record = json.loads((tmp_path / "vit_rope.json").read_text())
+    assert [r["run"] for r in record["rows"]] == list(record["curves"]["training loss per step"])
+    assert all(len(v) == 3 for v in record["curves"]["training loss per step"].values())  # 2 warm-up + 1 step
+    assert (tmp_path / "vit_rope.csv").exists() and (tmp_path / "vit_rope.png").exists()
     for row in ("reference (fp32", "+ cached RoPE", "+ attention kernel", "+ fused AdamW", "+ AMP", "optimized ("):
         assert f"| {row}" in out, row
     assert "clipped at 1" in out and ", no clipping |" in out  # the clipping's own ablation row

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ from kernels.models import ResNet10
 from kernels.optim import adamw
 from kernels.training import Recipe, train
 from reference.workloads import cifar_resnet as reference_run
-from workloads.common import markdown
+from workloads.common import check_device, markdown, require_positive
 
 
 def synthetic_cifar(n: int, *, seed: int = 0, classes: int = 10, noise: float = 2.5,
@@ -52,6 +52,7 @@ class RunReport:
     first_steps_s: float  # the untimed warm-up steps: compile time lives here
     accuracy: float  # on held-out images after the run
     final_loss: float
+    losses: list[float] = field(default_factory=list)  # per optimizer step, warm-up steps included
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,10 @@ class Config:
     warmup: int = 2
     device: str = "cpu"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        require_positive(self, ("steps", "batch"))
+        check_device(self.device)
 
     def batches(self, channels_last: bool = False, micro: int = 1) -> list[tuple[Tensor, Tensor]]:
         """Preloaded on the device once, in the layout the run uses: the loops time compute,
@@ -87,11 +92,12 @@ def timed(name: str, cfg: Config, model: torch.nn.Module, step: Callable[[list],
     """Warm-up steps apart, then the timed steps; accuracy after both."""
     data = cfg.batches(channels_last, micro)
     t0 = time.perf_counter()
-    step(data[: cfg.warmup * micro])
+    warm = step(data[: cfg.warmup * micro])
     t1 = time.perf_counter()
     result = step(data[cfg.warmup * micro :])
     t2 = time.perf_counter()
-    return RunReport(name, 1e3 * (t2 - t1) / cfg.steps, t1 - t0, accuracy(model, cfg.device), result.losses[-1])
+    return RunReport(name, 1e3 * (t2 - t1) / cfg.steps, t1 - t0, accuracy(model, cfg.device), result.losses[-1],
+                     [*warm.losses, *result.losses])
 
 
 def run(cfg: Config, recipe: Recipe, name: str, lr: float = 2e-3, one_cycle: bool = False) -> RunReport:
@@ -135,8 +141,15 @@ def ablation(cfg: Config, compile_: bool = True) -> list[RunReport]:
     return rows
 
 
-def format_rows(rows: list[RunReport]) -> list[str]:
+HEADER = ["run", "ms/step", "speedup", "warm-up s (compile)", "accuracy", "final loss"]
+
+
+def table(rows: list[RunReport]) -> list[list[str]]:
+    """The cells of ``HEADER``, one list per run."""
     base = rows[0].ms_per_step
-    return markdown(["run", "ms/step", "speedup", "warm-up s (compile)", "accuracy", "final loss"],
-                    [[r.name, f"{r.ms_per_step:.1f}", f"{base / r.ms_per_step:.2f}x", f"{r.first_steps_s:.1f}",
-                      f"{r.accuracy:.1%}", f"{r.final_loss:.3f}"] for r in rows])
+    return [[r.name, f"{r.ms_per_step:.1f}", f"{base / r.ms_per_step:.2f}x", f"{r.first_steps_s:.1f}",
+             f"{r.accuracy:.1%}", f"{r.final_loss:.3f}"] for r in rows]
+
+
+def format_rows(rows: list[RunReport]) -> list[str]:
+    return markdown(HEADER, table(rows))

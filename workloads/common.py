@@ -1,9 +1,12 @@
-"""What the workloads share: their results as markdown tables (as in docs/measurements/) and the
-checks of their configs."""
+"""What the workloads share: their results as markdown tables (as in docs/measurements/), the
+checks of their configs, and their progress bars."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -22,3 +25,30 @@ def require_positive(config: object, names: Sequence[str]) -> None:
     for name in names:
         if getattr(config, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
+
+
+def check_device(device: str) -> None:
+    """Refuse a device this process cannot run on, naming what would work."""
+    import torch
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}") from None
+    if d.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {device!r}: no CUDA device is available here; use cpu")
+        if d.index is not None and d.index >= count:
+            raise ValueError(f"device {device!r}: this machine has {count} CUDA device(s), "
+                             f"cuda:0 to cuda:{count - 1}")
+    elif d.type != "cpu":
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+
+
+def progress(items: Iterable[T] | None = None, **kwargs: Any) -> Any:
+    """A tqdm bar on stderr for work that runs longer than a few seconds; off when stderr is not a
+    terminal (logs and tests), and gone when done."""
+    from tqdm import tqdm
+
+    return tqdm(items, disable=None, leave=False, dynamic_ncols=True, **kwargs)

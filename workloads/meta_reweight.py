@@ -39,7 +39,7 @@ from kernels.training import Recipe, train
 from perfgate.timing import peak_memory
 from reference.optim import sgd as reference_sgd
 from workloads.cifar_resnet import synthetic_cifar
-from workloads.common import require_positive
+from workloads.common import check_device, require_positive
 
 Batch = tuple[Tensor, Tensor]
 
@@ -68,6 +68,7 @@ class Config:
     def __post_init__(self) -> None:
         require_positive(self, ("max_per_class", "meta_per_class", "test_per_class", "batch", "meta_batch",
                                 "steps"))
+        check_device(self.device)
         for name in ("lr", "meta_lr", "alpha"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -42,7 +42,7 @@ from kernels.optim import sgd
 from kernels.training import Recipe, train
 from perfgate.timing import peak_memory
 from reference.workloads import ocs as reference_run
-from workloads.common import require_positive
+from workloads.common import check_device, require_positive
 from workloads.rotated_digits import Split
 
 Scorer = Callable[..., Tensor]  # (model, loss_fn, inputs, targets, *, memory, tau) -> (N,) scores
@@ -67,6 +67,7 @@ class Config:
 
     def __post_init__(self) -> None:
         require_positive(self, ("tasks", "passes", "stream", "select", "memory"))
+        check_device(self.device)
         if self.select > self.stream:
             raise ValueError(f"select ({self.select}) must not exceed stream ({self.stream})")
 

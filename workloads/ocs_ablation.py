@@ -42,12 +42,19 @@ def ablation(cfg: Config, tasks: list[tuple[Split, Split]]) -> list[OCSReport]:
     return [run(m, cfg, tasks) for m in methods]
 
 
-def format_rows(rows: list[OCSReport]) -> list[str]:
+HEADER = ["run", "s/task", "speedup", "peak MiB", "avg accuracy", "forgetting", "per-task accuracy at the end"]
+
+
+def table(rows: list[OCSReport]) -> list[list[str]]:
+    """The cells of ``HEADER``, one list per run."""
     base = sum(rows[0].seconds) / len(rows[0].seconds)
     cells = []
     for r in rows:
         per = sum(r.seconds) / len(r.seconds)
         cells.append([r.name, f"{per:.2f}", f"{base / per:.2f}x", mib(r.peak_mib), f"{r.average_accuracy:.1%}",
                       f"{r.forgetting:.1%}", " ".join(f"{a:.0%}" for a in r.accuracy[-1])])
-    return markdown(["run", "s/task", "speedup", "peak MiB", "avg accuracy", "forgetting",
-                     "per-task accuracy at the end"], cells)
+    return cells
+
+
+def format_rows(rows: list[OCSReport]) -> list[str]:
+    return markdown(HEADER, table(rows))

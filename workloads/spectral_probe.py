@@ -15,6 +15,9 @@ by the generating settings and code (a second run reads them back). By default t
 LoRA layers of SD 1.5 are scaled to 16 square layers of 256 x 256 for a 2-core CPU; ``--shapes
 sd15`` generates the real ones (``SD15_SHAPES``: 16 transformer blocks of width 320/640/1280, each
 with self-attention q, k, v, out (d x d) and cross-attention q, out (d x d), k, v (d x 768)).
+``sample_layers`` keeps a seeded fraction of the layers, as the original's ``--sample-layers``
+does; the layers' weights come through a DataLoader (``num_workers`` generate them while the
+main process computes features, as the original's workers load LoRA files).
 
     python -m workloads.cli.spectral_probe [--samples 400] [--layers 16] [--shapes sd15] [--ablation]
 """
@@ -27,18 +30,19 @@ import inspect
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
 
 from kernels.feature_cache import FeatureCache
 from kernels.spectral import spectral_features
 from kernels.standardize import Standardizer
 from kernels.training import Recipe, train
 from reference.workloads import spectral_probe as reference_run
-from workloads.common import markdown, require_positive
+from workloads.common import check_device, markdown, progress, require_positive
 
 
 def _sd15_shapes() -> tuple[tuple[int, int], ...]:
@@ -65,9 +69,16 @@ class Config:
     seed: int = 0
     device: str = "cpu"
     shapes: str = "square"  # "square": layers x (dim, dim); "sd15": SD15_SHAPES (dim unused)
+    sample_layers: float = 1.0  # the fraction of the layers whose features are used (seeded choice)
+    num_workers: int = 0  # DataLoader workers generating the layers' weights
 
     def __post_init__(self) -> None:
         require_positive(self, ("samples", "layers", "dim", "rank", "classes", "max_epochs", "patience"))
+        check_device(self.device)
+        if not 0.0 < self.sample_layers <= 1.0:
+            raise ValueError(f"sample_layers is a fraction of the layers in (0, 1], got {self.sample_layers}")
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0 (0: generate in this process), got {self.num_workers}")
         if self.shapes not in SHAPES:
             raise ValueError(f"shapes must be one of {SHAPES}, got {self.shapes!r}")
         if self.shapes == "sd15" and self.layers != len(SD15_SHAPES):
@@ -97,13 +108,38 @@ def layer_weights(cfg: Config, layer: int) -> Tensor:
     return (u * s[:, None, :]) @ v.mT + cfg.noise * 2 / (m**0.5 + k**0.5) * torch.randn(n, m, k, generator=g)
 
 
+def layer_indices(cfg: Config) -> list[int]:
+    """The layers whose features are used, in order: all of them, or a seeded
+    ``round(sample_layers * layers)`` of them (at least one)."""
+    if cfg.sample_layers == 1.0:
+        return list(range(cfg.layers))
+    keep = max(1, round(cfg.sample_layers * cfg.layers))
+    order = torch.randperm(cfg.layers, generator=torch.Generator().manual_seed(cfg.seed + 3))
+    return sorted(order[:keep].tolist())
+
+
+class LayerWeights(Dataset):
+    """Item i: (layer, its weights (samples, m, n)) for the i-th used layer."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg, self.layers = cfg, layer_indices(cfg)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> tuple[int, Tensor]:
+        return self.layers[i], layer_weights(self.cfg, self.layers[i])
+
+
 def features(cfg: Config, values: Callable[..., Tensor]) -> tuple[Tensor, float]:
-    """(samples, layers * 32) and the seconds ``values`` took (generating the weights, which the
-    original loads from disk, is not counted): ``values`` maps one layer (samples, dim, dim) to its
-    features."""
+    """(samples, used layers * 32) and the seconds ``values`` took (generating the weights, which
+    the original loads from disk, is not counted): ``values`` maps one layer (samples, m, n) to its
+    features. With ``num_workers`` the next layers are generated while this one's are computed."""
+    cuda = torch.device(cfg.device).type == "cuda"
+    loader = DataLoader(LayerWeights(cfg), batch_size=None, num_workers=cfg.num_workers, pin_memory=cuda)
     out, seconds = [], 0.0
-    for layer in range(cfg.layers):
-        w = layer_weights(cfg, layer).to(cfg.device)
+    for layer, w in progress(loader, desc="features", unit="layer"):
+        w = w.to(cfg.device, non_blocking=True)
         gen = torch.Generator(device=w.device).manual_seed(cfg.seed * 1009 + layer)  # same features every run
         t0 = time.perf_counter()
         out.append(values(w, generator=gen))
@@ -140,10 +176,13 @@ class Method:
 @dataclass
 class ProbeReport:
     name: str
-    feature_s: float
+    feature_s: float  # computing the features, or on a cache hit reading them back
     train_s: float
     epochs: int
     accuracy: float
+    features_from: str = "computed"  # or "cache"
+    val_loss: list[float] = field(default_factory=list)  # per epoch
+    val_accuracy: list[float] = field(default_factory=list)  # per epoch
 
 
 def _split(cfg: Config) -> tuple[Tensor, Tensor, Tensor]:
@@ -152,11 +191,13 @@ def _split(cfg: Config) -> tuple[Tensor, Tensor, Tensor]:
     return perm[:a], perm[a:b], perm[b:]
 
 
-def _features(cfg: Config, method: Method) -> tuple[Tensor, float]:
+def _features(cfg: Config, method: Method) -> tuple[Tensor, float, bool]:
+    """The features, the seconds they took, and whether they were read from the cache."""
     if method.cache is None:
-        return features(cfg, method.values)
+        return *features(cfg, method.values), False
     data = {f: getattr(cfg, f) for f in ("samples", "layers", "dim", "rank", "classes", "noise", "seed",
                                    "shapes")}
+    data["used_layers"] = layer_indices(cfg)
     code = {name: hashlib.sha256(inspect.getsource(sys.modules[name]).encode()).hexdigest()
             for name in (method.values.__module__, __name__)}  # the features' code and the data generator's
     key = {"workload": "spectral_probe", "data": data, "features": f"{method.values.__module__}."
@@ -169,7 +210,7 @@ def _features(cfg: Config, method: Method) -> tuple[Tensor, float]:
         return {"x": x}
 
     x = method.cache.get_or_compute(key, compute)["x"].to(cfg.device)
-    return x, spent[0] if spent else time.perf_counter() - t0  # a hit: the time to read the file
+    return x, spent[0] if spent else time.perf_counter() - t0, not spent  # a hit: the time to read the file
 
 
 @torch.no_grad()
@@ -181,7 +222,7 @@ def _evaluate(model: nn.Module, x: Tensor, y: Tensor) -> tuple[float, float]:
 
 def run(method: Method, cfg: Config) -> ProbeReport:
     """Features (timed apart), standardization, then epochs until early stopping."""
-    (x, feature_s), y = _features(cfg, method), labels(cfg).to(cfg.device)
+    (x, feature_s, hit), y = _features(cfg, method), labels(cfg).to(cfg.device)
     tr, va, te = _split(cfg)
     t1 = time.perf_counter()
     scaler = method.scaler().fit(x[tr])
@@ -192,23 +233,30 @@ def run(method: Method, cfg: Config) -> ProbeReport:
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=5)
     best, best_state, since, epochs = float("inf"), None, 0, 0
     gen = torch.Generator().manual_seed(cfg.seed + 2)
+    history: tuple[list[float], list[float]] = ([], [])
+    bar = progress(total=cfg.max_epochs, desc=method.name, unit="epoch")
     while epochs < cfg.max_epochs:
         epochs += 1
+        bar.update()
         order = tr[torch.randperm(len(tr), generator=gen)].to(cfg.device)
         batches = [(x[i], y[i]) for i in order.split(method.batch) if len(i) > 1]  # BatchNorm needs 2 rows
         method.train_fn(model, F.cross_entropy, opt, batches, method.recipe, device=cfg.device)
-        val_loss, _ = _evaluate(model, x[va], y[va])
+        val_loss, val_acc = _evaluate(model, x[va], y[va])
+        history[0].append(val_loss)
+        history[1].append(val_acc)
         plateau.step(val_loss)
         if val_loss < best:
             best, best_state, since = val_loss, copy.deepcopy(model.state_dict()), 0
         elif (since := since + 1) >= cfg.patience:
             break
+    bar.close()
     if best_state is None:
         raise FloatingPointError("the validation loss was never finite: training diverged (check the features "
                                  "for inf after standardization, or lower the learning rate)")
     model.load_state_dict(best_state)
     _, acc = _evaluate(model, x[te], y[te])
-    return ProbeReport(method.name, feature_s, time.perf_counter() - t1, epochs, acc)
+    return ProbeReport(method.name, feature_s, time.perf_counter() - t1, epochs, acc,
+                       "cache" if hit else "computed", *history)
 
 
 def reference_method() -> Method:
@@ -217,19 +265,21 @@ def reference_method() -> Method:
                   reference_run.train)
 
 
-def optimized_method(cfg: Config, cache: FeatureCache | None) -> Method:
-    x = torch.randn(256, cfg.layers * 32, device=cfg.device)
+def optimized_method(cfg: Config, cache: FeatureCache | None, amp: bool = True) -> Method:
+    """``amp``: the engine's recipe by ``Recipe.auto`` (AMP where it measures faster); False: fp32."""
+    x = torch.randn(256, len(layer_indices(cfg)) * 32, device=cfg.device)
     y = torch.randint(0, cfg.classes, (256,), device=cfg.device)
-    recipe = Recipe.auto(cfg.device, model=Probe(x.shape[1], cfg.classes).to(cfg.device), loss_fn=F.cross_entropy,
-                         batch=(x, y))
+    model = Probe(x.shape[1], cfg.classes).to(cfg.device)
+    recipe = Recipe.auto(cfg.device, model=model, loss_fn=F.cross_entropy, batch=(x, y)) if amp else Recipe()
     return Method(f"optimized (top-k, Standardizer, batch 256, {recipe.name})", spectral_features, Standardizer,
                   256, train, recipe, cache)
 
 
-def ablation(cfg: Config, cache_dir: str) -> list[ProbeReport]:
-    """reference / + top-k / + Standardizer / + batch 256 (engine) / optimized, then its cached rerun."""
+def ablation(cfg: Config, cache_dir: str, amp: bool = True) -> list[ProbeReport]:
+    """reference / + top-k / + Standardizer / + batch 256 (engine) / optimized, then its cached
+    rerun; ``cache_dir`` should be empty, so the optimized row computes its features."""
     ref = reference_method()
-    opt = optimized_method(cfg, FeatureCache(cache_dir))
+    opt = optimized_method(cfg, FeatureCache(cache_dir), amp)
     rows = [ref, replace(ref, name="+ top-k (randomized)", values=spectral_features),
             replace(ref, name="+ Standardizer", values=spectral_features, scaler=Standardizer),
             Method("+ batch 256 (engine, fp32)", spectral_features, Standardizer, 256, train, Recipe()), opt,
@@ -237,13 +287,13 @@ def ablation(cfg: Config, cache_dir: str) -> list[ProbeReport]:
     return [run(m, cfg) for m in rows]
 
 
-def compare_seeds(cfg: Config, seeds: int) -> list[tuple[float, float]]:
+def compare_seeds(cfg: Config, seeds: int, amp: bool = True) -> list[tuple[float, float]]:
     """(reference, optimized) test accuracy for data and training seeds 0 .. seeds - 1: the
     accuracy claim needs more than one draw (early stopping alone moves a run by points)."""
     pairs = []
     for seed in range(seeds):
         c = replace(cfg, seed=seed)
-        pairs.append((run(reference_method(), c).accuracy, run(optimized_method(c, None), c).accuracy))
+        pairs.append((run(reference_method(), c).accuracy, run(optimized_method(c, None, amp), c).accuracy))
     return pairs
 
 
@@ -266,8 +316,15 @@ def accuracy_claim(pairs: list[tuple[float, float]], margin: float = 0.01) -> st
     return f"{head}, 95% CI [{pts(ci.low)}, {pts(ci.high)}]; {verdict}"
 
 
-def format_rows(rows: list[ProbeReport]) -> list[str]:
+HEADER = ["run", "features", "features s", "train s", "total speedup", "epochs", "test accuracy"]
+
+
+def table(rows: list[ProbeReport]) -> list[list[str]]:
+    """The cells of ``HEADER``, one list per run."""
     base = rows[0].feature_s + rows[0].train_s
-    cells = [[r.name, f"{r.feature_s:.2f}", f"{r.train_s:.2f}", f"{base / (r.feature_s + r.train_s):.2f}x",
-              str(r.epochs), f"{r.accuracy:.1%}"] for r in rows]
-    return markdown(["run", "features s", "train s", "total speedup", "epochs", "test accuracy"], cells)
+    return [[r.name, r.features_from, f"{r.feature_s:.2f}", f"{r.train_s:.2f}",
+             f"{base / (r.feature_s + r.train_s):.2f}x", str(r.epochs), f"{r.accuracy:.1%}"] for r in rows]
+
+
+def format_rows(rows: list[ProbeReport]) -> list[str]:
+    return markdown(HEADER, table(rows))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -38,7 +38,7 @@ from perfgate.timing import peak_memory
 from reference.attention import softmax_attention
 from reference.workloads import vit_rope as reference_run
 from workloads.cifar_resnet import synthetic_cifar
-from workloads.common import markdown, mib, require_positive
+from workloads.common import check_device, markdown, mib, require_positive
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,7 @@ class Config:
     def __post_init__(self) -> None:
         require_positive(self, ("steps", "batch", "accumulation", "dim", "heads", "depth", "save_every"))
         check_max_grad_norm(self.max_grad_norm)
+        check_device(self.device)
         if self.resume and (self.checkpoint is None or not Path(self.checkpoint).is_file()):
             raise ValueError(f"resume needs an existing checkpoint file, got {self.checkpoint!r}")
         if self.batch % self.accumulation:
@@ -95,6 +96,7 @@ class ViTReport:
     peak_mib: float | None  # memory the timed steps added (perfgate's measure)
     accuracy: float
     final_loss: float
+    losses: list[float] = field(default_factory=list)  # per optimizer step this run took
 
 
 def cosine_schedule(opt: torch.optim.Optimizer, total: int, warmup: int = 2) -> torch.optim.lr_scheduler.LambdaLR:
@@ -167,7 +169,7 @@ def run(method: Method, cfg: Config) -> ViTReport:
     peak = peak_memory(lambda: steps(timed), cfg.device)
     seconds = time.perf_counter() - t0
     return ViTReport(method.name, 1e3 * seconds / (len(timed) // micro), None if peak is None else peak / 2**20,
-                     accuracy(model, cfg), result[-1].losses[-1])
+                     accuracy(model, cfg), result[-1].losses[-1], [loss for r in result for loss in r.losses])
 
 
 def _cached_rope_manual(q: Tensor, k: Tensor, v: Tensor, rope, *, causal: bool = False,
@@ -214,9 +216,15 @@ def ablation(cfg: Config) -> list[ViTReport]:
     return rows
 
 
-def format_rows(rows: list[ViTReport]) -> list[str]:
+HEADER = ["run", "ms/step", "speedup", "peak MiB", "accuracy", "final loss"]
+
+
+def table(rows: list[ViTReport]) -> list[list[str]]:
+    """The cells of ``HEADER``, one list per run."""
     base = rows[0].ms_per_step
-    return markdown(["run", "ms/step", "speedup", "peak MiB", "accuracy", "final loss"],
-                    [[r.name, f"{r.ms_per_step:.1f}", f"{base / r.ms_per_step:.2f}x",
-                      mib(r.peak_mib), f"{r.accuracy:.1%}", f"{r.final_loss:.3f}"]
-                     for r in rows])
+    return [[r.name, f"{r.ms_per_step:.1f}", f"{base / r.ms_per_step:.2f}x", mib(r.peak_mib), f"{r.accuracy:.1%}",
+             f"{r.final_loss:.3f}"] for r in rows]
+
+
+def format_rows(rows: list[ViTReport]) -> list[str]:
+    return markdown(HEADER, table(rows))

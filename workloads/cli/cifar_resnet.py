@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from workloads import cifar_resnet as workload
-from workloads.cifar_resnet import Config, ablation, format_rows
+from workloads.cifar_resnet import HEADER, Config, ablation, format_rows, table
+from workloads.cli.options import add_common, describe, save
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,16 +15,22 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_common(parser)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch < 2 or args.batch % 2:
         parser.error("--steps must be >= 1 and --batch an even number >= 2 (the OneCycleLR row splits each "
                      "batch into 2 micro-batches)")
-    cfg = Config(steps=args.steps, batch=args.batch, device=args.device)
-    print(f"ResNet10 on synthetic CIFAR, {cfg.steps} steps of batch {cfg.batch} on {cfg.device}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
-    print("\n".join(format_rows(ablation(cfg, compile_=not args.no_compile))))
+    try:
+        cfg = Config(steps=args.steps, batch=args.batch, device=args.device)
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"ResNet10 on synthetic CIFAR, {cfg.steps} steps of batch {cfg.batch} on "
+          f"{describe(cfg.device)}")
+    rows = ablation(cfg, compile_=not args.no_compile)
+    print("\n".join(format_rows(rows)))
+    save(args, "cifar_resnet", HEADER, table(rows), cfg, "ms/step",
+         {"training loss per step": {r.name: r.losses for r in rows}})
     return 0
 
 

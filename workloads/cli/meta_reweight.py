@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from workloads import meta_reweight as workload
+from workloads.cli.options import add_common, describe, save
 from workloads.common import markdown, mib
 from workloads.meta_reweight import Config, class_counts, optimized_recipe
 from workloads.meta_reweight_ablation import accuracy_runs, memory_ablation
+
+ACCURACY = ["run", "ms / outer step", "balanced test accuracy"]
+MEMORY = ["run", "peak MiB", "saved vs baseline", "ms / outer step"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accumulation", type=int, default=4)
     parser.add_argument("--max-per-class", type=int, default=490)
     parser.add_argument("--memory-steps", type=int, default=5, help="timed outer steps per memory-table row")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_common(parser)
     args = parser.parse_args(argv)
     if args.memory_steps < 1:
         parser.error(f"--memory-steps must be >= 1, got {args.memory_steps}")
@@ -29,17 +31,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     print(f"Meta-Weight-Net: train {sum(class_counts(cfg))} long-tailed (n_c {class_counts(cfg)}), meta "
-          f"{10 * cfg.meta_per_class}, test {10 * cfg.test_per_class}, batch {cfg.batch}, on {cfg.device}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+          f"{10 * cfg.meta_per_class}, test {10 * cfg.test_per_class}, batch {cfg.batch}, on "
+          f"{describe(cfg.device)}")
     rows = accuracy_runs(cfg, recipe)
-    print("\n".join(markdown(["run", "ms / outer step", "balanced test accuracy"],
-                             [[r.name, f"{r.ms_per_step:.1f}", f"{r.balanced_accuracy:.1%}"] for r in rows])))
+    accuracy = [[r.name, f"{r.ms_per_step:.1f}", f"{r.balanced_accuracy:.1%}"] for r in rows]
+    print("\n".join(markdown(ACCURACY, accuracy)))
     print()
     mem = memory_ablation(cfg, args.accumulation, steps=args.memory_steps)
     base = mem[1].peak_mib
-    print("\n".join(markdown(["run", "peak MiB", "saved vs baseline", "ms / outer step"],
-                             [[r.name, mib(r.peak_mib), "-" if not (base and r.peak_mib) else
-                               f"{1 - r.peak_mib / base:.1%}", f"{r.ms_per_step:.1f}"] for r in mem])))
+    memory = [[r.name, mib(r.peak_mib), "-" if not (base and r.peak_mib) else f"{1 - r.peak_mib / base:.1%}",
+               f"{r.ms_per_step:.1f}"] for r in mem]
+    print("\n".join(markdown(MEMORY, memory)))
+    save(args, "meta_reweight_accuracy", ACCURACY, accuracy, cfg, "ms / outer step")
+    save(args, "meta_reweight_memory", MEMORY, memory, cfg, "peak MiB")
     return 0
 
 

@@ -7,8 +7,9 @@ import argparse
 import torch
 
 from workloads import ocs
+from workloads.cli.options import add_common, describe, save
 from workloads.ocs import REFERENCE, Config, optimized, optimized_recipe, run
-from workloads.ocs_ablation import ablation, format_rows
+from workloads.ocs_ablation import HEADER, ablation, format_rows, table
 from workloads.rotated_digits import digits, mnist, rotated_tasks
 
 
@@ -17,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", type=int, default=3, help="3: smoke; 20: the original's full run")
     parser.add_argument("--passes", type=int, default=10, help="passes over each task's images")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_common(parser)
     parser.add_argument("--mnist", metavar="PATH", help="local MNIST (torchvision layout) instead of digits")
     parser.add_argument("--ablation", action="store_true", help="all five rows, not only reference/optimized")
     args = parser.parse_args(argv)
@@ -28,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     data = mnist(args.mnist) if args.mnist else digits(cfg.seed)
     tasks = rotated_tasks(data, cfg.tasks, cfg.degrees, cfg.device)
     print(f"OCS, rotated {'MNIST' if args.mnist else 'digits'}, {cfg.tasks} tasks x {cfg.passes} passes "
-          f"({-(-len(tasks[0][0][1]) // cfg.stream)} stream batches of up to {cfg.stream}) on {cfg.device}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+          f"({-(-len(tasks[0][0][1]) // cfg.stream)} stream batches of up to {cfg.stream}) on "
+          f"{describe(cfg.device)}")
     if args.ablation:
         rows = ablation(cfg, tasks)
     else:
@@ -39,4 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     apart = (rows[0].params - rows[-1].params).abs().max().item()
     print(f"reference and {rows[-1].name} selected the same samples at every step: {same}; "
           f"final parameters differ by at most {apart:.3g}")
+    save(args, "ocs", HEADER, table(rows), cfg, "s/task",
+         {"average accuracy after each task": {r.name: [sum(a) / len(a) for a in r.accuracy] for r in rows}})
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -5,10 +5,18 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-import torch
-
 from workloads import vit_rope as workload
-from workloads.vit_rope import Config, ablation, format_rows, optimized_method, reference_method, run
+from workloads.cli.options import add_common, describe, save
+from workloads.vit_rope import (
+    HEADER,
+    Config,
+    ablation,
+    format_rows,
+    optimized_method,
+    reference_method,
+    run,
+    table,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--depth", type=int, default=6)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_common(parser)
     parser.add_argument("--cifar", metavar="PATH", help="local CIFAR-10 (torchvision layout) instead of synthetic")
     parser.add_argument("--ablation", action="store_true", help="every row, not only reference/optimized")
     parser.add_argument("--checkpoint", metavar="PATH", help="save the optimized run's state here (atomically)")
@@ -40,11 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     data = f"CIFAR-10 from {cfg.cifar}" if cfg.cifar else "synthetic CIFAR"
     clipped = f"clipped at {cfg.max_grad_norm:g}" if cfg.max_grad_norm else "no clipping"
     print(f"RoPE ViT (D {cfg.dim}, {cfg.heads} heads, depth {cfg.depth}) on {data}, {cfg.steps} steps "
-          f"of batch {cfg.batch} ({clipped}) on {cfg.device}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}")
+          f"of batch {cfg.batch} ({clipped}) on {describe(cfg.device)}")
     plain = replace(cfg, checkpoint=None, resume=False)  # the reference run is never checkpointed
     rows = ablation(cfg) if args.ablation else [run(reference_method(), plain), run(optimized_method(cfg), cfg)]
     print("\n".join(format_rows(rows)))
+    save(args, "vit_rope", HEADER, table(rows), cfg, "ms/step",
+         {"training loss per step": {r.name: r.losses for r in rows}})
     return 0
 
 

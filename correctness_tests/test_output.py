@@ -1,0 +1,59 @@
+"""What every workload CLI shares: --output-dir's files (workloads/output.py), --device checked
+before any work, and each CLI runnable as ``python -m``."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib import import_module
+
+import pytest
+
+from workloads.output import write_results
+
+CLIS = ["cifar_resnet", "meta_reweight", "ocs", "spectral_probe", "vit_rope"]
+
+
+@dataclass(frozen=True)
+class _Cfg:
+    steps: int = 3
+    device: str = "cpu"
+
+
+def test_write_results_gives_csv_json_and_png(tmp_path) -> None:
+    header, cells = ["run", "ms/step", "speedup"], [["reference", "12.0", "1.00x"], ["optimized", "4.0", "3.00x"]]
+    curves = {"training loss per step": {"reference": [2.3, 2.1, 1.9], "optimized": [2.3, 2.0, 1.8]}}
+    paths = write_results(tmp_path / "out", "demo", header, cells, config=_Cfg(), device="cpu",
+                          time_column="ms/step", curves=curves)
+    assert [p.name for p in paths] == ["demo.csv", "demo.json", "demo.png"]
+    assert list(csv.reader(paths[0].open())) == [header, *cells]
+    record = json.loads(paths[1].read_text())
+    assert record["rows"][1] == {"run": "optimized", "ms/step": "4.0", "speedup": "3.00x"}
+    assert record["config"] == {"steps": 3, "device": "cpu"} and record["curves"] == curves
+    assert record["machine"]["device_type"] == "cpu" and record["machine"]["threads"] >= 1
+    assert record["machine"]["malloc"] == "default"
+    assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths[2].stat().st_size > 10_000
+    with pytest.raises(ValueError, match="time_column 'ms' is not a column"):
+        write_results(tmp_path, "demo", header, cells, config=_Cfg(), device="cpu", time_column="ms")
+
+
+@pytest.mark.parametrize("cli", CLIS)
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda:99"])
+def test_a_bad_device_is_a_one_line_usage_error(cli: str, device: str, capsys) -> None:
+    main = import_module(f"workloads.cli.{cli}").main
+    with pytest.raises(SystemExit) as exc:
+        main(["--device", device])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "error: device" in err and "cpu" in err, err
+
+
+@pytest.mark.parametrize("cli", CLIS)
+def test_every_cli_runs_as_a_module(cli: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", f"workloads.cli.{cli}", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"python -m workloads.cli.{cli}" in proc.stdout and "--output-dir" in proc.stdout

@@ -1,0 +1,36 @@
+"""The options every workload CLI takes: where it runs and where its results go."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from workloads.output import machine, write_results
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    """``--device`` (checked by each workload's Config: a bad one is a one-line error) and
+    ``--output-dir`` (workloads.output: JSON, CSV and a PNG)."""
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda or cuda:N (default: cuda when available)")
+    parser.add_argument("--output-dir", metavar="DIR",
+                        help="also write the results here: NAME.json (rows, config, machine), NAME.csv, NAME.png")
+
+
+def save(args: argparse.Namespace, stem: str, header: Sequence[str], cells: Sequence[Sequence[str]], config: Any,
+         time_column: str, curves: Mapping[str, Mapping[str, Sequence[float]]] | None = None) -> None:
+    """With ``--output-dir``: write the run's results there (workloads.output) and say where."""
+    if args.output_dir:
+        paths = write_results(args.output_dir, stem, header, cells, config=config, device=config.device,
+                              time_column=time_column, curves=curves)
+        print("wrote " + ", ".join(str(p) for p in paths))
+
+
+def describe(device: str) -> str:
+    """Where a run's numbers come from: the device (the CPU's model), torch's threads and build, and
+    the malloc mode (the CLIs leave glibc's default, as a user's training process does)."""
+    m = machine(device)
+    return f"{device} ({m['device_name']}), {m['threads']} threads, torch {m['torch']}, malloc {m['malloc']}"
