@@ -30,7 +30,9 @@ def test_the_optimized_run_learns() -> None:
 def test_ablation_runs_every_row() -> None:
     rows = ablation(Config(steps=6, batch=16, warmup=1), compile_=False)
     assert [r.name.split(" (")[0] for r in rows] == [
-        "baseline", "+ fused AdamW", "+ AMP", "+ channels_last", "auto", "auto + OneCycleLR, accumulation 2"]
+        "baseline", "+ fused AdamW", "+ AMP", "+ channels_last", "auto", "auto, deterministic",
+        "auto + OneCycleLR, accumulation 2",
+        "auto + DataLoader, 0 workers", "auto + DataLoader, 2 workers"]
     assert all(r.ms_per_step > 0 and 0.0 <= r.accuracy <= 1.0 for r in rows)
     assert all(torch.isfinite(torch.tensor(r.final_loss)) for r in rows)
     assert len(format_rows(rows)) == len(rows) + 2

@@ -13,6 +13,8 @@ Public API (loaded on first use, so ``import kernels`` stays light):
 - ``adamw``, ``sgd``: torch optimizers with the implementation that measured fastest (kernels.optim)
 - ``Recipe``, ``train``, ``save_checkpoint``, ``load_checkpoint``: the shared training-loop engine
   and its checkpoints (kernels.training)
+- ``deterministic``, ``seed_worker``: one switch for reproducible runs, and the DataLoader
+  worker seeding that goes with it (kernels.determinism)
 - ``darts_hypergradient``, ``reweighted_loss``: the finite-difference hypergradient of one
   unrolled inner step, and Meta-Weight-Net's weighted loss (kernels.hypergrad)
 - ``models``: model definitions shared by kernels, references and workloads
@@ -64,6 +66,8 @@ _EXPORTS = {
     "train": "kernels.training",
     "save_checkpoint": "kernels.training",
     "load_checkpoint": "kernels.training",
+    "deterministic": "kernels.determinism",
+    "seed_worker": "kernels.determinism",
     "darts_hypergradient": "kernels.hypergrad",
     "reweighted_loss": "kernels.hypergrad",
     "per_sample_grads": "kernels.per_sample",

@@ -14,17 +14,20 @@ compile time apart, accuracy on held-out images after the same number of steps.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from itertools import islice
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.determinism import deterministic
 from kernels.models import ResNet10
 from kernels.optim import adamw
 from kernels.training import Recipe, train
 from reference.workloads import cifar_resnet as reference_run
+from workloads.cifar_data import as_stored, loader
 from workloads.common import check_device, markdown, require_positive
 
 
@@ -87,24 +90,31 @@ def accuracy(model: torch.nn.Module, device: str, n: int = 1000) -> float:
     return (model(x.to(device)).argmax(1).cpu() == y).float().mean().item()
 
 
-def timed(name: str, cfg: Config, model: torch.nn.Module, step: Callable[[list], object],
-          channels_last: bool = False, micro: int = 1) -> RunReport:
-    """Warm-up steps apart, then the timed steps; accuracy after both."""
-    data = cfg.batches(channels_last, micro)
+def timed(name: str, cfg: Config, model: torch.nn.Module, step: Callable[[Iterable], object],
+          channels_last: bool = False, micro: int = 1, data: Iterable | None = None) -> RunReport:
+    """Warm-up steps apart, then the timed steps; accuracy after both. ``data``: batches from a
+    loader (read as the steps run, so loading is in the time), else ``cfg.batches`` preloaded."""
+    batches = iter(cfg.batches(channels_last, micro) if data is None else data)
     t0 = time.perf_counter()
-    warm = step(data[: cfg.warmup * micro])
+    warm = step(islice(batches, cfg.warmup * micro))
     t1 = time.perf_counter()
-    result = step(data[cfg.warmup * micro :])
+    result = step(islice(batches, cfg.steps * micro))
     t2 = time.perf_counter()
     return RunReport(name, 1e3 * (t2 - t1) / cfg.steps, t1 - t0, accuracy(model, cfg.device), result.losses[-1],
                      [*warm.losses, *result.losses])
 
 
-def run(cfg: Config, recipe: Recipe, name: str, lr: float = 2e-3, one_cycle: bool = False) -> RunReport:
+def run(cfg: Config, recipe: Recipe, name: str, lr: float = 2e-3, one_cycle: bool = False,
+        workers: int | None = None, reproducible: bool = False) -> RunReport:
     """The optimized loop: fused AdamW (the original's opt 2 optimizer) under ``recipe``, each
     step's batch in ``recipe.accumulation`` micro-batches; ``one_cycle``: OneCycleLR peaking at
     ``lr`` over the run's optimizer steps (the original's opt 2 schedule), stepped by the engine
-    once per applied step."""
+    once per applied step. ``workers``: batches from the input pipeline (workloads.cifar_data:
+    uint8 images cropped, flipped and normalized per item) with this many DataLoader workers,
+    instead of preloaded tensors. ``reproducible``: the whole run in ``kernels.deterministic``."""
+    if reproducible:
+        with deterministic(cfg.seed):
+            return run(cfg, recipe, name, lr, one_cycle, workers)
     torch.manual_seed(cfg.seed)
     model = ResNet10().to(cfg.device)
     opt = adamw(model.parameters(), lr=lr, weight_decay=1e-4)
@@ -112,10 +122,15 @@ def run(cfg: Config, recipe: Recipe, name: str, lr: float = 2e-3, one_cycle: boo
              if one_cycle else None)
     # one scaler across the warm-up and timed calls, so the timed steps keep its learned scale
     scaler = torch.amp.GradScaler(torch.device(cfg.device).type) if recipe.grad_scaler else None
+    data = None
+    if workers is not None:  # the pipeline's workers start here, before the clock
+        x, y = synthetic_cifar((cfg.steps + cfg.warmup) * cfg.batch, seed=cfg.seed)
+        data = iter(loader(as_stored(x), y, batch=cfg.batch // recipe.accumulation, workers=workers, seed=cfg.seed,
+                           device=cfg.device))
     return timed(name, cfg, model,
                  lambda d: train(model, F.cross_entropy, opt, d, recipe, device=cfg.device, scaler=scaler,
                                  scheduler=sched),
-                 recipe.channels_last, recipe.accumulation)
+                 recipe.channels_last, recipe.accumulation, data)
 
 
 def run_reference(cfg: Config, lr: float = 0.01) -> RunReport:
@@ -125,9 +140,13 @@ def run_reference(cfg: Config, lr: float = 0.01) -> RunReport:
     return timed(reference_run.NAME, cfg, model, reference_run.steps(model, cfg.device, lr))
 
 
+LOADER_WORKERS = (0, 2)
+
+
 def ablation(cfg: Config, compile_: bool = True) -> list[RunReport]:
     """baseline / + fused AdamW / + AMP / + channels_last / + compile / auto / auto + OneCycleLR
-    with accumulation 2, in one process (--batch must be even for the last)."""
+    with accumulation 2 / auto fed by the DataLoader pipeline with 0 and 2 workers, in one
+    process (--batch must be even for the accumulation row)."""
     amp = Recipe(torch.float16, grad_scaler=True) if cfg.device.startswith("cuda") else Recipe(torch.bfloat16)
     rows = [run_reference(cfg), run(cfg, Recipe(), "+ fused AdamW (fp32)"), run(cfg, amp, "+ AMP"),
             run(cfg, replace(amp, channels_last=True), "+ channels_last")]
@@ -136,8 +155,13 @@ def ablation(cfg: Config, compile_: bool = True) -> list[RunReport]:
     x, y = cfg.batches()[0]
     auto = Recipe.auto(cfg.device, model=ResNet10().to(cfg.device), loss_fn=F.cross_entropy, batch=(x, y))
     rows.append(run(cfg, auto, f"auto ({auto.name})"))
+    rows.append(run(cfg, auto, "auto, deterministic", reproducible=True))  # what reproducibility costs
     # the original's "Optimization 2": AdamW + OneCycleLR + gradient accumulation
     rows.append(run(cfg, replace(auto, accumulation=2), "auto + OneCycleLR, accumulation 2", one_cycle=True))
+    # the original's input pipeline: augmented per item by a DataLoader, in-process and in 2 workers
+    for workers in LOADER_WORKERS:
+        name = f"auto + DataLoader, {workers} workers (crop, flip, normalize)"
+        rows.append(run(cfg, auto, name, workers=workers))
     return rows
 
 

@@ -1,0 +1,77 @@
+"""The CIFAR input pipeline (workloads/cifar_data.py): the seed's augmentation, batches that do not
+depend on the number of workers, and the engine trained from a loader as the reference is from
+the same batches in a list."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import reference.training as ref
+from correctness_tests.tolerances import REDUCTION, assert_close
+from kernels.models import ResNet10
+from kernels.training import train
+from workloads.cifar_data import STD, AugmentedCifar, as_stored, loader
+from workloads.cifar_resnet import synthetic_cifar
+
+X, Y = synthetic_cifar(48, seed=3)
+STORED = as_stored(X)
+
+
+def test_stored_images_come_back_normalized_without_augmentation() -> None:
+    ds = AugmentedCifar(STORED, Y, augment=False)
+    x, y = ds[5]
+    assert x.dtype == torch.float32 and x.shape == (3, 32, 32) and y == Y[5]
+    # back to the synthetic image within half a pixel step, where the pixel was not clipped to 0 or 255
+    inside = (STORED[5] > 0) & (STORED[5] < 255)
+    assert (x - X[5])[inside].abs().max() <= 0.5 / 255 / min(STD) + 1e-6
+    assert inside.float().mean() > 0.9
+
+
+def test_augmentation_is_random_per_item_and_epoch_and_repeatable() -> None:
+    ds = AugmentedCifar(STORED, Y, seed=1)
+    plain = AugmentedCifar(STORED, Y, augment=False)
+    first = torch.stack([ds[i][0] for i in range(16)])
+    assert torch.equal(first, torch.stack([ds[i][0] for i in range(16)]))  # the same item, the same draw
+    assert sum(not torch.equal(first[i], plain[i][0]) for i in range(16)) >= 12  # cropped or flipped
+    ds.set_epoch(1)
+    assert not torch.equal(first, torch.stack([ds[i][0] for i in range(16)]))
+    state = torch.get_rng_state()
+    list(loader(STORED, Y, batch=8))
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's global RNG is left alone
+
+
+def test_batches_do_not_depend_on_the_number_of_workers() -> None:
+    inline = list(loader(STORED, Y, batch=16, workers=0, seed=4))
+    workers = list(loader(STORED, Y, batch=16, workers=2, seed=4))
+    assert len(inline) == len(workers) == 3
+    for (xa, ya), (xb, yb) in zip(inline, workers, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_the_engine_trains_from_a_loader_as_the_reference_does_from_its_batches() -> None:
+    """fp32: the engine reading a 2-worker loader as it trains, the reference loop the same
+    batches materialized, each with plain SGD: the same losses and parameters."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(ResNet10())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, foreach=False) for m in models]
+    got = train(models[0], F.cross_entropy, opts[0], loader(STORED, Y, batch=16, workers=2, seed=2))
+    want = ref.train(models[1], F.cross_entropy, opts[1], list(loader(STORED, Y, batch=16, seed=2)))
+    assert got.optimizer_steps == want.optimizer_steps == 3
+    assert_close(torch.tensor(got.losses), torch.tensor(want.losses), REDUCTION)
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert_close(a.detach(), b.detach(), REDUCTION)
+
+
+def test_bad_inputs_are_refused() -> None:
+    with pytest.raises(ValueError, match="images must be uint8"):
+        AugmentedCifar(X, Y)
+    with pytest.raises(ValueError, match="labels must be"):
+        AugmentedCifar(STORED, Y[:3])
+    with pytest.raises(ValueError, match="x must be float images"):
+        as_stored(STORED)
+    with pytest.raises(ValueError, match="workers >= 0"):
+        loader(STORED, Y, batch=8, workers=-1)
