@@ -22,7 +22,12 @@ EXCEPTIONS: dict[str, str] = {
                                 "timed as spectral_probe's cached rerun",
     "kernels/rope.py": "timed inside attention (perf_tests/test_attention.py)",
     "kernels/training.py": "timed as the workloads' steps (perf_tests/test_cifar_resnet.py, ...)",
+    "kernels/determinism.py": "a switch, not a computation: tested by two runs being bitwise equal; its cost is "
+                              "the CIFAR ablation's 'auto, deterministic' row",
     "workloads/common.py": "table formatting and config checks shared by the workloads",
+    "workloads/cifar_data.py": "the CIFAR input pipeline: compared with preloaded tensors in the CIFAR "
+                               "ablation's DataLoader rows",
+    "workloads/output.py": "--output-dir's files: nothing to compare or time",
     "workloads/rotated_digits.py": "OCS's data: tested in correctness_tests/test_ocs.py",
     "workloads/ocs_ablation.py": "the OCS ablation: tested in correctness_tests/test_ocs.py",
     "workloads/meta_reweight_ablation.py": "the Meta-Weight-Net ablation: tested in test_meta_reweight.py",
