@@ -78,7 +78,7 @@ def _plot(path: Path, stem: str, header: Sequence[str], cells: Sequence[Sequence
             ax.plot(range(1, len(values) + 1), values, label=name)
         ax.set_title(title)
         ax.set_xlabel("step" if "step" in title else "epoch")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="best")
     ax = axes[0][-1]
     names = [row[0] for row in cells]
     col = list(header).index(time_column)
