@@ -28,7 +28,7 @@ def test_the_optimized_run_learns() -> None:
 
 
 def test_ablation_runs_every_row() -> None:
-    rows = ablation(Config(steps=6, batch=16, warmup=1), compile_=False)
+    rows = ablation(Config(steps=6, batch=16, warmup=1), compile_=False, emulated_bf16=True)
     assert [r.name.split(" (")[0] for r in rows] == [
         "baseline", "+ fused AdamW", "+ AMP", "+ channels_last", "auto", "auto, deterministic",
         "auto + OneCycleLR, accumulation 2",
@@ -36,6 +36,16 @@ def test_ablation_runs_every_row() -> None:
     assert all(r.ms_per_step > 0 and 0.0 <= r.accuracy <= 1.0 for r in rows)
     assert all(torch.isfinite(torch.tensor(r.final_loss)) for r in rows)
     assert len(format_rows(rows)) == len(rows) + 2
+
+
+def test_ablation_leaves_emulated_bf16_out(monkeypatch) -> None:
+    """On a CPU without bf16 instructions the AMP row is left out and the next rows build on fp32."""
+    import workloads.cifar_resnet as C
+
+    monkeypatch.setattr(C, "bf16_emulated", lambda device: True)
+    rows = ablation(Config(steps=1, batch=8, warmup=1), compile_=False)
+    names = [r.name for r in rows]
+    assert "+ AMP" not in names and names[1:3] == ["+ fused AdamW (fp32)", "+ channels_last"]
 
 
 def test_resnet10_refuses_non_images() -> None:

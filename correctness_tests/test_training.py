@@ -204,6 +204,43 @@ def test_recipe_auto_leaves_fp32_only_for_a_clear_win(monkeypatch, bf16_ms: floa
     assert recipe.autocast_dtype is chosen and recipe.measured_ms == timed
 
 
+@pytest.mark.parametrize(("compiled_ms", "kept"), [(9.5, None), (8.5, "max-autotune")])
+def test_recipe_auto_keeps_a_compile_mode_only_when_it_measures_faster(monkeypatch, compiled_ms: float,
+                                                                       kept: str | None) -> None:
+    import kernels.training as engine
+
+    timed = {"fp32": 10.0, "bfloat16": 12.0, "fp32+compile": 9.8, "fp32+compile:max-autotune": compiled_ms}
+
+    def fake(recipe, *a, first_s=None, **k):
+        if first_s is not None:
+            first_s.append(30.0 if recipe.compile_mode else 0.01)  # the compile, reported apart
+        return timed[recipe.name]
+
+    monkeypatch.setattr(engine, "_time_step", fake)
+    model, _ = _setup()
+    x, y = _data(1, 16)[0]
+    recipe = Recipe.auto("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y),
+                         compile_modes=("default", "max-autotune"))
+    assert recipe.compile_mode == kept and recipe.autocast_dtype is None
+    assert recipe.measured_ms == timed
+    assert recipe.compile_s == {"fp32+compile": 30.0, "fp32+compile:max-autotune": 30.0}
+    with pytest.raises(ValueError, match="compile_modes must be among"):
+        Recipe.auto("cpu", compile_modes=("fast",))
+
+
+def test_a_compiled_recipe_trains_as_eager_does() -> None:
+    """torch.compile (default mode) through the engine: the fp32 run's losses and parameters
+    within the table's tolerance of the eager engine's; its name says the mode."""
+    (m1, o1), (m2, o2) = _setup(), _setup()
+    data = _data(3, 16)
+    eager = train(m1, F.cross_entropy, o1, data)
+    compiled = train(m2, F.cross_entropy, o2, data, Recipe(compile_mode="default"))
+    assert_close(torch.tensor(compiled.losses), torch.tensor(eager.losses), REDUCTION)
+    assert_close(_params(m2), _params(m1), REDUCTION)
+    assert Recipe(compile_mode="default").name == "fp32+compile"
+    assert Recipe(compile_mode="reduce-overhead").name == "fp32+compile:reduce-overhead"
+
+
 # Gradient clipping by global norm. MAX_NORM binds on these data: the first steps' gradient
 # norms are 0.3-0.6 (the tests check that clipping changed the run, so they cannot pass vacuously).
 MAX_NORM = 0.05

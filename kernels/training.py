@@ -47,7 +47,8 @@ class Recipe:
     accumulation: int = 1  # micro-batches per optimizer step
     channels_last: bool = False
     compile_mode: str | None = None  # a torch.compile mode; None: eager
-    measured_ms: dict = field(default_factory=dict, compare=False)  # what auto timed
+    measured_ms: dict = field(default_factory=dict, compare=False)  # what auto timed: ms per step
+    compile_s: dict = field(default_factory=dict, compare=False)  # what auto compiled: seconds, apart
 
     def __post_init__(self) -> None:
         if self.autocast_dtype not in (None, torch.float16, torch.bfloat16):
@@ -62,17 +63,30 @@ class Recipe:
 
     @property
     def name(self) -> str:
-        """e.g. ``fp32``, ``bfloat16+channels_last``, ``float16+channels_last+compile``."""
+        """e.g. ``fp32``, ``bfloat16+channels_last``, ``float16+channels_last+compile``,
+        ``fp32+compile:max-autotune``."""
         parts = [str(self.autocast_dtype).removeprefix("torch.") if self.autocast_dtype else "fp32"]
-        return "+".join(parts + ["channels_last"] * self.channels_last + ["compile"] * bool(self.compile_mode))
+        mode = [] if not self.compile_mode else ["compile" if self.compile_mode == "default" else
+                                                 f"compile:{self.compile_mode}"]
+        return "+".join(parts + ["channels_last"] * self.channels_last + mode)
 
     @classmethod
     def auto(cls, device: str | torch.device, *, accumulation: int = 1, model: nn.Module | None = None,
-             loss_fn: LossFn | None = None, batch: tuple[Tensor, Tensor] | None = None) -> Recipe:
-        """The fastest recipe for ``device``; on CPU measured on ``model``/``batch`` (see module)."""
+             loss_fn: LossFn | None = None, batch: tuple[Tensor, Tensor] | None = None,
+             compile_modes: tuple[str, ...] = ()) -> Recipe:
+        """The fastest recipe for ``device``; on CPU measured on ``model``/``batch`` (see module).
+        ``compile_modes`` (opt-in: each compiles the model, seconds to minutes): torch.compile
+        modes tried on top of the chosen recipe, one kept only when its steps measure at least
+        ``AUTO_MARGIN`` faster; compile time is kept apart in ``compile_s``."""
+        for mode in compile_modes:
+            if mode not in COMPILE_MODES[1:]:
+                raise ValueError(f"compile_modes must be among {COMPILE_MODES[1:]}, got {mode!r}")
         kind = torch.device(device).type
         if kind == "cuda":
-            return cls(torch.float16, True, accumulation, channels_last=True)
+            best = cls(torch.float16, True, accumulation, channels_last=True)
+            if not compile_modes or model is None or loss_fn is None or batch is None:
+                return best
+            return _keep_faster_compile(best, compile_modes, model, loss_fn, batch, device)
         base = cls(accumulation=accumulation)
         if model is None or loss_fn is None or batch is None:
             return base
@@ -84,16 +98,39 @@ class Recipe:
         best = min(candidates, key=lambda r: timings[r.name])
         if timings[best.name] > (1 - AUTO_MARGIN) * timings[base.name]:
             best = base  # a win inside the timing noise does not pay for reduced precision
-        return replace(best, measured_ms=timings)
+        best = replace(best, measured_ms=timings)
+        return _keep_faster_compile(best, compile_modes, model, loss_fn, batch, device) if compile_modes else best
+
+
+def _keep_faster_compile(best: Recipe, modes: tuple[str, ...], model: nn.Module, loss_fn: LossFn,
+                         batch: tuple[Tensor, Tensor], device: str | torch.device) -> Recipe:
+    """``best`` compiled in the fastest of ``modes`` when that is at least AUTO_MARGIN faster per
+    step than ``best`` eager (compile time aside), else ``best``; both timings recorded."""
+    timings, compile_s = dict(best.measured_ms), {}
+    if best.name not in timings:
+        timings[best.name] = _time_step(best, model, loss_fn, batch, device)
+    compiled = [replace(best, compile_mode=m) for m in modes]
+    for r in compiled:
+        first: list[float] = []
+        timings[r.name] = _time_step(r, model, loss_fn, batch, device, first_s=first)
+        compile_s[r.name] = first[0]
+    fastest = min(compiled, key=lambda r: timings[r.name])
+    keep = fastest if timings[fastest.name] <= (1 - AUTO_MARGIN) * timings[best.name] else best
+    return replace(keep, measured_ms=timings, compile_s=compile_s)
 
 
 def _time_step(recipe: Recipe, model: nn.Module, loss_fn: LossFn, batch: tuple[Tensor, Tensor],
-               device: str | torch.device, budget_s: float = 0.05, max_repeats: int = 50) -> float:
+               device: str | torch.device, budget_s: float = 0.05, max_repeats: int = 50,
+               first_s: list[float] | None = None) -> float:
     """Median ms of a training step under ``recipe`` on a copy of the model, after a warm-up
-    step: at least 3 steps, more while they fit in ``budget_s`` (millisecond steps are noisy)."""
+    step (its seconds appended to ``first_s``: compilation lives there): at least 3 steps, more
+    while they fit in ``budget_s`` (millisecond steps are noisy)."""
     trial = copy.deepcopy(model).to(device)
     opt = torch.optim.SGD(trial.parameters(), lr=0.0)
+    t0 = time.perf_counter()
     train(trial, loss_fn, opt, [batch], recipe, device=device)
+    if first_s is not None:
+        first_s.append(time.perf_counter() - t0)
     times: list[float] = []
     while len(times) < 3 or (sum(times) < budget_s and len(times) < max_repeats):
         t0 = time.perf_counter()

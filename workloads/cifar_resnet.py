@@ -28,7 +28,7 @@ from kernels.optim import adamw
 from kernels.training import Recipe, train
 from reference.workloads import cifar_resnet as reference_run
 from workloads.cifar_data import as_stored, loader
-from workloads.common import check_device, markdown, require_positive
+from workloads.common import bf16_emulated, check_device, markdown, progress, require_positive
 
 
 def synthetic_cifar(n: int, *, seed: int = 0, classes: int = 10, noise: float = 2.5,
@@ -143,26 +143,43 @@ def run_reference(cfg: Config, lr: float = 0.01) -> RunReport:
 LOADER_WORKERS = (0, 2)
 
 
-def ablation(cfg: Config, compile_: bool = True) -> list[RunReport]:
+def compile_modes(device: str) -> tuple[str, ...]:
+    """The torch.compile modes an ablation measures on ``device``: reduce-overhead is CUDA graphs
+    (the OCS seed's choice for small batches), which a CPU does not have: there torch compiles it
+    as the default mode, so it gets no row of its own; max-autotune (the ViT seed's) autotunes
+    the CPU's GEMM templates or CUDA's Triton kernels."""
+    return ("default", "reduce-overhead", "max-autotune") if device.startswith("cuda") else \
+        ("default", "max-autotune")
+
+
+def ablation(cfg: Config, compile_: bool = True, emulated_bf16: bool = False) -> list[RunReport]:
     """baseline / + fused AdamW / + AMP / + channels_last / + compile / auto / auto + OneCycleLR
     with accumulation 2 / auto fed by the DataLoader pipeline with 0 and 2 workers, in one
-    process (--batch must be even for the accumulation row)."""
-    amp = Recipe(torch.float16, grad_scaler=True) if cfg.device.startswith("cuda") else Recipe(torch.bfloat16)
-    rows = [run_reference(cfg), run(cfg, Recipe(), "+ fused AdamW (fp32)"), run(cfg, amp, "+ AMP"),
-            run(cfg, replace(amp, channels_last=True), "+ channels_last")]
-    if compile_:
-        rows.append(run(cfg, replace(amp, channels_last=True, compile_mode="default"), "+ compile"))
+    process (--batch must be even for the accumulation row). Where bf16 is emulated (a CPU without
+    bf16 instructions) the AMP rows are left out and the later rows build on fp32, unless
+    ``emulated_bf16``."""
+    amp_rows = emulated_bf16 or not bf16_emulated(cfg.device)
+    amp = Recipe()
+    if amp_rows:
+        amp = Recipe(torch.float16, grad_scaler=True) if cfg.device.startswith("cuda") else Recipe(torch.bfloat16)
     x, y = cfg.batches()[0]
     auto = Recipe.auto(cfg.device, model=ResNet10().to(cfg.device), loss_fn=F.cross_entropy, batch=(x, y))
-    rows.append(run(cfg, auto, f"auto ({auto.name})"))
-    rows.append(run(cfg, auto, "auto, deterministic", reproducible=True))  # what reproducibility costs
-    # the original's "Optimization 2": AdamW + OneCycleLR + gradient accumulation
-    rows.append(run(cfg, replace(auto, accumulation=2), "auto + OneCycleLR, accumulation 2", one_cycle=True))
+    # (name, recipe, run's keywords): one row each, in the table's order
+    rows: list[tuple[str, Recipe | None, dict]] = [
+        (reference_run.NAME, None, {}), ("+ fused AdamW (fp32)", Recipe(), {}),
+        *([("+ AMP", amp, {})] if amp_rows else []), ("+ channels_last", replace(amp, channels_last=True), {})]
+    if compile_:  # compile time is in the warm-up column, apart from ms/step
+        rows += [("+ compile" if mode == "default" else f"+ compile ({mode})",
+                  replace(amp, channels_last=True, compile_mode=mode), {}) for mode in compile_modes(cfg.device)]
+    rows += [(f"auto ({auto.name})", auto, {}),
+             ("auto, deterministic", auto, {"reproducible": True}),  # what reproducibility costs
+             # the original's "Optimization 2": AdamW + OneCycleLR + gradient accumulation
+             ("auto + OneCycleLR, accumulation 2", replace(auto, accumulation=2), {"one_cycle": True})]
     # the original's input pipeline: augmented per item by a DataLoader, in-process and in 2 workers
-    for workers in LOADER_WORKERS:
-        name = f"auto + DataLoader, {workers} workers (crop, flip, normalize)"
-        rows.append(run(cfg, auto, name, workers=workers))
-    return rows
+    rows += [(f"auto + DataLoader, {w} workers (crop, flip, normalize)", auto, {"workers": w})
+             for w in LOADER_WORKERS]
+    return [run_reference(cfg) if recipe is None else run(cfg, recipe, name, **kw)
+            for name, recipe, kw in progress(rows, desc="ablation", unit="run")]
 
 
 HEADER = ["run", "ms/step", "speedup", "warm-up s (compile)", "accuracy", "final loss"]

@@ -46,6 +46,20 @@ def check_device(device: str) -> None:
         raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
 
 
+def bf16_emulated(device: str) -> bool:
+    """Whether bf16 autocast on ``device`` runs in software: a CPU without AVX512-BF16 or AMX-BF16
+    (there the ablations' AMP rows ran 13-20x slower than fp32, on a Zen 3)."""
+    import torch
+
+    from perfgate.fingerprint import bf16_instructions
+
+    return torch.device(device).type == "cpu" and not bf16_instructions()
+
+
+EMULATED_BF16_NOTE = ("bf16 is emulated on this CPU (no avx512_bf16 or amx_bf16): the AMP rows are left out "
+                      "(13-20x slower than fp32 where measured); --emulated-bf16 runs them")
+
+
 def progress(items: Iterable[T] | None = None, **kwargs: Any) -> Any:
     """A tqdm bar on stderr for work that runs longer than a few seconds; off when stderr is not a
     terminal (logs and tests), and gone when done."""

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from kernels.training import Recipe
 from reference.workloads.meta_reweight import reference_step
+from workloads.common import progress
 from workloads.meta_reweight import (
     Config,
     RunReport,
@@ -30,13 +31,15 @@ def memory_ablation(cfg: Config, accumulation: int = 4, steps: int = 5) -> list[
             (f"+ accumulation {accumulation}", outer_step, learner(cfg, recipe=Recipe(accumulation=accumulation))),
             (f"+ AMP + accumulation {accumulation}", outer_step,
              learner(cfg, recipe=amp_recipe(cfg.device, accumulation)))]
-    return [run(name, step, ln, cfg, warmup=2, measure_peak=True) for name, step, ln in rows]
+    return [run(name, step, ln, cfg, warmup=2, measure_peak=True)
+            for name, step, ln in progress(rows, desc="memory table", unit="run")]
 
 
 def accuracy_runs(cfg: Config, recipe: Recipe) -> list[RunReport]:
     """Balanced-test accuracy after ``cfg.steps`` outer steps, with and without reweighting."""
+    sides = (("reference", reference_step, lambda: reference_learner(cfg)),
+             (f"optimized ({recipe.name}, accumulation {recipe.accumulation})", outer_step,
+              lambda: learner(cfg, recipe=recipe)))
+    runs = [(side, step, make, rw) for side, step, make in sides for rw in (True, False)]
     return [run(f"{side}, {'reweighted' if rw else 'plain CE'}", step, make(), cfg, rw)
-            for side, step, make in (("reference", reference_step, lambda: reference_learner(cfg)),
-                                     (f"optimized ({recipe.name}, accumulation {recipe.accumulation})",
-                                      outer_step, lambda: learner(cfg, recipe=recipe)))
-            for rw in (True, False)]
+            for side, step, make, rw in progress(runs, desc="accuracy runs", unit="run")]

@@ -14,7 +14,7 @@ from kernels.coreset import ocs_scores
 from kernels.per_sample import per_sample_grads
 from kernels.training import Recipe
 from reference.coreset import literal_scores
-from workloads.common import markdown, mib
+from workloads.common import markdown, mib, progress
 from workloads.ocs import REFERENCE, Config, OCSReport, Scorer, optimized, run
 from workloads.rotated_digits import Split
 
@@ -39,7 +39,7 @@ def ablation(cfg: Config, tasks: list[tuple[Split, Split]]) -> list[OCSReport]:
                optimized(Recipe(), _materialized(per_sample_grads), "einsum (materialized E)"),
                optimized(Recipe(), ocs_scores, "ghost Gram"),
                optimized(amp, ocs_scores, f"ghost Gram + AMP ({amp.name})")]
-    return [run(m, cfg, tasks) for m in methods]
+    return [run(m, cfg, tasks) for m in progress(methods, desc="ablation", unit="run")]
 
 
 HEADER = ["run", "s/task", "speedup", "peak MiB", "avg accuracy", "forgetting", "per-task accuracy at the end"]

@@ -284,7 +284,7 @@ def ablation(cfg: Config, cache_dir: str, amp: bool = True) -> list[ProbeReport]
             replace(ref, name="+ Standardizer", values=spectral_features, scaler=Standardizer),
             Method("+ batch 256 (engine, fp32)", spectral_features, Standardizer, 256, train, Recipe()), opt,
             replace(opt, name=opt.name + ", cached features")]
-    return [run(m, cfg) for m in rows]
+    return [run(m, cfg) for m in progress(rows, desc="ablation", unit="run")]
 
 
 def compare_seeds(cfg: Config, seeds: int, amp: bool = True) -> list[tuple[float, float]]:

@@ -21,9 +21,11 @@ in ``accumulation`` micro-batches, the same samples as the reference's step.
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -37,8 +39,9 @@ from kernels.training import Recipe, check_max_grad_norm, load_checkpoint, save_
 from perfgate.timing import peak_memory
 from reference.attention import softmax_attention
 from reference.workloads import vit_rope as reference_run
-from workloads.cifar_resnet import synthetic_cifar
-from workloads.common import check_device, markdown, mib, require_positive
+from workloads.cifar_data import as_stored, loader
+from workloads.cifar_resnet import compile_modes, synthetic_cifar
+from workloads.common import bf16_emulated, check_device, markdown, mib, progress, require_positive
 
 
 @dataclass(frozen=True)
@@ -69,14 +72,18 @@ class Config:
         if self.batch % self.accumulation:
             raise ValueError(f"batch ({self.batch}) must split into {self.accumulation} equal micro-batches")
 
-    def data(self, micro: int = 1) -> list[tuple[Tensor, Tensor]]:
-        """Step batches preloaded on the device, each cut into ``micro`` micro-batches."""
+    def images(self) -> tuple[Tensor, Tensor]:
+        """The run's (steps + warm-up steps) x batch training images (N, 3, 32, 32) and labels, on the CPU."""
         n = (self.steps + self.warmup_steps) * self.batch
         x, y = cifar10(self.cifar, train=True) if self.cifar else synthetic_cifar(n, seed=self.seed)
         if len(y) < n:
             raise ValueError(f"{n} training images needed, the data has {len(y)}")
-        x, y = x[:n].to(self.device), y[:n].to(self.device)
-        size = self.batch // micro
+        return x[:n], y[:n]
+
+    def data(self, micro: int = 1) -> list[tuple[Tensor, Tensor]]:
+        """Step batches preloaded on the device, each cut into ``micro`` micro-batches."""
+        x, y = (t.to(self.device) for t in self.images())
+        n, size = len(y), self.batch // micro
         return [(x[i : i + size], y[i : i + size]) for i in range(0, n, size)]
 
 
@@ -131,11 +138,13 @@ def accuracy(model: nn.Module, cfg: Config, n: int = 1000) -> float:
     return (model(x.to(device)).argmax(1).cpu() == y).float().mean().item()
 
 
-def run(method: Method, cfg: Config) -> ViTReport:
+def run(method: Method, cfg: Config, workers: int | None = None) -> ViTReport:
     """Warm-up steps apart, then the timed steps (peak memory measured around them). With
     ``cfg.checkpoint`` the state is saved every ``cfg.save_every`` optimizer steps; with
     ``cfg.resume`` the run continues from it (the time per step is then over the steps left, and
-    the saves made during the timed steps count in it)."""
+    the saves made during the timed steps count in it). ``workers``: batches from the input
+    pipeline (workloads.cifar_data: crop, flip, normalize per image) with this many DataLoader
+    workers, read as the steps run, instead of tensors preloaded on the device."""
     torch.manual_seed(cfg.seed)
     model = RopeViT(cfg.dim, cfg.heads, cfg.depth, attention=method.attention).to(cfg.device)
     opt = method.optimizer_fn(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -148,27 +157,35 @@ def run(method: Method, cfg: Config) -> ViTReport:
     total = cfg.steps + cfg.warmup_steps
     if done >= total:
         raise ValueError(f"the checkpoint {cfg.checkpoint} is at step {done}: nothing left of {total} steps")
-    data = cfg.data(micro)
-    split = cfg.warmup_steps * micro
+    if workers is None:
+        batches = iter(cfg.data(micro))
+    else:  # the pipeline's workers start here, before the clock
+        x, y = cfg.images()
+        batches = iter(loader(as_stored(x), y, batch=cfg.batch // micro, workers=workers, seed=cfg.seed,
+                              device=cfg.device))
+    for _ in islice(batches, done * micro):  # a resumed run skips the batches of the steps it has done
+        pass
     result = []
 
-    def steps(batches: list) -> None:
+    def steps(n: int) -> None:
+        """``n`` optimizer steps, saved every ``save_every`` with a checkpoint."""
         nonlocal done
-        chunk = (cfg.save_every if cfg.checkpoint else len(batches)) * micro
-        for i in range(0, len(batches), max(chunk, 1)):
-            result.append(method.train_fn(model, F.cross_entropy, opt, batches[i : i + chunk], method.recipe,
-                                          device=cfg.device, scheduler=sched, max_grad_norm=cfg.max_grad_norm,
+        while n > 0:
+            take = min(n, cfg.save_every) if cfg.checkpoint else n
+            chunk = islice(batches, take * micro)
+            result.append(method.train_fn(model, F.cross_entropy, opt, chunk, method.recipe, device=cfg.device,
+                                          scheduler=sched, max_grad_norm=cfg.max_grad_norm,
                                           **({"scaler": scaler} if scaler else {})))
-            done += result[-1].optimizer_steps
+            done, n = done + result[-1].optimizer_steps, n - take
             if cfg.checkpoint:
                 save_checkpoint(cfg.checkpoint, model, opt, scheduler=sched, scaler=scaler, step=done)
 
-    steps(data[done * micro : split])
-    timed = data[max(split, done * micro) :]
+    steps(cfg.warmup_steps - done)
+    timed = total - max(done, cfg.warmup_steps)
     t0 = time.perf_counter()
     peak = peak_memory(lambda: steps(timed), cfg.device)
     seconds = time.perf_counter() - t0
-    return ViTReport(method.name, 1e3 * seconds / (len(timed) // micro), None if peak is None else peak / 2**20,
+    return ViTReport(method.name, 1e3 * seconds / timed, None if peak is None else peak / 2**20,
                      accuracy(model, cfg), result[-1].losses[-1], [loss for r in result for loss in r.losses])
 
 
@@ -199,9 +216,13 @@ def optimized_method(cfg: Config, recipe: Recipe | None = None) -> Method:
                   train, recipe)
 
 
-def ablation(cfg: Config) -> list[ViTReport]:
-    """reference / + cached RoPE / + attention kernel / + fused AdamW (engine) / + AMP, then auto
-    (and auto without clipping)."""
+def ablation(cfg: Config, compile_: bool = True, emulated_bf16: bool = False) -> list[ViTReport]:
+    """reference / + cached RoPE / + attention kernel / + fused AdamW (engine) / + AMP, then auto,
+    and auto without clipping, saving a checkpoint every ``save_every`` steps, and fed by the
+    DataLoader pipeline with 0 and 2 workers; with ``compile_``, the optimized run under each
+    torch.compile mode of ``compile_modes`` (the warm-up steps, compile included, are untimed).
+    Where bf16 is emulated (a CPU without bf16 instructions) the AMP row is left out, unless
+    ``emulated_bf16``."""
     ref = reference_method()
     amp = Recipe(torch.float16, grad_scaler=True) if cfg.device.startswith("cuda") else Recipe(torch.bfloat16)
     methods = [ref, replace(ref, name="+ cached RoPE", attention=CachedRopeManualAttention),
@@ -209,10 +230,21 @@ def ablation(cfg: Config) -> list[ViTReport]:
                Method("+ fused AdamW (engine, fp32)", RopeSelfAttention, adamw, train, Recipe()),
                Method(f"+ AMP ({amp.name})", RopeSelfAttention, adamw, train, amp),
                optimized_method(cfg)]
-    rows = [run(m, cfg) for m in methods]
+    if not emulated_bf16 and bf16_emulated(cfg.device):
+        methods.pop(-2)
+    rows = [run(m, cfg) for m in progress(methods, desc="ablation", unit="run")]
+    opt = methods[-1]
     if cfg.max_grad_norm is not None:  # what the clipping costs the optimized run
-        rows.append(run(replace(methods[-1], name=f"{methods[-1].name}, no clipping"),
-                        replace(cfg, max_grad_norm=None)))
+        rows.append(run(replace(opt, name=f"{opt.name}, no clipping"), replace(cfg, max_grad_norm=None)))
+    with tempfile.TemporaryDirectory() as tmp:  # what saving a checkpoint every save_every steps costs
+        saved = replace(cfg, checkpoint=str(Path(tmp) / "vit.safetensors"), resume=False)
+        rows.append(run(replace(opt, name=f"{opt.name}, checkpoint every {cfg.save_every} steps"), saved))
+    for workers in (0, 2):  # the input pipeline: crop, flip, normalize per image, in-process and in 2 workers
+        rows.append(run(replace(opt, name=f"{opt.name}, DataLoader, {workers} workers"), cfg, workers=workers))
+    for mode in compile_modes(cfg.device) if compile_ else ():
+        recipe = replace(opt.recipe, compile_mode=mode)
+        rows.append(run(replace(opt, name=f"optimized ({recipe.name}, accumulation {recipe.accumulation})",
+                                recipe=recipe), cfg))
     return rows
 
 

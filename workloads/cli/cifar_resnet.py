@@ -7,6 +7,7 @@ import argparse
 from workloads import cifar_resnet as workload
 from workloads.cifar_resnet import HEADER, Config, ablation, format_rows, table
 from workloads.cli.options import add_common, describe, save
+from workloads.common import EMULATED_BF16_NOTE, bf16_emulated
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,7 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=128)
     add_common(parser)
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    parser.add_argument("--emulated-bf16", action="store_true",
+                        help="run the AMP rows on a CPU without bf16 instructions too (software bf16: slow)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch < 2 or args.batch % 2:
         parser.error("--steps must be >= 1 and --batch an even number >= 2 (the OneCycleLR row splits each "
@@ -27,7 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     print(f"ResNet10 on synthetic CIFAR, {cfg.steps} steps of batch {cfg.batch} on "
           f"{describe(cfg.device)}")
-    rows = ablation(cfg, compile_=not args.no_compile)
+    if bf16_emulated(cfg.device) and not args.emulated_bf16:
+        print(EMULATED_BF16_NOTE)
+    rows = ablation(cfg, compile_=not args.no_compile, emulated_bf16=args.emulated_bf16)
     print("\n".join(format_rows(rows)))
     save(args, "cifar_resnet", HEADER, table(rows), cfg, "ms/step",
          {"training loss per step": {r.name: r.losses for r in rows}})

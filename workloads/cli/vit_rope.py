@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from workloads import vit_rope as workload
 from workloads.cli.options import add_common, describe, save
+from workloads.common import EMULATED_BF16_NOTE, bf16_emulated
 from workloads.vit_rope import (
     HEADER,
     Config,
@@ -29,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     add_common(parser)
     parser.add_argument("--cifar", metavar="PATH", help="local CIFAR-10 (torchvision layout) instead of synthetic")
     parser.add_argument("--ablation", action="store_true", help="every row, not only reference/optimized")
+    parser.add_argument("--no-compile", action="store_true", help="skip the ablation's torch.compile rows")
+    parser.add_argument("--emulated-bf16", action="store_true",
+                        help="run the AMP row on a CPU without bf16 instructions too (software bf16: slow)")
     parser.add_argument("--checkpoint", metavar="PATH", help="save the optimized run's state here (atomically)")
     parser.add_argument("--save-every", type=int, default=10, metavar="K", help="steps between saves (10)")
     parser.add_argument("--resume", action="store_true", help="continue the optimized run from --checkpoint")
@@ -50,7 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"RoPE ViT (D {cfg.dim}, {cfg.heads} heads, depth {cfg.depth}) on {data}, {cfg.steps} steps "
           f"of batch {cfg.batch} ({clipped}) on {describe(cfg.device)}")
     plain = replace(cfg, checkpoint=None, resume=False)  # the reference run is never checkpointed
-    rows = ablation(cfg) if args.ablation else [run(reference_method(), plain), run(optimized_method(cfg), cfg)]
+    if args.ablation:
+        if bf16_emulated(cfg.device) and not args.emulated_bf16:
+            print(EMULATED_BF16_NOTE)
+        rows = ablation(cfg, compile_=not args.no_compile, emulated_bf16=args.emulated_bf16)
+    else:
+        rows = [run(reference_method(), plain), run(optimized_method(cfg), cfg)]
     print("\n".join(format_rows(rows)))
     save(args, "vit_rope", HEADER, table(rows), cfg, "ms/step",
          {"training loss per step": {r.name: r.losses for r in rows}})
