@@ -57,3 +57,23 @@ def test_every_cli_runs_as_a_module(cli: str) -> None:
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert f"python -m workloads.cli.{cli}" in proc.stdout and "--output-dir" in proc.stdout
+
+
+@pytest.mark.parametrize("cli", CLIS)
+def test_an_output_dir_that_cannot_be_made_fails_before_the_run(cli: str, tmp_path, capsys) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        import_module(f"workloads.cli.{cli}").main(["--output-dir", str(tmp_path / "file" / "out")])
+    assert exc.value.code == 2 and "error: --output-dir" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("cli", "argv", "message"), [
+    ("vit_rope", ["--cifar", "/nonexistent"], "no CIFAR-10 files under '/nonexistent'"),
+    ("ocs", ["--mnist", "/nonexistent"], "no MNIST files under '/nonexistent'"),
+    ("meta_reweight", ["--accumulation", "0"], "accumulation must be an int in [1, batch=100], got 0"),
+    ("meta_reweight", ["--accumulation", "3"], "accumulation 3 must divide the batch (100)"),
+])
+def test_bad_data_paths_and_sizes_are_one_line_errors(cli: str, argv: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        import_module(f"workloads.cli.{cli}").main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err

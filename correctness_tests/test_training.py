@@ -228,12 +228,12 @@ def test_recipe_auto_keeps_a_compile_mode_only_when_it_measures_faster(monkeypat
         Recipe.auto("cpu", compile_modes=("fast",))
 
 
-def test_a_compiled_recipe_trains_as_eager_does() -> None:
+def test_a_compiled_recipe_trains_as_the_reference_does() -> None:
     """torch.compile (default mode) through the engine: the fp32 run's losses and parameters
-    within the table's tolerance of the eager engine's; its name says the mode."""
+    within the table's tolerance of the reference loop's; its name says the mode."""
     (m1, o1), (m2, o2) = _setup(), _setup()
     data = _data(3, 16)
-    eager = train(m1, F.cross_entropy, o1, data)
+    eager = ref.train(m1, F.cross_entropy, o1, data)
     compiled = train(m2, F.cross_entropy, o2, data, Recipe(compile_mode="default"))
     assert_close(torch.tensor(compiled.losses), torch.tensor(eager.losses), REDUCTION)
     assert_close(_params(m2), _params(m1), REDUCTION)

@@ -236,6 +236,10 @@ def amp_recipe(device: str, accumulation: int = 1) -> Recipe:
 
 def optimized_recipe(cfg: Config, accumulation: int) -> Recipe:
     """Recipe.auto with ``accumulation``, timed (on CPU) on the classifier at the micro-batch size."""
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or not 1 <= accumulation <= cfg.batch:
+        raise ValueError(f"accumulation must be an int in [1, batch={cfg.batch}], got {accumulation!r}")
+    if cfg.batch % accumulation:
+        raise ValueError(f"accumulation {accumulation} must divide the batch ({cfg.batch}) into equal parts")
     x, y = synthetic_cifar(max(2, cfg.batch // accumulation), seed=99)
     model = ResNet10(widths=cfg.widths, norm=cfg.norm).to(cfg.device)
     return Recipe.auto(cfg.device, accumulation=accumulation, model=model, loss_fn=F.cross_entropy,

@@ -42,7 +42,7 @@ from kernels.optim import sgd
 from kernels.training import Recipe, train
 from perfgate.timing import peak_memory
 from reference.workloads import ocs as reference_run
-from workloads.common import check_device, require_positive
+from workloads.common import check_device, progress, require_positive
 from workloads.rotated_digits import Split
 
 Scorer = Callable[..., Tensor]  # (model, loss_fn, inputs, targets, *, memory, tau) -> (N,) scores
@@ -242,7 +242,7 @@ def train_task(learner: Learner, t: int, tasks: list[tuple[Split, Split]], cfg: 
 def run(method: Method, cfg: Config, tasks: list[tuple[Split, Split]]) -> OCSReport:
     """All tasks in order from the same seeds: same data order, same initial model."""
     learner = start(cfg, method.name)
-    for t in range(1, len(tasks) + 1):
+    for t in progress(range(1, len(tasks) + 1), desc=method.name, unit="task"):
         train_task(learner, t, tasks, cfg, method)
     return learner.report
 

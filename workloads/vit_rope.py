@@ -67,6 +67,9 @@ class Config:
         require_positive(self, ("steps", "batch", "accumulation", "dim", "heads", "depth", "save_every"))
         check_max_grad_norm(self.max_grad_norm)
         check_device(self.device)
+        if self.cifar is not None and not (Path(self.cifar) / "cifar-10-batches-py").is_dir():
+            raise ValueError(f"cifar: no CIFAR-10 files under {self.cifar!r} (torchvision layout "
+                             "cifar-10-batches-py/); this workload never downloads")
         if self.resume and (self.checkpoint is None or not Path(self.checkpoint).is_file()):
             raise ValueError(f"resume needs an existing checkpoint file, got {self.checkpoint!r}")
         if self.batch % self.accumulation:

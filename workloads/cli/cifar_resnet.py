@@ -6,7 +6,7 @@ import argparse
 
 from workloads import cifar_resnet as workload
 from workloads.cifar_resnet import HEADER, Config, ablation, format_rows, table
-from workloads.cli.options import add_common, describe, save
+from workloads.cli.options import add_common, describe, parse_args, save
 from workloads.common import EMULATED_BF16_NOTE, bf16_emulated
 
 
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     parser.add_argument("--emulated-bf16", action="store_true",
                         help="run the AMP rows on a CPU without bf16 instructions too (software bf16: slow)")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if args.steps < 1 or args.batch < 2 or args.batch % 2:
         parser.error("--steps must be >= 1 and --batch an even number >= 2 (the OneCycleLR row splits each "
                      "batch into 2 micro-batches)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from workloads import meta_reweight as workload
-from workloads.cli.options import add_common, describe, save
+from workloads.cli.options import add_common, describe, parse_args, save
 from workloads.common import markdown, mib
 from workloads.meta_reweight import Config, class_counts, optimized_recipe
 from workloads.meta_reweight_ablation import accuracy_runs, memory_ablation
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-per-class", type=int, default=490)
     parser.add_argument("--memory-steps", type=int, default=5, help="timed outer steps per memory-table row")
     add_common(parser)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if args.memory_steps < 1:
         parser.error(f"--memory-steps must be >= 1, got {args.memory_steps}")
     try:

@@ -7,7 +7,7 @@ import argparse
 import torch
 
 from workloads import ocs
-from workloads.cli.options import add_common, describe, save
+from workloads.cli.options import add_common, describe, parse_args, save
 from workloads.ocs import REFERENCE, Config, optimized, optimized_recipe, run
 from workloads.ocs_ablation import HEADER, ablation, format_rows, table
 from workloads.rotated_digits import digits, mnist, rotated_tasks
@@ -21,12 +21,15 @@ def main(argv: list[str] | None = None) -> int:
     add_common(parser)
     parser.add_argument("--mnist", metavar="PATH", help="local MNIST (torchvision layout) instead of digits")
     parser.add_argument("--ablation", action="store_true", help="all five rows, not only reference/optimized")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     try:
         cfg = Config(tasks=args.tasks, passes=args.passes, device=args.device)
     except ValueError as e:
         parser.error(str(e))
-    data = mnist(args.mnist) if args.mnist else digits(cfg.seed)
+    try:
+        data = mnist(args.mnist) if args.mnist else digits(cfg.seed)
+    except FileNotFoundError as e:
+        parser.error(str(e))
     tasks = rotated_tasks(data, cfg.tasks, cfg.degrees, cfg.device)
     print(f"OCS, rotated {'MNIST' if args.mnist else 'digits'}, {cfg.tasks} tasks x {cfg.passes} passes "
           f"({-(-len(tasks[0][0][1]) // cfg.stream)} stream batches of up to {cfg.stream}) on "

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +20,21 @@ def add_common(parser: argparse.ArgumentParser) -> None:
                         help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--output-dir", metavar="DIR",
                         help="also write the results here: NAME.json (rows, config, machine), NAME.csv, NAME.png")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, with ``--output-dir`` created now: a folder that cannot be
+    written is a one-line error before the run, not a traceback after it."""
+    args = parser.parse_args(argv)
+    if args.output_dir:
+        out = Path(args.output_dir)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            parser.error(f"--output-dir {out}: {e.strerror or e}")
+        if not os.access(out, os.W_OK):
+            parser.error(f"--output-dir {out}: not writable")
+    return args
 
 
 def save(args: argparse.Namespace, stem: str, header: Sequence[str], cells: Sequence[Sequence[str]], config: Any,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kernels.feature_cache import FeatureCache
 from workloads import spectral_probe as workload
-from workloads.cli.options import add_common, describe, save
+from workloads.cli.options import add_common, describe, parse_args, save
 from workloads.common import markdown
 from workloads.spectral_probe import (
     HEADER,
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ablation", action="store_true", help="every row, not only reference/optimized")
     parser.add_argument("--seeds", type=int, default=0, help="compare test accuracy over this many seeds")
     add_common(parser)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if args.ablation and (args.cache_dir or args.no_cache):
         parser.error("--ablation computes and reads back features in its own temporary folder; "
                      "--cache-dir and --no-cache apply to the plain run")

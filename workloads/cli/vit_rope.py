@@ -6,8 +6,8 @@ import argparse
 from dataclasses import replace
 
 from workloads import vit_rope as workload
-from workloads.cli.options import add_common, describe, save
-from workloads.common import EMULATED_BF16_NOTE, bf16_emulated
+from workloads.cli.options import add_common, describe, parse_args, save
+from workloads.common import EMULATED_BF16_NOTE, bf16_emulated, progress
 from workloads.vit_rope import (
     HEADER,
     Config,
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     clip = parser.add_mutually_exclusive_group()
     clip.add_argument("--max-grad-norm", type=float, default=1.0, help="clip gradients to this global norm (1.0)")
     clip.add_argument("--no-clip", action="store_true", help="no gradient clipping")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if args.ablation and (args.checkpoint or args.resume):
         parser.error("--checkpoint and --resume apply to the optimized run, not to --ablation")
     try:
@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             print(EMULATED_BF16_NOTE)
         rows = ablation(cfg, compile_=not args.no_compile, emulated_bf16=args.emulated_bf16)
     else:
-        rows = [run(reference_method(), plain), run(optimized_method(cfg), cfg)]
+        rows = [run(m, c) for m, c in progress([(reference_method(), plain), (optimized_method(cfg), cfg)],
+                                                desc="runs", unit="run")]
     print("\n".join(format_rows(rows)))
     save(args, "vit_rope", HEADER, table(rows), cfg, "ms/step",
          {"training loss per step": {r.name: r.losses for r in rows}})
