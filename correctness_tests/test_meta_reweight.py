@@ -12,6 +12,7 @@ from kernels.training import Recipe
 from reference.workloads.meta_reweight import reference_step
 from workloads import meta_reweight as M
 from workloads.cli import meta_reweight as meta_reweight_cli
+from workloads.common import amp_recipe
 from workloads.meta_reweight import reference_learner
 
 # The workload's ResNet-10 widths: narrower nets cross more ReLU kinks in the finite difference
@@ -108,7 +109,7 @@ def test_batchnorm_breaks_the_equality() -> None:
 
 
 def test_runs_report_accuracy_memory_and_plain_training() -> None:
-    r = M.run("opt", M.outer_step, M.learner(SMALL, recipe=M.amp_recipe("cpu", 2)), SMALL, warmup=1,
+    r = M.run("opt", M.outer_step, M.learner(SMALL, recipe=amp_recipe("cpu", 2)), SMALL, warmup=1,
               measure_peak=True)
     assert r.ms_per_step > 0 and 0.0 <= r.balanced_accuracy <= 1.0 and (r.peak_mib is None or r.peak_mib > 0)
     plain = M.learner(SMALL)

@@ -321,7 +321,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     if scaler is not None:
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(tensors["rng/torch"])
-    cuda = [tensors[k] for k in sorted(t for t in tensors if t.startswith("rng/cuda/"))]
+    cuda_keys = sorted((t for t in tensors if t.startswith("rng/cuda/")), key=lambda t: int(t.rsplit("/", 1)[1]))
+    cuda = [tensors[k] for k in cuda_keys]  # in device order: "rng/cuda/10" sorts before "rng/cuda/2" as text
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
     py_version, py_state, py_gauss = state["rng"]["python"]

@@ -17,7 +17,8 @@ import torch
 from kernels.training import Recipe
 from perfgate.fingerprint import bf16_instructions
 from reference.workloads.meta_reweight import reference_step
-from workloads.meta_reweight import Config, amp_recipe, batches, datasets, learner, outer_step, reference_learner
+from workloads.common import amp_recipe
+from workloads.meta_reweight import Config, batches, datasets, learner, outer_step, reference_learner
 
 BATCH = {"smoke": 100, "full": 200}
 ACCUMULATION = 4

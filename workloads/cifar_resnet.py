@@ -28,7 +28,7 @@ from kernels.optim import adamw
 from kernels.training import Recipe, train
 from reference.workloads import cifar_resnet as reference_run
 from workloads.cifar_data import as_stored, loader
-from workloads.common import bf16_emulated, check_device, markdown, progress, require_positive
+from workloads.common import amp_recipe, bf16_emulated, check_device, markdown, progress, require_positive
 
 
 def synthetic_cifar(n: int, *, seed: int = 0, classes: int = 10, noise: float = 2.5,
@@ -159,9 +159,7 @@ def ablation(cfg: Config, compile_: bool = True, emulated_bf16: bool = False) ->
     bf16 instructions) the AMP rows are left out and the later rows build on fp32, unless
     ``emulated_bf16``."""
     amp_rows = emulated_bf16 or not bf16_emulated(cfg.device)
-    amp = Recipe()
-    if amp_rows:
-        amp = Recipe(torch.float16, grad_scaler=True) if cfg.device.startswith("cuda") else Recipe(torch.bfloat16)
+    amp = amp_recipe(cfg.device) if amp_rows else Recipe()
     x, y = cfg.batches()[0]
     auto = Recipe.auto(cfg.device, model=ResNet10().to(cfg.device), loss_fn=F.cross_entropy, batch=(x, y))
     # (name, recipe, run's keywords): one row each, in the table's order

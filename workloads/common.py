@@ -46,6 +46,17 @@ def check_device(device: str) -> None:
         raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
 
 
+def amp_recipe(device: str, accumulation: int = 1):  # -> kernels.training.Recipe
+    """The ablations' AMP row: fp16 + GradScaler on CUDA (the seeds' --fp16), bf16 on CPU."""
+    import torch
+
+    from kernels.training import Recipe
+
+    if device.startswith("cuda"):
+        return Recipe(torch.float16, grad_scaler=True, accumulation=accumulation)
+    return Recipe(torch.bfloat16, accumulation=accumulation)
+
+
 def bf16_emulated(device: str) -> bool:
     """Whether bf16 autocast on ``device`` runs in software: a CPU without AVX512-BF16 or AMX-BF16
     (there the ablations' AMP rows ran 13-20x slower than fp32, on a Zen 3)."""

@@ -227,13 +227,6 @@ def run(name: str, step: StepFn, ln: Learner, cfg: Config, reweight: bool = True
     return RunReport(name, 1e3 * sorted(times)[len(times) // 2], accuracy, None if peak is None else peak / 2**20)
 
 
-def amp_recipe(device: str, accumulation: int = 1) -> Recipe:
-    """fp16 + GradScaler on CUDA (Betty's --fp16), bf16 on CPU."""
-    if device.startswith("cuda"):
-        return Recipe(torch.float16, grad_scaler=True, accumulation=accumulation)
-    return Recipe(torch.bfloat16, accumulation=accumulation)
-
-
 def optimized_recipe(cfg: Config, accumulation: int) -> Recipe:
     """Recipe.auto with ``accumulation``, timed (on CPU) on the classifier at the micro-batch size."""
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or not 1 <= accumulation <= cfg.batch:

@@ -10,11 +10,10 @@ from dataclasses import replace
 
 from kernels.training import Recipe
 from reference.workloads.meta_reweight import reference_step
-from workloads.common import progress
+from workloads.common import amp_recipe, progress
 from workloads.meta_reweight import (
     Config,
     RunReport,
-    amp_recipe,
     learner,
     outer_step,
     reference_learner,

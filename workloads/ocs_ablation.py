@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import Tensor, nn
 
 from kernels.coreset import ocs_scores
 from kernels.per_sample import per_sample_grads
 from kernels.training import Recipe
 from reference.coreset import literal_scores
-from workloads.common import markdown, mib, progress
+from workloads.common import amp_recipe, markdown, mib, progress
 from workloads.ocs import REFERENCE, Config, OCSReport, Scorer, optimized, run
 from workloads.rotated_digits import Split
 
@@ -34,7 +33,7 @@ def ablation(cfg: Config, tasks: list[tuple[Split, Split]]) -> list[OCSReport]:
     """reference / vmap / einsum / ghost Gram / ghost + AMP, in one process on one device. The
     rows after the reference share the engine and fused SGD and differ in the scores."""
 
-    amp = Recipe(torch.float16, grad_scaler=True) if cfg.device.startswith("cuda") else Recipe(torch.bfloat16)
+    amp = amp_recipe(cfg.device)
     methods = [REFERENCE, optimized(Recipe(), _materialized(_vmap_grads), "vmap (materialized E)"),
                optimized(Recipe(), _materialized(per_sample_grads), "einsum (materialized E)"),
                optimized(Recipe(), ocs_scores, "ghost Gram"),

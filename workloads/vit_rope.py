@@ -41,7 +41,7 @@ from reference.attention import softmax_attention
 from reference.workloads import vit_rope as reference_run
 from workloads.cifar_data import as_stored, loader
 from workloads.cifar_resnet import compile_modes, synthetic_cifar
-from workloads.common import bf16_emulated, check_device, markdown, mib, progress, require_positive
+from workloads.common import amp_recipe, bf16_emulated, check_device, markdown, mib, progress, require_positive
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ def ablation(cfg: Config, compile_: bool = True, emulated_bf16: bool = False) ->
     Where bf16 is emulated (a CPU without bf16 instructions) the AMP row is left out, unless
     ``emulated_bf16``."""
     ref = reference_method()
-    amp = Recipe(torch.float16, grad_scaler=True) if cfg.device.startswith("cuda") else Recipe(torch.bfloat16)
+    amp = amp_recipe(cfg.device)
     methods = [ref, replace(ref, name="+ cached RoPE", attention=CachedRopeManualAttention),
                replace(ref, name="+ attention kernel", attention=RopeSelfAttention),
                Method("+ fused AdamW (engine, fp32)", RopeSelfAttention, adamw, train, Recipe()),
