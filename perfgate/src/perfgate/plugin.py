@@ -44,6 +44,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SESSION].configure()
 
 
+@pytest.hookimpl(trylast=True)  # after -k, -m and every other selection: shards split what is left
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    config.stash[SESSION].select_shard(items)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     session.config.stash[SESSION].collected(session.items)
 

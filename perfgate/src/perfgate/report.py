@@ -1,5 +1,10 @@
 """``python -m perfgate.report [JSON ...] [--png PATH] [--markdown PATH]``: tables and charts.
 
+``python -m perfgate.report --merge shard*.json [--output merged.json]``: the shards of one
+``--perf-shard K/N`` run as one table and one verdict (exit 1 when the gate fails, 2 when the
+shards do not merge: another fingerprint, size, commit, baseline or plan, a shard missing or
+repeated); ``--output`` writes the merged run, a JSON like one unsharded run's.
+
 With no JSON given it reads every run saved under ``.benchmarks/`` (all fingerprints). It
 prints the table of the newest run of each fingerprint and size; ``--markdown`` writes the same
 tables as a markdown page (each headed by what it was measured on: device, threads, allocator,
@@ -15,7 +20,8 @@ import sys
 from pathlib import Path
 
 from .session import JSON_KEY
-from .stats import TABLE_HEADER, format_table, table_cells
+from .shard import MergeError, merge
+from .stats import TABLE_HEADER, format_table, gate, row_from_dict, table_cells, verdict
 
 
 def load_runs(paths: list[Path]) -> list[dict]:
@@ -97,6 +103,29 @@ def markdown(runs: list[dict], title: str = "Speedups") -> list[str]:
     return lines
 
 
+def merged_verdict(runs: list[dict], output: Path | None) -> int:
+    """Merge the shards, gate every row again by the one rule, print the table and the verdict."""
+    run = merge(runs)
+    section = run[JSON_KEY]
+    rows = [row_from_dict(r) for r in section["speedups"]]
+    for row in rows:
+        gate(row, section["tolerance"])
+    section["speedups"] = [r.as_dict() for r in rows]
+    shards = ", ".join(f"{m['shard']}: {m['path']}" for m in section["merged_from"])
+    print(f"{section['slug']}  size {section['size']}  {_label(run)}  merged from {len(runs)} shards ({shards})")
+    print("\n".join(format_table(section["speedups"])))
+    if section["baseline"]:
+        matched = sum(r.baseline is not None for r in rows)
+        print(f"compared against baseline {section['baseline']}: {matched} of {len(rows)} row(s) have a stored speedup")
+    what = "at or above their floors" if section["floors_applied"] else "without speedup floors (not applied)"
+    lines = verdict(rows, what, "as measured in its shard")
+    print("\n".join(text for _, text in lines))
+    if output is not None:
+        output.write_text(json.dumps(run, indent=2), encoding="utf8")
+        print(f"wrote {output}")
+    return 1 if any(style == "fail" for style, _ in lines) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perfgate.report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -105,12 +134,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, help="write the newest run of each fingerprint and size "
                                                       "as a markdown page to this path")
     parser.add_argument("--quiet", action="store_true", help="do not print the table")
+    parser.add_argument("--merge", action="store_true", help="the JSON files are the shards of one --perf-shard "
+                                                             "run: print one table and gate it (exit 1 on failure)")
+    parser.add_argument("--output", type=Path, help="with --merge: write the merged run to this JSON")
     args = parser.parse_args(argv)
+    if args.output and not args.merge:
+        parser.error("--output writes a merged run: give it with --merge")
+    if args.merge and not args.json:
+        parser.error("--merge needs the shards' JSON files (each shard's --benchmark-json)")
     paths = args.json or sorted(Path(".benchmarks").rglob("*.json"))
     missing = [p for p in paths if not p.is_file()]
     if missing:
         parser.error(f"no such file: {', '.join(map(str, missing))}")
     runs = load_runs(paths)
+    if args.merge:
+        if len(runs) != len(paths):
+            parser.error("--merge: every file must be a perfgate run (see the skipped ones above)")
+        try:
+            return merged_verdict(runs, args.output)
+        except MergeError as exc:
+            print(f"perfgate.report --merge: {exc}", file=sys.stderr)
+            return 2
     if not runs:
         print("no perfgate runs found: save one with `pytest --benchmark-save=NAME` (or --benchmark-json=FILE)",
               file=sys.stderr)

@@ -9,6 +9,7 @@ is left as it would be without the plugin.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -36,6 +37,9 @@ OPTIONS: list[tuple[str, Any, str]] = [
                          "during its test, the rest at the session's end (default 3)"),
     ("--perf-extend", 60.0, "seconds of extra interleaved pairs a row may take when its interval straddles its "
                             "floor, before it is reported unresolved (default 60; 0: never extend)"),
+    ("--perf-shard", None, "K/N: run shard K of N of the perf suite (each test function with all its impls in one "
+                           "shard, balanced by this fingerprint's stored run); merge the shards' --benchmark-json "
+                           "files with python -m perfgate.report --merge"),
     ("--perf-slowdown", 1.0, "TEST ONLY, for python -m perfgate.fidelity: make every 'optimized' impl this many "
                              "times slower in the harness, to measure what the gate catches"),
 ]
@@ -77,6 +81,14 @@ class PerfSession:
             raise pytest.UsageError(f"--perf-extend must be seconds >= 0, got {self.extend_s}")
         if self.slowdown < 1.0:
             raise pytest.UsageError(f"--perf-slowdown must be >= 1, got {self.slowdown}")
+        self.shard: tuple[int, int] | None = None
+        if opt["--perf-shard"] is not None:
+            from .shard import parse
+
+            try:
+                self.shard = parse(opt["--perf-shard"])
+            except ValueError as exc:
+                raise pytest.UsageError(str(exc)) from exc
         if self.slowdown != 1.0 and self.saving:
             raise pytest.UsageError("--perf-slowdown is for measuring the gate; a slowed run cannot be a baseline")
         self.state: GateState | None = None
@@ -95,6 +107,30 @@ class PerfSession:
         whether this is a perf session (its storage moves then)."""
         if self.config.getoption("benchmark_compare", None):
             self._held_compare = compat.hold_compare(self.config)
+
+    def select_shard(self, items: list[pytest.Item]) -> None:
+        """Under ``--perf-shard K/N``: keep shard K's test functions of ``items`` (after every other
+        selection), deselect the rest, and record the plan for the merge (shard.py)."""
+        if self.shard is None:
+            return
+        from .shard import digest, plan, stored_weights, unit
+
+        state, (index, count) = self.activate(), self.shard
+        path = compat.storage_url(self.config)
+        weights, source = stored_weights(None if path is None else Path(path) / state.slug / state.size)
+        units = sorted({unit(item.nodeid) for item in items})
+        try:
+            assignment = plan(units, weights, count)
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from exc
+        kept = [item for item in items if assignment[unit(item.nodeid)] == index]
+        dropped = [item for item in items if assignment[unit(item.nodeid)] != index]
+        if dropped:
+            self.config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
+        mine = sorted(u for u, k in assignment.items() if k == index)
+        state.shard = {"index": index, "count": count, "plan": digest(assignment), "units": mine,
+                       "weights_from": source}
 
     def collected(self, items: list[pytest.Item]) -> None:
         """After collection: a perf test among ``items`` (or a --perf-* option) starts the gate."""
@@ -182,6 +218,8 @@ class PerfSession:
         state.memory_baseline = {baseline_key(r["kernel"], r["impl"], r["size"]): r["memory_ratio"]
                                  for r in rows if r.get("memory_ratio") is not None}
         state.baseline_path = str(benchmarksession.storage)
+        info = compared_benchmark.get("commit_info") or {}
+        state.baseline_id = f"{info.get('id')} {compared_benchmark.get('datetime')}"
 
     def update_json(self, output_json: dict) -> None:
         """The rows computed in ``finish`` (no timing happens here)."""
@@ -194,6 +232,8 @@ class PerfSession:
             "size": state.size,
             "tolerance": state.tolerance,
             "floors_applied": not state.cpu_floors_off,  # False: CPU floors not applied (threads, malloc)
+            "baseline": state.baseline_id,  # the stored run the rows were compared with (commit, time), or None
+            "shard": state.shard,  # under --perf-shard: index, count, plan digest, its test functions
             "speedups": [r.as_dict() for r in state.rows],
         }
 
@@ -237,6 +277,11 @@ class PerfSession:
                           f"thread(s) under --perf-malloc cache; {state.cpu_floors_off} they are not applied: "
                           "only a stored baseline (--benchmark-compare) gates the speedups", yellow=True)
         rows = state.compute_rows()
+        if state.shard:
+            sh = state.shard
+            tr.write_line(f"perfgate: shard {sh['index']}/{sh['count']} ran {len(sh['units'])} test function(s), plan "
+                          f"{sh['plan']} (weights: {sh['weights_from'] or 'equal, no stored run'}); merge all "
+                          "shards' JSON with python -m perfgate.report --merge")
         tr.section(f"perfgate speedups ({state.device}, {state.size}, {state.slug})")
         for line in format_table([r.as_dict() for r in rows]):
             tr.write_line(line)
@@ -257,31 +302,18 @@ class PerfSession:
         self._verdict(tr, rows)
 
     def _verdict(self, tr: Any, rows: list) -> None:
+        from .stats import verdict
+
         state = self.state
-        for r in rows:
-            if r.extended:
-                tr.write_line(f"extended: {r.kernel} [{r.impl}] +{r.extended} interleaved pairs at the session's "
-                              f"end, its interval straddled the floor {r.floor:.2f}x: now {r.speedup:.2f}x "
-                              f"(95% CI {r.low:.2f}-{r.high:.2f}x), {r.outcome}")
-        for r in rows:
-            for u in r.unresolved:
-                how = (f"after +{r.extended} pairs" if r.extended else "not extended") + \
-                    f" (--perf-extend {state.extend_s:g} s{', interrupted' if state.interrupted else ''})"
-                tr.write_line(f"UNRESOLVED: {u}; {how}: neither failed nor passed; rerun, or run on a quieter "
-                              "host", yellow=True, bold=True)
-        failures = [f for r in rows for f in r.failures]
-        for f in failures:
-            tr.write_line(f"GATE FAILED: {f}", red=True, bold=True)
-        if failures or not rows:
-            return
         what = ("at or above their floors" if not state.cpu_floors_off
                 else f"without speedup floors (not applied {state.cpu_floors_off})")
-        unresolved = sum(r.outcome == "unresolved" for r in rows)
-        if unresolved:
-            tr.write_line(f"gate not failed: {len(rows) - unresolved} speedup(s) {what}, {unresolved} unresolved "
-                          "(their intervals straddle their floors)", yellow=True, bold=True)
-        else:
-            tr.write_line(f"gate passed: {len(rows)} speedup(s) {what}", green=True)
+        budget = f"--perf-extend {state.extend_s:g} s{', interrupted' if state.interrupted else ''}"
+        for style, text in verdict(rows, what, budget):
+            tr.write_line(text, **STYLES[style])
+
+
+STYLES = {"note": {}, "warn": {"yellow": True, "bold": True}, "fail": {"red": True, "bold": True},
+          "pass": {"green": True}}
 
 
 SESSION = pytest.StashKey[PerfSession]()

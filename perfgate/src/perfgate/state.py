@@ -55,6 +55,8 @@ class GateState:
     baseline: dict[str, tuple[float, float]] | None = None  # stored (speedup, low) by baseline_key
     memory_baseline: dict[str, float] = field(default_factory=dict)  # optimized/reference peak ratios
     baseline_path: str | None = None
+    baseline_id: str | None = None  # the compared run's commit and time: shards merge only when alike
+    shard: dict | None = None  # --perf-shard: index, count, plan digest, this shard's test functions
     rows: list[SpeedupRow] | None = None
     unmeasured: int = 0  # perf calls that ran with benchmarks disabled
     slowdown: float = 1.0  # TEST ONLY: --perf-slowdown, the optimized impls made this much slower

@@ -31,7 +31,7 @@ reported unmeasured, not failed (as an unpaired row is).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
@@ -161,6 +161,41 @@ def gate(row: SpeedupRow, tolerance: float) -> list[str]:
                             f"{tolerance:.0%} under the stored baseline's {1.0 - row.memory_baseline:.1%}")
     row.failures = failures
     return failures
+
+
+def verdict(rows: Sequence[SpeedupRow], what: str, budget: str) -> list[tuple[str, str]]:
+    """The session's closing lines as (style, text), style one of note, warn, fail, pass: each
+    extension, each unresolved floor, each failure, then the verdict. ``what`` says what the
+    passed rows were held to ("at or above their floors"); ``budget`` how far a straddled row
+    could be extended ("--perf-extend 60 s")."""
+    lines = []
+    for r in rows:
+        if r.extended:
+            lines.append(("note", f"extended: {r.kernel} [{r.impl}] +{r.extended} interleaved pairs at the session's "
+                                  f"end, its interval straddled the floor {r.floor:.2f}x: now {r.speedup:.2f}x "
+                                  f"(95% CI {r.low:.2f}-{r.high:.2f}x), {r.outcome}"))
+    for r in rows:
+        for u in r.unresolved:
+            how = (f"after +{r.extended} pairs" if r.extended else "not extended") + f" ({budget})"
+            lines.append(("warn", f"UNRESOLVED: {u}; {how}: neither failed nor passed; rerun, or run on a quieter "
+                                  "host"))
+    failures = [f for r in rows for f in r.failures]
+    lines += [("fail", f"GATE FAILED: {f}") for f in failures]
+    if failures or not rows:
+        return lines
+    unresolved = sum(r.outcome == "unresolved" for r in rows)
+    if unresolved:
+        lines.append(("warn", f"gate not failed: {len(rows) - unresolved} speedup(s) {what}, {unresolved} "
+                              "unresolved (their intervals straddle their floors)"))
+    else:
+        lines.append(("pass", f"gate passed: {len(rows)} speedup(s) {what}"))
+    return lines
+
+
+def row_from_dict(r: dict) -> SpeedupRow:
+    """A row read back from JSON (``SpeedupRow.as_dict()``), its verdict not yet computed."""
+    names = {f.name for f in fields(SpeedupRow)} - {"failures", "unresolved"}
+    return SpeedupRow(**{k: (tuple(v) if k == "rounds" else v) for k, v in r.items() if k in names})
 
 
 def _mem(n: int | None) -> str:

@@ -1,0 +1,128 @@
+"""The perf suite over N runners of one kind: ``--perf-shard K/N`` runs one shard, and
+``python -m perfgate.report --merge shard*.json`` makes the shards one table and one verdict.
+
+A shard's unit is a test function with all its parametrizations: a speedup row pairs the impls
+of one test inside one session (reference, optimized, a peer), so they cannot run on different
+runners. pytest-split splits parametrizations of one test apart and can leave a split empty
+(its issues #95, #108), hence a split of perfgate's own. Units go to shards by longest
+processing time first (each unit, heaviest first, to the lightest shard so far), weighted by the
+seconds its benchmarks took in this fingerprint's newest stored run (equal weights when there
+is none). Every shard computes the same plan from the same collection and stored run; its digest
+goes into the shard's JSON, and the merge refuses shards of different plans, fingerprints,
+sizes, commits or baselines, and a missing or repeated shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from .session import JSON_KEY
+
+# What all shards of one merge must share, beyond the plan: a row is comparable only under these.
+SHARED = ("fingerprint", "size", "tolerance", "floors_applied", "baseline")
+
+
+class MergeError(ValueError):
+    """Shards that cannot be merged into one verdict."""
+
+
+def parse(value: str) -> tuple[int, int]:
+    """``"K/N"`` -> (K, N) with 1 <= K <= N."""
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", value)
+    if not match or not 1 <= int(match[1]) <= int(match[2]):
+        raise ValueError(f"--perf-shard must be K/N with 1 <= K <= N (e.g. 1/2), got {value!r}")
+    return int(match[1]), int(match[2])
+
+
+def unit(nodeid: str) -> str:
+    """The test function a collected item belongs to: its node id without the parameters."""
+    return nodeid.split("[", 1)[0]
+
+
+def stored_weights(folder: Path | None) -> tuple[dict[str, float], str | None]:
+    """({unit: seconds its benchmarks ran}, the run's file name) from the newest stored run in
+    ``folder`` (a fingerprint's and size's storage folder), or ({}, None) when there is none."""
+    runs = sorted(folder.glob("*/*.json")) if folder is not None and folder.is_dir() else []
+    if not runs:
+        return {}, None
+    newest = max(runs, key=lambda p: p.name)  # pytest-benchmark numbers its saves: 0001_..., 0002_...
+    weights: dict[str, float] = {}
+    for bench in json.loads(newest.read_text(encoding="utf8")).get("benchmarks", []):
+        name = unit(bench.get("fullname", ""))
+        weights[name] = weights.get(name, 0.0) + float(bench.get("stats", {}).get("total", 0.0))
+    return weights, newest.name
+
+
+def plan(units: list[str], weights: dict[str, float], count: int) -> dict[str, int]:
+    """{unit: shard 1..count}, longest processing time first; a unit the stored run lacks
+    weighs the median known weight (1.0 when none is known). Ties break by name."""
+    if len(units) < count:
+        raise ValueError(f"--perf-shard over {count} shards: the selection has {len(units)} test function(s), "
+                         "and a shard without tests would end its runner with pytest's 'no tests collected'; "
+                         f"use at most {len(units)} shards")
+    known = sorted(weights[u] for u in units if u in weights)
+    default = known[len(known) // 2] if known else 1.0
+    load = [0.0] * count
+    out: dict[str, int] = {}
+    for u in sorted(units, key=lambda u: (-weights.get(u, default), u)):
+        k = min(range(count), key=lambda i: (load[i], i))
+        load[k] += weights.get(u, default)
+        out[u] = k + 1
+    return out
+
+
+def digest(assignment: dict[str, int]) -> str:
+    return hashlib.sha256(json.dumps(sorted(assignment.items())).encode()).hexdigest()[:16]
+
+
+def merge(runs: list[dict]) -> dict:
+    """One run (pytest-benchmark JSON with a perfgate section) from the shards' runs, rows in
+    shard order; the caller gates its rows again. Raises ``MergeError`` naming what differs."""
+    if not runs:
+        raise MergeError("no shards given")
+    sections = [r[JSON_KEY] for r in runs]
+    unsharded = [r["_path"] for r, s in zip(runs, sections, strict=True) if not s.get("shard")]
+    if unsharded:
+        raise MergeError(f"not written by a sharded run (--perf-shard K/N): {', '.join(unsharded)}")
+    first = sections[0]
+    for run, section in zip(runs[1:], sections[1:], strict=True):
+        for key in SHARED:
+            if section.get(key) != first.get(key):
+                raise MergeError(f"{run['_path']} has another {key} than {runs[0]['_path']}: "
+                                 f"{section.get(key)!r} vs {first.get(key)!r}; shards merge only when measured "
+                                 "alike (one runner kind, one size, one baseline)")
+        if _commit(run) != _commit(runs[0]):
+            raise MergeError(f"{run['_path']} measured commit {_commit(run)}, {runs[0]['_path']} {_commit(runs[0])}: "
+                             "shards of different code do not make one verdict")
+        if (section["shard"]["count"], section["shard"]["plan"]) != (first["shard"]["count"], first["shard"]["plan"]):
+            raise MergeError(f"{run['_path']} was split by another plan than {runs[0]['_path']} (shard count, "
+                             "collection or stored durations differ): rerun every shard from one checkout")
+    count = first["shard"]["count"]
+    indices = sorted(s["shard"]["index"] for s in sections)
+    if indices != list(range(1, count + 1)):
+        missing = sorted(set(range(1, count + 1)) - set(indices))
+        repeated = sorted({i for i in indices if indices.count(i) > 1})
+        raise MergeError(f"a merge of {count} shards needs each of 1..{count} once: missing {missing or 'none'}, "
+                         f"repeated {repeated or 'none'}")
+    order = sorted(range(len(runs)), key=lambda i: sections[i]["shard"]["index"])
+    rows = [row for i in order for row in sections[i]["speedups"]]
+    keys = [(r["kernel"], r["impl"], r["size"]) for r in rows]
+    if len(set(keys)) != len(keys):
+        raise MergeError(f"a row was measured in two shards: {sorted({k for k in keys if keys.count(k) > 1})[:3]}")
+    merged = dict(runs[order[0]])
+    merged.pop("_path", None)
+    merged["datetime"] = max(r.get("datetime", "") for r in runs)
+    merged["benchmarks"] = [b for i in order for b in runs[i].get("benchmarks", [])]
+    merged[JSON_KEY] = {**{k: first.get(k) for k in ("slug", *SHARED)}, "speedups": rows,
+                        "merged_from": [{"shard": sections[i]["shard"]["index"], "path": runs[i]["_path"]}
+                                        for i in order],
+                        "shard": None}
+    return merged
+
+
+def _commit(run: dict) -> str:
+    info = run.get("commit_info") or {}
+    return f"{info.get('id')}{' (dirty)' if info.get('dirty') else ''}"

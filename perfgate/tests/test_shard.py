@@ -1,0 +1,158 @@
+"""Sharding the perf suite (``--perf-shard K/N``) and merging the shards
+(``python -m perfgate.report --merge``): the merged table and verdict are those of one unsharded
+run, and shards that do not belong together are refused. The timed callables sleep, so every
+row's speedup is set by the test (test_plugin.py's convention)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from perfgate.report import main as report_main
+from perfgate.shard import parse, plan
+
+# Four test functions, one parametrized over a second argument: its rows must stay in one shard.
+SUITE = """
+import time
+import pytest
+
+def pair(perf, impl, ref, opt):
+    perf(lambda: time.sleep(ref if impl == "reference" else opt), label=f"{{ref * 1e3:g}}ms")
+
+@pytest.mark.speedup(cpu=2.0)
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_alpha(perf, impl):
+    pair(perf, impl, 0.008, 0.002)
+
+@pytest.mark.speedup(cpu=1.5)
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_beta(perf, impl, n):
+    pair(perf, impl, 0.006, 0.002)
+
+@pytest.mark.speedup(cpu=2.0)
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_gamma(perf, impl):
+    pair(perf, impl, 0.008, {gamma})
+
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_delta(perf, impl):
+    pair(perf, impl, 0.004, 0.002)
+"""
+FAST = ["--perf-device", "cpu", "--benchmark-max-time=0.1", "--benchmark-min-rounds=10", "--perf-visits=1",
+        "-p", "no:cacheprovider"]
+
+
+def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest(*FAST, *args)
+
+
+def _section(path: Path) -> dict:
+    return json.loads(path.read_text())["perfgate"]
+
+
+def _shards(pytester: pytest.Pytester, *args: str, count: int = 2) -> list[str]:
+    names = []
+    for k in range(1, count + 1):
+        names.append(str(pytester.path / f"shard{k}.json"))
+        _run(pytester, f"--perf-shard={k}/{count}", f"--benchmark-json={names[-1]}", *args)
+    return names
+
+
+def _merge(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    ret = report_main(["--merge", *args])
+    out, err = capsys.readouterr()
+    return ret, out, err
+
+
+def _rows(section: dict) -> dict[tuple[str, str], tuple]:
+    """What a merge must reproduce of each row: its floor, stored baseline and outcome (the
+    speedups themselves are separate measurements)."""
+    return {(r["kernel"], r["impl"]): (r["floor"], r["baseline"], r["outcome"]) for r in section["speedups"]}
+
+
+def test_merged_shards_give_the_rows_and_verdict_of_one_unsharded_run(pytester: pytest.Pytester, capsys) -> None:
+    pytester.makepyfile(test_suite=SUITE.format(gamma=0.002))
+    assert _run(pytester, "--benchmark-save=base").ret == 0
+    whole = _run(pytester, "--benchmark-compare", f"--benchmark-json={pytester.path / 'whole.json'}")
+    assert whole.ret == 0
+    whole.stdout.fnmatch_lines(["*gate passed: 5 speedup(s)*"])
+    shards = _shards(pytester, "--benchmark-compare")
+    units = [set(_section(Path(s))["shard"]["units"]) for s in shards]
+    assert units[0] and units[1] and not units[0] & units[1]
+    assert {u.split("::")[1] for u in units[0] | units[1]} == {"test_alpha", "test_beta", "test_gamma", "test_delta"}
+    for s in shards:  # every row of a shard comes from its own test functions, all parametrizations together
+        kernels = {r["kernel"].split("[")[0] for r in _section(Path(s))["speedups"]}
+        assert kernels == {u.split("::test_")[1] for u in _section(Path(s))["shard"]["units"]}
+    ret, out, _ = _merge(capsys, *shards, "--output", str(pytester.path / "merged.json"))
+    assert ret == 0, out
+    assert "gate passed: 5 speedup(s) at or above their floors" in out
+    merged = _section(pytester.path / "merged.json")
+    assert _rows(merged) == _rows(_section(pytester.path / "whole.json"))
+    assert all(r[1] is not None for r in _rows(merged).values())  # every row compared with the baseline
+    assert len(json.loads((pytester.path / "merged.json").read_text())["benchmarks"]) == 10
+    # the merged run reads back as one run
+    assert report_main([str(pytester.path / "merged.json"), "--quiet"]) == 0
+
+
+def test_a_failed_row_in_one_shard_fails_the_merge(pytester: pytest.Pytester, capsys) -> None:
+    pytester.makepyfile(test_suite=SUITE.format(gamma=0.008))  # gamma lost its 2x: 1x against floor 2.0
+    shards = _shards(pytester)
+    ret, out, _ = _merge(capsys, *shards)
+    assert ret == 1
+    assert "GATE FAILED: gamma [optimized, 8ms]" in out and "is under the floor 2.00x" in out
+
+
+def _edited(path: str, edit, name: str) -> str:
+    data = json.loads(Path(path).read_text())
+    edit(data)
+    out = path.replace(".json", f"-{name}.json")
+    Path(out).write_text(json.dumps(data))
+    return out
+
+
+REFUSED = {  # an edit of shard 2's JSON -> what the refusal says
+    "another fingerprint": lambda d: d["perfgate"]["fingerprint"].update(threads=99),
+    "another size": lambda d: d["perfgate"].update(size="full"),
+    "another baseline": lambda d: d["perfgate"].update(baseline="abc 2026"),
+    "measured commit": lambda d: d["commit_info"].update(id="deadbeef"),
+    "another plan": lambda d: d["perfgate"]["shard"].update(plan="0" * 16),
+    "not written by a sharded run": lambda d: d["perfgate"].update(shard=None),
+}
+
+
+def test_shards_that_do_not_belong_together_are_refused(pytester: pytest.Pytester, capsys) -> None:
+    pytester.makepyfile(test_suite=SUITE.format(gamma=0.002))
+    first, second = _shards(pytester)
+    assert _merge(capsys, first, second)[0] == 0
+    for i, (message, edit) in enumerate(REFUSED.items()):
+        ret, _, err = _merge(capsys, first, _edited(second, edit, str(i)))
+        assert ret == 2 and message in err, (message, err)
+    ret, _, err = _merge(capsys, first)
+    assert ret == 2 and "missing [2]" in err
+    ret, _, err = _merge(capsys, first, first)
+    assert ret == 2 and "missing [2], repeated [1]" in err
+
+
+def test_shard_option_is_checked(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_suite=SUITE.format(gamma=0.002))
+    for bad in ("3/2", "0/2", "1-2", "a/b"):
+        result = _run(pytester, f"--perf-shard={bad}")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        result.stderr.fnmatch_lines(["*--perf-shard must be K/N*"])
+    result = _run(pytester, "--perf-shard=1/5")  # 4 test functions cannot fill 5 shards
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*4 test function(s)*use at most 4 shards*"])
+
+
+def test_plan_balances_stored_durations_and_is_deterministic() -> None:
+    units = ["a", "b", "c", "d", "e"]
+    weights = {"a": 10.0, "b": 6.0, "c": 5.0, "d": 4.0}  # e unknown: the median known weight, 5.5
+    assignment = plan(units, weights, 2)
+    load = {k: sum(weights.get(u, 5.5) for u, s in assignment.items() if s == k) for k in (1, 2)}
+    assert assignment == plan(list(reversed(units)), weights, 2)
+    assert abs(load[1] - load[2]) <= 4.0, load  # LPT: a is alone-ish, the rest fill the other shard
+    assert plan(units, {}, 5) == {u: i + 1 for i, u in enumerate(units)}
+    assert parse(" 2 / 3 ") == (2, 3)
