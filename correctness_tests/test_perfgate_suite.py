@@ -19,6 +19,7 @@ import importlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,24 @@ def test_a_1_5x_slower_kernel_fails_against_this_machines_baseline(scratch: pyte
     result = _perf(scratch, *common, "--benchmark-compare", "--perf-slowdown=1.5", k=k)
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     result.stdout.fnmatch_lines([f"GATE FAILED: {CAUGHT_ROWS[1]}*under the stored baseline's*"])
+
+
+def test_two_shards_merged_give_the_rows_and_verdict_of_one_unsharded_run(scratch: pytest.Pytester) -> None:
+    """The CAUGHT perf tests as one run and as 2 shards (``--perf-shard``), merged by
+    ``python -m perfgate.report --merge``: the same rows, floors and verdict. perfgate's own tests
+    (perfgate/tests/test_shard.py) cover the baseline, a failed row and the refusals."""
+    whole = _perf(scratch, QUICK, "--benchmark-json=whole.json")
+    assert whole.ret == 0, whole.stdout.str()
+    shards = [f"shard{k}.json" for k in (1, 2)]
+    for k, name in enumerate(shards, 1):
+        assert _perf(scratch, QUICK, f"--perf-shard={k}/2", f"--benchmark-json={name}").ret == 0
+    merged = scratch.run(sys.executable, "-m", "perfgate.report", "--merge", *shards, "--output", "merged.json")
+    assert merged.ret == 0, merged.stdout.str() + merged.stderr.str()
+
+    def rows(name: str) -> dict[tuple[str, str], tuple]:
+        section = json.loads((scratch.path / name).read_text())["perfgate"]
+        return {(r["kernel"], r["impl"]): (r["floor"], r["size"], r["failures"]) for r in section["speedups"]}
+
+    assert rows("merged.json") == rows("whole.json")
+    passed = [line for line in whole.stdout.lines if line.startswith("gate passed")]
+    assert passed and passed[-1] in merged.stdout.lines, (passed, merged.stdout.str())

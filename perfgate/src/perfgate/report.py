@@ -116,7 +116,8 @@ def merged_verdict(runs: list[dict], output: Path | None) -> int:
     print("\n".join(format_table(section["speedups"])))
     if section["baseline"]:
         matched = sum(r.baseline is not None for r in rows)
-        print(f"compared against baseline {section['baseline']}: {matched} of {len(rows)} row(s) have a stored speedup")
+        print(f"compared against baseline {section['baseline']}: {matched} of {len(rows)} row(s) have a "
+              "stored speedup")
     what = "at or above their floors" if section["floors_applied"] else "without speedup floors (not applied)"
     lines = verdict(rows, what, "as measured in its shard")
     print("\n".join(text for _, text in lines))
@@ -134,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, help="write the newest run of each fingerprint and size "
                                                       "as a markdown page to this path")
     parser.add_argument("--quiet", action="store_true", help="do not print the table")
-    parser.add_argument("--merge", action="store_true", help="the JSON files are the shards of one --perf-shard "
-                                                             "run: print one table and gate it (exit 1 on failure)")
+    parser.add_argument("--merge", action="store_true",
+                        help="the JSON files are the shards of one --perf-shard run: print one table and gate it "
+                             "(exit 1 on failure)")
     parser.add_argument("--output", type=Path, help="with --merge: write the merged run to this JSON")
     args = parser.parse_args(argv)
     if args.output and not args.merge:

@@ -279,9 +279,10 @@ class PerfSession:
         rows = state.compute_rows()
         if state.shard:
             sh = state.shard
-            tr.write_line(f"perfgate: shard {sh['index']}/{sh['count']} ran {len(sh['units'])} test function(s), plan "
-                          f"{sh['plan']} (weights: {sh['weights_from'] or 'equal, no stored run'}); merge all "
-                          "shards' JSON with python -m perfgate.report --merge")
+            weights = sh["weights_from"] or "equal, no stored run"
+            tr.write_line(f"perfgate: shard {sh['index']}/{sh['count']} ran {len(sh['units'])} test function(s), "
+                          f"plan {sh['plan']} (weights: {weights}); merge all shards' JSON with "
+                          "python -m perfgate.report --merge")
         tr.section(f"perfgate speedups ({state.device}, {state.size}, {state.slug})")
         for line in format_table([r.as_dict() for r in rows]):
             tr.write_line(line)

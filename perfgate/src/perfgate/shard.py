@@ -95,9 +95,9 @@ def merge(runs: list[dict]) -> dict:
                                  f"{section.get(key)!r} vs {first.get(key)!r}; shards merge only when measured "
                                  "alike (one runner kind, one size, one baseline)")
         if _commit(run) != _commit(runs[0]):
-            raise MergeError(f"{run['_path']} measured commit {_commit(run)}, {runs[0]['_path']} {_commit(runs[0])}: "
-                             "shards of different code do not make one verdict")
-        if (section["shard"]["count"], section["shard"]["plan"]) != (first["shard"]["count"], first["shard"]["plan"]):
+            raise MergeError(f"{run['_path']} measured commit {_commit(run)}, {runs[0]['_path']} "
+                             f"{_commit(runs[0])}: shards of different code do not make one verdict")
+        if [section["shard"][k] for k in ("count", "plan")] != [first["shard"][k] for k in ("count", "plan")]:
             raise MergeError(f"{run['_path']} was split by another plan than {runs[0]['_path']} (shard count, "
                              "collection or stored durations differ): rerun every shard from one checkout")
     count = first["shard"]["count"]

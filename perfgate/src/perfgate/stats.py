@@ -171,9 +171,9 @@ def verdict(rows: Sequence[SpeedupRow], what: str, budget: str) -> list[tuple[st
     lines = []
     for r in rows:
         if r.extended:
-            lines.append(("note", f"extended: {r.kernel} [{r.impl}] +{r.extended} interleaved pairs at the session's "
-                                  f"end, its interval straddled the floor {r.floor:.2f}x: now {r.speedup:.2f}x "
-                                  f"(95% CI {r.low:.2f}-{r.high:.2f}x), {r.outcome}"))
+            now = f"now {r.speedup:.2f}x (95% CI {r.low:.2f}-{r.high:.2f}x), {r.outcome}"
+            lines.append(("note", f"extended: {r.kernel} [{r.impl}] +{r.extended} interleaved pairs at the "
+                                  f"session's end, its interval straddled the floor {r.floor:.2f}x: {now}"))
     for r in rows:
         for u in r.unresolved:
             how = (f"after +{r.extended} pairs" if r.extended else "not extended") + f" ({budget})"
