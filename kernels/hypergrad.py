@@ -33,6 +33,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.nn.parallel import DistributedDataParallel
+
+from kernels.distributed import active, all_mean_, unwrap
 
 Forward = Callable[..., Tensor]  # the inner module's forward at some parameters
 LossClosure = Callable[[Forward], Tensor]  # a scalar loss computed with that forward
@@ -127,8 +130,16 @@ def darts_hypergradient(
     autocast_dtype: autocast for the v pass (torch.bfloat16, or None for fp32).
     Returns one tensor per outer parameter, shaped like it. Raises FloatingPointError when v or the
     result is not finite. The module's parameters, buffers and .grad fields are left as they were.
+
+    Data parallel: ``inner`` wrapped in DistributedDataParallel (kernels.distributed) and each
+    rank's closures on its own shard of the inner and meta batches (equal shards): v is averaged
+    over the ranks before eps is taken, each rank's finite difference runs on its shard, and the
+    differences are averaged, so every rank returns the hypergradient of the global batches.
+    ``at`` is keyed by the wrapped module's names (``unwrap(inner).named_parameters()``).
     """
     outer = list(outer_params)
+    data_parallel = isinstance(inner, DistributedDataParallel) and active()
+    inner = unwrap(inner)
     named = _check(inner, outer, lr, alpha)
     if autocast_dtype not in (None, torch.bfloat16):
         raise ValueError(f"autocast_dtype must be None or torch.bfloat16, got {autocast_dtype} (fp16 gradients of "
@@ -156,6 +167,8 @@ def darts_hypergradient(
     leaves = [a.detach().requires_grad_() for a in after]  # new leaves sharing the parameters' storage
     with torch.autocast(after[0].device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         v = _mean_grad(outer_fns, forward_at(leaves), leaves, "outer_loss")
+    if data_parallel:
+        all_mean_(v)  # v of the global meta batch: every rank perturbs along the same direction
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in v])).item()
     if not math.isfinite(norm):
         raise FloatingPointError(f"the outer loss's gradient v is not finite (|v| = {norm}); check the meta batch")
@@ -167,6 +180,8 @@ def darts_hypergradient(
         minus = _mean_grad(inner_fns, forward_at(torch._foreach_add(before, v, alpha=-eps)), outer, "inner_loss")
     torch._foreach_sub_(plus, minus)
     torch._foreach_mul_(plus, -lr / (2 * eps))
+    if data_parallel:
+        all_mean_(plus)  # the mean of the shards' differences: the difference of the global inner loss
     if not bool(torch.stack([torch.isfinite(g).all() for g in plus]).all()):
         raise FloatingPointError("the hypergradient is not finite: the inner loss at theta +- eps v gave inf/NaN "
                                  "(check the held weight inputs and the inner batch)")

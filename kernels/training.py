@@ -18,22 +18,28 @@ torch's documented fast path, not yet measured in this project.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import os
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
+from kernels.distributed import active, all_mean_, rank, unwrap
 from kernels.feature_cache import read_safetensors, write_safetensors
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
+T = TypeVar("T")
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune")
 AUTO_MARGIN = 0.10  # Recipe.auto leaves fp32 only for a candidate at least this much faster
 
@@ -162,6 +168,19 @@ def _all_finite(tensors: list[Tensor]) -> bool:
     return not tensors or bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
+def _with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
+    """(item, whether it is the last one), one item read ahead."""
+    it = iter(items)
+    try:
+        current = next(it)
+    except StopIteration:
+        return
+    for upcoming in it:
+        yield current, False
+        current = upcoming
+    yield current, True
+
+
 def _to_device(t: Tensor, device: torch.device, channels_last: bool) -> Tensor:
     if t.device != device:  # non_blocking overlaps only from pinned memory (DataLoader(pin_memory=True))
         t = t.to(device, non_blocking=t.is_pinned())
@@ -182,6 +201,11 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
     the global 2-norm of the optimizer's gradients to it once per optimizer step, on the window's
     accumulated gradient, unscaled first under a GradScaler (``torch.nn.utils.clip_grad_norm_``);
     the norms before clipping are returned in ``grad_norms``.
+
+    Data parallel: pass ``model`` wrapped by ``kernels.distributed`` (DistributedDataParallel)
+    and each rank's own batches (a DistributedSampler, or ``kernels.distributed.shard``), the
+    same number on every rank. Gradients are all-reduced once per optimizer step (the window's
+    last micro-batch; the others run under ``no_sync``), and ``losses`` are the mean over ranks.
     """
     recipe = recipe or Recipe()
     check_max_grad_norm(max_grad_norm)
@@ -198,6 +222,7 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
     elif not recipe.grad_scaler:
         raise ValueError("a scaler was passed but recipe.grad_scaler is False")
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    data_parallel = isinstance(model, DistributedDataParallel) and active()
     k, losses, window, skipped, start = recipe.accumulation, [], [], 0, time.perf_counter()
     norms: list[Tensor] = []
     model.train()
@@ -208,7 +233,8 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
         grads = [p.grad for p in params if p.grad is not None]
         if len(window) < k and grads:  # trailing partial window: loss was divided by k, not its size
             torch._foreach_mul_(grads, k / len(window))
-        loss = torch.stack(window).mean().item()
+        loss = torch.stack(window).mean()
+        loss = (all_mean_([loss])[0] if data_parallel else loss).item()  # every rank reports the global loss
         if not recipe.grad_scaler and not (math.isfinite(loss) and _all_finite(grads)):
             raise FloatingPointError(
                 f"loss {loss:.4g} or its gradients are not finite at optimizer step {len(losses) + 1}; "
@@ -228,18 +254,19 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
         losses.append(loss)
         window.clear()
 
-    for x, y in batches:
+    for (x, y), last in _with_last(batches):
         x, y = _to_device(x, device, recipe.channels_last), _to_device(y, device, False)
-        with torch.autocast(device.type, dtype=recipe.autocast_dtype, enabled=recipe.autocast_dtype is not None):
-            loss = loss_fn(forward(x), y)
-        if loss.ndim != 0:
-            raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
-        scaler.scale(loss / k).backward()
+        # DDP: gradients are all-reduced only on the window's last micro-batch (one all-reduce a step)
+        sync = not data_parallel or last or len(window) == k - 1
+        with contextlib.nullcontext() if sync else model.no_sync():
+            with torch.autocast(device.type, dtype=recipe.autocast_dtype, enabled=recipe.autocast_dtype is not None):
+                loss = loss_fn(forward(x), y)
+            if loss.ndim != 0:
+                raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+            scaler.scale(loss / k).backward()
         window.append(loss.detach().float())
-        if len(window) == k:
+        if len(window) == k or last:
             step()
-    if window:
-        step()
     grad_norms = torch.stack(norms).tolist() if norms else []  # one sync for all steps
     return TrainResult(losses, len(losses), skipped, time.perf_counter() - start, grad_norms)
 
@@ -265,9 +292,23 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
                     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                     scaler: torch.amp.GradScaler | None = None, step: int = 0) -> None:
     """Model, optimizer, scheduler, GradScaler and RNG states (torch, CUDA, Python, NumPy) and
-    ``step`` in one file at ``path``, replaced atomically (a crash leaves the previous one)."""
+    ``step`` in one file at ``path``, replaced atomically (a crash leaves the previous one).
+
+    Data parallel: call it on every rank; rank 0 writes (the replicas are equal) and every rank
+    returns once the file is complete. The model's names are those of the wrapped module, so a
+    checkpoint loads into one process or many alike. The RNG states are rank 0's: after resuming,
+    every rank starts from them (reseed per rank for distinct dropout or augmentation streams)."""
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
+    if not active() or rank() == 0:
+        _write_checkpoint(path, unwrap(model), optimizer, scheduler, scaler, step)
+    if active():
+        dist.barrier()  # no rank reads the file before rank 0 has replaced it
+
+
+def _write_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+                      scheduler: torch.optim.lr_scheduler.LRScheduler | None, scaler: torch.amp.GradScaler | None,
+                      step: int) -> None:
     tensors = {f"model/{k}": _own(v) for k, v in model.state_dict().items()}
     opt = optimizer.state_dict()
     plain_state: dict[str, dict] = {}
@@ -309,7 +350,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
             have = "holds" if state[name] is not None else "holds no"
             raise ValueError(f"{path} {have} {name} state but {name}= was "
                              f"{'not ' if given is None else ''}passed; resume with the run's own {name}")
-    model.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
+    unwrap(model).load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
     opt_state: dict[int, dict] = {int(pid): dict(v) for pid, v in state["optimizer"]["state"].items()}
     for key, v in tensors.items():
         if key.startswith("optimizer/"):

@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
+from kernels.distributed import active, shard, unwrap
 from kernels.hypergrad import darts_hypergradient, reweighted_loss
 from kernels.models import ResNet10
 from kernels.optim import sgd
@@ -149,7 +151,11 @@ def per_sample_ce(logits: Tensor, y: Tensor) -> Tensor:
 
 def outer_step(ln: Learner, batch: Batch, meta: Batch, cfg: Config, reweight: bool = True) -> None:
     """One inner step on ``batch`` through the engine (micro-batches of the recipe's accumulation),
-    then, with ``reweight``, one Adam step of W on the DARTS hypergradient over ``meta``."""
+    then, with ``reweight``, one Adam step of W on the DARTS hypergradient over ``meta``.
+    Data parallel (``ln.model`` wrapped by kernels.distributed): ``batch`` and ``meta`` are the
+    global batches, the same on every rank; each rank trains and differentiates on its shard."""
+    if isinstance(ln.model, DistributedDataParallel) and active():
+        batch, meta = (shard(batch[0]), shard(batch[1])), (shard(meta[0]), shard(meta[1]))
     k = ln.recipe.accumulation
     if len(batch[0]) % k or len(meta[0]) % k:
         raise ValueError(f"accumulation {k} must divide the batch ({len(batch[0])}) and the meta batch "
@@ -158,7 +164,7 @@ def outer_step(ln: Learner, batch: Batch, meta: Batch, cfg: Config, reweight: bo
     if not reweight:
         train(ln.model, F.cross_entropy, ln.inner_opt, micro, ln.recipe, device=cfg.device, scaler=ln.scaler)
         return
-    theta = {n: p.detach().clone() for n, p in ln.model.named_parameters()}
+    theta = {n: p.detach().clone() for n, p in unwrap(ln.model).named_parameters()}
     held: list[Tensor] = []  # l_i at theta, per micro-batch: W's inputs, held fixed in the difference
 
     def inner_loss(logits: Tensor, y: Tensor) -> Tensor:

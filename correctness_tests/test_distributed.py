@@ -1,0 +1,91 @@
+"""Data parallel on torch.distributed (kernels/distributed.py): 2 CPU processes (gloo, loopback)
+at batch b end where 1 process at batch 2b ends, to fp32 rounding, for plain steps, gradient
+accumulation, a DistributedSampler pipeline and the Meta-Weight-Net hypergradient; one gradient
+all-reduce per optimizer step; rank 0's checkpoint loads into one process; a rank that raises
+ends the run without a hung rank. Launched with torchrun, as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from correctness_tests.ddp_cases import ALL_REDUCES, CASES
+from correctness_tests.tolerances import REDUCTION, assert_close, assert_dicts_close
+from kernels.distributed import DataParallel, process_group, shard
+from kernels.feature_cache import read_safetensors
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "correctness_tests" / "ddp_worker.py"
+
+
+def torchrun(out: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(WORKER), str(out), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ddp")
+    run = torchrun(out)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return out
+
+
+def _params(path: Path) -> dict[str, torch.Tensor]:
+    tensors, _ = read_safetensors(path)
+    return {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_processes_at_batch_b_equal_one_at_batch_2b(two_ranks: Path, case: str) -> None:
+    torch.set_num_threads(1)  # as the ranks ran: same kernels, same rounding order within a rank
+    model, result, _ = CASES[case](None)
+    expected = {k: v.detach() for k, v in model.state_dict().items()}
+    saved = _params(two_ranks / f"{case}.safetensors")  # the file stores names sorted
+    assert_dicts_close({k: saved[k] for k in expected}, expected, REDUCTION)
+    for r in (0, 1):  # every rank reports the global batch's loss
+        losses = json.loads((two_ranks / f"rank{r}.json").read_text())[case]["losses"]
+        assert_close(torch.tensor(losses), torch.tensor(result.losses), REDUCTION)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_gradient_all_reduce_per_optimizer_step(two_ranks: Path, case: str) -> None:
+    """Under accumulation the window's other micro-batches run under no_sync: without it the
+    accumulation case would all-reduce 5 times for its 3 steps."""
+    for r in (0, 1):
+        assert json.loads((two_ranks / f"rank{r}.json").read_text())[case]["all_reduces"] == ALL_REDUCES[case]
+
+
+def test_a_failing_rank_ends_the_run_without_hanging(tmp_path: Path) -> None:
+    start = time.monotonic()
+    run = torchrun(tmp_path, "fail", timeout=120)
+    assert run.returncode != 0
+    assert "rank 1 failed on purpose" in run.stdout + run.stderr
+    assert time.monotonic() - start < 60, "the surviving rank waited for the failed one"
+
+
+def test_process_group_outside_torchrun_says_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RuntimeError, match="torchrun --nproc-per-node"), process_group():
+        pass
+
+
+def test_bad_input_is_refused() -> None:
+    dp = DataParallel(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="sync_batchnorm=True needs CUDA"):
+        dp.wrap(nn.BatchNorm1d(3), sync_batchnorm=True)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        dp.wrap("model")
+    with pytest.raises(ValueError, match="first dimension divisible by the world size"):
+        shard(torch.tensor(1.0))

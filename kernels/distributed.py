@@ -1,0 +1,154 @@
+"""Data-parallel training on torch.distributed: one process per device, launched by torchrun.
+
+    torchrun --nproc-per-node 2 train.py       # gloo on CPU, NCCL on CUDA (one GPU per process)
+
+    with process_group() as dp:                 # joins the group torchrun describes, leaves it at exit
+        model = dp.wrap(model)                  # DistributedDataParallel on this rank's device
+        loader = DataLoader(data, batch_size=b, sampler=dp.sampler(data, seed=0))
+        for epoch in range(epochs):
+            loader.sampler.set_epoch(epoch)
+            train(model, loss_fn, opt, loader, recipe)     # the same call as on one process
+            save_checkpoint(path, model, opt, step=...)    # every rank calls it; rank 0 writes
+
+Each rank holds a replica and trains on its own 1/world_size of every global batch; DDP averages
+the gradients in the backward pass, so world_size processes at batch b compute what one process
+computes at batch world_size * b (to rounding, for a model without BatchNorm: its statistics are
+per rank; SyncBatchNorm, ``wrap(sync_batchnorm=True)``, is CUDA-only in torch). The engine
+(kernels.training.train) skips DDP's all-reduce on every micro-batch of an accumulation window
+but the last (``no_sync``): one all-reduce per optimizer step. darts_hypergradient averages v and
+its result over the ranks when given a DDP model (kernels/hypergrad.py).
+
+Errors: a rank that raises leaves the group at once and re-raises; torchrun then stops the other
+ranks (their collectives fail when the peer's connection closes, or at ``timeout_s``), and exits
+non-zero with the failing rank's traceback. No rank waits on a barrier the failed one never reaches.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Dataset, DistributedSampler
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+BACKENDS = ("gloo", "nccl")
+
+
+def active() -> bool:
+    """A process group of more than one rank is running."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module a DistributedDataParallel wraps (checkpoints and functional calls use its names)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def shard(t: Tensor) -> Tensor:
+    """This rank's rows of a global batch (B, ...): rows rank, rank + W, ... as DistributedSampler
+    strides its indices. B must be a multiple of the world size W (uneven shards would weight
+    samples unequally and leave ranks at different step counts)."""
+    w = world_size()
+    if t.ndim == 0 or t.shape[0] % w:
+        raise ValueError(f"a global batch must have a first dimension divisible by the world size {w}, got shape "
+                         f"{tuple(t.shape)}; use a batch of a multiple of {w}")
+    return t[rank()::w]
+
+
+def all_mean_(tensors: list[Tensor]) -> list[Tensor]:
+    """In place: each tensor averaged over the ranks (one all-reduce each; gloo has no AVG)."""
+    if active():
+        for t in tensors:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        torch._foreach_div_(tensors, float(world_size()))
+    return tensors
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place in the group: its rank, the group's size and its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def wrap(self, model: nn.Module, *, sync_batchnorm: bool = False) -> DistributedDataParallel:
+        """``model`` on this rank's device in DistributedDataParallel (rank 0's parameters
+        broadcast to every rank). ``sync_batchnorm``: BatchNorm statistics over the global batch
+        (CUDA only, torch's SyncBatchNorm)."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(model, DistributedDataParallel):
+            raise ValueError("model is already wrapped in DistributedDataParallel")
+        if sync_batchnorm:
+            if self.device.type != "cuda":
+                raise ValueError("sync_batchnorm=True needs CUDA (torch's SyncBatchNorm has no CPU kernel); on CPU "
+                                 "BatchNorm statistics stay per rank, or use GroupNorm")
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = model.to(self.device)
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+    def sampler(self, dataset: Dataset, *, shuffle: bool = True, seed: int = 0,
+                drop_last: bool = False) -> DistributedSampler:
+        """This rank's share of ``dataset`` each epoch (call ``set_epoch`` before each); without
+        ``drop_last`` the last samples repeat so every rank gets as many batches."""
+        return DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle,
+                                  seed=seed, drop_last=drop_last)
+
+
+@contextmanager
+def process_group(backend: str | None = None, *, timeout_s: float = 300.0) -> Iterator[DataParallel]:
+    """Join the process group torchrun describes in the environment, yield this rank's
+    ``DataParallel``, and leave the group at exit (after a barrier when the block succeeded;
+    at once when it raised). ``backend``: gloo or nccl (default: nccl when CUDA is available,
+    else gloo); ``timeout_s``: how long a collective waits for a missing rank."""
+    missing = [v for v in TORCHRUN_ENV if v not in os.environ]
+    if missing:
+        raise RuntimeError(f"process_group() needs the environment torchrun sets ({', '.join(missing)} missing): "
+                           "launch with `torchrun --nproc-per-node N script.py` (or python -m torch.distributed.run)")
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group is already initialized in this process")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if backend == "nccl":
+        if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"nccl needs a GPU per process: local rank {local_rank}, "
+                               f"{torch.cuda.device_count()} GPU(s) visible")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    dp = DataParallel(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    try:
+        yield dp
+    except BaseException:
+        dist.destroy_process_group()  # leave at once: the other ranks' collectives fail, torchrun stops them
+        raise
+    dist.barrier()
+    dist.destroy_process_group()
