@@ -102,8 +102,8 @@ class DataParallel:
             raise ValueError("model is already wrapped in DistributedDataParallel")
         if sync_batchnorm:
             if self.device.type != "cuda":
-                raise ValueError("sync_batchnorm=True needs CUDA (torch's SyncBatchNorm has no CPU kernel); on CPU "
-                                 "BatchNorm statistics stay per rank, or use GroupNorm")
+                raise ValueError("sync_batchnorm=True needs CUDA (torch's SyncBatchNorm has no CPU kernel); "
+                                 "on CPU BatchNorm statistics stay per rank, or use GroupNorm")
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model = model.to(self.device)
         ids = [self.device.index] if self.device.type == "cuda" else None
@@ -125,8 +125,9 @@ def process_group(backend: str | None = None, *, timeout_s: float = 300.0) -> It
     else gloo); ``timeout_s``: how long a collective waits for a missing rank."""
     missing = [v for v in TORCHRUN_ENV if v not in os.environ]
     if missing:
-        raise RuntimeError(f"process_group() needs the environment torchrun sets ({', '.join(missing)} missing): "
-                           "launch with `torchrun --nproc-per-node N script.py` (or python -m torch.distributed.run)")
+        raise RuntimeError(f"process_group() needs the environment torchrun sets ({', '.join(missing)} "
+                           "missing): launch with `torchrun --nproc-per-node N script.py` (or python -m "
+                           "torch.distributed.run)")
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group is already initialized in this process")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")

@@ -223,6 +223,7 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
         raise ValueError("a scaler was passed but recipe.grad_scaler is False")
     params = [p for g in optimizer.param_groups for p in g["params"]]
     data_parallel = isinstance(model, DistributedDataParallel) and active()
+    autocast = recipe.autocast_dtype is not None
     k, losses, window, skipped, start = recipe.accumulation, [], [], 0, time.perf_counter()
     norms: list[Tensor] = []
     model.train()
@@ -259,7 +260,7 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
         # DDP: gradients are all-reduced only on the window's last micro-batch (one all-reduce a step)
         sync = not data_parallel or last or len(window) == k - 1
         with contextlib.nullcontext() if sync else model.no_sync():
-            with torch.autocast(device.type, dtype=recipe.autocast_dtype, enabled=recipe.autocast_dtype is not None):
+            with torch.autocast(device.type, dtype=recipe.autocast_dtype, enabled=autocast):
                 loss = loss_fn(forward(x), y)
             if loss.ndim != 0:
                 raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
@@ -350,7 +351,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
             have = "holds" if state[name] is not None else "holds no"
             raise ValueError(f"{path} {have} {name} state but {name}= was "
                              f"{'not ' if given is None else ''}passed; resume with the run's own {name}")
-    unwrap(model).load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
+    weights = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+    unwrap(model).load_state_dict(weights)
     opt_state: dict[int, dict] = {int(pid): dict(v) for pid, v in state["optimizer"]["state"].items()}
     for key, v in tensors.items():
         if key.startswith("optimizer/"):
