@@ -89,3 +89,27 @@ def test_bad_input_is_refused() -> None:
         dp.wrap("model")
     with pytest.raises(ValueError, match="first dimension divisible by the world size"):
         shard(torch.tensor(1.0))
+
+
+def test_data_parallel_cli_measures_both_process_counts(tmp_path: Path) -> None:
+    """The measuring CLI end to end at a tiny size: a 1-process row and a torchrun row, written out."""
+    run = subprocess.run([sys.executable, "-m", "workloads.cli.data_parallel", "--workloads", "cifar_resnet",
+                          "--batch", "8", "--steps", "1", "--output-dir", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "data_parallel.json").read_text())["rows"]
+    assert [(r["processes"], r["batch/process"]) for r in rows] == [("1", "8"), ("2", "4")]
+    assert all(float(r["ms/step (slowest rank)"]) > 0 for r in rows)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--processes", "3"], "each dividing the global batch"),
+    (["--processes", "one"], "comma-separated integers"),
+    (["--workloads", "resnet"], "unknown ['resnet']"),
+])
+def test_data_parallel_cli_refuses_bad_arguments(args: list[str], message: str, capsys) -> None:
+    from workloads.cli.data_parallel import main
+
+    with pytest.raises(SystemExit):
+        main(args)
+    assert message in capsys.readouterr().err

@@ -24,6 +24,11 @@ EXCEPTIONS: dict[str, str] = {
     "kernels/training.py": "timed as the workloads' steps (perf_tests/test_cifar_resnet.py, ...)",
     "kernels/determinism.py": "a switch, not a computation: tested by two runs being bitwise equal; its cost is "
                               "the CIFAR ablation's 'auto, deterministic' row",
+    "kernels/distributed.py": "wires the engine to torch.distributed: its reference is one process at the "
+                              "global batch (correctness_tests/test_distributed.py); its cost: "
+                              "workloads/data_parallel.py",
+    "workloads/data_parallel.py": "measures two workloads on 1 and N processes (DDP's cost on one host is not a "
+                                  "speedup to gate); its CLI is run in correctness_tests/test_distributed.py",
     "workloads/common.py": "table formatting and config checks shared by the workloads",
     "workloads/cifar_data.py": "the CIFAR input pipeline: compared with preloaded tensors in the CIFAR "
                                "ablation's DataLoader rows",

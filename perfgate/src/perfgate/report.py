@@ -105,7 +105,7 @@ def markdown(runs: list[dict], title: str = "Speedups") -> list[str]:
 
 def merged_verdict(runs: list[dict], output: Path | None) -> int:
     """Merge the shards, gate every row again by the one rule, print the table and the verdict."""
-    run = merge(runs)
+    run = merge(runs, JSON_KEY)
     section = run[JSON_KEY]
     rows = [row_from_dict(r) for r in section["speedups"]]
     for row in rows:

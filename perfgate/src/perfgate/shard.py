@@ -19,8 +19,6 @@ import json
 import re
 from pathlib import Path
 
-from .session import JSON_KEY
-
 # What all shards of one merge must share, beyond the plan: a row is comparable only under these.
 SHARED = ("fingerprint", "size", "tolerance", "floors_applied", "baseline")
 
@@ -78,12 +76,13 @@ def digest(assignment: dict[str, int]) -> str:
     return hashlib.sha256(json.dumps(sorted(assignment.items())).encode()).hexdigest()[:16]
 
 
-def merge(runs: list[dict]) -> dict:
-    """One run (pytest-benchmark JSON with a perfgate section) from the shards' runs, rows in
-    shard order; the caller gates its rows again. Raises ``MergeError`` naming what differs."""
+def merge(runs: list[dict], section_key: str) -> dict:
+    """One run (pytest-benchmark JSON with perfgate's section under ``section_key``) from the shards'
+    runs, rows in shard order; the caller gates its rows again. Raises ``MergeError`` naming
+    what differs."""
     if not runs:
         raise MergeError("no shards given")
-    sections = [r[JSON_KEY] for r in runs]
+    sections = [r[section_key] for r in runs]
     unsharded = [r["_path"] for r, s in zip(runs, sections, strict=True) if not s.get("shard")]
     if unsharded:
         raise MergeError(f"not written by a sharded run (--perf-shard K/N): {', '.join(unsharded)}")
@@ -116,10 +115,10 @@ def merge(runs: list[dict]) -> dict:
     merged.pop("_path", None)
     merged["datetime"] = max(r.get("datetime", "") for r in runs)
     merged["benchmarks"] = [b for i in order for b in runs[i].get("benchmarks", [])]
-    merged[JSON_KEY] = {**{k: first.get(k) for k in ("slug", *SHARED)}, "speedups": rows,
-                        "merged_from": [{"shard": sections[i]["shard"]["index"], "path": runs[i]["_path"]}
-                                        for i in order],
-                        "shard": None}
+    merged[section_key] = {**{k: first.get(k) for k in ("slug", *SHARED)}, "speedups": rows,
+                           "merged_from": [{"shard": sections[i]["shard"]["index"], "path": runs[i]["_path"]}
+                                           for i in order],
+                           "shard": None}
     return merged
 
 

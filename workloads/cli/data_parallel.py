@@ -1,0 +1,97 @@
+"""``python -m workloads.cli.data_parallel``: time per step and peak memory per process of the
+CIFAR ResNet and Meta-Weight-Net workloads on 1 process and on N (torchrun), one table.
+
+    python -m workloads.cli.data_parallel --processes 1,2 --steps 10
+
+launches one run per process count (1: a plain process; N > 1: ``torchrun --standalone
+--nproc-per-node N``) of each workload, and prints their rows. The module docstring of
+workloads/data_parallel.py says what the rows measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from workloads import data_parallel as workload
+from workloads.cli.options import add_common, describe, parse_args, save
+from workloads.common import markdown
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One run, inside the launched process(es); rank 0 writes its row to ``--row-file``."""
+    if "RANK" not in os.environ:  # one plain process
+        row = workload.measure(args.workload, args.batch, args.steps, args.device, None)
+    else:
+        from kernels.distributed import process_group
+
+        with process_group() as dp:
+            row = workload.measure(args.workload, args.batch, args.steps, args.device, dp)
+            if not dp.is_main:
+                return 0
+    Path(args.row_file).write_text(json.dumps(asdict(row)), encoding="utf8")
+    return 0
+
+
+def launch(args: argparse.Namespace, name: str, processes: int, row_file: Path) -> workload.Row:
+    batch = args.batch or workload.DEFAULT_BATCH[name]
+    cmd = [sys.executable, "-m", "workloads.cli.data_parallel", "--worker", "--workload", name, "--batch",
+           str(batch), "--steps", str(args.steps), "--device", args.device, "--row-file", str(row_file)]
+    if processes > 1:
+        cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes), "-m",
+                    "workloads.cli.data_parallel"]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit(f"{name} on {processes} process(es) failed:\n{run.stderr[-4000:]}")
+    return workload.Row(**json.loads(row_file.read_text(encoding="utf8")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workloads.cli.data_parallel", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--processes", default="1,2", help="process counts, comma-separated (default 1,2)")
+    parser.add_argument("--workloads", default=",".join(workload.WORKLOADS),
+                        help=f"comma-separated, of {', '.join(workload.WORKLOADS)} (default: both)")
+    parser.add_argument("--batch", type=int,
+                        help="global batch, split over the processes (default: the workload's own, "
+                             f"{workload.DEFAULT_BATCH})")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps after 2 warm-up steps (default 10)")
+    add_common(parser)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help=argparse.SUPPRESS)
+    parser.add_argument("--row-file", help=argparse.SUPPRESS)
+    args = parse_args(parser, argv)
+    if args.worker:
+        return worker(args)
+    try:
+        counts = [int(p) for p in args.processes.split(",")]
+    except ValueError:
+        parser.error(f"--processes must be comma-separated integers, got {args.processes!r}")
+    names = args.workloads.split(",")
+    unknown = sorted(set(names) - set(workload.WORKLOADS))
+    if unknown:
+        parser.error(f"--workloads: unknown {unknown}; choose from {', '.join(workload.WORKLOADS)}")
+    batches = {name: args.batch or workload.DEFAULT_BATCH[name] for name in names}
+    if any(n < 1 or b % n for n in counts for b in batches.values()) or args.steps < 1:
+        parser.error(f"--processes must be >= 1, each dividing the global batch ({batches}), and --steps >= 1")
+    print(f"data parallel, global batches {batches}, {args.steps} timed steps; 1 process on "
+          f"{describe(args.device)}; N > 1: torchrun, 1 thread each")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            for n in counts:
+                rows.append(launch(args, name, n, Path(tmp) / f"{name}-{n}.json"))
+                print(" | ".join(rows[-1].cells()), flush=True)
+    print("\n".join(markdown(workload.HEADER, [r.cells() for r in rows])))
+    save(args, "data_parallel", workload.HEADER, [r.cells() for r in rows], args, "ms/step (slowest rank)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
