@@ -114,5 +114,6 @@ def case_hypergradient(dp: DataParallel | None) -> tuple[nn.Module, TrainResult,
 
 CASES = {"sgd": case_sgd, "accumulation": case_accumulation, "sampler": case_sampler,
          "hypergradient": case_hypergradient}
-# all-reduce rounds each case makes under DDP: one per optimizer step, none more
-ALL_REDUCES = {"sgd": 4, "accumulation": 3, "sampler": 6, "hypergradient": 2}
+# DDP's gradient all-reduce rounds in each case: one per optimizer step, none more; the trailing
+# window of "accumulation" (1 micro-batch) is all-reduced by the engine itself, not by DDP's hook
+ALL_REDUCES = {"sgd": 4, "accumulation": 2, "sampler": 6, "hypergradient": 2}

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import reference.training as ref
 from correctness_tests.tolerances import REDUCTION, assert_close
+from kernels.distributed import DataParallel
 from kernels.models import ResNet10
 from kernels.training import train
 from workloads.cifar_data import STD, AugmentedCifar, as_stored, loader
@@ -48,6 +49,18 @@ def test_batches_do_not_depend_on_the_number_of_workers() -> None:
     assert len(inline) == len(workers) == 3
     for (xa, ya), (xb, yb) in zip(inline, workers, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_data_parallel_ranks_read_disjoint_shares_of_each_epoch() -> None:
+    """With ``dp`` each rank's loader reads its DistributedSampler share: 2 ranks together read
+    every image of an epoch once (48 images, batches of 8 per rank), each with its augmentation."""
+    ranks = [DataParallel(rank=r, world_size=2, local_rank=r, device=torch.device("cpu")) for r in (0, 1)]
+    shares = [list(loader(STORED, Y, batch=8, seed=4, augment=False, dp=dp)) for dp in ranks]
+    assert [len(s) for s in shares] == [3, 3]
+    seen = torch.cat([x for share in shares for x, _ in share])
+    plain = torch.stack([AugmentedCifar(STORED, Y, augment=False)[i][0] for i in range(48)])
+    match = (seen.flatten(1)[:, None] == plain.flatten(1)[None]).all(-1)  # (48 read, 48 stored)
+    assert match.sum(1).eq(1).all() and match.sum(0).eq(1).all()
 
 
 def test_the_engine_trains_from_a_loader_as_the_reference_does_from_its_batches() -> None:

@@ -60,8 +60,9 @@ def test_two_processes_at_batch_b_equal_one_at_batch_2b(two_ranks: Path, case: s
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_one_gradient_all_reduce_per_optimizer_step(two_ranks: Path, case: str) -> None:
-    """Under accumulation the window's other micro-batches run under no_sync: without it the
-    accumulation case would all-reduce 5 times for its 3 steps."""
+    """Under accumulation the window's other micro-batches run under no_sync: without it DDP would
+    all-reduce 5 times in the accumulation case (2 full windows and a trailing one, whose
+    gradients the engine all-reduces once at the end; the equality test holds that it does)."""
     for r in (0, 1):
         assert json.loads((two_ranks / f"rank{r}.json").read_text())[case]["all_reduces"] == ALL_REDUCES[case]
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import nn
+from torch import Tensor, nn
 
 import reference.training as ref
 from correctness_tests.tolerances import REDUCTION, assert_close
@@ -112,6 +113,24 @@ def test_overflow_without_a_scaler_is_an_error_before_the_step() -> None:
         train(m1, F.cross_entropy, o1, data)
     train(m2, F.cross_entropy, o2, data[:1])
     torch.testing.assert_close(_params(m1), _params(m2), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_each_batch_is_read_after_the_step_before_it(k: int) -> None:
+    """A batch generator may depend on the model's state (OCS selects its next batch with the
+    model as the last step left it): the engine never reads a batch ahead of its step."""
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[Tensor] = []
+
+    def batches() -> Iterator[tuple[Tensor, Tensor]]:
+        for _ in range(4):
+            seen.append(model.weight.detach().clone())
+            yield torch.ones(2, 3), torch.zeros(2, 1)
+
+    train(model, F.mse_loss, opt, batches(), Recipe(accumulation=k))
+    changed = [not torch.equal(a, b) for a, b in zip(seen, seen[1:], strict=False)]
+    assert changed == [i % k == k - 1 for i in range(3)], changed  # the weight moved exactly after each step
 
 
 def test_one_cycle_scheduler_steps_once_per_optimizer_step() -> None:

@@ -15,7 +15,8 @@ the gradients in the backward pass, so world_size processes at batch b compute w
 computes at batch world_size * b (to rounding, for a model without BatchNorm: its statistics are
 per rank; SyncBatchNorm, ``wrap(sync_batchnorm=True)``, is CUDA-only in torch). The engine
 (kernels.training.train) skips DDP's all-reduce on every micro-batch of an accumulation window
-but the last (``no_sync``): one all-reduce per optimizer step. darts_hypergradient averages v and
+but the last (``no_sync``): one all-reduce per optimizer step (a trailing partial window's gradients are
+all-reduced by the engine at its end). darts_hypergradient averages v and
 its result over the ranks when given a DDP model (kernels/hypergrad.py).
 
 Errors: a rank that raises leaves the group at once and re-raises; torchrun then stops the other
@@ -71,11 +72,16 @@ def shard(t: Tensor) -> Tensor:
 
 
 def all_mean_(tensors: list[Tensor]) -> list[Tensor]:
-    """In place: each tensor averaged over the ranks (one all-reduce each; gloo has no AVG)."""
-    if active():
-        for t in tensors:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        torch._foreach_div_(tensors, float(world_size()))
+    """In place: each tensor averaged over the ranks, one all-reduce per dtype over all of them
+    flattened together (gloo has no AVG: a sum, then a division)."""
+    if active() and tensors:
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            group = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for t in group])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            flat /= world_size()
+            parts = flat.split([t.numel() for t in group])
+            torch._foreach_copy_(group, [v.view_as(t) for v, t in zip(parts, group, strict=True)])
     return tensors
 
 

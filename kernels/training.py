@@ -25,9 +25,8 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
 
 import numpy as np
 import torch
@@ -39,7 +38,6 @@ from kernels.distributed import active, all_mean_, rank, unwrap
 from kernels.feature_cache import read_safetensors, write_safetensors
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
-T = TypeVar("T")
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune")
 AUTO_MARGIN = 0.10  # Recipe.auto leaves fp32 only for a candidate at least this much faster
 
@@ -168,19 +166,6 @@ def _all_finite(tensors: list[Tensor]) -> bool:
     return not tensors or bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
-def _with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
-    """(item, whether it is the last one), one item read ahead."""
-    it = iter(items)
-    try:
-        current = next(it)
-    except StopIteration:
-        return
-    for upcoming in it:
-        yield current, False
-        current = upcoming
-    yield current, True
-
-
 def _to_device(t: Tensor, device: torch.device, channels_last: bool) -> Tensor:
     if t.device != device:  # non_blocking overlaps only from pinned memory (DataLoader(pin_memory=True))
         t = t.to(device, non_blocking=t.is_pinned())
@@ -255,10 +240,10 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
         losses.append(loss)
         window.clear()
 
-    for (x, y), last in _with_last(batches):
+    for x, y in batches:  # each batch is read after the previous step: a generator may depend on it
         x, y = _to_device(x, device, recipe.channels_last), _to_device(y, device, False)
         # DDP: gradients are all-reduced only on the window's last micro-batch (one all-reduce a step)
-        sync = not data_parallel or last or len(window) == k - 1
+        sync = not data_parallel or len(window) == k - 1
         with contextlib.nullcontext() if sync else model.no_sync():
             with torch.autocast(device.type, dtype=recipe.autocast_dtype, enabled=autocast):
                 loss = loss_fn(forward(x), y)
@@ -266,8 +251,12 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
                 raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
             scaler.scale(loss / k).backward()
         window.append(loss.detach().float())
-        if len(window) == k or last:
+        if len(window) == k:
             step()
+    if window:  # a trailing partial window; under DDP its micro-batches ran under no_sync: all-reduce now
+        if data_parallel:
+            all_mean_([p.grad for p in params if p.grad is not None])
+        step()
     grad_norms = torch.stack(norms).tolist() if norms else []  # one sync for all steps
     return TrainResult(losses, len(losses), skipped, time.perf_counter() - start, grad_norms)
 

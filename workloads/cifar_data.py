@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from kernels.distributed import DataParallel
+
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10's, as the seed normalizes
 
 
@@ -58,12 +60,16 @@ class AugmentedCifar(Dataset):
 
 
 def loader(images: Tensor, labels: Tensor, *, batch: int, workers: int = 0, seed: int = 0, device: str = "cpu",
-           augment: bool = True) -> DataLoader:
+           augment: bool = True, dp: DataParallel | None = None) -> DataLoader:
     """Shuffled (seeded) batches of ``batch`` augmented images; ``workers`` DataLoader workers,
-    kept across epochs, each 2 batches ahead; pinned host memory when training on CUDA."""
+    kept across epochs, each 2 batches ahead; pinned host memory when training on CUDA. ``dp``
+    (data parallel, kernels.distributed): this rank's share of each epoch through a
+    DistributedSampler, ``batch`` images per rank; call ``loader.sampler.set_epoch(e)`` each epoch."""
     if batch < 1 or workers < 0:
         raise ValueError(f"batch must be >= 1 and workers >= 0, got batch={batch}, workers={workers}")
-    return DataLoader(AugmentedCifar(images, labels, seed, augment), batch_size=batch, shuffle=True,
-                      drop_last=True, generator=torch.Generator().manual_seed(seed), num_workers=workers,
+    data = AugmentedCifar(images, labels, seed, augment)
+    order = (dict(shuffle=True, generator=torch.Generator().manual_seed(seed)) if dp is None
+             else dict(sampler=dp.sampler(data, shuffle=True, seed=seed, drop_last=True)))
+    return DataLoader(data, batch_size=batch, drop_last=True, num_workers=workers,
                       pin_memory=torch.device(device).type == "cuda", persistent_workers=workers > 0,
-                      prefetch_factor=2 if workers else None)
+                      prefetch_factor=2 if workers else None, **order)

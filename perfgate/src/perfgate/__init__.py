@@ -11,7 +11,9 @@ reference/optimized pairs; torch is optional. Inert in a session that has no per
 - ``timing``: device-correct timing helpers and peak-memory measurement.
 - ``stats``: the speedup statistic (ratio of medians, bootstrap interval) and the gate rules.
 - ``fingerprint``: what makes two machines comparable.
-- ``report``: ``python -m perfgate.report`` prints the table and draws the charts.
+- ``report``: ``python -m perfgate.report`` prints the table and draws the charts, and
+  ``--merge`` makes the shards of one run one table and one verdict.
+- ``shard``: ``--perf-shard K/N``'s split of the suite, and the merge's checks.
 
 Nothing heavy is imported here: torch, scipy and matplotlib load only when used.
 """

@@ -13,6 +13,7 @@ inert in a session that collects no perf test.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -47,6 +48,14 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(trylast=True)  # after -k, -m and every other selection: shards split what is left
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     config.stash[SESSION].select_shard(items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """Each test's seconds, setup to teardown: the weights a later --perf-shard splits by."""
+    start = time.perf_counter()
+    yield
+    item.config.stash[SESSION].ran(item.nodeid, time.perf_counter() - start)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

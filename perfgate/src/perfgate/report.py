@@ -103,6 +103,10 @@ def markdown(runs: list[dict], title: str = "Speedups") -> list[str]:
     return lines
 
 
+def _shard_index(run: dict) -> int:
+    return run[JSON_KEY]["shard"]["index"]
+
+
 def merged_verdict(runs: list[dict], output: Path | None) -> int:
     """Merge the shards, gate every row again by the one rule, print the table and the verdict."""
     run = merge(runs, JSON_KEY)
@@ -120,6 +124,10 @@ def merged_verdict(runs: list[dict], output: Path | None) -> int:
               "stored speedup")
     what = "at or above their floors" if section["floors_applied"] else "without speedup floors (not applied)"
     lines = verdict(rows, what, "as measured in its shard")
+    for m, s in zip(section["merged_from"], [r[JSON_KEY] for r in sorted(runs, key=_shard_index)], strict=True):
+        if s.get("tests_failed"):  # an assertion in a perf test: the rows alone would pass it
+            lines.append(("fail", f"TESTS FAILED in shard {m['shard']} ({m['path']}): {s['tests_failed']} "
+                                  "test(s); its pytest log names them"))
     print("\n".join(text for _, text in lines))
     if output is not None:
         output.write_text(json.dumps(run, indent=2), encoding="utf8")

@@ -117,7 +117,7 @@ class PerfSession:
 
         state, (index, count) = self.activate(), self.shard
         path = compat.storage_url(self.config)
-        weights, source = stored_weights(None if path is None else Path(path) / state.slug / state.size)
+        weights, source = stored_weights(None if path is None else Path(path) / state.slug / state.size, JSON_KEY)
         units = sorted({unit(item.nodeid) for item in items})
         try:
             assignment = plan(units, weights, count)
@@ -131,6 +131,13 @@ class PerfSession:
         mine = sorted(u for u, k in assignment.items() if k == index)
         state.shard = {"index": index, "count": count, "plan": digest(assignment), "units": mine,
                        "weights_from": source}
+
+    def ran(self, nodeid: str, seconds: float) -> None:
+        """A test's wall time, summed per test function (shard.unit) in a perf session."""
+        if self.state is not None:
+            from .shard import unit
+
+            self.state.durations[unit(nodeid)] = self.state.durations.get(unit(nodeid), 0.0) + seconds
 
     def collected(self, items: list[pytest.Item]) -> None:
         """After collection: a perf test among ``items`` (or a --perf-* option) starts the gate."""
@@ -234,6 +241,8 @@ class PerfSession:
             "floors_applied": not state.cpu_floors_off,  # False: CPU floors not applied (threads, malloc)
             "baseline": state.baseline_id,  # the stored run the rows were compared with (commit, time), or None
             "shard": state.shard,  # under --perf-shard: index, count, plan digest, its test functions
+            "tests_failed": state.tests_failed,  # a merge of shards fails when any shard's tests failed
+            "durations": state.durations,  # seconds per test function, setup to teardown: --perf-shard's weights
             "speedups": [r.as_dict() for r in state.rows],
         }
 
@@ -247,6 +256,7 @@ class PerfSession:
             return
         if session.exitstatus == pytest.ExitCode.INTERRUPTED:
             state.interrupted = True
+        state.tests_failed = session.testsfailed
         state.compute_rows()
 
     def exit_status(self, session: pytest.Session) -> None:

@@ -40,15 +40,20 @@ def unit(nodeid: str) -> str:
     return nodeid.split("[", 1)[0]
 
 
-def stored_weights(folder: Path | None) -> tuple[dict[str, float], str | None]:
-    """({unit: seconds its benchmarks ran}, the run's file name) from the newest stored run in
-    ``folder`` (a fingerprint's and size's storage folder), or ({}, None) when there is none."""
+def stored_weights(folder: Path | None, section_key: str) -> tuple[dict[str, float], str | None]:
+    """({unit: seconds}, the run's file name) from the newest stored run in ``folder`` (a
+    fingerprint's and size's storage folder), or ({}, None) when there is none: each test
+    function's seconds from setup to teardown as perfgate's section (``section_key``) records
+    them, or in a run saved without them, the seconds of its benchmarks' timed rounds."""
     runs = sorted(folder.glob("*/*.json")) if folder is not None and folder.is_dir() else []
     if not runs:
         return {}, None
     newest = max(runs, key=lambda p: p.name)  # pytest-benchmark numbers its saves: 0001_..., 0002_...
-    weights: dict[str, float] = {}
-    for bench in json.loads(newest.read_text(encoding="utf8")).get("benchmarks", []):
+    data = json.loads(newest.read_text(encoding="utf8"))
+    if data.get(section_key, {}).get("durations"):
+        return dict(data[section_key]["durations"]), newest.name
+    weights: dict[str, float] = {}  # a run saved before perfgate recorded durations: the timed rounds
+    for bench in data.get("benchmarks", []):
         name = unit(bench.get("fullname", ""))
         weights[name] = weights.get(name, 0.0) + float(bench.get("stats", {}).get("total", 0.0))
     return weights, newest.name
@@ -115,7 +120,9 @@ def merge(runs: list[dict], section_key: str) -> dict:
     merged.pop("_path", None)
     merged["datetime"] = max(r.get("datetime", "") for r in runs)
     merged["benchmarks"] = [b for i in order for b in runs[i].get("benchmarks", [])]
+    durations = {u: t for i in order for u, t in (sections[i].get("durations") or {}).items()}
     merged[section_key] = {**{k: first.get(k) for k in ("slug", *SHARED)}, "speedups": rows,
+                           "tests_failed": sum(s.get("tests_failed", 0) for s in sections), "durations": durations,
                            "merged_from": [{"shard": sections[i]["shard"]["index"], "path": runs[i]["_path"]}
                                            for i in order],
                            "shard": None}

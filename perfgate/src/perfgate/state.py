@@ -57,6 +57,8 @@ class GateState:
     baseline_path: str | None = None
     baseline_id: str | None = None  # the compared run's commit and time: shards merge only when alike
     shard: dict | None = None  # --perf-shard: index, count, plan digest, this shard's test functions
+    durations: dict[str, float] = field(default_factory=dict)  # seconds per test function, setup to teardown
+    tests_failed: int = 0  # tests of the session that failed (an assertion, not the gate)
     rows: list[SpeedupRow] | None = None
     unmeasured: int = 0  # perf calls that ran with benchmarks disabled
     slowdown: float = 1.0  # TEST ONLY: --perf-slowdown, the optimized impls made this much slower
