@@ -95,7 +95,7 @@ def test_bad_input_is_refused() -> None:
 def test_data_parallel_cli_measures_both_process_counts(tmp_path: Path) -> None:
     """The measuring CLI end to end at a tiny size: a 1-process row and a torchrun row, written out."""
     run = subprocess.run([sys.executable, "-m", "workloads.cli.data_parallel", "--workloads", "cifar_resnet",
-                          "--batch", "8", "--steps", "1", "--output-dir", str(tmp_path)],
+                          "--batch", "8", "--steps", "1", "--repeats", "1", "--output-dir", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "data_parallel.json").read_text())["rows"]
@@ -105,6 +105,7 @@ def test_data_parallel_cli_measures_both_process_counts(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--processes", "3"], "each dividing the global batch"),
+    (["--repeats", "0"], "--repeats >= 1"),
     (["--processes", "one"], "comma-separated integers"),
     (["--workloads", "resnet"], "unknown ['resnet']"),
 ])

@@ -33,12 +33,14 @@ from workloads.common import mib
 
 WORKLOADS = ("cifar_resnet", "meta_reweight")
 DEFAULT_BATCH = {"cifar_resnet": cifar_resnet.Config.batch, "meta_reweight": meta_reweight.Config.batch}
-HEADER = ("workload", "processes", "threads/process", "global batch", "batch/process", "ms/step (slowest rank)",
-          "peak MiB/process (largest)")
+HEADER = ("workload", "processes", "threads/process", "global batch", "batch/process", "runs",
+          "ms/step (slowest rank)", "ms/step range", "peak MiB/process (largest)")
 
 
 @dataclass
 class Row:
+    """One run: every rank's median step and peak, reduced to the slowest and the largest."""
+
     workload: str
     processes: int
     threads: int
@@ -46,9 +48,15 @@ class Row:
     ms_per_step: float  # the slowest rank's median
     peak_mib: float | None  # the largest rank's peak
 
-    def cells(self) -> list[str]:
-        return [self.workload, str(self.processes), str(self.threads), str(self.global_batch),
-                str(self.global_batch // self.processes), f"{self.ms_per_step:.1f}", mib(self.peak_mib)]
+
+def summary(runs: list[Row]) -> list[str]:
+    """The table's cells for repeated runs of one workload and process count: the median run's
+    time with the range over runs (the host's noise moves a run by 10-30%), the median peak."""
+    first, times = runs[0], sorted(r.ms_per_step for r in runs)
+    peaks = sorted(r.peak_mib for r in runs if r.peak_mib is not None)
+    return [first.workload, str(first.processes), str(first.threads), str(first.global_batch),
+            str(first.global_batch // first.processes), str(len(runs)), f"{median(times):.1f}",
+            f"{times[0]:.1f}-{times[-1]:.1f}", mib(median(peaks) if peaks else None)]
 
 
 def _cifar_step(batch: int, steps: int, device: str, dp: DataParallel | None) -> Callable[[int], None]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from workloads import data_parallel as workload
 from workloads.cli.options import add_common, describe, parse_args, save
-from workloads.common import markdown
+from workloads.common import markdown, mib
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="global batch, split over the processes (default: the workload's own, "
                              f"{workload.DEFAULT_BATCH})")
     parser.add_argument("--steps", type=int, default=10, help="timed steps after 2 warm-up steps (default 10)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each workload and process count, "
+                                                               "alternating (default 3)")
     add_common(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
@@ -78,18 +80,22 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--workloads: unknown {unknown}; choose from {', '.join(workload.WORKLOADS)}")
     batches = {name: args.batch or workload.DEFAULT_BATCH[name] for name in names}
-    if any(n < 1 or b % n for n in counts for b in batches.values()) or args.steps < 1:
-        parser.error(f"--processes must be >= 1, each dividing the global batch ({batches}), and --steps >= 1")
-    print(f"data parallel, global batches {batches}, {args.steps} timed steps; 1 process on "
-          f"{describe(args.device)}; N > 1: torchrun, 1 thread each")
-    rows = []
+    if any(n < 1 or b % n for n in counts for b in batches.values()) or args.steps < 1 or args.repeats < 1:
+        parser.error(f"--processes must be >= 1, each dividing the global batch ({batches}); --steps and "
+                     "--repeats >= 1")
+    print(f"data parallel, global batches {batches}, {args.steps} timed steps, {args.repeats} run(s) each, "
+          f"alternating; 1 process on {describe(args.device)}; N > 1: torchrun, 1 thread each")
+    runs: dict[tuple[str, int], list[workload.Row]] = {(name, n): [] for name in names for n in counts}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            for n in counts:
-                rows.append(launch(args, name, n, Path(tmp) / f"{name}-{n}.json"))
-                print(" | ".join(rows[-1].cells()), flush=True)
-    print("\n".join(markdown(workload.HEADER, [r.cells() for r in rows])))
-    save(args, "data_parallel", workload.HEADER, [r.cells() for r in rows], args, "ms/step (slowest rank)")
+        for r in range(args.repeats):  # 1, N, 1, N, ...: each process count meets the host's states alike
+            for name, n in runs:
+                runs[name, n].append(launch(args, name, n, Path(tmp) / f"{name}-{n}-{r}.json"))
+                row = runs[name, n][-1]
+                print(f"run {r + 1}: {name}, {n} process(es): {row.ms_per_step:.1f} ms/step, "
+                      f"peak {mib(row.peak_mib)} MiB", flush=True)
+    cells = [workload.summary(rs) for rs in runs.values()]
+    print("\n".join(markdown(workload.HEADER, cells)))
+    save(args, "data_parallel", workload.HEADER, cells, args, "ms/step (slowest rank)")
     return 0
 
 
