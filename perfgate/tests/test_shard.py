@@ -87,6 +87,13 @@ def test_merged_shards_give_the_rows_and_verdict_of_one_unsharded_run(pytester: 
     for s in shards:  # every row of a shard comes from its own test functions, all parametrizations together
         kernels = {r["kernel"].split("[")[0] for r in _section(Path(s))["speedups"]}
         assert kernels == {u.split("::test_")[1] for u in _section(Path(s))["shard"]["units"]}
+    # the saved run recorded each test function's seconds, and the shards were split by them
+    (saved,) = (pytester.path / ".benchmarks").rglob("*.json")
+    durations = _section(saved)["durations"]
+    assert sorted(u.split("::")[1] for u in durations) == ["test_alpha", "test_beta", "test_delta", "test_gamma"]
+    assert durations["test_suite.py::test_beta"] > durations["test_suite.py::test_alpha"] > 0  # 4 items vs 2
+    assert stored_weights(saved.parents[1], "perfgate") == (durations, saved.name)
+    assert {_section(Path(s))["shard"]["weights_from"] for s in shards} == {saved.name}
     ret, out, _ = _merge(capsys, *shards, "--output", str(pytester.path / "merged.json"))
     assert ret == 0, out
     assert "gate passed: 5 speedup(s) at or above their floors" in out
@@ -110,16 +117,13 @@ def test_broken(perf, impl):
 
 
 def test_a_failed_row_or_test_in_a_shard_fails_the_merge(pytester: pytest.Pytester, capsys) -> None:
-    pytester.makepyfile(test_suite=SUITE.format(gamma=0.008))  # gamma lost its 2x: 1x against floor 2.0
+    """gamma lost its 2x (1x against its floor 2.0), and a perf test's own assertion fails: the
+    rows alone would not show the second."""
+    pytester.makepyfile(test_suite=SUITE.format(gamma=0.008), test_broken=BROKEN)
     shards = _shards(pytester)
     ret, out, _ = _merge(capsys, *shards)
     assert ret == 1
     assert "GATE FAILED: gamma [optimized, 8ms]" in out and "is under the floor 2.00x" in out
-    # a perf test's own assertion fails its shard; the rows alone would not show it
-    pytester.makepyfile(test_suite=SUITE.format(gamma=0.002), test_broken=BROKEN)
-    shards = _shards(pytester)
-    ret, out, _ = _merge(capsys, *shards)
-    assert ret == 1 and "gate passed" in out
     broken = next(k for k, s in enumerate(shards, 1) if _section(Path(s))["tests_failed"])
     assert f"TESTS FAILED in shard {broken}" in out and "1 test(s)" in out
 
@@ -164,18 +168,6 @@ def test_shard_option_is_checked(pytester: pytest.Pytester) -> None:
     result = _run(pytester, "--perf-shard=1/5")  # 4 test functions cannot fill 5 shards
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*4 test function(s)*use at most 4 shards*"])
-
-
-def test_each_test_functions_seconds_are_recorded_and_weigh_the_next_split(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_suite=SUITE.format(gamma=0.002))
-    assert _run(pytester, "--benchmark-save=base").ret == 0
-    (saved,) = (pytester.path / ".benchmarks").rglob("*.json")
-    durations = _section(saved)["durations"]
-    assert sorted(u.split("::")[1] for u in durations) == ["test_alpha", "test_beta", "test_delta", "test_gamma"]
-    assert durations["test_suite.py::test_beta"] > durations["test_suite.py::test_alpha"] > 0  # 4 items vs 2
-    assert stored_weights(saved.parents[1], "perfgate") == (durations, saved.name)
-    result = _run(pytester, "--perf-shard=1/2")
-    result.stdout.fnmatch_lines([f"*shard 1/2 ran * test function(s), plan * (weights: {saved.name})*"])
 
 
 def test_plan_balances_stored_durations_and_is_deterministic() -> None:
