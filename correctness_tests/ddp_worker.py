@@ -1,8 +1,10 @@
-"""Launched by test_distributed.py: ``torchrun --nproc-per-node 2 ddp_worker.py OUT [fail]``.
+"""Launched by test_distributed.py: ``torchrun --nproc-per-node 2 ddp_worker.py OUT [fail|unwritable]``.
 
 Runs every case of ddp_cases.py data-parallel (gloo); each is saved by ``save_checkpoint`` (rank 0
-writes), and each rank writes its losses and all-reduce counts to OUT/rank<r>.json. With ``fail``,
-rank 1 raises in its second training step instead, to show the group ends without a hung rank.
+writes), and each rank writes its losses, all-reduce counts and whether rank 0's checkpoint
+reloads into a fresh wrapped model as its own replica to OUT/rank<r>.json. With ``fail``, rank 1
+raises in its second training step instead, to show the group ends without a hung rank; with
+``unwritable``, rank 0 cannot write a checkpoint, and every rank must raise.
 """
 
 from __future__ import annotations
@@ -13,35 +15,49 @@ from pathlib import Path
 
 import torch
 
-from correctness_tests.ddp_cases import CASES, case_sgd
+import correctness_tests.ddp_cases as cases
 from kernels.distributed import process_group
-from kernels.training import save_checkpoint
+from kernels.training import load_checkpoint, save_checkpoint
 
 
-def main(out: Path, fail: bool) -> None:
-    with process_group(timeout_s=60) as dp:
-        if fail:
-            calls = 0
+def main(out: Path, scenario: str) -> None:
+    with process_group("cpu", timeout_s=120) as dp:
+        if scenario == "fail":  # rank 1 raises in its second step; rank 0 is in that step's all-reduce
+            calls, original = 0, cases.F.cross_entropy
 
             def failing(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
                 nonlocal calls
                 calls += 1
                 if dp.rank == 1 and calls == 2:
                     raise RuntimeError("rank 1 failed on purpose in its second step")
-                return torch.nn.functional.cross_entropy(logits, y)
+                return original(logits, y)
 
-            import correctness_tests.ddp_cases as cases
-
-            cases.F.cross_entropy, _ = failing, cases.F.cross_entropy
-            case_sgd(dp)
+            cases.F.cross_entropy = failing
+            cases.case_sgd(dp)
+            return
+        if scenario == "unwritable":  # rank 0 cannot write: every rank raises, none waits for the file
+            model, _, _ = cases.case_sgd(dp)
+            try:
+                opt = torch.optim.SGD(model.parameters())
+                save_checkpoint(out / "missing-folder" / "x.safetensors", model, opt)
+            except (OSError, RuntimeError) as e:
+                (out / f"unwritable{dp.rank}.txt").write_text(f"{type(e).__name__}: {e}")
             return
         report = {}
-        for name, case in CASES.items():
+        for name, case in cases.CASES.items():
             model, result, rounds = case(dp)
-            save_checkpoint(out / f"{name}.safetensors", model, torch.optim.SGD(model.parameters(), lr=0.0))
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            path = out / f"{name}.safetensors"
+            save_checkpoint(path, model, opt)
             report[name] = {"losses": result.losses, "all_reduces": rounds}
+        # every rank resumes from rank 0's file into a fresh wrapped model: the replica it holds
+        model, _, _ = cases.case_sgd(dp)
+        fresh = dp.wrap(cases.MLP((12, 32, 5)))
+        load_checkpoint(out / "sgd.safetensors", fresh, torch.optim.SGD(fresh.parameters(), lr=0.0))
+        report["reloaded_equal"] = all(torch.equal(a, b) for a, b in
+                                       zip(model.parameters(), fresh.parameters(), strict=True))
         (out / f"rank{dp.rank}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), fail=sys.argv[2:] == ["fail"])
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "cases")

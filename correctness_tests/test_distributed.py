@@ -67,18 +67,51 @@ def test_one_gradient_all_reduce_per_optimizer_step(two_ranks: Path, case: str) 
         assert json.loads((two_ranks / f"rank{r}.json").read_text())[case]["all_reduces"] == ALL_REDUCES[case]
 
 
+def test_rank_0s_checkpoint_resumes_every_rank(two_ranks: Path) -> None:
+    """load_checkpoint of rank 0's file into a fresh DDP-wrapped model on each rank gives back the
+    replica that rank holds (the file's names are the unwrapped module's)."""
+    for r in (0, 1):
+        assert json.loads((two_ranks / f"rank{r}.json").read_text())["reloaded_equal"] is True
+
+
 def test_a_failing_rank_ends_the_run_without_hanging(tmp_path: Path) -> None:
+    """Rank 1 raises in its second step while rank 0 waits in that step's all-reduce: the run ends
+    in seconds (the group's timeout is 120 s), not when a collective times out."""
     start = time.monotonic()
-    run = torchrun(tmp_path, "fail", timeout=120)
+    run = torchrun(tmp_path, "fail", timeout=300)
+    output = run.stdout + run.stderr
     assert run.returncode != 0
-    assert "rank 1 failed on purpose" in run.stdout + run.stderr
+    assert "rank 1 failed on purpose in its second step" in output and "RecursionError" not in output
+    # rank 0 was in the all-reduce: its connection to rank 1 closed, or torchrun stopped it first
+    assert "Connection closed by peer" in output or "SIGTERM" in output
     assert time.monotonic() - start < 60, "the surviving rank waited for the failed one"
+
+
+def test_a_checkpoint_rank_0_cannot_write_fails_every_rank(tmp_path: Path) -> None:
+    run = torchrun(tmp_path, "unwritable")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "No such file or directory" in (tmp_path / "unwritable0.txt").read_text()
+    assert "rank 0 could not write the checkpoint" in (tmp_path / "unwritable1.txt").read_text()
 
 
 def test_process_group_outside_torchrun_says_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(RuntimeError, match="torchrun --nproc-per-node"), process_group():
+        pass
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"device": "tpu"}, "device must be 'cpu' or 'cuda'"),
+    ({"device": "cpu", "backend": "mpi"}, "backend must be one of"),
+    ({"device": "cpu", "backend": "nccl"}, "backend='nccl' needs device='cuda'"),
+    ({"device": "cpu", "timeout_s": 0}, "timeout_s must be > 0"),
+])
+def test_process_group_refuses_bad_arguments(monkeypatch: pytest.MonkeyPatch, kwargs: dict, message: str) -> None:
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=message), process_group(**kwargs):
         pass
 
 

@@ -15,8 +15,8 @@ the gradients in the backward pass, so world_size processes at batch b compute w
 computes at batch world_size * b (to rounding, for a model without BatchNorm: its statistics are
 per rank; SyncBatchNorm, ``wrap(sync_batchnorm=True)``, is CUDA-only in torch). The engine
 (kernels.training.train) skips DDP's all-reduce on every micro-batch of an accumulation window
-but the last (``no_sync``): one all-reduce per optimizer step (a trailing partial window's gradients are
-all-reduced by the engine at its end). darts_hypergradient averages v and
+but the last (``no_sync``): one gradient all-reduce per optimizer step (a trailing partial window's gradients
+are all-reduced by the engine at its end). darts_hypergradient averages v and
 its result over the ranks when given a DDP model (kernels/hypergrad.py).
 
 Errors: a rank that raises leaves the group at once and re-raises; torchrun then stops the other
@@ -123,12 +123,25 @@ class DataParallel:
                                   seed=seed, drop_last=drop_last)
 
 
+def agree(ok: bool) -> bool:
+    """Whether every rank's ``ok`` is true (one all-reduce): ranks that must fail together, e.g.
+    when rank 0 alone wrote a file and could not."""
+    if not active():
+        return ok
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([int(ok)], device=on)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 @contextmanager
-def process_group(backend: str | None = None, *, timeout_s: float = 300.0) -> Iterator[DataParallel]:
+def process_group(device: str | None = None, *, backend: str | None = None,
+                  timeout_s: float = 300.0) -> Iterator[DataParallel]:
     """Join the process group torchrun describes in the environment, yield this rank's
     ``DataParallel``, and leave the group at exit (after a barrier when the block succeeded;
-    at once when it raised). ``backend``: gloo or nccl (default: nccl when CUDA is available,
-    else gloo); ``timeout_s``: how long a collective waits for a missing rank."""
+    at once when it raised). ``device``: "cpu" or "cuda" (default: cuda when available); each
+    rank on CUDA gets ``cuda:LOCAL_RANK``. ``backend``: gloo or nccl (default: nccl on CUDA,
+    gloo on CPU); ``timeout_s``: how long a collective waits for a missing rank."""
     missing = [v for v in TORCHRUN_ENV if v not in os.environ]
     if missing:
         raise RuntimeError(f"process_group() needs the environment torchrun sets ({', '.join(missing)} "
@@ -136,22 +149,28 @@ def process_group(backend: str | None = None, *, timeout_s: float = 300.0) -> It
                            "torch.distributed.run)")
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group is already initialized in this process")
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda' (each rank takes cuda:LOCAL_RANK), got {device!r}")
+    backend = backend or ("nccl" if kind == "cuda" else "gloo")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "nccl" and kind == "cpu":
+        raise ValueError("backend='nccl' needs device='cuda'; on CPU use gloo")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
     local_rank = int(os.environ["LOCAL_RANK"])
-    if backend == "nccl":
+    if kind == "cuda":
         if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"nccl needs a GPU per process: local rank {local_rank}, "
-                               f"{torch.cuda.device_count()} GPU(s) visible")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+            raise RuntimeError(f"device='cuda' needs a GPU per process: local rank {local_rank}, "
+                               f"{torch.cuda.device_count()} GPU(s) visible; run at most that many processes per "
+                               "host (torchrun --nproc-per-node), or device='cpu'")
+        on = torch.device("cuda", local_rank)
+        torch.cuda.set_device(on)
     else:
-        device = torch.device("cpu")
+        on = torch.device("cpu")
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    dp = DataParallel(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    dp = DataParallel(dist.get_rank(), dist.get_world_size(), local_rank, on)
     try:
         yield dp
     except BaseException:

@@ -30,11 +30,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from kernels.distributed import active, all_mean_, rank, unwrap
+from kernels.distributed import active, agree, all_mean_, rank, unwrap
 from kernels.feature_cache import read_safetensors, write_safetensors
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -285,15 +284,26 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     ``step`` in one file at ``path``, replaced atomically (a crash leaves the previous one).
 
     Data parallel: call it on every rank; rank 0 writes (the replicas are equal) and every rank
-    returns once the file is complete. The model's names are those of the wrapped module, so a
-    checkpoint loads into one process or many alike. The RNG states are rank 0's: after resuming,
-    every rank starts from them (reseed per rank for distinct dropout or augmentation streams)."""
+    returns once the file is complete, or raises when rank 0 could not write it. On several hosts
+    ``path`` must be on a file system they share, for a resume to read it. The model's names are
+    those of the wrapped module, so a checkpoint loads into one process or many alike. The RNG
+    states are rank 0's: after resuming, every rank starts from them (reseed per rank for
+    distinct dropout or augmentation streams)."""
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
-    if not active() or rank() == 0:
+    if not active():
         _write_checkpoint(path, unwrap(model), optimizer, scheduler, scaler, step)
-    if active():
-        dist.barrier()  # no rank reads the file before rank 0 has replaced it
+        return
+    error = None
+    if rank() == 0:
+        try:
+            _write_checkpoint(path, unwrap(model), optimizer, scheduler, scaler, step)
+        except Exception as e:  # every rank learns of it below, so none waits for a file that never comes
+            error = e
+    if not agree(error is None):  # also the barrier: no rank reads the file before rank 0 has replaced it
+        if error is not None:
+            raise error
+        raise RuntimeError(f"rank 0 could not write the checkpoint {path} (its error is in rank 0's log)")
 
 
 def _write_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,

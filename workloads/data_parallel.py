@@ -92,6 +92,7 @@ def measure(workload: str, batch: int, steps: int, device: str, dp: DataParallel
     if workload not in STEPS:
         raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
     world = 1 if dp is None else dp.world_size
+    device = device if dp is None else str(dp.device)  # each rank on its own GPU, cuda:LOCAL_RANK
     if batch < world or batch % world:
         raise ValueError(f"the global batch {batch} must be a multiple of the {world} processes")
     step = STEPS[workload](batch, steps, device, dp)

@@ -158,7 +158,8 @@ def outer_step(ln: Learner, batch: Batch, meta: Batch, cfg: Config, reweight: bo
         batch, meta = (shard(batch[0]), shard(batch[1])), (shard(meta[0]), shard(meta[1]))
     k = ln.recipe.accumulation
     if len(batch[0]) % k or len(meta[0]) % k:
-        raise ValueError(f"accumulation {k} must divide the batch ({len(batch[0])}) and the meta batch "
+        each = " each rank's share of" if isinstance(ln.model, DistributedDataParallel) and active() else ""
+        raise ValueError(f"accumulation {k} must divide{each} the batch ({len(batch[0])}) and the meta batch "
                          f"({len(meta[0])}): unequal micro-batches would weight samples unequally")
     micro = list(zip(batch[0].chunk(k), batch[1].chunk(k), strict=True))
     if not reweight:

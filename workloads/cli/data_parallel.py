@@ -31,7 +31,7 @@ def worker(args: argparse.Namespace) -> int:
     else:
         from kernels.distributed import process_group
 
-        with process_group() as dp:
+        with process_group("cuda" if args.device.startswith("cuda") else "cpu") as dp:
             row = workload.measure(args.workload, args.batch, args.steps, args.device, dp)
             if not dp.is_main:
                 return 0

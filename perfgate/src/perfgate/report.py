@@ -122,7 +122,8 @@ def merged_verdict(runs: list[dict], output: Path | None) -> int:
         matched = sum(r.baseline is not None for r in rows)
         print(f"compared against baseline {section['baseline']}: {matched} of {len(rows)} row(s) have a "
               "stored speedup")
-    what = "at or above their floors" if section["floors_applied"] else "without speedup floors (not applied)"
+    what = ("at or above their floors" if section["floors_applied"]
+            else f"without speedup floors (not applied {section.get('floors_off') or ''})".replace(" )", ")"))
     lines = verdict(rows, what, "as measured in its shard")
     for m, s in zip(section["merged_from"], [r[JSON_KEY] for r in sorted(runs, key=_shard_index)], strict=True):
         if s.get("tests_failed"):  # an assertion in a perf test: the rows alone would pass it

@@ -239,6 +239,7 @@ class PerfSession:
             "size": state.size,
             "tolerance": state.tolerance,
             "floors_applied": not state.cpu_floors_off,  # False: CPU floors not applied (threads, malloc)
+            "floors_off": state.cpu_floors_off,  # why not, e.g. "at --perf-threads 1"; "" when applied
             "baseline": state.baseline_id,  # the stored run the rows were compared with (commit, time), or None
             "shard": state.shard,  # under --perf-shard: index, count, plan digest, its test functions
             "tests_failed": state.tests_failed,  # a merge of shards fails when any shard's tests failed

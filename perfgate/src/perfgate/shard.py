@@ -6,10 +6,13 @@ of one test inside one session (reference, optimized, a peer), so they cannot ru
 runners. pytest-split splits parametrizations of one test apart and can leave a split empty
 (its issues #95, #108), hence a split of perfgate's own. Units go to shards by longest
 processing time first (each unit, heaviest first, to the lightest shard so far), weighted by the
-seconds its benchmarks took in this fingerprint's newest stored run (equal weights when there
-is none). Every shard computes the same plan from the same collection and stored run; its digest
-goes into the shard's JSON, and the merge refuses shards of different plans, fingerprints,
-sizes, commits or baselines, and a missing or repeated shard.
+seconds it took, setup to teardown, in this fingerprint's newest stored run (in a run saved
+before perfgate recorded them: its benchmarks' timed rounds; equal weights when there is no run).
+The later visits and extensions at a session's end are not in a unit's seconds. Every shard
+computes the same plan from the same collection and stored run; its digest goes into the
+shard's JSON, and the merge refuses shards of different plans, fingerprints, sizes, commits or
+baselines, and a missing or repeated shard. Runners of one kind must be alike in what the
+fingerprint records (GPU or CPU model, torch's threads, torch and CUDA builds).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import hashlib
 import json
 import re
 from pathlib import Path
+from statistics import median
 
 # What all shards of one merge must share, beyond the plan: a row is comparable only under these.
-SHARED = ("fingerprint", "size", "tolerance", "floors_applied", "baseline")
+SHARED = ("fingerprint", "size", "tolerance", "floors_applied", "floors_off", "baseline")
 
 
 class MergeError(ValueError):
@@ -66,8 +70,8 @@ def plan(units: list[str], weights: dict[str, float], count: int) -> dict[str, i
         raise ValueError(f"--perf-shard over {count} shards: the selection has {len(units)} test function(s), "
                          "and a shard without tests would end its runner with pytest's 'no tests collected'; "
                          f"use at most {len(units)} shards")
-    known = sorted(weights[u] for u in units if u in weights)
-    default = known[len(known) // 2] if known else 1.0
+    known = [weights[u] for u in units if u in weights]
+    default = median(known) if known else 1.0
     load = [0.0] * count
     out: dict[str, int] = {}
     for u in sorted(units, key=lambda u: (-weights.get(u, default), u)):
