@@ -15,9 +15,9 @@ the gradients in the backward pass, so world_size processes at batch b compute w
 computes at batch world_size * b (to rounding, for a model without BatchNorm: its statistics are
 per rank; SyncBatchNorm, ``wrap(sync_batchnorm=True)``, is CUDA-only in torch). The engine
 (kernels.training.train) skips DDP's all-reduce on every micro-batch of an accumulation window
-but the last (``no_sync``): one gradient all-reduce per optimizer step (a trailing partial window's gradients
-are all-reduced by the engine at its end). darts_hypergradient averages v and
-its result over the ranks when given a DDP model (kernels/hypergrad.py).
+but the last (``no_sync``): one gradient all-reduce per optimizer step (a trailing partial
+window's gradients are all-reduced by the engine at its end). darts_hypergradient averages v
+and its result over the ranks when given a DDP model (kernels/hypergrad.py).
 
 Errors: a rank that raises leaves the group at once and re-raises; torchrun then stops the other
 ranks (their collectives fail when the peer's connection closes, or at ``timeout_s``), and exits

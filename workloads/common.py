@@ -1,9 +1,10 @@
 """What the workloads share: their results as markdown tables (as in docs/measurements/), the
-checks of their configs, and their progress bars."""
+checks of their configs, their progress bars, and the median of timed steps."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -77,3 +78,22 @@ def progress(items: Iterable[T] | None = None, **kwargs: Any) -> Any:
     from tqdm import tqdm
 
     return tqdm(items, disable=None, leave=False, dynamic_ncols=True, **kwargs)
+
+
+def median_step_ms(calls: Iterable[Callable[[], object]], warmup: int, device: str) -> float:
+    """Median milliseconds of the calls after the first ``warmup``, each synchronized on CUDA.
+    ``calls`` yields each step ready to run (its batch already bound), so fetching it is untimed."""
+    import torch
+
+    times = []
+    for i, call in enumerate(calls):
+        t0 = time.perf_counter()
+        call()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    if not times:
+        raise ValueError(f"no timed step: the calls must outnumber warmup={warmup}")
+    return 1e3 * sorted(times)[len(times) // 2]
+

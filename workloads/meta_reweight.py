@@ -24,9 +24,9 @@ prints accuracy with and without reweighting for both runs, then Betty's memory 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,7 @@ from kernels.training import Recipe, train
 from perfgate.timing import peak_memory
 from reference.optim import sgd as reference_sgd
 from workloads.cifar_resnet import synthetic_cifar
-from workloads.common import check_device, require_positive
+from workloads.common import check_device, median_step_ms, require_positive
 
 Batch = tuple[Tensor, Tensor]
 
@@ -218,20 +218,14 @@ def run(name: str, step: StepFn, ln: Learner, cfg: Config, reweight: bool = True
     data, meta = batches(train_set, cfg.batch, cfg.seed + 1), batches(meta_set, cfg.meta_batch, cfg.seed + 2)
     if ln.recipe.channels_last:
         ln.model.to(memory_format=torch.channels_last)
-    times = []
-    for i in range(warmup + cfg.steps):
-        b, m = next(data), next(meta)
-        t0 = time.perf_counter()
-        step(ln, b, m, cfg, reweight)
-        if cfg.device.startswith("cuda"):
-            torch.cuda.synchronize(cfg.device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+    # each step with its batches drawn before its clock starts
+    calls = (partial(step, ln, next(data), next(meta), cfg, reweight) for _ in range(warmup + cfg.steps))
+    ms = median_step_ms(calls, warmup, cfg.device)
     accuracy, peak = balanced_accuracy(ln.model, test), None
     if measure_peak:  # one more step, after the accuracy
         b, m = next(data), next(meta)
         peak = peak_memory(lambda: step(ln, b, m, cfg, reweight), cfg.device)
-    return RunReport(name, 1e3 * sorted(times)[len(times) // 2], accuracy, None if peak is None else peak / 2**20)
+    return RunReport(name, ms, accuracy, None if peak is None else peak / 2**20)
 
 
 def optimized_recipe(cfg: Config, accumulation: int) -> Recipe:

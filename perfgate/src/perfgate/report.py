@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .session import JSON_KEY
 from .shard import MergeError, merge
-from .stats import TABLE_HEADER, format_table, gate, row_from_dict, table_cells, verdict
+from .stats import TABLE_HEADER, format_table, gate, held_to, row_from_dict, table_cells, verdict
 
 
 def load_runs(paths: list[Path]) -> list[dict]:
@@ -103,10 +103,6 @@ def markdown(runs: list[dict], title: str = "Speedups") -> list[str]:
     return lines
 
 
-def _shard_index(run: dict) -> int:
-    return run[JSON_KEY]["shard"]["index"]
-
-
 def merged_verdict(runs: list[dict], output: Path | None) -> int:
     """Merge the shards, gate every row again by the one rule, print the table and the verdict."""
     run = merge(runs, JSON_KEY)
@@ -122,12 +118,11 @@ def merged_verdict(runs: list[dict], output: Path | None) -> int:
         matched = sum(r.baseline is not None for r in rows)
         print(f"compared against baseline {section['baseline']}: {matched} of {len(rows)} row(s) have a "
               "stored speedup")
-    what = ("at or above their floors" if section["floors_applied"]
-            else f"without speedup floors (not applied {section.get('floors_off') or ''})".replace(" )", ")"))
-    lines = verdict(rows, what, "as measured in its shard")
-    for m, s in zip(section["merged_from"], [r[JSON_KEY] for r in sorted(runs, key=_shard_index)], strict=True):
-        if s.get("tests_failed"):  # an assertion in a perf test: the rows alone would pass it
-            lines.append(("fail", f"TESTS FAILED in shard {m['shard']} ({m['path']}): {s['tests_failed']} "
+    off = section.get("floors_off", "" if section["floors_applied"] else "(why: not recorded)")
+    lines = verdict(rows, held_to(off), "as measured in its shard")
+    for m in section["merged_from"]:
+        if m["tests_failed"]:  # an assertion in a perf test: the rows alone would pass it
+            lines.append(("fail", f"TESTS FAILED in shard {m['shard']} ({m['path']}): {m['tests_failed']} "
                                   "test(s); its pytest log names them"))
     print("\n".join(text for _, text in lines))
     if output is not None:

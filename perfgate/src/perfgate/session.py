@@ -137,7 +137,8 @@ class PerfSession:
         if self.state is not None:
             from .shard import unit
 
-            self.state.durations[unit(nodeid)] = self.state.durations.get(unit(nodeid), 0.0) + seconds
+            name = unit(nodeid)
+            self.state.durations[name] = self.state.durations.get(name, 0.0) + seconds
 
     def collected(self, items: list[pytest.Item]) -> None:
         """After collection: a perf test among ``items`` (or a --perf-* option) starts the gate."""
@@ -314,11 +315,10 @@ class PerfSession:
         self._verdict(tr, rows)
 
     def _verdict(self, tr: Any, rows: list) -> None:
-        from .stats import verdict
+        from .stats import held_to, verdict
 
         state = self.state
-        what = ("at or above their floors" if not state.cpu_floors_off
-                else f"without speedup floors (not applied {state.cpu_floors_off})")
+        what = held_to(state.cpu_floors_off)
         budget = f"--perf-extend {state.extend_s:g} s{', interrupted' if state.interrupted else ''}"
         for style, text in verdict(rows, what, budget):
             tr.write_line(text, **STYLES[style])

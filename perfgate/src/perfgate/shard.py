@@ -127,8 +127,8 @@ def merge(runs: list[dict], section_key: str) -> dict:
     durations = {u: t for i in order for u, t in (sections[i].get("durations") or {}).items()}
     merged[section_key] = {**{k: first.get(k) for k in ("slug", *SHARED)}, "speedups": rows,
                            "tests_failed": sum(s.get("tests_failed", 0) for s in sections), "durations": durations,
-                           "merged_from": [{"shard": sections[i]["shard"]["index"], "path": runs[i]["_path"]}
-                                           for i in order],
+                           "merged_from": [{"shard": sections[i]["shard"]["index"], "path": runs[i]["_path"],
+                                            "tests_failed": sections[i].get("tests_failed", 0)} for i in order],
                            "shard": None}
     return merged
 

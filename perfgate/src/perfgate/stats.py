@@ -163,6 +163,12 @@ def gate(row: SpeedupRow, tolerance: float) -> list[str]:
     return failures
 
 
+def held_to(floors_off: str) -> str:
+    """What the passed rows were held to: their floors, or none and why (``floors_off``, e.g.
+    "at --perf-threads 1"; "" when the floors applied)."""
+    return "at or above their floors" if not floors_off else f"without speedup floors (not applied {floors_off})"
+
+
 def verdict(rows: Sequence[SpeedupRow], what: str, budget: str) -> list[tuple[str, str]]:
     """The session's closing lines as (style, text), style one of note, warn, fail, pass: each
     extension, each unresolved floor, each failure, then the verdict. ``what`` says what the
