@@ -18,10 +18,12 @@ $(STAMP): pyproject.toml perfgate/pyproject.toml constraints.txt
 	$(PY) -m pip install -c constraints.txt -e ./perfgate -e '.[test]'
 	touch $(STAMP)
 
-# ruff, and actionlint over the GitHub workflows (a broken workflow cannot land).
+# ruff, and actionlint over the GitHub workflows (a broken workflow cannot land); zizmor audits
+# them for security (unpinned actions, credentials, injection), offline, at its default persona.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/actionlint
+	$(VENV)/bin/zizmor --offline --no-progress .github/workflows
 
 correctness: $(STAMP)
 	$(PYTEST) correctness_tests perfgate/tests -q

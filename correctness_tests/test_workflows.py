@@ -1,0 +1,491 @@
+"""The workflows cannot hand a fork's code to a self-hosted runner: each self-hosted job's `if:` is
+evaluated against simulated events (a fork's PR runs only when a maintainer applies the approval
+label, for that event's commit), triggers that run fork code with secrets are refused, no secrets
+reach those jobs, and every action is pinned to a commit (docs/baselines-and-ci.md)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOWS = ROOT / ".github" / "workflows"
+APPROVAL_LABEL = "gpu-perf-approved"
+REPO, FORK = "kernelgate/kernelgate", "someone/kernelgate"
+# Triggers that run with secrets or a write token while the code may come from a fork.
+FORBIDDEN_TRIGGERS = {"pull_request_target", "workflow_run", "issue_comment", "pull_request_review",
+                      "pull_request_review_comment"}
+PR_DEFAULT_TYPES = {"opened", "synchronize", "reopened"}
+
+
+# -- a GitHub expression evaluator, for the subset the workflows use ------------------------------
+
+class ExpressionError(ValueError):
+    """Syntax the evaluator does not understand: it refuses rather than guesses."""
+
+
+TOKEN = re.compile(r"\s*(?:(?P<op>==|!=|&&|\|\||!|\(|\)|,)|'(?P<str>(?:[^']|'')*)'"
+                   r"|(?P<num>-?\d+(?:\.\d+)?)\b|(?P<name>[A-Za-z_][\w-]*(?:\.[A-Za-z_][\w-]*)*))")
+STATUS_FUNCTIONS = {"always", "cancelled", "success", "failure"}
+CONTEXTS = {"github", "inputs", "vars", "env"}
+
+
+def tokenize(text: str) -> list[tuple[str, object]]:
+    tokens, pos = [], 0
+    while pos < len(text):
+        if text[pos:].strip() == "":
+            break
+        m = TOKEN.match(text, pos)
+        if not m:
+            raise ExpressionError(f"cannot read {text[pos:]!r} in {text!r}")
+        kind = m.lastgroup
+        value = m.group(kind)
+        tokens.append((kind, value.replace("''", "'") if kind == "str" else value))
+        pos = m.end()
+    return tokens
+
+
+def parse(text: str) -> tuple:
+    """The expression as a tree: ('or'|'and', a, b), ('not', a), ('==' | '!=', a, b),
+    ('lit', value), ('path', [names]), ('call', name, [args])."""
+    tokens, pos = tokenize(text), 0
+
+    def peek() -> tuple[str, object] | None:
+        return tokens[pos] if pos < len(tokens) else None
+
+    def take(op: str | None = None) -> tuple[str, object]:
+        nonlocal pos
+        tok = peek()
+        if tok is None or (op is not None and tok != ("op", op)):
+            raise ExpressionError(f"expected {op or 'more'} at token {pos} of {text!r}")
+        pos += 1
+        return tok
+
+    def binary(kind: str, sub, ops: tuple[str, ...]):
+        def rule():
+            node = sub()
+            while peek() in [("op", o) for o in ops]:
+                op = take()[1]
+                node = (op if kind == "cmp" else kind, node, sub())
+            return node
+        return rule
+
+    def unary():
+        if peek() == ("op", "!"):
+            take()
+            return ("not", unary())
+        return primary()
+
+    def primary():
+        kind, value = take()
+        if (kind, value) == ("op", "("):
+            node = disjunction()
+            take(")")
+            return node
+        if kind == "str":
+            return ("lit", value)
+        if kind == "num":
+            return ("lit", float(value))
+        if kind == "name" and value in ("true", "false", "null"):
+            return ("lit", {"true": True, "false": False, "null": None}[value])
+        if kind == "name" and peek() == ("op", "("):
+            if value not in STATUS_FUNCTIONS | {"format"}:
+                raise ExpressionError(f"function {value}() is not supported (in {text!r})")
+            take("(")
+            args = [] if peek() == ("op", ")") else [disjunction()]
+            while peek() == ("op", ","):
+                take(",")
+                args.append(disjunction())
+            take(")")
+            return ("call", value, args)
+        if kind == "name":
+            names = value.split(".")
+            if names[0] not in CONTEXTS:
+                raise ExpressionError(f"context {names[0]!r} is not simulated (in {text!r})")
+            return ("path", names)
+        raise ExpressionError(f"unexpected {value!r} in {text!r}")
+
+    comparison = binary("cmp", unary, ("==", "!="))
+    conjunction = binary("and", comparison, ("&&",))
+    disjunction = binary("or", conjunction, ("||",))
+    tree = disjunction()
+    if peek() is not None:
+        raise ExpressionError(f"unexpected {peek()[1]!r} in {text!r}")
+    return tree
+
+
+def truthy(v: object) -> bool:
+    return not (v is None or v is False or v == "" or (isinstance(v, float) and (v == 0 or math.isnan(v))))
+
+
+def _number(v: object) -> float:
+    if v is None:
+        return 0.0
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, float):
+        return v
+    if isinstance(v, str):
+        try:
+            return float(v.strip()) if v.strip() else 0.0
+        except ValueError:
+            return math.nan
+    return math.nan
+
+
+def equal(a: object, b: object) -> bool:
+    """GitHub's ==: strings compare ignoring case; unlike types compare as numbers."""
+    if isinstance(a, str) and isinstance(b, str):
+        return a.casefold() == b.casefold()
+    if type(a) is type(b) and not isinstance(a, float):
+        return a is b if isinstance(a, (dict, list)) else a == b
+    return _number(a) == _number(b)
+
+
+def _lookup(obj: object, name: str) -> object:
+    if not isinstance(obj, dict):
+        return None
+    if name in obj:
+        return obj[name]
+    return next((v for k, v in obj.items() if k.casefold() == name.casefold()), None)
+
+
+def evaluate(node: tuple, ctx: dict, status: dict[str, bool]) -> object:
+    kind = node[0]
+    if kind == "lit":
+        return node[1]
+    if kind == "path":
+        value: object = ctx
+        for name in node[1]:
+            value = _lookup(value, name)
+        return value
+    if kind == "not":
+        return not truthy(evaluate(node[1], ctx, status))
+    if kind == "and":
+        left = evaluate(node[1], ctx, status)
+        return evaluate(node[2], ctx, status) if truthy(left) else left
+    if kind == "or":
+        left = evaluate(node[1], ctx, status)
+        return left if truthy(left) else evaluate(node[2], ctx, status)
+    if kind in ("==", "!="):
+        same = equal(evaluate(node[1], ctx, status), evaluate(node[2], ctx, status))
+        return same if kind == "==" else not same
+    name, args = node[1], [evaluate(a, ctx, status) for a in node[2]]
+    if name == "format":
+        return re.sub(r"\{(\d+)\}", lambda m: _text(args[1 + int(m.group(1))]), _text(args[0]))
+    if args or name not in status:
+        raise ExpressionError(f"{name}() takes no arguments and is only known in a job's `if:`")
+    return status[name]
+
+
+def _text(v: object) -> str:
+    """A value as GitHub renders it into a string."""
+    if v is None or isinstance(v, bool):
+        return {None: "", True: "true", False: "false"}[v]
+    return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+
+
+def _uses_status_function(node: tuple) -> bool:
+    if node[0] == "call":
+        return node[1] in STATUS_FUNCTIONS or any(_uses_status_function(a) for a in node[2])
+    return any(_uses_status_function(n) for n in node[1:] if isinstance(n, tuple))
+
+
+def condition(value: object) -> tuple:
+    """A job's `if:` as a tree; GitHub adds `success() &&` where no status function is used."""
+    if value is None:
+        return ("call", "success", [])
+    if isinstance(value, bool):
+        return ("lit", value)
+    text = str(value).strip()
+    if text.startswith("${{") and text.endswith("}}") and text.count("${{") == 1:
+        text = text[3:-2]
+    elif "${{" in text:
+        raise ExpressionError(f"an `if:` mixing text and ${{{{ }}}}: {value!r}")
+    tree = parse(text)
+    return tree if _uses_status_function(tree) else ("and", ("call", "success", []), tree)
+
+
+def interpolate(text: str, ctx: dict) -> str:
+    """A string with ${{ }} parts, as GitHub renders it (status functions are not allowed there)."""
+    return re.sub(r"\$\{\{(.*?)\}\}", lambda m: _text(evaluate(parse(m.group(1)), ctx, {})), text, flags=re.S)
+
+
+# -- simulated events ---------------------------------------------------------------------------
+
+def _github(event_name: str, event: dict, ref: str, run_id: int) -> dict:
+    return {"github": {"event_name": event_name, "event": event, "repository": REPO, "ref": ref,
+                       "run_id": str(run_id)}, "inputs": {}, "vars": {}, "env": {}}
+
+
+def pull_request(action: str, *, fork: bool, labels: tuple[str, ...] = (), label: str | None = None,
+                 run_id: int = 1) -> dict:
+    event = {"action": action, "number": 7,
+             "pull_request": {"head": {"repo": {"full_name": FORK if fork else REPO}},
+                              "labels": [{"name": n} for n in labels]}}
+    if label is not None:
+        event["label"] = {"name": label}
+    return _github("pull_request", event, "refs/pull/7/merge", run_id)
+
+
+def dispatch() -> dict:
+    ctx = _github("workflow_dispatch", {"inputs": {"gpu": "h100", "save_baseline": False}}, "refs/heads/main", 1)
+    ctx["inputs"] = {"gpu": "h100", "save_baseline": False}
+    return ctx
+
+
+# name -> (context, may a self-hosted job run?); fork events run only on the approval label's event.
+SCENARIOS: dict[str, tuple[dict, bool]] = {
+    "fork PR opened, approval label on it": (pull_request("opened", fork=True, labels=(APPROVAL_LABEL,)), False),
+    "fork PR synchronize, approval label on it":
+        (pull_request("synchronize", fork=True, labels=(APPROVAL_LABEL,)), False),
+    "fork PR reopened, approval label on it":
+        (pull_request("reopened", fork=True, labels=(APPROVAL_LABEL,)), False),
+    "fork PR labeled with the approval label":
+        (pull_request("labeled", fork=True, labels=(APPROVAL_LABEL,), label=APPROVAL_LABEL), True),
+    "fork PR labeled with another label, approval label on it":
+        (pull_request("labeled", fork=True, labels=(APPROVAL_LABEL, "docs"), label="docs"), False),
+    "same-repo PR synchronize": (pull_request("synchronize", fork=False), True),
+    "push to main": (_github("push", {"ref": "refs/heads/main"}, "refs/heads/main", 1), True),
+    "workflow_dispatch": (dispatch(), True),
+}
+
+
+# -- the checks ---------------------------------------------------------------------------------
+
+def load(name: str) -> dict:
+    return yaml.safe_load((WORKFLOWS / name).read_text(encoding="utf8"))
+
+
+def triggers(wf: dict) -> dict:
+    """`on:` as {event: config}; YAML reads the key `on` as True."""
+    on = wf.get("on", wf.get(True))
+    if isinstance(on, str):
+        return {on: None}
+    if isinstance(on, list):
+        return dict.fromkeys(on)
+    return dict(on or {})
+
+
+def triggered(wf: dict, ctx: dict) -> bool:
+    """Whether the event starts the workflow (branch and path filters ignored: assumed to match)."""
+    event, config = ctx["github"]["event_name"], triggers(wf)
+    if event not in config:
+        return False
+    if event != "pull_request":
+        return True
+    types = (config[event] or {}).get("types", PR_DEFAULT_TYPES)
+    return ctx["github"]["event"]["action"] in ([types] if isinstance(types, str) else types)
+
+
+def self_hosted(job: dict) -> bool:
+    """runs-on names self-hosted or a runner group, or has a computed label (unknown: counted)."""
+    runs_on = job.get("runs-on")
+    if isinstance(runs_on, dict):
+        return True
+    labels = [str(x) for x in ([runs_on] if isinstance(runs_on, str) else runs_on or [])]
+    return any(x.strip().lower() == "self-hosted" or "${{" in x for x in labels)
+
+
+def can_run(wf: dict, name: str, ctx: dict) -> bool:
+    """Whether the job runs in this event for some outcome of the jobs it needs (each needed job
+    that runs may succeed or fail; one that cannot run is skipped)."""
+    job = wf["jobs"][name]
+    needs = job.get("needs") or []
+    needs = [needs] if isinstance(needs, str) else needs
+    outcomes = [("success", "failure") if can_run(wf, n, ctx) else ("skipped",) for n in needs]
+    tree = condition(job.get("if"))
+    for combo in itertools.product(*outcomes):
+        status = {"always": True, "cancelled": False, "success": all(o == "success" for o in combo),
+                  "failure": any(o == "failure" for o in combo)}
+        if truthy(evaluate(tree, ctx, status)):
+            return True
+    return False
+
+
+def fork_problems(wf: dict) -> list[str]:
+    """What lets a fork run code on a self-hosted runner: a refused trigger, or a job that runs in a
+    simulated event where it must not."""
+    jobs = [n for n, j in wf.get("jobs", {}).items() if self_hosted(j)]
+    if not jobs:
+        return []
+    problems = [f"trigger {t} runs fork code with secrets or a write token" for t in triggers(wf)
+                if t in FORBIDDEN_TRIGGERS]
+    for scenario, (ctx, allowed) in SCENARIOS.items():
+        if not allowed and triggered(wf, ctx):
+            problems += [f"self-hosted job {n!r} runs on: {scenario}" for n in jobs if can_run(wf, n, ctx)]
+    return problems
+
+
+def _strings(node: object):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield str(k)
+            yield from _strings(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _strings(v)
+    elif node is not None:
+        yield str(node)
+
+
+def secret_problems(wf: dict) -> list[str]:
+    """Secrets reaching a self-hosted job (its own text, or the workflow's env), and checkouts that
+    leave the token in .git/config."""
+    problems = []
+    for name, job in wf.get("jobs", {}).items():
+        if not self_hosted(job):
+            continue
+        text = [*_strings(job), *_strings(wf.get("env"))]
+        if any(re.search(r"\bsecrets\b\s*(\.|\[|:)", s) or s == "secrets" for s in text):
+            problems.append(f"self-hosted job {name!r} can read secrets")
+        for step in job.get("steps", []):
+            if str(step.get("uses", "")).startswith("actions/checkout@") and \
+                    (step.get("with") or {}).get("persist-credentials") is not False:
+                problems.append(f"self-hosted job {name!r}: checkout without persist-credentials: false")
+    return problems
+
+
+USES_LINE = re.compile(r"^\s*(?:-\s+)?uses:\s*(?P<ref>[^\s#]+)\s*(?:#\s*(?P<comment>.*))?$")
+PINNED = re.compile(r"^[\w.-]+/[\w./-]+@[0-9a-f]{40}$")
+VERSION = re.compile(r"^v\d+(\.\d+)*\b")
+
+
+def pin_problems(text: str) -> list[str]:
+    """Every non-local `uses:` pinned to a 40-hex commit with a `# vX.Y.Z` comment."""
+    wf = yaml.safe_load(text)
+    parsed = [j.get("uses") for j in wf.get("jobs", {}).values() if "uses" in j] + [
+        s["uses"] for j in wf.get("jobs", {}).values() for s in j.get("steps", []) if "uses" in s]
+    lines = [m for m in map(USES_LINE.match, text.splitlines()) if m]
+    if sorted(m["ref"].strip("'\"") for m in lines) != sorted(parsed):
+        return [f"`uses:` not one to a line, so its comment cannot be read: {parsed}"]
+    return [f"not pinned to a commit with a version comment: {m.group(0).strip()}" for m in lines
+            if not m["ref"].startswith("./") and not (PINNED.match(m["ref"].strip("'\""))
+                                                     and VERSION.match(m["comment"] or ""))]
+
+
+# -- the workflows as they are -------------------------------------------------------------------
+
+ALL = sorted(p.name for p in WORKFLOWS.glob("*.y*ml"))
+
+
+def test_workflows_are_found() -> None:
+    assert {"ci.yml", "gpu-perf.yml"} <= set(ALL)
+    assert any(self_hosted(j) for j in load("gpu-perf.yml")["jobs"].values())
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_no_fork_runs_on_a_self_hosted_runner(name: str) -> None:
+    assert fork_problems(load(name)) == []
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_no_secrets_in_self_hosted_jobs(name: str) -> None:
+    assert secret_problems(load(name)) == []
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_actions_are_pinned(name: str) -> None:
+    assert pin_problems((WORKFLOWS / name).read_text(encoding="utf8")) == []
+
+
+def guard_problems(wf: dict) -> list[str]:
+    """gpu-perf's jobs, the hosted merge too, each run exactly where a self-hosted job may."""
+    return [f"job {n!r} {'runs' if ran else 'does not run'} on: {scenario}"
+            for scenario, (ctx, allowed) in SCENARIOS.items()
+            for n in wf["jobs"] if (ran := triggered(wf, ctx) and can_run(wf, n, ctx)) != allowed]
+
+
+def test_gpu_perf_guard_on_every_job() -> None:
+    assert guard_problems(load("gpu-perf.yml")) == []
+
+
+def test_gpu_perf_skipped_runs_queue_apart() -> None:
+    """A run the guard skips gets its own concurrency group, so it cannot replace a waiting run."""
+    group = load("gpu-perf.yml")["concurrency"]["group"]
+    approved = SCENARIOS["fork PR labeled with the approval label"][0]
+    skipped = pull_request("synchronize", fork=True, labels=(APPROVAL_LABEL,), run_id=99)
+    assert interpolate(group, approved) == "gpu-perf-refs/pull/7/merge"
+    assert interpolate(group, skipped) == "gpu-perf-refs/pull/7/merge-skipped-99"
+    assert interpolate(group, pull_request("synchronize", fork=False, run_id=99)) == "gpu-perf-refs/pull/7/merge"
+
+
+# -- the checks fail where they should -----------------------------------------------------------
+
+def _doctored(**jobs_if: str | None) -> dict:
+    wf = copy.deepcopy(load("gpu-perf.yml"))
+    for job, cond in jobs_if.items():
+        if cond is None:
+            del wf["jobs"][job]["if"]
+        else:
+            wf["jobs"][job]["if"] = cond
+    return wf
+
+
+def test_guard_removed_is_reported() -> None:
+    problems = fork_problems(_doctored(perf=None))
+    assert "self-hosted job 'perf' runs on: fork PR synchronize, approval label on it" in problems
+    assert len(problems) == 4  # opened, synchronize, reopened, another label
+
+
+def test_guard_on_the_label_present_is_reported() -> None:
+    """A label left on the PR would approve every later push: the check refuses it (contains() is
+    outside the evaluated subset, so it raises), and the evaluable variant fails the check."""
+    with pytest.raises(ExpressionError, match="contains"):
+        fork_problems(_doctored(perf="github.event_name != 'pull_request' || "
+                                     f"contains(github.event.pull_request.labels.*.name, '{APPROVAL_LABEL}')"))
+    any_label = _doctored(perf="github.event_name != 'pull_request' || github.event.action == 'labeled'")
+    assert fork_problems(any_label) == [
+        "self-hosted job 'perf' runs on: fork PR labeled with another label, approval label on it"]
+
+
+def test_merge_without_the_guard_is_reported() -> None:
+    """!cancelled() alone runs the merge when the guard skipped perf."""
+    assert guard_problems(_doctored(merge="${{ !cancelled() }}")) == [
+        f"job 'merge' runs on: {s}" for s, (_, allowed) in SCENARIOS.items() if not allowed]
+
+
+@pytest.mark.parametrize("trigger", sorted(FORBIDDEN_TRIGGERS))
+def test_dangerous_trigger_is_reported(trigger: str) -> None:
+    wf = load("gpu-perf.yml")
+    wf[True][trigger] = None
+    assert f"trigger {trigger} runs fork code with secrets or a write token" in fork_problems(wf)
+
+
+def test_secret_is_reported() -> None:
+    wf = load("gpu-perf.yml")
+    wf["jobs"]["perf"]["env"] = {"HF_TOKEN": "${{ secrets.HF_TOKEN }}"}
+    wf["jobs"]["perf"]["steps"][0]["with"]["persist-credentials"] = True
+    assert secret_problems(wf) == ["self-hosted job 'perf' can read secrets",
+                                   "self-hosted job 'perf': checkout without persist-credentials: false"]
+
+
+@pytest.mark.parametrize("uses", ["actions/checkout@v4",  # a tag moves
+                                  "actions/checkout@11bd71901bbe5b1630ceea73d27597364c9af683",  # no version
+                                  "actions/checkout@11bd719 # v4.2.2"])  # a short SHA can collide
+def test_unpinned_uses_is_reported(uses: str) -> None:
+    text = (WORKFLOWS / "gpu-perf.yml").read_text(encoding="utf8")
+    doctored = re.sub(r"actions/checkout@\S+ # v[\d.]+", uses, text, count=1)
+    assert doctored != text
+    assert pin_problems(doctored) == [f"not pinned to a commit with a version comment: - uses: {uses}"]
+
+
+@pytest.mark.parametrize(("expr", "value"), [
+    ("'a' == 'A'", True), ("null == ''", True), ("!(1 == 2) && 'x'", "x"), ("false || null", None),
+    ("github.event.nothing.here == null", True), ("format('{0}-{1}', 'a', 1)", "a-1"),
+])
+def test_evaluator(expr: str, value: object) -> None:
+    assert evaluate(parse(expr), SCENARIOS["push to main"][0], {}) == value
+
+
+@pytest.mark.parametrize("expr", ["github.event.labels[0]", "a < b", "secrets.X == ''", "fromJSON('1')",
+                                  "'a' 'b'", "(true", "format('{0}' 'x')", "contains(github.event.labels, 'x')"])
+def test_evaluator_refuses_what_it_does_not_understand(expr: str) -> None:
+    with pytest.raises(ExpressionError):
+        parse(expr)
