@@ -68,14 +68,15 @@ for module, name, slow in [
 """
 
 
-def _cpu_floors() -> list[tuple[str, str, str, float, str | None]]:
-    """(kernel, impl, size, floor, variant pattern) for every CPU speedup floor the perf tests declare."""
+def _floors(device_class: str, marker: str) -> list[tuple[str, str, str, float, str | None]]:
+    """(kernel, impl, size, floor, variant pattern) for every ``marker`` (speedup or memory) floor
+    the perf tests declare for ``device_class``."""
     floors = []
     for path in sorted((ROOT / "perf_tests").glob("test_*.py")):
         module = importlib.import_module(f"perf_tests.{path.stem}")
         for name, fn in vars(module).items():
             for mark in getattr(fn, "pytestmark", []) if name.startswith("test_") else []:
-                value = mark.kwargs.get("cpu") if mark.name == "speedup" else None
+                value = mark.kwargs.get(device_class) if mark.name == marker else None
                 for size in ("smoke", "full"):
                     floor = value.get(size) if isinstance(value, dict) else value
                     impl, variant = mark.kwargs.get("impl", "optimized"), mark.kwargs.get("variant")
@@ -103,7 +104,7 @@ def speedups_measured(kernel: str, impl: str, size: str, variant: str | None = N
     return out
 
 
-FLOORS = _cpu_floors()
+FLOORS = _floors("cpu", "speedup")
 
 
 def test_the_suite_declares_cpu_floors() -> None:
@@ -125,6 +126,33 @@ def test_cpu_floor_holds_on_every_measured_cpu(kernel: str, impl: str, size: str
     if floor < LOST:
         assert (kernel, impl) in NO_REGRESSION, f"{kernel} [{impl}]: floor {floor} < {LOST} cannot catch a " \
             "kernel replaced by its reference; raise it, or list it in NO_REGRESSION with the reason"
+
+
+def _cuda_rows(size: str) -> dict[str, dict]:
+    """Rows of the committed CUDA baselines at ``size``, by kernel::impl (none until a GPU run is
+    committed: docs/baselines-and-ci.md)."""
+    rows = {}
+    for path in sorted((ROOT / ".benchmarks").glob(f"cuda-*/{size}/*/*.json")):
+        for row in json.loads(path.read_text(encoding="utf8")).get("perfgate", {}).get("speedups", []):
+            rows.setdefault(f"{row['kernel'].split('[')[0]}::{row['impl']}", []).append(row)
+    return rows
+
+
+@pytest.mark.parametrize("marker", ["speedup", "memory"])
+def test_no_cuda_floor_without_a_cuda_measurement(marker: str) -> None:
+    """A CUDA floor is a claim about GPUs: it is set from a committed CUDA baseline's rows (and sits
+    under them), never from CPU numbers, and none is declared before a GPU has run the suite."""
+    unmeasured, over = [], []
+    for kernel, impl, size, floor, _ in _floors("cuda", marker):
+        rows = _cuda_rows(size).get(f"{kernel}::{impl}", [])
+        values = [r["speedup"] if marker == "speedup" else 1.0 - r["memory_ratio"] for r in rows
+                  if marker == "speedup" or r.get("memory_ratio") is not None]
+        if not values:
+            unmeasured.append(f"{kernel} [{impl}] {size}: {marker}(cuda={floor})")
+        elif floor > MARGIN * min(values):
+            over.append(f"{kernel} [{impl}] {size}: {marker} floor {floor} over {MARGIN} x {min(values):.2f}")
+    assert not unmeasured, "CUDA floors with no committed CUDA baseline row: " + "; ".join(unmeasured)
+    assert not over, "; ".join(over)
 
 
 @pytest.fixture

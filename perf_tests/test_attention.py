@@ -8,6 +8,9 @@ The floors sit under the measured spread and above a kernel that lost its fast p
 Peer row: rotary-embedding-torch (interleaved pairs, its cached frequencies) then SDPA, what a
 user would write instead; checked against the reference with the same (interleaved) rotation.
 Skipped, with the reason, where rotary-embedding-torch is not installed.
+
+Ablation row on CUDA: ``optimized+cudagraphs``, the optimized call replayed from a CUDA graph,
+what launches cost a forward of tens of microseconds (perf_tests/graphs.py; skipped elsewhere).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import kernels
 import reference
 from correctness_tests.tolerances import REDUCTION, assert_close
+from perf_tests.graphs import GRAPHED, cuda_graphed
 from perf_tests.peers import ROTARY as PEER
 from perf_tests.peers import rotary_attention
 
@@ -32,6 +36,8 @@ def _time(perf, impl: str, seq: int, causal: bool) -> None:
         rotary = rotary_attention(64, perf.device)
         rope = kernels.RotaryEmbedding(64, interleaved=True).to(perf.device)
         fn = lambda: rotary(q, k, v, causal=causal)
+    elif impl == GRAPHED:
+        fn = cuda_graphed(lambda: kernels.rope_attention(q, k, v, rope, causal=causal), perf.device)
     else:
         fn = lambda: IMPLS[impl].rope_attention(q, k, v, rope, causal=causal)
     got = perf(fn, label=f"B8 H8 S{seq} D64")
@@ -41,7 +47,7 @@ def _time(perf, impl: str, seq: int, causal: bool) -> None:
 @pytest.mark.speedup(cpu=1.05)
 @pytest.mark.speedup(cpu={"smoke": 0.85}, over=PEER)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("impl", [*IMPLS, PEER])
+@pytest.mark.parametrize("impl", [*IMPLS, PEER, GRAPHED])
 def test_rope_attention_s128(perf, impl: str, causal: bool) -> None:
     _time(perf, impl, 128, causal)
 
@@ -49,6 +55,6 @@ def test_rope_attention_s128(perf, impl: str, causal: bool) -> None:
 @pytest.mark.speedup(cpu=1.2)
 @pytest.mark.speedup(cpu={"smoke": 0.9}, over=PEER)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("impl", [*IMPLS, PEER])
+@pytest.mark.parametrize("impl", [*IMPLS, PEER, GRAPHED])
 def test_rope_attention_s512(perf, impl: str, causal: bool) -> None:
     _time(perf, impl, 512, causal)

@@ -40,9 +40,8 @@ def _recipe(impl: str, device: str) -> Recipe:
 
 @pytest.mark.speedup(cpu={"smoke": 1.3, "full": 1.6}, variant="bf16 instructions")
 @pytest.mark.speedup(cpu=1.5, impl="darts+amp", variant="bf16 instructions")
-@pytest.mark.memory(cpu=0.7, cuda=0.3)
+@pytest.mark.memory(cpu=0.7)
 @pytest.mark.memory(cpu=0.4, impl="darts")
-@pytest.mark.memory(cuda=0.3, impl="darts+amp")
 @pytest.mark.memory(cpu=0.6, impl="darts+amp", variant="bf16 instructions")
 @pytest.mark.memory(cpu=0.7, impl="darts+accumulation")
 @pytest.mark.parametrize("impl", ["reference", "darts", "darts+amp", "darts+accumulation", "optimized"])

@@ -4,6 +4,7 @@ that moves one fails here, loudly, before a perf session misreads it."""
 from __future__ import annotations
 
 import inspect
+import json
 
 import pytest
 from pytest_benchmark import session as benchmark_session
@@ -27,12 +28,22 @@ def test_load_storage_takes_what_compat_passes(tmp_path) -> None:
 
 RECORDS = """
 import pytest
+from pytest_benchmark.fixture import FixtureAlreadyUsed
 from perfgate import compat
 
 def test_rounds(benchmark):
-    benchmark.pedantic(lambda: None, rounds=7, iterations=1)
-    times = compat.rounds(benchmark)
-    assert times is not None and len(times) == 7 and all(t >= 0 for t in times)
+    times, result = compat.record_rounds(benchmark, lambda: ([0.001 * (i + 1) for i in range(7)], "out"))
+    assert times == [0.001 * (i + 1) for i in range(7)] and result == "out"
+
+def test_used_once(benchmark):
+    compat.record_rounds(benchmark, lambda: ([0.001] * 5, None))
+    with pytest.raises(FixtureAlreadyUsed):
+        benchmark.pedantic(lambda: None)
+
+def test_timing_raised(benchmark):
+    with pytest.raises(ZeroDivisionError):
+        compat.record_rounds(benchmark, lambda: ([1 / 0], None))
+    assert benchmark.has_error
 
 def test_session_attached(request):
     session = compat.benchmark_session(request.config)
@@ -40,17 +51,30 @@ def test_session_attached(request):
 """
 
 
-def test_rounds_and_session_from_a_live_run(pytester: pytest.Pytester) -> None:
+def test_recorded_rounds_are_pytest_benchmarks_rounds(pytester: pytest.Pytester) -> None:
+    """compat.record_rounds: the rounds given reach pytest-benchmark's stats and JSON as pedantic's
+    would; the fixture is then used; a timing that raised records nothing."""
     pytester.makepyfile(test_records=RECORDS)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=2)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--benchmark-json=out.json")
+    result.assert_outcomes(passed=4)
+    benchmarks = {b["name"]: b for b in json.loads((pytester.path / "out.json").read_text())["benchmarks"]}
+    assert list(benchmarks) == ["test_rounds"]
+    stats = benchmarks["test_rounds"]["stats"]
+    assert stats["rounds"] == 7 and stats["iterations"] == 1
+    assert stats["min"] == pytest.approx(0.001) and stats["median"] == pytest.approx(0.004)
+    assert stats["max"] == pytest.approx(0.007)
 
 
-def test_rounds_is_none_with_benchmarks_disabled(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_records=RECORDS.replace("assert times is not None and len(times) == 7 and "
-                                                     "all(t >= 0 for t in times)", "assert times is None"))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--benchmark-disable")
-    result.assert_outcomes(passed=2)
+def test_host_timer_is_benchmark_timer(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_timer="""
+import time
+from perfgate import compat
+
+def test_timer(request):
+    assert compat.host_timer(request.config) is time.process_time
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--benchmark-timer=time.process_time")
+    result.assert_outcomes(passed=1)
 
 
 def test_compare_held_and_given_back_in_a_session_without_perf_tests(pytester: pytest.Pytester) -> None:

@@ -157,11 +157,13 @@ class PerfCase:
         """
         config, state, bench = self._request.config, self._state, self._benchmark
         state.pin_threads()  # a peer's BLAS pool loads at its first use: at the session's threads too
+        # wall-clock calls (the first call, the sizing call, the result) end with a synchronize
         run = synced(fn, self.device)
-        if state.slowdown != 1.0 and self.impl == OPTIMIZED:
-            run = _slowed(run, state.slowdown)
         setup_synced = None if setup is None else synced(setup, self.device)
         call = run if setup_synced is None else lambda: run(setup_synced())
+        if bench.disabled:  # --benchmark-disable or xdist: run once, nothing measured
+            state.unmeasured += 1
+            return call()
         t0 = time.perf_counter()
         call()
         t1 = time.perf_counter()
@@ -175,19 +177,15 @@ class PerfCase:
         bench.group = self.kernel
         bench.extra_info.update(kernel=self.kernel, impl=self.impl, size=self.size, label=label,
                                 device=self.device, first_call_ms=1e3 * first)
-        if setup_synced is None:
-            result = bench.pedantic(run, rounds=rounds, warmup_rounds=warmup_rounds, iterations=1)
-        else:
-            result = bench.pedantic(run, setup=lambda: ((setup_synced(),), {}), rounds=rounds,
-                                    warmup_rounds=warmup_rounds, iterations=1)
-        times = compat.rounds(bench)
-        if times is None:  # --benchmark-disable or xdist: ran once, nothing measured
-            state.unmeasured += 1
-            return result
+        # the rounds are one block on the session's clock (CUDA events on a GPU), given to
+        # pytest-benchmark as its rounds; the slowed impl (--perf-slowdown) spins after a synchronize
+        timed = (fn, setup) if not (state.slowdown != 1.0 and self.impl == OPTIMIZED) else \
+            (_slowed(run, state.slowdown), setup)
+        times, result = compat.record_rounds(bench, lambda: state.timer.rounds(timed, rounds, warm=warmup_rounds))
         # every impl's timed callable is kept for the impls of this kernel that follow it: the
         # reference for all of them, a peer for the impls a speedup(over=) marker compares with it
         paired, later = None, None
-        state.runners[(self.kernel, self.impl)] = ((run, setup_synced), float(np.median(times)))
+        state.runners[(self.kernel, self.impl)] = (timed, float(np.median(times)))
         if self.impl != REFERENCE and (self.kernel, REFERENCE) in state.runners:
             paired, later = self._pair(REFERENCE, self.impl, rounds)
         args = () if setup is None else (setup(),)
@@ -228,7 +226,7 @@ class PerfCase:
         visits = 1 if n <= MIN_PAIRS else max(1, min(state.visits, n // MIN_VISIT_ROUNDS))
         shares = [len(v) for v in np.array_split(range(n), visits)]
         name = side if base == REFERENCE else comparison(side, base)
-        paired = interleaved(base_timed, side_timed, shares[0], calls)
+        paired = interleaved(state.timer, base_timed, side_timed, shares[0], calls)
         return paired, Visits(self.kernel, name, base_timed, side_timed, calls, shares[1:])
 
     def _compare(self, side: str, over: str, rounds: int) -> None:

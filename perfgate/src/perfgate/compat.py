@@ -7,7 +7,11 @@ Documented and used as such elsewhere: the ``benchmark`` fixture's ``pedantic``,
 checks each of them, so a pytest-benchmark upgrade that breaks one fails there, loudly, not as
 a wrong verdict.
 
-1. ``benchmark.stats.stats.data`` / ``.median``: the rounds one ``pedantic`` call timed.
+1. ``benchmark._make_stats`` and ``_mode``: perfgate times a perf test's rounds on its own clock
+   (CUDA events on a GPU: pytest-benchmark's timer reads only the host clock) and gives them to
+   pytest-benchmark as the stats ``pedantic`` would have built, the fixture marked used as
+   ``pedantic`` marks it, and ``has_error`` set when the timing raises, as ``pedantic`` sets it.
+   ``pytest_benchmark.utils.load_timer``: the host clock ``--benchmark-timer`` names.
 2. ``config._benchmarksession``: the session object pytest-benchmark builds in its own
    ``pytest_configure``; its ``storage`` (built by ``pytest_benchmark.utils.load_storage``),
    ``machine_id``, ``logger``, ``compare`` and ``handle_loading()``: perfgate decides whether it
@@ -18,16 +22,41 @@ a wrong verdict.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 
-def rounds(benchmark: Any) -> list[float] | None:
-    """Seconds of each round the last ``pedantic`` call timed (None: benchmarks disabled)."""
-    if benchmark.stats is None:
-        return None
-    return list(benchmark.stats.stats.data)
+def record_rounds(benchmark: Any, time_rounds: Callable[[], tuple[list[float], Any]]) -> tuple[list[float], Any]:
+    """Run ``time_rounds`` (seconds of each round, and a result) and record its rounds as
+    pytest-benchmark's stats of the ``benchmark`` fixture, one round each, as
+    ``pedantic(iterations=1)`` records its own; the fixture can then not be used again. Returns
+    what ``time_rounds`` returned."""
+    from pytest_benchmark.fixture import FixtureAlreadyUsed
+
+    if benchmark._mode:
+        benchmark.has_error = True
+        raise FixtureAlreadyUsed(f"Fixture can only be used once. Previously it was used in {benchmark._mode} "
+                                 "mode.")
+    benchmark._mode = "perfgate rounds"
+    try:
+        times, result = time_rounds()
+    except BaseException:
+        benchmark.has_error = True
+        raise
+    stats = benchmark._make_stats(1)
+    for seconds in times:
+        stats.update(seconds)
+    return times, result
+
+
+def host_timer(config: pytest.Config) -> Callable[[], float]:
+    """The clock ``--benchmark-timer`` names (default ``time.perf_counter``), loaded as
+    pytest-benchmark loads it (``pytest_benchmark.utils.load_timer``)."""
+    from pytest_benchmark.utils import load_timer
+
+    return load_timer(config.getoption("benchmark_timer")).target
 
 
 def benchmark_session(config: pytest.Config) -> Any:

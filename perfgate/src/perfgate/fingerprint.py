@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import platform
 import re
+import subprocess
+from collections.abc import Callable
 
 
 def _cpuinfo_first() -> dict[str, str]:
@@ -36,15 +38,66 @@ def _cpu_model() -> str:
     return f"{name} ({', '.join(ids)})" if ids else name
 
 
-def fingerprint(device: str, threads: int | None, malloc: str) -> dict[str, str | int | None]:
+# nvidia-smi's names for what a GPU's timings depend on beyond its model (--query-gpu)
+SMI_FIELDS = {"driver": "driver_version", "mig": "mig.mode.current",
+              "app_clock_mhz": "clocks.applications.graphics", "power_limit_w": "power.limit"}
+
+
+def _run_smi(args: list[str]) -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def smi_facts(uuid: str, run: Callable[[list[str]], str | None] = _run_smi) -> dict[str, str | None]:
+    """Driver, MIG mode, application clock and power limit of the GPU with ``uuid`` (torch's
+    ``get_device_properties().uuid``), from nvidia-smi; None for what it cannot read. A MIG slice
+    has its own uuid: on a host with one physical GPU the slice's parent is that GPU."""
+    unknown = dict.fromkeys(SMI_FIELDS)
+    text = run([f"--query-gpu=uuid,{','.join(SMI_FIELDS.values())}", "--format=csv,noheader,nounits"])
+    rows = [[v.strip() for v in line.split(",")] for line in (text or "").splitlines() if line.strip()]
+    rows = [r for r in rows if len(r) == 1 + len(SMI_FIELDS)]
+    mine = [r for r in rows if r[0].removeprefix("GPU-") == uuid.removeprefix("GPU-")]
+    row = mine[0] if mine else (rows[0] if len(rows) == 1 else None)
+    if row is None:
+        return unknown
+    readable = lambda v: None if v.strip("[]") in ("N/A", "Not Supported", "Unknown Error", "") else v
+    return {key: readable(value) for key, value in zip(SMI_FIELDS, row[1:], strict=True)}
+
+
+def gpu_facts(device: str) -> dict[str, str | int | bool | None]:
+    """What a CUDA timing depends on beyond the GPU's name and the CUDA version: the driver, MIG
+    mode, clocks (the SM's maximum, the application clock) and power limit, SMs and L2, cuDNN,
+    and whether fp32 matmuls and convolutions may run as TF32 (a several-fold difference)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return {
+        **smi_facts(str(props.uuid)),
+        "max_clock_mhz": props.clock_rate // 1000,
+        "memory_clock_mhz": props.memory_clock_rate // 1000,
+        "sms": props.multi_processor_count,
+        "l2_mib": round(props.L2_cache_size / 2**20, 1),
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "cudnn": torch.backends.cudnn.version(),
+        "fp32_matmul": torch.get_float32_matmul_precision(),
+        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+    }
+
+
+def fingerprint(device: str, threads: int | None, malloc: str, *, l2_flush: bool = False,
+                gpu: dict | None = None) -> dict:
     """The facts that make timings comparable: device model, threads, torch/CUDA, Python, and
-    on CPU how memory is allocated (``--perf-malloc``; torch's THP_MEM_ALLOC_ENABLE). Without
-    torch installed, ``threads`` and ``torch`` are None."""
+    on CPU how memory is allocated (``--perf-malloc``; torch's THP_MEM_ALLOC_ENABLE); on CUDA the
+    GPU's facts (``gpu_facts``, or ``gpu`` when given) and whether the L2 is flushed before each
+    timed call. Without torch installed, ``threads`` and ``torch`` are None."""
     from .timing import torch_or_none
 
     torch = torch_or_none()
     is_cuda = device.startswith("cuda")
-    return {
+    fp = {
         "device_type": "cuda" if is_cuda else "cpu",
         "device_name": torch.cuda.get_device_name(device) if is_cuda else _cpu_model(),
         "threads": threads,
@@ -55,18 +108,27 @@ def fingerprint(device: str, threads: int | None, malloc: str) -> dict[str, str 
         "malloc": malloc,
         "thp_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" and not is_cuda,
     }
+    if is_cuda:  # CPU fingerprints keep their keys: stored CPU baselines stay comparable
+        fp["gpu"] = gpu_facts(device) if gpu is None else gpu
+        fp["l2_flush"] = l2_flush
+    return fp
 
 
-def slug(fp: dict[str, str | int | None]) -> str:
-    """A folder name for a fingerprint, e.g. ``cpu-AMD_EPYC-t2-torch2.14.1-py3.11``."""
+def slug(fp: dict) -> str:
+    """A folder name for a fingerprint, e.g. ``cpu-AMD_EPYC-t2-torch2.14.1-py3.11`` or
+    ``cuda-NVIDIA_H100_80GB_HBM3-t16-torch2.14.1-cuda12.8-drv570.86.15-py3.11``."""
     parts = [fp["device_type"], fp["device_name"]]
     parts += [f"t{fp['threads']}"] if fp.get("threads") is not None else []
     parts += [f"torch{fp['torch']}"] if fp.get("torch") is not None else []
     if fp.get("cuda"):
         parts.append(f"cuda{fp['cuda']}")
+    driver = (fp.get("gpu") or {}).get("driver")
+    parts += [f"drv{driver}"] if driver else []
     parts.append(f"py{fp['python']}")
     if fp.get("malloc") not in (None, "n/a"):
         parts.append(f"malloc_{fp['malloc']}")
     if fp.get("thp_alloc"):
         parts.append("thp")
+    if fp.get("l2_flush"):
+        parts.append("l2flush")
     return "-".join(re.sub(r"[^A-Za-z0-9.]+", "_", str(p)).strip("_") for p in parts)

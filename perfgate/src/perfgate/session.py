@@ -33,6 +33,10 @@ OPTIONS: list[tuple[str, Any, str]] = [
                                "allocator does, so timings do not depend on page faults and test order "
                                "(default); 'default' leaves malloc alone"),
     ("--perf-threads", None, "torch CPU threads, fixed for the session (default: torch's default)"),
+    ("--perf-l2-flush", False, "CUDA: overwrite the GPU's L2 cache (zero a 256 MiB buffer) before each timed "
+                               "call, outside its timing, as triton.testing.do_bench does: every call starts "
+                               "cold (default: off, back-to-back calls keep their data in L2, as in a training "
+                               "loop)"),
     ("--perf-visits", 3, "time each impl's interleaved rounds with its reference in this many visits: one "
                          "during its test, the rest at the session's end (default 3)"),
     ("--perf-extend", 60.0, "seconds of extra interleaved pairs a row may take when its interval straddles its "
@@ -55,7 +59,10 @@ _DEFAULT_THREADS: list[int | None] = []
 def add_options(parser: pytest.Parser) -> None:
     group = parser.getgroup("perfgate", "perfgate: speedup gate over a reference")
     for flag, default, text in OPTIONS:
-        group.addoption(flag, default=default, type=_TYPES.get(flag), choices=_CHOICES.get(flag), help=text)
+        if isinstance(default, bool):  # a switch
+            group.addoption(flag, default=default, action="store_true", help=text)
+        else:
+            group.addoption(flag, default=default, type=_TYPES.get(flag), choices=_CHOICES.get(flag), help=text)
 
 
 def _dest(flag: str) -> str:
@@ -71,6 +78,7 @@ class PerfSession:
         self.tolerance, self.malloc = opt["--perf-tolerance"], opt["--perf-malloc"]
         self.threads_option, self.visits = opt["--perf-threads"], opt["--perf-visits"]
         self.extend_s, self.slowdown = opt["--perf-extend"], opt["--perf-slowdown"]
+        self.l2_flush: bool = opt["--perf-l2-flush"]
         if not 0.0 <= self.tolerance < 1.0:
             raise pytest.UsageError(f"--perf-tolerance must be in [0, 1), got {self.tolerance}")
         if self.threads_option is not None and self.threads_option < 1:
@@ -156,12 +164,15 @@ class PerfSession:
             return self.state
         from .fingerprint import fingerprint, slug
         from .state import GateState
-        from .timing import configure_malloc, resolve_device, torch_or_none
+        from .timing import configure_malloc, resolve_device, timer_for, torch_or_none
 
         try:
             device = resolve_device(self.requested_device)
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from exc
+        if self.l2_flush and not device.startswith("cuda"):
+            raise pytest.UsageError(f"--perf-l2-flush overwrites a GPU's L2 cache before each timed call; this "
+                                    f"session runs on {device}: drop it, or run with --perf-device cuda")
         torch = torch_or_none()
         if torch is None and self.threads_option is not None:
             raise pytest.UsageError("--perf-threads sets torch's thread count: torch is not installed")
@@ -175,10 +186,12 @@ class PerfSession:
             threads = None
         size = self.requested_size or ("full" if device.startswith("cuda") else "smoke")
         malloc = configure_malloc(self.malloc) if device == "cpu" else "n/a"
-        fp = fingerprint(device, threads, malloc)
+        fp = fingerprint(device, threads, malloc, l2_flush=self.l2_flush)
         self.state = GateState(device=device, size=size, threads=threads, tolerance=self.tolerance,
                                fingerprint=fp, slug=slug(fp), slowdown=self.slowdown, visits=self.visits,
-                               extend_s=self.extend_s, cpu_floors_off=_cpu_floors_off(device, threads, malloc))
+                               extend_s=self.extend_s, cpu_floors_off=_cpu_floors_off(device, threads, malloc),
+                               timer=timer_for(device, l2_flush=self.l2_flush,
+                                               host_timer=compat.host_timer(self.config)))
         path = compat.storage_url(self.config)
         storage = None if path is None else f"file://{path}/{self.state.slug}/{size}"
         compare, self._held_compare = self._held_compare, None

@@ -9,7 +9,7 @@ from statistics import median
 import pytest
 
 from .stats import SpeedupRow, gate, speedup_interval
-from .timing import Timed, interleaved
+from .timing import Timed, Timer, interleaved
 
 REFERENCE = "reference"
 MAX_PAIRS = 1000  # a straddled row is extended up to this many interleaved pairs in all
@@ -71,6 +71,7 @@ class GateState:
     floor_notes: dict[tuple[str, str], str] = field(default_factory=dict)  # why a declared floor is not applied
     interrupted: bool = False  # Ctrl-C: no later visits, no extensions
     limiters: list = field(default_factory=list)  # threadpoolctl limits set by pin_threads, to restore
+    timer: Timer | None = None  # the device's clock (CUDA events, or the host timer) and the L2 flush
 
     def pin_threads(self) -> None:
         """Every BLAS and OpenMP pool loaded in the process (numpy's and scipy's OpenBLAS, a
@@ -98,9 +99,10 @@ class GateState:
                     self._time_pairs(p, p.shares[v])
         self.pending.clear()
 
-    def _time_pairs(self, timer: Visits, pairs: int) -> None:
-        m = self.results[timer.kernel][timer.impl]
-        m.paired += interleaved(timer.reference, timer.timed, pairs, timer.calls, first_round=len(m.paired))
+    def _time_pairs(self, later: Visits, pairs: int) -> None:
+        m = self.results[later.kernel][later.impl]
+        m.paired += interleaved(self.timer, later.reference, later.timed, pairs, later.calls,
+                                first_round=len(m.paired))
 
     def compute_rows(self) -> list[SpeedupRow]:
         """Speedup rows for every impl measured beside its reference (computed once). A row whose

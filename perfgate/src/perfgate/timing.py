@@ -1,8 +1,13 @@
 """Device-correct timing and peak memory.
 
-CUDA kernels are asynchronous: a clock read without a device synchronize measures only the
-launch. Every timed callable built here synchronizes before it returns, and so does every
-setup, so each clock read of the timer follows a synchronize.
+Every timed call is read by a ``Clock`` as a pair of marks around it, and a ``Timer`` times
+blocks of back-to-back calls: marks for every call of the block, one wait at the block's end,
+then the seconds between each call's marks. On CPU a mark is a host clock read. On CUDA,
+where kernels are asynchronous, it is a CUDA event recorded on the stream: the event pair
+brackets the call's work on the device, and the host is not stopped between calls. A host
+clock read after ``torch.cuda.synchronize`` per call would add the synchronize and the next
+launch to every reading, which at tens of microseconds a kernel is a large part of it and
+pulls speedups toward 1 (the design and its reasons: docs/perfgate.md, "Timing on CUDA").
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 
 def torch_or_none() -> Any:
@@ -46,7 +52,8 @@ def synchronizer(device: str) -> Callable[[], None]:
 
 
 def synced(fn: Callable[..., Any], device: str) -> Callable[..., Any]:
-    """``fn`` followed by a device synchronize, so a timer around it sees the real duration."""
+    """``fn`` followed by a device synchronize: a wall-clock reading around it (the first call,
+    the sizing call, peak memory) sees the whole duration."""
     sync = synchronizer(device)
 
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -55,6 +62,107 @@ def synced(fn: Callable[..., Any], device: str) -> Callable[..., Any]:
         return out
 
     return run
+
+
+class Clock(Protocol):
+    """Marks placed before and after calls, read as seconds once ``wait`` has returned."""
+
+    def mark(self) -> Any: ...
+
+    def wait(self) -> None: ...
+
+    def seconds(self, start: Any, end: Any) -> float: ...
+
+
+class HostClock:
+    """CPU: a mark is a reading of ``timer`` (seconds), nothing to wait for."""
+
+    def __init__(self, timer: Callable[[], float] = time.perf_counter) -> None:
+        self.timer = timer
+
+    def mark(self) -> float:
+        return self.timer()
+
+    def wait(self) -> None:
+        pass
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+
+class CudaEventClock:
+    """CUDA: a mark is an event recorded on the device's current stream; it takes its time when
+    the device reaches it, after the work queued before it. ``wait`` synchronizes once."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        self.device, self.torch = device, torch
+
+    def mark(self) -> Any:
+        event = self.torch.cuda.Event(enable_timing=True)
+        event.record(self.torch.cuda.current_stream(self.device))
+        return event
+
+    def wait(self) -> None:
+        self.torch.cuda.synchronize(self.device)
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
+
+
+L2_FLUSH_BYTES = 256 * 2**20  # over any GPU's L2 (H100: 50 MB), as triton.testing.do_bench zeroes
+
+
+def l2_flusher(device: str) -> Callable[[], Any]:
+    """``--perf-l2-flush``: a call that overwrites the GPU's L2 (zeroes a 256 MiB buffer), run
+    before each timed call and outside its marks, so each call starts with cold caches."""
+    import torch
+
+    buffer = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    return buffer.zero_
+
+
+Timed = tuple[Callable[..., Any], Callable[[], Any] | None]  # (callable, its per-call setup or None)
+
+
+@dataclass
+class Timer:
+    """Times calls of one device with ``clock``; ``flush`` (CUDA's L2 flush) runs before each."""
+
+    clock: Clock
+    flush: Callable[[], Any] | None = None
+
+    def block(self, timed: Timed, calls: int, warm: int = 1) -> list[float]:
+        """Seconds of each of ``calls`` back-to-back calls after ``warm`` untimed ones."""
+        return self.rounds(timed, calls, warm)[0]
+
+    def rounds(self, timed: Timed, calls: int, warm: int = 1) -> tuple[list[float], Any]:
+        """``block``'s seconds, and what the last call returned. Each call's setup (and the flush)
+        runs before its first mark, so neither is in its reading; nothing waits for the device
+        until the block's end."""
+        fn, setup = timed
+        marks, out = [], None
+        for i in range(warm + calls):
+            args = () if setup is None else (setup(),)
+            if self.flush is not None:
+                self.flush()
+            start = self.clock.mark()
+            out = fn(*args)
+            end = self.clock.mark()
+            if i >= warm:
+                marks.append((start, end))
+        self.clock.wait()
+        return [self.clock.seconds(start, end) for start, end in marks], out
+
+
+def timer_for(device: str, *, l2_flush: bool = False,
+              host_timer: Callable[[], float] = time.perf_counter) -> Timer:
+    """The session's timer: CUDA events on a CUDA device (with the L2 flush when asked), else
+    ``host_timer`` (pytest-benchmark's ``--benchmark-timer``)."""
+    if device.startswith("cuda"):
+        return Timer(CudaEventClock(device), l2_flusher(device) if l2_flush else None)
+    return Timer(HostClock(host_timer))
 
 
 def _proc_status_bytes(key: str) -> int | None:
@@ -129,39 +237,26 @@ def peak_memory(fn: Callable[[], Any], device: str) -> int | None:
     return max(0, after - before)
 
 
-Timed = tuple[Callable[..., Any], Callable[[], Any] | None]  # (synced callable, synced setup or None)
-
-
-def _time_block(timed: Timed, calls: int) -> float:
-    """Median seconds of ``calls`` back-to-back calls after one untimed call (which warms the
-    caches the other side's block just flushed), each with its own setup, untimed."""
-    fn, setup = timed
-    times = []
-    for i in range(calls + 1):
-        args = () if setup is None else (setup(),)
-        t0 = time.perf_counter()
-        fn(*args)
-        if i:
-            times.append(time.perf_counter() - t0)
+def _median(times: list[float]) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def interleaved(reference: Timed, impl: Timed, rounds: int, calls: tuple[int, int],
+def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls: tuple[int, int],
                 first_round: int = 0) -> list[tuple[float, float]]:
     """(reference s, impl s) pairs from blocks timed alternately in ABBA order (reference first in
     even rounds, the impl first in odd ones; rounds count from ``first_round``): both blocks of a
     pair see the same host state (memory bandwidth, clocks, neighbours), so their ratio does not
-    move with it. A block is
-    ``calls`` back-to-back calls after a warming one, so each side runs with its own data in
-    cache, as in its separate rounds; alternating single calls measured small kernels with the
-    other's data in cache (docs/measurements/from-the-code.md)."""
+    move with it. A block is ``calls`` back-to-back calls after a warming one (which warms the
+    caches the other side's block just used), read as the median call, so each side runs with
+    its own data in cache, as in its separate rounds; alternating single calls measured small
+    kernels with the other's data in cache (docs/measurements/from-the-code.md)."""
     pairs = []
     for i in range(first_round, first_round + rounds):
         if i % 2 == 0:
-            r = _time_block(reference, calls[0])
-            o = _time_block(impl, calls[1])
+            r = _median(timer.block(reference, calls[0]))
+            o = _median(timer.block(impl, calls[1]))
         else:
-            o = _time_block(impl, calls[1])
-            r = _time_block(reference, calls[0])
+            o = _median(timer.block(impl, calls[1]))
+            r = _median(timer.block(reference, calls[0]))
         pairs.append((r, o))
     return pairs

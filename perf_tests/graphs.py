@@ -1,0 +1,36 @@
+"""CUDA graphs as an ablation row: the optimized call captured once and replayed, so the row
+beside ``optimized`` shows what kernel launches cost it at the suite's sizes (a kernel of tens of
+microseconds can spend as long being launched). CUDA only: elsewhere the row is skipped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+GRAPHED = "optimized+cudagraphs"  # the row's impl name
+
+
+def cuda_graphed(fn: Callable[[], Any], device: str) -> Callable[[], Any]:
+    """``fn`` captured into a CUDA graph after 3 warm calls on a side stream (caches built and
+    the allocator settled outside the capture, as torch.cuda.graphs documents); each call of the
+    result replays it and returns the graph's output tensors, overwritten in place."""
+    if not device.startswith("cuda"):
+        pytest.skip(f"{GRAPHED}: CUDA graphs need a CUDA device; this run is on {device}")
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay() -> Any:
+        graph.replay()
+        return out
+
+    return replay
