@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -128,7 +129,7 @@ def test_cpu_floor_holds_on_every_measured_cpu(kernel: str, impl: str, size: str
             "kernel replaced by its reference; raise it, or list it in NO_REGRESSION with the reason"
 
 
-def _cuda_rows(size: str) -> dict[str, dict]:
+def _cuda_rows(size: str) -> dict[str, list[dict]]:
     """Rows of the committed CUDA baselines at ``size``, by kernel::impl (none until a GPU run is
     committed: docs/baselines-and-ci.md)."""
     rows = {}
@@ -138,21 +139,39 @@ def _cuda_rows(size: str) -> dict[str, dict]:
     return rows
 
 
+def cuda_floor_problems(marker: str, floors: list, rows: Callable[[str], dict[str, list[dict]]]) -> list[str]:
+    """What is wrong with CUDA ``floors`` (``_floors`` tuples) given ``rows(size)``, the committed CUDA
+    baselines' rows by kernel::impl: a floor with no row measured, or one over MARGIN x the lowest."""
+    problems = []
+    for kernel, impl, size, floor, _ in floors:
+        measured = rows(size).get(f"{kernel}::{impl}", [])
+        values = [r["speedup"] if marker == "speedup" else 1.0 - r["memory_ratio"] for r in measured
+                  if marker == "speedup" or r.get("memory_ratio") is not None]
+        if not values:
+            problems.append(f"{kernel} [{impl}] {size}: {marker}(cuda={floor}) has no committed CUDA baseline row")
+        elif floor > MARGIN * min(values):
+            problems.append(f"{kernel} [{impl}] {size}: {marker} floor {floor} over {MARGIN} x {min(values):.2f}")
+    return problems
+
+
 @pytest.mark.parametrize("marker", ["speedup", "memory"])
 def test_no_cuda_floor_without_a_cuda_measurement(marker: str) -> None:
     """A CUDA floor is a claim about GPUs: it is set from a committed CUDA baseline's rows (and sits
     under them), never from CPU numbers, and none is declared before a GPU has run the suite."""
-    unmeasured, over = [], []
-    for kernel, impl, size, floor, _ in _floors("cuda", marker):
-        rows = _cuda_rows(size).get(f"{kernel}::{impl}", [])
-        values = [r["speedup"] if marker == "speedup" else 1.0 - r["memory_ratio"] for r in rows
-                  if marker == "speedup" or r.get("memory_ratio") is not None]
-        if not values:
-            unmeasured.append(f"{kernel} [{impl}] {size}: {marker}(cuda={floor})")
-        elif floor > MARGIN * min(values):
-            over.append(f"{kernel} [{impl}] {size}: {marker} floor {floor} over {MARGIN} x {min(values):.2f}")
-    assert not unmeasured, "CUDA floors with no committed CUDA baseline row: " + "; ".join(unmeasured)
-    assert not over, "; ".join(over)
+    problems = cuda_floor_problems(marker, _floors("cuda", marker), _cuda_rows)
+    assert not problems, "; ".join(problems)
+
+
+def test_cuda_floor_check_refuses_what_it_should() -> None:
+    """The check above on made-up floors: unmeasured and too-high floors are named, a floor under a
+    measured row passes."""
+    rows = lambda size: {"k::optimized": [{"speedup": 4.0, "memory_ratio": 0.5}]} if size == "full" else {}
+    floor = lambda value, size="full": [("k", "optimized", size, value, None)]
+    assert cuda_floor_problems("speedup", floor(3.0), rows) == []
+    assert "over 0.85 x 4.00" in cuda_floor_problems("speedup", floor(3.5), rows)[0]
+    assert "no committed CUDA baseline row" in cuda_floor_problems("speedup", floor(1.0, "smoke"), rows)[0]
+    assert cuda_floor_problems("memory", floor(0.4), rows) == []
+    assert "over 0.85 x 0.50" in cuda_floor_problems("memory", floor(0.45), rows)[0]
 
 
 @pytest.fixture

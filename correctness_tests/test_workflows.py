@@ -1,7 +1,9 @@
 """The workflows cannot hand a fork's code to a self-hosted runner: each self-hosted job's `if:` is
 evaluated against simulated events (a fork's PR runs only when a maintainer applies the approval
 label, for that event's commit), triggers that run fork code with secrets are refused, no secrets
-reach those jobs, and every action is pinned to a commit (docs/baselines-and-ci.md)."""
+reach those jobs, and every action is pinned to a commit (docs/baselines-and-ci.md). A job counts
+as self-hosted unless all its runs-on labels are GitHub-hosted images; reusable workflows, which
+this checker does not follow, are refused."""
 
 from __future__ import annotations
 
@@ -240,21 +242,43 @@ def dispatch() -> dict:
     return ctx
 
 
-# name -> (context, may a self-hosted job run?); fork events run only on the approval label's event.
-SCENARIOS: dict[str, tuple[dict, bool]] = {
-    "fork PR opened, approval label on it": (pull_request("opened", fork=True, labels=(APPROVAL_LABEL,)), False),
-    "fork PR synchronize, approval label on it":
-        (pull_request("synchronize", fork=True, labels=(APPROVAL_LABEL,)), False),
-    "fork PR reopened, approval label on it":
-        (pull_request("reopened", fork=True, labels=(APPROVAL_LABEL,)), False),
-    "fork PR labeled with the approval label":
-        (pull_request("labeled", fork=True, labels=(APPROVAL_LABEL,), label=APPROVAL_LABEL), True),
-    "fork PR labeled with another label, approval label on it":
-        (pull_request("labeled", fork=True, labels=(APPROVAL_LABEL, "docs"), label="docs"), False),
+PUSH = _github("push", {"ref": "refs/heads/main"}, "refs/heads/main", 1)
+APPROVED = "fork PR labeled with the approval label"
+# name -> (context, may a self-hosted job run?): events of this repository's own code.
+OWN_SCENARIOS: dict[str, tuple[dict, bool]] = {
     "same-repo PR synchronize": (pull_request("synchronize", fork=False), True),
-    "push to main": (_github("push", {"ref": "refs/heads/main"}, "refs/heads/main", 1), True),
+    "push to main": (PUSH, True),
     "workflow_dispatch": (dispatch(), True),
 }
+
+
+def pr_types(wf: dict) -> list[str]:
+    """The actions the workflow's pull_request trigger declares (GitHub's defaults where none)."""
+    types = (triggers(wf).get("pull_request") or {}).get("types", sorted(PR_DEFAULT_TYPES))
+    return [types] if isinstance(types, str) else list(types)
+
+
+def scenarios(wf: dict) -> dict[str, tuple[dict, bool]]:
+    """Name -> (context, may a self-hosted job run?): a fork's PR for every action the trigger
+    declares, with and without the approval label on it, and labeled with the approval label or
+    another; of the fork's events only the approval label's `labeled` may run."""
+    fork: dict[str, tuple[dict, bool]] = {}
+    for action in dict.fromkeys([*pr_types(wf), "labeled"]):
+        if action == "labeled":
+            fork[APPROVED] = (
+                pull_request(action, fork=True, labels=(APPROVAL_LABEL,), label=APPROVAL_LABEL), True)
+            fork["fork PR labeled with another label, approval label on it"] = (
+                pull_request(action, fork=True, labels=(APPROVAL_LABEL, "docs"), label="docs"), False)
+        elif action == "unlabeled":
+            fork["fork PR unlabeled, the approval label removed"] = (
+                pull_request(action, fork=True, label=APPROVAL_LABEL), False)
+            fork["fork PR unlabeled another label, approval label on it"] = (
+                pull_request(action, fork=True, labels=(APPROVAL_LABEL,), label="docs"), False)
+        else:
+            fork[f"fork PR {action}, approval label on it"] = (
+                pull_request(action, fork=True, labels=(APPROVAL_LABEL,)), False)
+            fork[f"fork PR {action}, no label"] = (pull_request(action, fork=True), False)
+    return fork | OWN_SCENARIOS
 
 
 # -- the checks ---------------------------------------------------------------------------------
@@ -284,13 +308,22 @@ def triggered(wf: dict, ctx: dict) -> bool:
     return ctx["github"]["event"]["action"] in ([types] if isinstance(types, str) else types)
 
 
+# GitHub's image labels (ubuntu-24.04-arm, windows-2025, macos-14-xlarge): a custom label such as
+# ubuntu-gpu is a self-hosted runner's.
+HOSTED_LABEL = re.compile(r"(ubuntu|windows|macos)-(latest|[\d.]+)(-(arm|intel|large|xlarge))?", re.I)
+
+
 def self_hosted(job: dict) -> bool:
-    """runs-on names self-hosted or a runner group, or has a computed label (unknown: counted)."""
+    """Unless every runs-on label is a GitHub-hosted image (ubuntu-*, windows-*, macos-*), the job
+    may reach a self-hosted runner: other labels, a runner group, a computed label, no runs-on."""
     runs_on = job.get("runs-on")
     if isinstance(runs_on, dict):
-        return True
-    labels = [str(x) for x in ([runs_on] if isinstance(runs_on, str) else runs_on or [])]
-    return any(x.strip().lower() == "self-hosted" or "${{" in x for x in labels)
+        if "group" in runs_on:
+            return True
+        runs_on = runs_on.get("labels")
+    labels = [runs_on] if isinstance(runs_on, str) else runs_on
+    return not (isinstance(labels, list) and labels
+                and all(isinstance(x, str) and HOSTED_LABEL.fullmatch(x.strip()) for x in labels))
 
 
 def can_run(wf: dict, name: str, ctx: dict) -> bool:
@@ -310,14 +343,18 @@ def can_run(wf: dict, name: str, ctx: dict) -> bool:
 
 
 def fork_problems(wf: dict) -> list[str]:
-    """What lets a fork run code on a self-hosted runner: a refused trigger, or a job that runs in a
-    simulated event where it must not."""
+    """What lets a fork run code on a self-hosted runner: a reusable workflow (not followed), a
+    refused trigger, or a job that runs in a simulated event where it must not."""
+    problems = [f"job {n!r} calls the reusable workflow {j['uses']}: the checker does not follow "
+                "reusable workflows" for n, j in wf.get("jobs", {}).items() if "uses" in j]
     jobs = [n for n, j in wf.get("jobs", {}).items() if self_hosted(j)]
     if not jobs:
-        return []
-    problems = [f"trigger {t} runs fork code with secrets or a write token" for t in triggers(wf)
-                if t in FORBIDDEN_TRIGGERS]
-    for scenario, (ctx, allowed) in SCENARIOS.items():
+        return problems
+    problems += [f"trigger {t} runs fork code with secrets or a write token" for t in triggers(wf)
+                 if t in FORBIDDEN_TRIGGERS]
+    if "workflow_call" in triggers(wf):
+        problems.append("trigger workflow_call: the checker does not follow reusable workflows")
+    for scenario, (ctx, allowed) in scenarios(wf).items():
         if not allowed and triggered(wf, ctx):
             problems += [f"self-hosted job {n!r} runs on: {scenario}" for n in jobs if can_run(wf, n, ctx)]
     return problems
@@ -398,7 +435,7 @@ def test_actions_are_pinned(name: str) -> None:
 def guard_problems(wf: dict) -> list[str]:
     """gpu-perf's jobs, the hosted merge too, each run exactly where a self-hosted job may."""
     return [f"job {n!r} {'runs' if ran else 'does not run'} on: {scenario}"
-            for scenario, (ctx, allowed) in SCENARIOS.items()
+            for scenario, (ctx, allowed) in scenarios(wf).items()
             for n in wf["jobs"] if (ran := triggered(wf, ctx) and can_run(wf, n, ctx)) != allowed]
 
 
@@ -406,14 +443,26 @@ def test_gpu_perf_guard_on_every_job() -> None:
     assert guard_problems(load("gpu-perf.yml")) == []
 
 
+def concurrency_problems(wf: dict) -> list[str]:
+    """The scenarios where the concurrency group's copy of the guard disagrees with perf's: a run
+    the guard skips must get `-skipped-<run_id>`, and only such a run."""
+    problems = []
+    for scenario, (ctx, _) in scenarios(wf).items():
+        github = ctx["github"]
+        skipped = "" if can_run(wf, "perf", ctx) else f"-skipped-{github['run_id']}"
+        if interpolate(wf["concurrency"]["group"], ctx) != f"gpu-perf-{github['ref']}{skipped}":
+            problems.append(scenario)
+    return problems
+
+
 def test_gpu_perf_skipped_runs_queue_apart() -> None:
     """A run the guard skips gets its own concurrency group, so it cannot replace a waiting run."""
-    group = load("gpu-perf.yml")["concurrency"]["group"]
-    approved = SCENARIOS["fork PR labeled with the approval label"][0]
+    wf = load("gpu-perf.yml")
+    assert concurrency_problems(wf) == []
+    group = wf["concurrency"]["group"]
     skipped = pull_request("synchronize", fork=True, labels=(APPROVAL_LABEL,), run_id=99)
-    assert interpolate(group, approved) == "gpu-perf-refs/pull/7/merge"
+    assert interpolate(group, scenarios(wf)[APPROVED][0]) == "gpu-perf-refs/pull/7/merge"
     assert interpolate(group, skipped) == "gpu-perf-refs/pull/7/merge-skipped-99"
-    assert interpolate(group, pull_request("synchronize", fork=False, run_id=99)) == "gpu-perf-refs/pull/7/merge"
 
 
 # -- the checks fail where they should -----------------------------------------------------------
@@ -431,7 +480,7 @@ def _doctored(**jobs_if: str | None) -> dict:
 def test_guard_removed_is_reported() -> None:
     problems = fork_problems(_doctored(perf=None))
     assert "self-hosted job 'perf' runs on: fork PR synchronize, approval label on it" in problems
-    assert len(problems) == 4  # opened, synchronize, reopened, another label
+    assert len(problems) == 7  # opened, synchronize, reopened (label on it or not), another label
 
 
 def test_guard_on_the_label_present_is_reported() -> None:
@@ -448,7 +497,71 @@ def test_guard_on_the_label_present_is_reported() -> None:
 def test_merge_without_the_guard_is_reported() -> None:
     """!cancelled() alone runs the merge when the guard skipped perf."""
     assert guard_problems(_doctored(merge="${{ !cancelled() }}")) == [
-        f"job 'merge' runs on: {s}" for s, (_, allowed) in SCENARIOS.items() if not allowed]
+        f"job 'merge' runs on: {s}" for s, (_, allowed) in scenarios(load("gpu-perf.yml")).items() if not allowed]
+
+
+@pytest.mark.parametrize(("runs_on", "hosted"), [
+    ("ubuntu-latest", True), (["ubuntu-24.04"], True), ({"labels": ["windows-latest"]}, True),
+    ("macos-14", True), ("ubuntu-24.04-arm", True), ("ubuntu-gpu", False), ("self-hosted", False),
+    (["linux", "gpu", "h100"], False), ("gpu", False),
+    (["ubuntu-latest", "gpu"], False), ({"group": "gpu-runners"}, False),
+    ({"group": "hosted", "labels": ["ubuntu-latest"]}, False), ("${{ matrix.os }}", False),
+    (["ubuntu-latest", "${{ matrix.os }}"], False), (None, False), ([], False),
+])
+def test_self_hosted_unless_every_label_is_hosted(runs_on: object, hosted: bool) -> None:
+    assert self_hosted({"runs-on": runs_on}) is not hosted
+
+
+def test_gpu_labels_without_self_hosted_are_reported() -> None:
+    """runs-on: [linux, gpu, h100] reaches the self-hosted runners without naming self-hosted."""
+    wf = _doctored(perf=None)
+    wf["jobs"]["perf"]["runs-on"] = ["linux", "gpu", "h100"]
+    assert "self-hosted job 'perf' runs on: fork PR opened, no label" in fork_problems(wf)
+    assert "self-hosted job 'perf' can read secrets" in secret_problems(
+        {"jobs": {"perf": {"runs-on": "gpu", "env": {"T": "${{ secrets.T }}"}}}})
+
+
+@pytest.mark.parametrize("uses", ["./.github/workflows/gpu-job.yml",
+                                  "other/repo/.github/workflows/gpu.yml@11bd71901bbe5b1630ceea73d27597364c9af683"])
+def test_reusable_workflow_is_refused(uses: str) -> None:
+    """A called workflow's jobs are not evaluated, so a call is refused, guarded or not; so is a
+    self-hosted workflow that others may call."""
+    wf = load("gpu-perf.yml")
+    wf["jobs"]["call"] = {"if": wf["jobs"]["perf"]["if"], "uses": uses}
+    msg = f"job 'call' calls the reusable workflow {uses}: the checker does not follow reusable workflows"
+    assert fork_problems(wf) == [msg]
+    hosted = {True: {"push": None}, "jobs": {"call": {"uses": uses}}}
+    assert fork_problems(hosted) == [msg]
+    wf = load("gpu-perf.yml")
+    wf[True]["workflow_call"] = None
+    assert fork_problems(wf) == ["trigger workflow_call: the checker does not follow reusable workflows"]
+
+
+def test_every_declared_action_is_simulated() -> None:
+    """Fork events beyond opened/synchronize/reopened: each declared type is tried."""
+    wf = _doctored(perf="github.event_name != 'pull_request' || github.event.action == 'ready_for_review'"
+                        " || (github.event.action == 'labeled' && github.event.label.name == 'gpu-perf-approved')")
+    wf[True]["pull_request"]["types"].append("ready_for_review")
+    assert fork_problems(wf) == ["self-hosted job 'perf' runs on: fork PR ready_for_review, approval label on it",
+                                 "self-hosted job 'perf' runs on: fork PR ready_for_review, no label"]
+    wf = _doctored(perf=f"github.event_name != 'pull_request' || github.event.label.name == '{APPROVAL_LABEL}'")
+    wf[True]["pull_request"]["types"].append("unlabeled")
+    assert fork_problems(wf) == ["self-hosted job 'perf' runs on: fork PR unlabeled, the approval label removed"]
+    wf[True]["pull_request"] = None  # the default types, labeled not among them
+    assert fork_problems(wf) == []
+    assert list(scenarios(wf))[:6] == [f"fork PR {a}, {s}" for a in ("opened", "reopened", "synchronize")
+                                       for s in ("approval label on it", "no label")]
+
+
+def test_concurrency_guard_copy_is_checked() -> None:
+    """A skipped run left in the approved run's group would replace that run while it waits."""
+    wf = load("gpu-perf.yml")
+    group = wf["concurrency"]["group"]
+    wf["concurrency"]["group"] = group.replace(" && github.event.label.name == 'gpu-perf-approved'", "")
+    assert wf["concurrency"]["group"] != group
+    assert concurrency_problems(wf) == ["fork PR labeled with another label, approval label on it"]
+    wf["concurrency"]["group"] = "gpu-perf-${{ github.ref }}"
+    assert concurrency_problems(wf) == [s for s, (_, allowed) in scenarios(wf).items() if not allowed]
 
 
 @pytest.mark.parametrize("trigger", sorted(FORBIDDEN_TRIGGERS))
@@ -481,7 +594,7 @@ def test_unpinned_uses_is_reported(uses: str) -> None:
     ("github.event.nothing.here == null", True), ("format('{0}-{1}', 'a', 1)", "a-1"),
 ])
 def test_evaluator(expr: str, value: object) -> None:
-    assert evaluate(parse(expr), SCENARIOS["push to main"][0], {}) == value
+    assert evaluate(parse(expr), PUSH, {}) == value
 
 
 @pytest.mark.parametrize("expr", ["github.event.labels[0]", "a < b", "secrets.X == ''", "fromJSON('1')",

@@ -32,17 +32,18 @@ from pytest_benchmark.fixture import FixtureAlreadyUsed
 from perfgate import compat
 
 def test_rounds(benchmark):
-    times, result = compat.record_rounds(benchmark, lambda: ([0.001 * (i + 1) for i in range(7)], "out"))
+    times, result = compat.record_rounds(benchmark, lambda: ([0.001 * (i + 1) for i in range(7)], "out"),
+                                         timer="torch.cuda.Event")
     assert times == [0.001 * (i + 1) for i in range(7)] and result == "out"
 
 def test_used_once(benchmark):
-    compat.record_rounds(benchmark, lambda: ([0.001] * 5, None))
+    compat.record_rounds(benchmark, lambda: ([0.001] * 5, None), timer="t")
     with pytest.raises(FixtureAlreadyUsed):
         benchmark.pedantic(lambda: None)
 
 def test_timing_raised(benchmark):
     with pytest.raises(ZeroDivisionError):
-        compat.record_rounds(benchmark, lambda: ([1 / 0], None))
+        compat.record_rounds(benchmark, lambda: ([1 / 0], None), timer="t")
     assert benchmark.has_error
 
 def test_session_attached(request):
@@ -63,6 +64,7 @@ def test_recorded_rounds_are_pytest_benchmarks_rounds(pytester: pytest.Pytester)
     assert stats["rounds"] == 7 and stats["iterations"] == 1
     assert stats["min"] == pytest.approx(0.001) and stats["median"] == pytest.approx(0.004)
     assert stats["max"] == pytest.approx(0.007)
+    assert benchmarks["test_rounds"]["options"]["timer"] == "torch.cuda.Event"  # the clock that read them
 
 
 def test_host_timer_is_benchmark_timer(pytester: pytest.Pytester) -> None:

@@ -274,8 +274,9 @@ def test_benchmark_disable_runs_once_and_says_the_gate_did_not_run(pytester: pyt
     result = _run(pytester, "--benchmark-disable")
     assert result.ret == 0
     result.assert_outcomes(passed=2)
-    # disabled: one call, nothing sized or timed
+    # disabled: one call, nothing sized or timed, and the fixture counts as used
     assert (pytester.path / "optimized").read_text() == "x"
+    assert "was not used at all" not in result.stdout.str() + result.stderr.str()
     result.stdout.fnmatch_lines(["*2 perf call(s) ran once with benchmarks disabled*the gate did not run*"])
 
 

@@ -4,7 +4,9 @@ and the fingerprint's keys. The CUDA clock itself is checked where CUDA exists."
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -38,8 +40,13 @@ class AsyncDevice:
 class EventClock:
     """``CudaEventClock``'s contract on the simulated device: a mark is an event in the queue."""
 
+    name = "simulated events"
+
     def __init__(self, device: AsyncDevice) -> None:
         self.device = device
+
+    def ready(self, marks: int) -> None:
+        pass
 
     def mark(self) -> float:
         d = self.device
@@ -130,6 +137,15 @@ def test_host_clock_reads_each_call_and_not_its_setup() -> None:
     assert times == pytest.approx([0.003, 0.004, 0.005]) and calls == [1, 2, 3, 4, 5] and last == 5
 
 
+def test_garbage_collection_is_off_during_a_block_when_asked() -> None:
+    """--benchmark-disable-gc, as pedantic honoured it: off inside the block, back on after."""
+    seen = []
+    timed = (lambda: seen.append(gc.isenabled()), None)
+    Timer(HostClock(), disable_gc=True).block(timed, 3)
+    Timer(HostClock()).block(timed, 3)
+    assert seen == [False] * 4 + [True] * 4 and gc.isenabled()
+
+
 def test_interleaved_pairs_alternate_abba_on_the_timer() -> None:
     order = []
     clock = HostClock(lambda: float(len(order)))
@@ -168,9 +184,14 @@ def test_the_gpu_fingerprint_names_what_its_timings_depend_on(monkeypatch: pytes
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     fp = fingerprint("cuda", 16, "n/a", gpu=GPU)
     assert fp["gpu"] == GPU and fp["l2_flush"] is False
-    assert "-drv570.86.15-" in slug(fp) and not slug(fp).endswith("l2flush")
+    assert "-drv570.86.15-" in slug(fp) and "l2flush" not in slug(fp)
+    # a cold-cache run, another application clock, TF32 on: each has its own baseline folder
     flushed = fingerprint("cuda", 16, "n/a", l2_flush=True, gpu=GPU)
-    assert flushed != fp and slug(flushed).endswith("-l2flush")  # a cold-cache run is another machine
+    clocked = fingerprint("cuda", 16, "n/a", gpu={**GPU, "app_clock_mhz": "1410"})
+    tf32 = fingerprint("cuda", 16, "n/a", gpu={**GPU, "fp32_matmul": "high"})
+    assert "-l2flush-" in slug(flushed)
+    assert len({slug(fp), slug(flushed), slug(clocked), slug(tf32)}) == 4
+    assert slug(fingerprint("cuda", 16, "n/a", gpu=dict(GPU))) == slug(fp)  # and the same facts, the same folder
 
 
 def test_cpu_fingerprints_keep_the_keys_of_the_stored_baselines() -> None:
@@ -201,7 +222,8 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-@pytest.mark.skipif(not _cuda(), reason="CUDA events and GPU facts need a CUDA device")
+@pytest.mark.skipif(not _cuda() and os.environ.get("PERFGATE_REQUIRE_CUDA") != "1",
+                    reason="CUDA events and GPU facts need a CUDA device (PERFGATE_REQUIRE_CUDA=1: fail instead)")
 def test_cuda_events_read_a_kernel_of_known_length() -> None:
     """torch.cuda._sleep spins a kernel for a number of cycles: twice the cycles read about twice
     the time, with no synchronize inside the block."""

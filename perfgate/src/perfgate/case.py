@@ -157,18 +157,21 @@ class PerfCase:
         """
         config, state, bench = self._request.config, self._state, self._benchmark
         state.pin_threads()  # a peer's BLAS pool loads at its first use: at the session's threads too
-        # wall-clock calls (the first call, the sizing call, the result) end with a synchronize
+        # wall-clock calls (the first call, the sizing call) end with a synchronize
         run = synced(fn, self.device)
+        slowed = state.slowdown != 1.0 and self.impl == OPTIMIZED
+        if slowed:  # --perf-slowdown (CPU only): spun after the call, its rounds sized slowed
+            run = _slowed(run, state.slowdown)
         setup_synced = None if setup is None else synced(setup, self.device)
         call = run if setup_synced is None else lambda: run(setup_synced())
-        if bench.disabled:  # --benchmark-disable or xdist: run once, nothing measured
+        if bench.disabled:  # --benchmark-disable or xdist: pytest-benchmark runs it once
             state.unmeasured += 1
-            return call()
+            return bench.pedantic(call, rounds=1, iterations=1)
         t0 = time.perf_counter()
         call()
         t1 = time.perf_counter()
         call()  # a warm call sizes the rounds: the first may compile or build caches
-        first, warm = t1 - t0, time.perf_counter() - t1
+        first, warm = t1 - t0, state.timer.cost(time.perf_counter() - t1)
         if rounds is None:
             max_time = float(config.getoption("benchmark_max_time"))
             min_rounds = int(config.getoption("benchmark_min_rounds"))
@@ -178,10 +181,10 @@ class PerfCase:
         bench.extra_info.update(kernel=self.kernel, impl=self.impl, size=self.size, label=label,
                                 device=self.device, first_call_ms=1e3 * first)
         # the rounds are one block on the session's clock (CUDA events on a GPU), given to
-        # pytest-benchmark as its rounds; the slowed impl (--perf-slowdown) spins after a synchronize
-        timed = (fn, setup) if not (state.slowdown != 1.0 and self.impl == OPTIMIZED) else \
-            (_slowed(run, state.slowdown), setup)
-        times, result = compat.record_rounds(bench, lambda: state.timer.rounds(timed, rounds, warm=warmup_rounds))
+        # pytest-benchmark as its rounds
+        timed = (run if slowed else fn, setup)
+        times, result = compat.record_rounds(bench, lambda: state.timer.rounds(timed, rounds, warm=warmup_rounds),
+                                             timer=state.timer.clock.name)
         # every impl's timed callable is kept for the impls of this kernel that follow it: the
         # reference for all of them, a peer for the impls a speedup(over=) marker compares with it
         paired, later = None, None
@@ -216,8 +219,9 @@ class PerfCase:
         state, config = self._state, self._request.config
         (base_timed, base_median), (side_timed, side_median) = (state.runners[(self.kernel, i)]
                                                                 for i in (base, side))
-        calls = (_block_calls(base_median), _block_calls(side_median))
-        block_s = (calls[0] + 1) * base_median + (calls[1] + 1) * side_median
+        base_s, side_s = state.timer.cost(base_median), state.timer.cost(side_median)  # with the flush
+        calls = (_block_calls(base_s), _block_calls(side_s))
+        block_s = (calls[0] + 1) * base_s + (calls[1] + 1) * side_s
         max_time = float(config.getoption("benchmark_max_time"))
         n = max(MIN_PAIRS, min(rounds, math.ceil(max_time / max(block_s, 1e-6))))
         # a share now, the rest in later visits at the session's end (GateState.revisit); a

@@ -1,7 +1,7 @@
 """Every reach into pytest-benchmark beyond its documented API, in one place.
 
-Documented and used as such elsewhere: the ``benchmark`` fixture's ``pedantic``, ``group``,
-``extra_info`` and ``disabled``; the ``--benchmark-*`` options; the hooks
+Documented and used as such elsewhere: the ``benchmark`` fixture's ``group``, ``extra_info``
+and ``disabled``; the ``--benchmark-*`` options; the hooks
 ``pytest_benchmark_update_machine_info``, ``pytest_benchmark_compare_machine_info`` and
 ``pytest_benchmark_update_json``. What follows has no documented form; ``tests/test_compat.py``
 checks each of them, so a pytest-benchmark upgrade that breaks one fails there, loudly, not as
@@ -28,11 +28,12 @@ from typing import Any
 import pytest
 
 
-def record_rounds(benchmark: Any, time_rounds: Callable[[], tuple[list[float], Any]]) -> tuple[list[float], Any]:
+def record_rounds(benchmark: Any, time_rounds: Callable[[], tuple[list[float], Any]],
+                  timer: str) -> tuple[list[float], Any]:
     """Run ``time_rounds`` (seconds of each round, and a result) and record its rounds as
     pytest-benchmark's stats of the ``benchmark`` fixture, one round each, as
-    ``pedantic(iterations=1)`` records its own; the fixture can then not be used again. Returns
-    what ``time_rounds`` returned."""
+    ``pedantic(iterations=1)`` records its own, with ``timer`` (the clock's name) as the JSON's
+    timer; the fixture can then not be used again. Returns what ``time_rounds`` returned."""
     from pytest_benchmark.fixture import FixtureAlreadyUsed
 
     if benchmark._mode:
@@ -46,6 +47,7 @@ def record_rounds(benchmark: Any, time_rounds: Callable[[], tuple[list[float], A
         benchmark.has_error = True
         raise
     stats = benchmark._make_stats(1)
+    stats.options["timer"] = timer
     for seconds in times:
         stats.update(seconds)
     return times, result

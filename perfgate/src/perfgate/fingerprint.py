@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import platform
 import re
@@ -116,7 +118,8 @@ def fingerprint(device: str, threads: int | None, malloc: str, *, l2_flush: bool
 
 def slug(fp: dict) -> str:
     """A folder name for a fingerprint, e.g. ``cpu-AMD_EPYC-t2-torch2.14.1-py3.11`` or
-    ``cuda-NVIDIA_H100_80GB_HBM3-t16-torch2.14.1-cuda12.8-drv570.86.15-py3.11``."""
+    ``cuda-NVIDIA_H100_80GB_HBM3-t16-torch2.14.1-cuda12.8-drv570.86.15-py3.11-fp1a2b3c4d`` (on CUDA a
+    digest of the whole fingerprint ends it: GPUs of one name differ in MIG, clocks, TF32)."""
     parts = [fp["device_type"], fp["device_name"]]
     parts += [f"t{fp['threads']}"] if fp.get("threads") is not None else []
     parts += [f"torch{fp['torch']}"] if fp.get("torch") is not None else []
@@ -131,4 +134,6 @@ def slug(fp: dict) -> str:
         parts.append("thp")
     if fp.get("l2_flush"):
         parts.append("l2flush")
+    if fp.get("gpu") is not None:  # MIG, clocks, power, TF32 differ within one GPU name: one folder each
+        parts.append("fp" + hashlib.sha1(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:8])
     return "-".join(re.sub(r"[^A-Za-z0-9.]+", "_", str(p)).strip("_") for p in parts)

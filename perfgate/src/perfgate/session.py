@@ -170,6 +170,10 @@ class PerfSession:
             device = resolve_device(self.requested_device)
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from exc
+        if self.slowdown != 1.0 and device.startswith("cuda"):
+            raise pytest.UsageError("--perf-slowdown spins the host after each call, which slows a CPU kernel by "
+                                    "the factor but not a CUDA kernel timed by events: measure the gate's "
+                                    "fidelity with --perf-device cpu")
         if self.l2_flush and not device.startswith("cuda"):
             raise pytest.UsageError(f"--perf-l2-flush overwrites a GPU's L2 cache before each timed call; this "
                                     f"session runs on {device}: drop it, or run with --perf-device cuda")
@@ -191,7 +195,8 @@ class PerfSession:
                                fingerprint=fp, slug=slug(fp), slowdown=self.slowdown, visits=self.visits,
                                extend_s=self.extend_s, cpu_floors_off=_cpu_floors_off(device, threads, malloc),
                                timer=timer_for(device, l2_flush=self.l2_flush,
-                                               host_timer=compat.host_timer(self.config)))
+                                               host_timer=compat.host_timer(self.config),
+                                               disable_gc=bool(self.config.getoption("benchmark_disable_gc"))))
         path = compat.storage_url(self.config)
         storage = None if path is None else f"file://{path}/{self.state.slug}/{size}"
         compare, self._held_compare = self._held_compare, None

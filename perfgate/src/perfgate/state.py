@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -145,7 +146,8 @@ class GateState:
         start, pairs = time.perf_counter(), len(m.paired)
         while row.straddles_floor:
             spent = time.perf_counter() - start
-            per_pair = (spent / (len(m.paired) - pairs)) if len(m.paired) > pairs else _pair_seconds(m, timer)
+            per_pair = (spent / (len(m.paired) - pairs)) if len(m.paired) > pairs else \
+                _pair_seconds(m, timer, self.timer.cost)
             fits = int((self.extend_s - spent) / max(per_pair, 1e-9))
             step = min(len(m.paired), MAX_PAIRS - len(m.paired), fits)
             if step < 1:
@@ -196,9 +198,10 @@ class GateState:
 STATE = pytest.StashKey[GateState]()
 
 
-def _pair_seconds(m: Measurement, timer: Visits) -> float:
-    """Seconds one interleaved pair takes: each side's block is a warming call and its timed calls."""
-    ref_s, opt_s = (median(t) for t in zip(*m.paired, strict=True))
+def _pair_seconds(m: Measurement, timer: Visits, cost: Callable[[float], float]) -> float:
+    """Seconds one interleaved pair takes: each side's block is a warming call and its timed calls,
+    each costing ``cost`` of its reading (the reading, and the L2 flush when on)."""
+    ref_s, opt_s = (cost(median(t)) for t in zip(*m.paired, strict=True))
     return (timer.calls[0] + 1) * ref_s + (timer.calls[1] + 1) * opt_s
 
 

@@ -13,6 +13,7 @@ pulls speedups toward 1 (the design and its reasons: docs/perfgate.md, "Timing o
 from __future__ import annotations
 
 import ctypes
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,6 +68,10 @@ def synced(fn: Callable[..., Any], device: str) -> Callable[..., Any]:
 class Clock(Protocol):
     """Marks placed before and after calls, read as seconds once ``wait`` has returned."""
 
+    name: str  # what the readings come from (pytest-benchmark's JSON names it as its timer)
+
+    def ready(self, marks: int) -> None: ...
+
     def mark(self) -> Any: ...
 
     def wait(self) -> None: ...
@@ -78,7 +83,10 @@ class HostClock:
     """CPU: a mark is a reading of ``timer`` (seconds), nothing to wait for."""
 
     def __init__(self, timer: Callable[[], float] = time.perf_counter) -> None:
-        self.timer = timer
+        self.timer, self.name = timer, getattr(timer, "__name__", repr(timer))
+
+    def ready(self, marks: int) -> None:
+        pass
 
     def mark(self) -> float:
         return self.timer()
@@ -92,16 +100,31 @@ class HostClock:
 
 class CudaEventClock:
     """CUDA: a mark is an event recorded on the device's current stream; it takes its time when
-    the device reaches it, after the work queued before it. ``wait`` synchronizes once."""
+    the device reaches it, after the work queued before it. ``ready`` creates a block's events and
+    looks up the stream before the block, so a mark costs only its record; ``wait`` synchronizes
+    once."""
+
+    name = "torch.cuda.Event"
 
     def __init__(self, device: str) -> None:
         import torch
 
         self.device, self.torch = device, torch
+        self.events: list[Any] = []
+        self.used, self.stream = 0, None
+
+    def ready(self, marks: int) -> None:
+        self.stream = self.torch.cuda.current_stream(self.device)
+        while len(self.events) < marks:
+            event = self.torch.cuda.Event(enable_timing=True)
+            event.record(self.stream)  # a CUDA event is created at its first record: now, not in a reading
+            self.events.append(event)
+        self.used = 0
 
     def mark(self) -> Any:
-        event = self.torch.cuda.Event(enable_timing=True)
-        event.record(self.torch.cuda.current_stream(self.device))
+        event = self.events[self.used]
+        self.used += 1
+        event.record(self.stream)
         return event
 
     def wait(self) -> None:
@@ -128,10 +151,18 @@ Timed = tuple[Callable[..., Any], Callable[[], Any] | None]  # (callable, its pe
 
 @dataclass
 class Timer:
-    """Times calls of one device with ``clock``; ``flush`` (CUDA's L2 flush) runs before each."""
+    """Times calls of one device with ``clock``. ``flush`` (CUDA's L2 flush) runs before each call;
+    ``overhead_s`` is what it adds to a call's wall time, outside the reading (budgets count it).
+    ``disable_gc``: Python's garbage collector is off during a block (--benchmark-disable-gc)."""
 
     clock: Clock
     flush: Callable[[], Any] | None = None
+    overhead_s: float = 0.0
+    disable_gc: bool = False
+
+    def cost(self, seconds: float) -> float:
+        """Wall seconds of a call that reads ``seconds``: what a block of it takes."""
+        return seconds + self.overhead_s
 
     def block(self, timed: Timed, calls: int, warm: int = 1) -> list[float]:
         """Seconds of each of ``calls`` back-to-back calls after ``warm`` untimed ones."""
@@ -143,26 +174,43 @@ class Timer:
         until the block's end."""
         fn, setup = timed
         marks, out = [], None
-        for i in range(warm + calls):
-            args = () if setup is None else (setup(),)
-            if self.flush is not None:
-                self.flush()
-            start = self.clock.mark()
-            out = fn(*args)
-            end = self.clock.mark()
-            if i >= warm:
-                marks.append((start, end))
+        self.clock.ready(2 * (warm + calls))
+        collecting = gc.isenabled()
+        if self.disable_gc:
+            gc.disable()
+        try:
+            for i in range(warm + calls):
+                args = () if setup is None else (setup(),)
+                if self.flush is not None:
+                    self.flush()
+                start = self.clock.mark()
+                out = fn(*args)
+                end = self.clock.mark()
+                if i >= warm:
+                    marks.append((start, end))
+        finally:
+            if collecting:
+                gc.enable()
         self.clock.wait()
         return [self.clock.seconds(start, end) for start, end in marks], out
 
 
-def timer_for(device: str, *, l2_flush: bool = False,
-              host_timer: Callable[[], float] = time.perf_counter) -> Timer:
-    """The session's timer: CUDA events on a CUDA device (with the L2 flush when asked), else
-    ``host_timer`` (pytest-benchmark's ``--benchmark-timer``)."""
-    if device.startswith("cuda"):
-        return Timer(CudaEventClock(device), l2_flusher(device) if l2_flush else None)
-    return Timer(HostClock(host_timer))
+def timer_for(device: str, *, l2_flush: bool = False, host_timer: Callable[[], float] = time.perf_counter,
+              disable_gc: bool = False) -> Timer:
+    """The session's timer: CUDA events on a CUDA device (with the L2 flush when asked, its cost
+    measured once), else ``host_timer`` (pytest-benchmark's ``--benchmark-timer``)."""
+    if not device.startswith("cuda"):
+        return Timer(HostClock(host_timer), disable_gc=disable_gc)
+    flush = l2_flusher(device) if l2_flush else None
+    overhead = 0.0
+    if flush is not None:
+        run = synced(flush, device)
+        run()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            run()
+        overhead = (time.perf_counter() - t0) / 3
+    return Timer(CudaEventClock(device), flush, overhead, disable_gc)
 
 
 def _proc_status_bytes(key: str) -> int | None:
