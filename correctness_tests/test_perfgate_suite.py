@@ -129,6 +129,20 @@ def test_cpu_floor_holds_on_every_measured_cpu(kernel: str, impl: str, size: str
             "kernel replaced by its reference; raise it, or list it in NO_REGRESSION with the reason"
 
 
+def test_every_committed_run_is_whole_and_of_todays_cpu_fingerprint_keys() -> None:
+    """The committed baselines pass perfgate's check of a stored run (a damaged one would stop
+    --benchmark-compare with a usage error), and a CPU fingerprint today has exactly their keys:
+    a fingerprint differing in any key is refused, so a new key would orphan every CPU baseline."""
+    from perfgate.fingerprint import fingerprint
+    from perfgate.stored import read_run
+
+    stored = sorted((ROOT / ".benchmarks").rglob("*.json"))
+    assert len(stored) >= 6, stored
+    runs = [read_run(path) for path in stored]
+    cpu_keys = {frozenset(r["machine_info"]["perfgate"]) for r in runs if r["perfgate"]["slug"].startswith("cpu-")}
+    assert cpu_keys == {frozenset(fingerprint("cpu", 2, "cache"))}
+
+
 def _cuda_rows(size: str) -> dict[str, list[dict]]:
     """Rows of the committed CUDA baselines at ``size``, by kernel::impl (none until a GPU run is
     committed: docs/baselines-and-ci.md)."""

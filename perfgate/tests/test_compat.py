@@ -13,7 +13,8 @@ from pytest_benchmark.utils import load_storage
 
 def test_benchmark_session_has_what_compat_uses() -> None:
     init = inspect.getsource(benchmark_session.BenchmarkSession.__init__)
-    for attribute in ("self.storage", "self.machine_id", "self.logger", "self.compare"):
+    for attribute in ("self.storage", "self.machine_id", "self.logger", "self.compare", "self.save",
+                      "self.autosave"):
         assert attribute in init, f"BenchmarkSession no longer sets {attribute}"
     assert callable(benchmark_session.BenchmarkSession.handle_loading)
     assert list(inspect.signature(benchmark_session.BenchmarkSession.handle_loading).parameters) == ["self"]

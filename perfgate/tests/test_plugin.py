@@ -118,6 +118,80 @@ def test_baseline_from_another_fingerprint_is_refused(pytester: pytest.Pytester)
     result.stderr.fnmatch_lines(["*refuses to compare against a baseline from another machine fingerprint*"])
 
 
+@pytest.mark.parametrize("damage", ["truncated", "fields", "interrupted"])
+def test_a_damaged_stored_run_is_named_not_skipped_or_crashed_on(pytester: pytest.Pytester, damage: str) -> None:
+    """A newest baseline cut short (pytest-benchmark skips it with a warning and compares against
+    the older one), missing its rows' fields (pytest-benchmark's compare stopped with an
+    INTERNALERROR), or saved by an interrupted session: a usage error naming the file."""
+    _suite(pytester)
+    assert _run(pytester, "--benchmark-save=old").ret == 0
+    assert _run(pytester, "--benchmark-save=new").ret == 0
+    newest = _saved(pytester)[-1]
+    text = newest.read_text()
+    data = json.loads(text)
+    if damage == "truncated":
+        newest.write_text(text[: len(text) // 2])
+    elif damage == "fields":
+        for row in data["perfgate"]["speedups"]:
+            del row["speedup"]
+        newest.write_text(json.dumps(data))
+    else:
+        data["perfgate"]["interrupted"] = True
+        newest.write_text(json.dumps(data))
+    why = {"truncated": "not readable as JSON", "fields": "speedup row 0 has no valid 'speedup'",
+           "interrupted": "saved by an interrupted session"}[damage]
+    for args in (["--benchmark-compare"], ["--perf-shard", "1/1"]):  # the shard plan reads the newest too
+        result = _run(pytester, *args)
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, args
+        result.stderr.fnmatch_lines([f"*{newest.name}: {why}*", "*Restore it*or move it out of*"])
+    other = pytester.path / "elsewhere.json"  # given by path, outside the storage
+    newest.rename(other)
+    result = _run(pytester, f"--benchmark-compare={other}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*elsewhere.json: {why}*"])
+
+
+INTERRUPTED = """
+import time
+import pytest
+
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_sleepy(perf, impl):
+    perf(lambda: time.sleep(0.004 if impl == "reference" else 0.002))
+
+def test_zz_ctrl_c():
+    raise KeyboardInterrupt
+"""
+
+
+def test_an_interrupted_session_saves_no_baseline(pytester: pytest.Pytester) -> None:
+    """Ctrl-C after the pairs ran: nothing saved to the storage, the JSON marked interrupted (and a
+    copy of it refused as a baseline, above)."""
+    pytester.makepyfile(test_int=INTERRUPTED)
+    # in a subprocess: an inline run would hand the KeyboardInterrupt to this session
+    result = pytester.runpytest_subprocess(*FAST, "--benchmark-save=partial", "--benchmark-json=out.json")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    assert _saved(pytester) == []
+    assert json.loads((pytester.path / "out.json").read_text())["perfgate"]["interrupted"] is True
+    result.stdout.fnmatch_lines(["*interrupted: nothing saved as a baseline*"])
+    pytester.makepyfile(test_int=INTERRUPTED.replace("raise KeyboardInterrupt", "pass"))
+    assert _run(pytester, "--benchmark-save=whole").ret == 0  # the same suite, not interrupted: saved
+    [saved] = _saved(pytester)
+    assert json.loads(saved.read_text())["perfgate"]["interrupted"] is False
+
+
+def test_report_names_and_skips_a_bad_file(pytester: pytest.Pytester, capsys) -> None:
+    _suite(pytester)
+    assert _run(pytester, "--benchmark-save=one").ret == 0
+    bad = _saved(pytester)[0].parent / "0002_bad.json"
+    bad.write_text("{not json")
+    os.chdir(pytester.path)  # the report reads .benchmarks/ under the working folder
+    assert report_main([]) == 0
+    captured = capsys.readouterr()
+    skipped = f"skipping {bad.relative_to(pytester.path)}: not readable as JSON"
+    assert "sleepy" in captured.out and skipped in captured.err
+
+
 MEMORY = """
 import time
 import pytest

@@ -5,9 +5,7 @@ and the fingerprint's keys. The CUDA clock itself is checked where CUDA exists."
 from __future__ import annotations
 
 import gc
-import json
 import os
-from pathlib import Path
 
 import pytest
 
@@ -192,14 +190,6 @@ def test_the_gpu_fingerprint_names_what_its_timings_depend_on(monkeypatch: pytes
     assert "-l2flush-" in slug(flushed)
     assert len({slug(fp), slug(flushed), slug(clocked), slug(tf32)}) == 4
     assert slug(fingerprint("cuda", 16, "n/a", gpu=dict(GPU))) == slug(fp)  # and the same facts, the same folder
-
-
-def test_cpu_fingerprints_keep_the_keys_of_the_stored_baselines() -> None:
-    """CPU baselines stay comparable: a fingerprint differing in any key is refused."""
-    stored = sorted(Path(__file__).parents[2].glob(".benchmarks/cpu-*/*/*/*.json"))
-    assert stored, "no committed CPU baseline to compare keys with"
-    keys = set(json.loads(stored[-1].read_text())["machine_info"]["perfgate"])
-    assert set(fingerprint("cpu", 2, "cache")) == keys
 
 
 def test_l2_flush_is_refused_off_cuda(pytester: pytest.Pytester) -> None:

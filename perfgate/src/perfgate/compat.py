@@ -12,6 +12,7 @@ a wrong verdict.
    pytest-benchmark as the stats ``pedantic`` would have built, the fixture marked used as
    ``pedantic`` marks it, and ``has_error`` set when the timing raises, as ``pedantic`` sets it.
    ``pytest_benchmark.utils.load_timer``: the host clock ``--benchmark-timer`` names.
+   The session's ``save`` and ``autosave``: an interrupted perf session takes them back.
 2. ``config._benchmarksession``: the session object pytest-benchmark builds in its own
    ``pytest_configure``; its ``storage`` (built by ``pytest_benchmark.utils.load_storage``),
    ``machine_id``, ``logger``, ``compare`` and ``handle_loading()``: perfgate decides whether it
@@ -51,6 +52,15 @@ def record_rounds(benchmark: Any, time_rounds: Callable[[], tuple[list[float], A
     for seconds in times:
         stats.update(seconds)
     return times, result
+
+
+def withhold_save(config: pytest.Config) -> None:
+    """pytest-benchmark saves nothing to its storage this session (``--benchmark-save`` and
+    ``--benchmark-autosave`` taken back before its ``pytest_sessionfinish`` saves);
+    ``--benchmark-json`` is still written."""
+    session = benchmark_session(config)
+    if session is not None:
+        session.save = session.autosave = None
 
 
 def host_timer(config: pytest.Config) -> Callable[[], float]:

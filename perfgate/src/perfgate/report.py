@@ -22,19 +22,18 @@ from pathlib import Path
 from .session import JSON_KEY
 from .shard import MergeError, merge
 from .stats import TABLE_HEADER, format_table, gate, held_to, row_from_dict, table_cells, verdict
+from .stored import BadRun, read_run
 
 
 def load_runs(paths: list[Path]) -> list[dict]:
-    """Runs that carry a perfgate section, oldest first. Plain JSON only (never pickle)."""
+    """The whole perfgate runs among ``paths``, oldest first; each other file is skipped with a
+    line on stderr naming it and what is wrong with it (stored.read_run)."""
     runs = []
     for path in paths:
-        data = json.loads(path.read_text(encoding="utf8"))
-        if JSON_KEY not in data:
-            print(f"skipping {path}: no perfgate section (not written by the perfgate plugin)",
-                  file=sys.stderr)
-            continue
-        data["_path"] = str(path)
-        runs.append(data)
+        try:
+            runs.append(read_run(path))
+        except BadRun as exc:
+            print(f"skipping {exc}", file=sys.stderr)
     return sorted(runs, key=lambda r: r.get("datetime", ""))
 
 

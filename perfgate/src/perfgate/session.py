@@ -125,7 +125,9 @@ class PerfSession:
 
         state, (index, count) = self.activate(), self.shard
         path = compat.storage_url(self.config)
-        weights, source = stored_weights(None if path is None else Path(path) / state.slug / state.size, JSON_KEY)
+        folder = None if path is None else Path(path) / state.slug / state.size
+        _check_stored(folder)
+        weights, source = stored_weights(folder, JSON_KEY)
         units = sorted({unit(item.nodeid) for item in items})
         try:
             assignment = plan(units, weights, count)
@@ -200,6 +202,10 @@ class PerfSession:
         path = compat.storage_url(self.config)
         storage = None if path is None else f"file://{path}/{self.state.slug}/{size}"
         compare, self._held_compare = self._held_compare, None
+        if compare is not None and path is not None:
+            _check_stored(Path(path) / self.state.slug / size)
+        if isinstance(compare, str) and Path(compare).is_file():  # --benchmark-compare=PATH
+            _check_stored(None, [Path(compare)])
         compat.load_compare(self.config, compare, storage=storage)
         if self.config.get_verbosity() >= 0:
             reporter = self.config.pluginmanager.get_plugin("terminalreporter")
@@ -226,10 +232,17 @@ class PerfSession:
 
     def compare_machine_info(self, benchmarksession: Any, compared_benchmark: dict) -> None:
         from .state import baseline_key
+        from .stored import problem
 
         state = self.state
         if state is None:
             return
+        why = problem(compared_benchmark)
+        if why is not None:
+            info = compared_benchmark.get("commit_info") if isinstance(compared_benchmark, dict) else None
+            raise pytest.UsageError(f"perfgate refuses the baseline --benchmark-compare loaded (commit "
+                                    f"{(info or {}).get('id')}): {why}. Compare against a run perfgate saved "
+                                    "whole.")
         theirs = compared_benchmark.get("machine_info", {}).get(JSON_KEY)
         if theirs != state.fingerprint:
             raise pytest.UsageError(
@@ -262,6 +275,7 @@ class PerfSession:
             "baseline": state.baseline_id,  # the stored run the rows were compared with (commit, time), or None
             "shard": state.shard,  # under --perf-shard: index, count, plan digest, its test functions
             "tests_failed": state.tests_failed,  # a merge of shards fails when any shard's tests failed
+            "interrupted": state.interrupted,  # Ctrl-C: partial rows; never saved, refused as a baseline
             "durations": state.durations,  # seconds per test function, setup to teardown: --perf-shard's weights
             "speedups": [r.as_dict() for r in state.rows],
         }
@@ -278,6 +292,8 @@ class PerfSession:
             state.interrupted = True
         state.tests_failed = session.testsfailed
         state.compute_rows()
+        if state.interrupted and self.saving:  # a partial run must not become the newest baseline
+            compat.withhold_save(self.config)
 
     def exit_status(self, session: pytest.Session) -> None:
         """After every other hook: a failed gate fails the session; Ctrl-C in the extra timing
@@ -321,7 +337,10 @@ class PerfSession:
         for row in state.memory_unmeasured():
             tr.write_line(f"{row}: a memory floor is declared but this platform gives no peak memory "
                           "(CUDA, or Linux /proc/self/clear_refs): memory not gated", yellow=True)
-        if self.saving:
+        if self.saving and state.interrupted:
+            tr.write_line(f"interrupted: nothing saved as a baseline for {state.slug} (its rows are partial; "
+                          "--benchmark-json, if given, marks them interrupted)", yellow=True)
+        elif self.saving:
             tr.write_line(f"saved these speedups as a baseline for {state.slug}")
         elif state.baseline is None:
             tr.write_line(f"no stored baseline compared for {state.slug}: save one on this machine with "
@@ -347,6 +366,24 @@ STYLES = {"note": {}, "warn": {"yellow": True, "bold": True}, "fail": {"red": Tr
 
 
 SESSION = pytest.StashKey[PerfSession]()
+
+
+def _check_stored(folder: Path | None, paths: list[Path] | None = None) -> None:
+    """Every run stored in ``folder`` (a fingerprint's and size's), or each of ``paths``, is a whole
+    perfgate run, or a usage error names it: pytest-benchmark skips a file it cannot parse, with a
+    warning, and would compare against an older run (or none), or stops on one missing its fields."""
+    from .stored import BadRun, read_run
+
+    if paths is None:
+        paths = sorted(folder.glob("*/*.json")) if folder is not None and folder.is_dir() else []
+    for path in paths:
+        try:
+            read_run(path)
+        except BadRun as exc:
+            raise pytest.UsageError(
+                f"perfgate reads this fingerprint's stored runs, and one is not a whole perfgate run:\n  {exc}\n"
+                "--benchmark-compare would skip it and compare against an older run, or stop on it. Restore it "
+                f"(e.g. from version control), or move it out of {folder or path.parent}.") from exc
 
 
 def _cpu_floors_off(device: str, threads: int | None, malloc: str) -> str:

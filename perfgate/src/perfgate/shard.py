@@ -23,6 +23,8 @@ import re
 from pathlib import Path
 from statistics import median
 
+from .stored import read_run
+
 # What all shards of one merge must share, beyond the plan: a row is comparable only under these.
 SHARED = ("fingerprint", "size", "tolerance", "floors_applied", "floors_off", "baseline")
 
@@ -53,7 +55,7 @@ def stored_weights(folder: Path | None, section_key: str) -> tuple[dict[str, flo
     if not runs:
         return {}, None
     newest = max(runs, key=lambda p: p.name)  # pytest-benchmark numbers its saves: 0001_..., 0002_...
-    data = json.loads(newest.read_text(encoding="utf8"))
+    data = read_run(newest)  # BadRun when it is not a whole run: the caller names it
     if data.get(section_key, {}).get("durations"):
         return dict(data[section_key]["durations"]), newest.name
     weights: dict[str, float] = {}  # a run saved before perfgate recorded durations: the timed rounds
