@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from . import compat
+from .stored import JSON_KEY
 
 if TYPE_CHECKING:  # the rest of perfgate (numpy, scipy) loads when a perf session starts
     from .state import GateState
 
-JSON_KEY = "perfgate"  # perfgate's section in pytest-benchmark's JSON and its machine_info
 
 SIZES = ("smoke", "full")
 # (flag, default, help). Every option perfgate adds is here, and any of them given on the
