@@ -21,20 +21,19 @@ def cuda_graphed(fn: Callable[[], Any], device: str) -> Callable[[], Any]:
     column reads about 0: not a memory saving."""
     if not device.startswith("cuda"):
         pytest.skip(f"{GRAPHED}: CUDA graphs need a CUDA device; this run is on {device}")
-    with torch.cuda.device(device):  # capture and replay on this device's streams, whatever is current
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):  # torch's default capture stream is the first device's
-            out = fn()
+    # the perf session made its device current: the streams below and the replay are on it
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):  # torch's default capture stream is the first device's
+        out = fn()
 
     def replay() -> Any:
-        with torch.cuda.device(device):
-            graph.replay()
+        graph.replay()
         return out
 
     return replay

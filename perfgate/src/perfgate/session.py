@@ -102,6 +102,7 @@ class PerfSession:
         self.state: GateState | None = None
         self._held_compare: Any = None
         self._prev_threads: int | None = None
+        self._prev_cuda: int | None = None
 
     @property
     def saving(self) -> bool:
@@ -176,6 +177,11 @@ class PerfSession:
             raise pytest.UsageError("--perf-slowdown spins the host after each call, which slows a CPU kernel by "
                                     "the factor but not a CUDA kernel timed by events: measure the gate's "
                                     "fidelity with --perf-device cpu")
+        if device.startswith("cuda"):  # the session's GPU is current: streams, events and graphs default to it
+            import torch
+
+            self._prev_cuda = torch.cuda.current_device()
+            torch.cuda.set_device(device)
         if self.l2_flush and not device.startswith("cuda"):
             raise pytest.UsageError(f"--perf-l2-flush overwrites a GPU's L2 cache before each timed call; this "
                                     f"session runs on {device}: drop it, or run with --perf-device cuda")
@@ -215,14 +221,19 @@ class PerfSession:
         return self.state
 
     def unconfigure(self) -> None:
-        """Give torch back the thread count it had, so a session inside a process (pytester) does
-        not leave the outer one at its --perf-threads (torch's, and the BLAS and OpenMP pools')."""
+        """Give torch back the thread count (and current GPU) it had, so a session inside a process
+        (pytester) does not leave the outer one at its --perf-threads (torch's, and the BLAS and
+        OpenMP pools') or its --perf-device."""
         if self.state is not None:
             self.state.unpin_threads()
         if self._prev_threads is not None:
             import torch
 
             torch.set_num_threads(self._prev_threads)
+        if self._prev_cuda is not None:
+            import torch
+
+            torch.cuda.set_device(self._prev_cuda)
 
     # -- pytest-benchmark's hooks -----------------------------------------------------------------
 

@@ -201,16 +201,12 @@ def timer_for(device: str, *, l2_flush: bool = False, host_timer: Callable[[], f
     measured once), else ``host_timer`` (pytest-benchmark's ``--benchmark-timer``)."""
     if not device.startswith("cuda"):
         return Timer(HostClock(host_timer), disable_gc=disable_gc)
-    flush = l2_flusher(device) if l2_flush else None
-    overhead = 0.0
-    if flush is not None:
-        run = synced(flush, device)
-        run()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            run()
-        overhead = (time.perf_counter() - t0) / 3
-    return Timer(CudaEventClock(device), flush, overhead, disable_gc)
+    clock = CudaEventClock(device)
+    if not l2_flush:
+        return Timer(clock, disable_gc=disable_gc)
+    flush = l2_flusher(device)
+    overhead = _median(Timer(clock).block((flush, None), 3))  # the flush read as any call is
+    return Timer(clock, flush, overhead, disable_gc)
 
 
 def _proc_status_bytes(key: str) -> int | None:
