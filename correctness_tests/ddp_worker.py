@@ -10,6 +10,7 @@ raises in its second training step instead, to show the group ends without a hun
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +21,12 @@ from kernels.distributed import process_group
 from kernels.training import load_checkpoint, save_checkpoint
 
 
-def main(out: Path, scenario: str) -> None:
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else -1
+
+
+def main(out: Path, scenario: str) -> int:
+    """Runs the scenario; returns this rank."""
     with process_group("cpu", timeout_s=120) as dp:
         if scenario == "fail":  # rank 1 raises in its second step; rank 0 is in that step's all-reduce
             calls, original = 0, cases.F.cross_entropy
@@ -34,7 +40,7 @@ def main(out: Path, scenario: str) -> None:
 
             cases.F.cross_entropy = failing
             cases.case_sgd(dp)
-            return
+            return dp.rank
         if scenario == "unwritable":  # rank 0 cannot write: every rank raises, none waits for the file
             model, _, _ = cases.case_sgd(dp)
             try:
@@ -42,7 +48,7 @@ def main(out: Path, scenario: str) -> None:
                 save_checkpoint(out / "missing-folder" / "x.safetensors", model, opt)
             except (OSError, RuntimeError) as e:
                 (out / f"unwritable{dp.rank}.txt").write_text(f"{type(e).__name__}: {e}")
-            return
+            return dp.rank
         report = {}
         for name, case in cases.CASES.items():
             model, result, rounds = case(dp)
@@ -57,7 +63,12 @@ def main(out: Path, scenario: str) -> None:
         report["reloaded_equal"] = all(torch.equal(a, b) for a, b in
                                        zip(model.parameters(), fresh.parameters(), strict=True))
         (out / f"rank{dp.rank}.json").write_text(json.dumps(report))
+    return dp.rank
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "cases")
+    before = _threads()
+    rank = main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "cases")
+    # the group left and its models freed (main returned), its gloo threads must be gone: one left
+    # running can abort the process at interpreter exit
+    Path(sys.argv[1], f"threads{rank}.json").write_text(json.dumps({"before": before, "after": _threads()}))

@@ -26,6 +26,7 @@ non-zero with the failing rank's traceback. No rank waits on a barrier the faile
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,6 +38,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, DistributedSampler
+
+from kernels import checks
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 BACKENDS = ("gloo", "nccl")
@@ -102,8 +105,8 @@ class DataParallel:
         """``model`` on this rank's device in DistributedDataParallel (rank 0's parameters
         broadcast to every rank). ``sync_batchnorm``: BatchNorm statistics over the global batch
         (CUDA only, torch's SyncBatchNorm)."""
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        checks.module(model, "model")
+        checks.flag(sync_batchnorm, "sync_batchnorm")
         if isinstance(model, DistributedDataParallel):
             raise ValueError("model is already wrapped in DistributedDataParallel")
         if sync_batchnorm:
@@ -119,6 +122,9 @@ class DataParallel:
                 drop_last: bool = False) -> DistributedSampler:
         """This rank's share of ``dataset`` each epoch (call ``set_epoch`` before each); without
         ``drop_last`` the last samples repeat so every rank gets as many batches."""
+        checks.flag(shuffle, "shuffle")
+        checks.flag(drop_last, "drop_last")
+        checks.integer(seed, "seed", low=0)
         return DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle,
                                   seed=seed, drop_last=drop_last)
 
@@ -149,16 +155,12 @@ def process_group(device: str | None = None, *, backend: str | None = None,
                            "torch.distributed.run)")
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group is already initialized in this process")
-    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda' (each rank takes cuda:LOCAL_RANK), got {device!r}")
-    backend = backend or ("nccl" if kind == "cuda" else "gloo")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    kind = checks.choice(device or ("cuda" if torch.cuda.is_available() else "cpu"),
+                         "device (each rank takes cuda:LOCAL_RANK)", ("cpu", "cuda"))
+    backend = checks.choice(backend or ("nccl" if kind == "cuda" else "gloo"), "backend", BACKENDS)
     if backend == "nccl" and kind == "cpu":
         raise ValueError("backend='nccl' needs device='cuda'; on CPU use gloo")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    checks.number(timeout_s, "timeout_s", low=0, low_open=True)
     local_rank = int(os.environ["LOCAL_RANK"])
     if kind == "cuda":
         if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
@@ -169,6 +171,13 @@ def process_group(device: str | None = None, *, backend: str | None = None,
         torch.cuda.set_device(on)
     else:
         on = torch.device("cpu")
+    # torch.distributed.nn.functional binds group.WORLD into its functions' defaults when first
+    # imported, and DistributedDataParallel imports it: after init_process_group that pins the group
+    # for the process's life, so destroy_process_group cannot free it, its gloo threads outlive the
+    # interpreter and abort the process at exit now and then ("terminate called without an active
+    # exception"). Imported first, the defaults hold None.
+    importlib.import_module("torch.distributed.nn.functional")
+
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     dp = DataParallel(dist.get_rank(), dist.get_world_size(), local_rank, on)
     try:
