@@ -1,14 +1,18 @@
-"""kernels.FeatureCache: hits by content, misses on any change, atomic writes, and corrupted or
-tampered files detected and recomputed with a warning; never pickle."""
+"""kernels.FeatureCache: hits by content, misses on any change, atomic writes with open()'s
+permissions, corrupted or tampered files detected and recomputed with a warning, a result that
+cannot be written returned with a warning; never pickle; one test per refused input."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import stat
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
-from kernels.feature_cache import FeatureCache, key_hash
+from kernels.feature_cache import FeatureCache, key_hash, write_safetensors
 
 
 class Counter:
@@ -75,7 +79,7 @@ def test_a_failing_compute_leaves_no_file(tmp_path) -> None:
     with pytest.raises(RuntimeError, match="compute failed"):
         cache.get_or_compute(_key(torch.ones(2)), boom)
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(TypeError, match=r"dict\[str, Tensor\]"):
+    with pytest.raises(TypeError, match=r"compute\(\) must return a dict\[str, Tensor\], got list"):
         cache.get_or_compute(_key(torch.ones(2)), lambda: [torch.ones(1)])
     assert not [p for p in tmp_path.iterdir() if p.suffix == ".safetensors" and not p.name.startswith(".tmp")]
 
@@ -107,3 +111,161 @@ def test_outputs_that_share_memory_are_stored(tmp_path) -> None:
     assert torch.equal(out["head"], base[:3])
     again = FeatureCache(tmp_path).get_or_compute({"k": 1}, lambda: {})
     assert torch.equal(again["all"], base) and torch.equal(again["head"], base[:3])
+
+
+def _files(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permission bits")
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_files_get_the_permissions_open_would(tmp_path, umask: int, mode: int) -> None:
+    """0o666 less the umask, like a file from open(): the cache is not private to its writer."""
+    old = os.umask(umask)
+    try:
+        cache = FeatureCache(tmp_path / "cache")
+        cache.get_or_compute({"k": 1}, lambda: {"x": torch.ones(3)})
+        plain = tmp_path / "plain"
+        plain.write_bytes(b"")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(cache.path({"k": 1}).stat().st_mode) == stat.S_IMODE(plain.stat().st_mode) == mode
+    assert _files(tmp_path / "cache") == [cache.path({"k": 1}).name]
+
+
+def test_a_failed_write_returns_the_result_with_a_warning(tmp_path, monkeypatch) -> None:
+    """Disk full in the middle of the write (safetensors reports it as a SafetensorError): the
+    computed tensors come back, with a warning naming the file and the OSError; no file is left;
+    write_safetensors itself (checkpoints) raises the OSError."""
+    def disk_full(*args, **kwargs) -> None:
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr("kernels.feature_cache.save_file", disk_full)
+    cache, w = FeatureCache(tmp_path), torch.randn(4, 5)
+    compute = Counter(w)
+    with pytest.warns(UserWarning) as caught:
+        out = cache.get_or_compute(_key(w), compute)
+    message = str(caught[0].message)
+    assert str(cache.path(_key(w))) in message and "No space left on device" in message, message
+    assert torch.equal(out["features"], w * 2) and compute.calls == 1
+    assert _files(tmp_path) == []
+    with pytest.raises(OSError, match="No space left on device") as raised:
+        write_safetensors(tmp_path / "ckpt.safetensors", {"x": torch.ones(2)}, {})
+    assert raised.value.errno == 28 and _files(tmp_path) == []
+    monkeypatch.undo()
+    cache.get_or_compute(_key(w), compute)  # stored now; then a hit
+    assert torch.equal(cache.get_or_compute(_key(w), compute)["features"], w * 2) and compute.calls == 2
+
+
+def test_a_real_os_error_returns_the_result_with_a_warning(tmp_path) -> None:
+    """A real failure that root cannot write past either: a directory where the file goes."""
+    cache, w = FeatureCache(tmp_path), torch.randn(4, 5)
+    cache.path(_key(w)).mkdir()
+    with pytest.warns(UserWarning) as caught:  # the directory does not read, then does not write
+        out = cache.get_or_compute(_key(w), Counter(w))
+    stored = [str(c.message) for c in caught if "could not store" in str(c.message)]
+    assert len(stored) == 1 and stored[0].startswith(f"feature cache could not store {cache.path(_key(w))} "
+                                                     "(IsADirectoryError: "), stored
+    assert torch.equal(out["features"], w * 2)
+    assert _files(tmp_path) == [cache.path(_key(w)).name]
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0,
+                    reason="root writes into a 0o500 directory regardless (the failure is simulated above)")
+def test_a_read_only_directory_still_computes(tmp_path) -> None:
+    cache, w = FeatureCache(tmp_path / "ro"), torch.randn(3)
+    (tmp_path / "ro").chmod(0o500)
+    try:
+        with pytest.warns(UserWarning, match="could not store .*PermissionError"):
+            out = cache.get_or_compute(_key(w), Counter(w))
+    finally:
+        (tmp_path / "ro").chmod(0o700)
+    assert torch.equal(out["features"], w * 2) and _files(tmp_path / "ro") == []
+
+
+BAD_RESULTS = {
+    "a nested dict": (lambda: {"x": {"y": torch.ones(2)}}, TypeError,
+                      r"compute\(\)'s result must be a dict\[str, Tensor\]: its 'x' is a dict \(a flat dict"),
+    "a float": (lambda: {"x": 1.0}, TypeError, "its 'x' is a float"),
+    "an array": (lambda: {"x": [1.0, 2.0]}, TypeError, "its 'x' is a list"),
+    "an int name": (lambda: {1: torch.ones(2)}, TypeError, "its key 1 is a int"),
+    "sparse": (lambda: {"x": torch.eye(2).to_sparse()}, TypeError, "'x' is a torch.sparse_coo tensor"),
+    "meta": (lambda: {"x": torch.ones(2, device="meta")}, TypeError, "'x' is a meta tensor"),
+    "complex128": (lambda: {"x": torch.ones(2, dtype=torch.complex128)}, TypeError,
+                   "'x' is a torch.complex128 tensor: safetensors stores"),
+    "__metadata__": (lambda: {"__metadata__": torch.ones(2)}, ValueError,
+                     "'__metadata__', the safetensors header"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_RESULTS))
+def test_a_bad_compute_result_is_refused_and_nothing_written(tmp_path, case: str) -> None:
+    compute, error, message = BAD_RESULTS[case]
+    cache = FeatureCache(tmp_path)
+    with pytest.raises(error, match=message):
+        cache.get_or_compute({"k": 1}, compute)
+    assert _files(tmp_path) == []
+
+
+def test_compute_that_is_not_callable_is_refused_on_a_hit_too(tmp_path) -> None:
+    cache = FeatureCache(tmp_path)
+    cache.get_or_compute({"k": 1}, lambda: {"x": torch.ones(2)})
+    for compute in (None, {"x": torch.ones(2)}):
+        with pytest.raises(TypeError, match="compute must be a callable returning a dict"):
+            cache.get_or_compute({"k": 1}, compute)
+
+
+@pytest.mark.parametrize("directory", [None, b"cache", 3])
+def test_a_directory_that_is_not_a_path_is_refused(directory) -> None:
+    with pytest.raises(TypeError, match="directory must be a str or os.PathLike path"):
+        FeatureCache(directory)
+
+
+def test_an_empty_directory_name_is_refused(tmp_path, monkeypatch) -> None:
+    """'' would have been the current directory, silently."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="directory is empty"):
+        FeatureCache("")
+    assert _files(tmp_path) == []
+
+
+def test_a_directory_that_is_a_file_is_refused(tmp_path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        FeatureCache(tmp_path / "file")
+
+
+def test_a_leading_tilde_is_the_home_directory(tmp_path, monkeypatch) -> None:
+    """The documented FeatureCache("~/.cache/probe") made a folder named '~' in the cwd."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    cache = FeatureCache("~/probe")
+    assert cache.directory == tmp_path / "home" / "probe" and cache.directory.is_dir()
+    assert not (tmp_path / "~").exists()
+
+
+@pytest.mark.parametrize(("key", "message"), [
+    ({"w": [torch.ones(2)]}, r"key w\[0\] is a tensor inside a list, tuple or dict: tensors are key values only"),
+    ({"s": {"w": torch.ones(2)}}, "key s.w is a tensor inside a list, tuple or dict"),
+    ({"w": torch.eye(2).to_sparse()}, "key w is a torch.sparse_coo tensor: key tensors are hashed by their"),
+    ({"w": torch.ones(2, device="meta")}, "key w is a meta tensor"),
+])
+def test_bad_key_tensors_are_refused(tmp_path, key: dict, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        FeatureCache(tmp_path).get_or_compute(key, lambda: {"x": torch.ones(1)})
+
+
+def test_a_conjugate_view_key_hashes_as_its_values() -> None:
+    c = torch.tensor([1 + 2j, 3 - 1j])
+    assert key_hash({"c": c.conj()}) == key_hash({"c": c.conj().resolve_conj()}) != key_hash({"c": c})
+
+
+def test_nan_and_inf_are_stored_as_computed(tmp_path) -> None:
+    """The cache stores what compute() returned, bit for bit: NaN (with its payload), inf, -0.0.
+    (Pins the documented choice; it held before issue 20 too.)"""
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1.0])
+    x = torch.cat([x, torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)])  # a NaN payload
+    first = FeatureCache(tmp_path).get_or_compute({"k": 1}, lambda: {"x": x})
+    again = FeatureCache(tmp_path).get_or_compute({"k": 1}, lambda: {})
+    for got in (first, again):
+        assert torch.equal(got["x"].view(torch.int32), x.view(torch.int32))

@@ -183,7 +183,7 @@ def test_bad_input_is_refused() -> None:
         darts_hypergradient(model, inner, [], w.parameters(), lr=lr)
     with pytest.raises(ValueError, match="one weight per sample"):
         reweighted_loss(torch.rand(8), nn.Linear(1, 2))
-    with pytest.raises(ValueError, match=r"losses must be per-sample losses of shape \(B,\)"):
+    with pytest.raises(ValueError, match=r"losses must be a tensor of shape \(B,\) \(per-sample losses\)"):
         reweighted_loss(torch.rand(8, 2), w)
     with pytest.raises(ValueError, match="one device"):
         darts_hypergradient(model, inner, outer, MetaWeightNet().to("meta").parameters(), lr=lr)

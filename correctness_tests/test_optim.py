@@ -142,8 +142,82 @@ def test_bad_inputs_are_refused_clearly() -> None:
         kernels.sgd([])
     with pytest.raises(TypeError, match="floating-point"):
         kernels.adamw([torch.zeros(3, dtype=torch.long)])
-    with pytest.raises(ValueError, match="learning rate"):
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0, got float -1.0"):
         kernels.adamw([w], lr=-1.0)
+
+
+INF, NAN = float("inf"), float("nan")
+BAD_HYPERPARAMETERS = [  # (kind, keywords, error, message): torch 2.14.1 accepts the first 13 silently
+    ("adamw", dict(lr=True), ValueError, "lr must be a finite number >= 0, got bool True"),
+    ("adamw", dict(lr=INF), ValueError, "lr must be a finite number >= 0, got float inf"),
+    ("sgd", dict(lr=INF), ValueError, "lr must be a finite number >= 0, got float inf"),
+    ("sgd", dict(lr=NAN), ValueError, "lr must be a finite number >= 0, got float nan"),
+    ("adamw", dict(eps=INF), ValueError, "eps must be a finite number > 0, got float inf"),
+    ("adamw", dict(eps=0.0), ValueError, "eps must be a finite number > 0, got float 0.0"),
+    ("adamw", dict(weight_decay=INF), ValueError, "weight_decay must be a finite number >= 0"),
+    ("sgd", dict(weight_decay=NAN), ValueError, "weight_decay must be a finite number >= 0"),
+    ("sgd", dict(momentum=1.5), ValueError, r"momentum must be in \[0, 1\), got 1.5: a factor of 1 or more"),
+    ("sgd", dict(momentum=INF), ValueError, "momentum must be a finite number, got float inf"),
+    ("sgd", dict(dampening=-0.5), ValueError, r"dampening must be a finite number in \[0, 1\], got float -0.5"),
+    ("sgd", dict(nesterov=1, momentum=0.9), TypeError, "nesterov must be True or False, got int 1"),
+    ("adamw", dict(betas=(0.9, 0.99, 0.999)), ValueError, r"betas must be a pair"),  # torch dropped the third
+    ("adamw", dict(lr="1e-3"), ValueError, "lr must be a finite number >= 0, got str '1e-3'"),  # torch: TypeError
+    ("adamw", dict(lr=-1e-3), ValueError, "lr must be a finite number >= 0"),
+    ("adamw", dict(betas=(0.9, 1.0)), ValueError, r"betas\[1\] must be in \[0, 1\), got 1.0"),
+    ("adamw", dict(betas=(NAN, 0.999)), ValueError, r"betas\[0\] must be a finite number, got float nan"),
+    ("adamw", dict(betas=(True, 0.999)), ValueError, r"betas\[0\] must be a finite number, got bool True"),
+    ("adamw", dict(betas=0.9), ValueError, r"betas must be a pair \(beta1, beta2\) of numbers in \[0, 1\)"),
+    ("sgd", dict(momentum=-0.1), ValueError, r"momentum must be in \[0, 1\), got -0.1"),
+    ("sgd", dict(nesterov=True), ValueError, "nesterov=True needs momentum > 0 and dampening 0; got momentum 0.0"),
+]
+
+
+@pytest.mark.parametrize(("kind", "keywords", "error", "message"), BAD_HYPERPARAMETERS,
+                         ids=[f"{k}-{next(iter(kw))}={v!r}" for k, kw, *_ in BAD_HYPERPARAMETERS
+                              for v in [next(iter(kw.values()))]])
+def test_bad_hyperparameters_are_refused_by_name(kind: str, keywords: dict, error: type, message: str) -> None:
+    """Every hyperparameter a finite number in its range (not a bool), each error naming it,
+    before any step; torch let the first 13 through (an inf or NaN lr steps the parameters to NaN)."""
+    w = torch.zeros(3, requires_grad=True)
+    with pytest.raises(error, match=message):
+        getattr(kernels, kind)([w], **keywords)
+
+
+@pytest.mark.parametrize(("kind", "override", "error", "message"), [
+    ("adamw", {"lr": INF}, ValueError, r"params\[1\]\['lr'\] must be a finite number >= 0, got float inf"),
+    ("sgd", {"lr": True}, ValueError, r"params\[1\]\['lr'\] must be a finite number >= 0, got bool True"),
+    ("adamw", {"betas": (0.9, 1.5)}, ValueError, r"params\[1\]\['betas'\]\[1\] must be in \[0, 1\)"),
+    ("adamw", {"eps": 0}, ValueError, r"params\[1\]\['eps'\] must be a finite number > 0"),
+    ("sgd", {"momentum": -1.0}, ValueError, r"params\[1\]\['momentum'\] must be in \[0, 1\)"),
+    ("sgd", {"weight_decay": NAN}, ValueError, r"params\[1\]\['weight_decay'\] must be a finite number"),
+    ("sgd", {"nesterov": "yes"}, TypeError, r"params\[1\]\['nesterov'\] must be True or False"),
+    ("sgd", {"momentum": 0.0, "nesterov": True}, ValueError,
+     r"nesterov=True needs momentum > 0 and dampening 0; params\[1\] runs with momentum 0.0"),
+], ids=["adamw-lr", "sgd-lr", "betas", "eps", "momentum", "weight_decay", "nesterov", "nesterov-momentum"])
+def test_bad_group_overrides_are_refused_by_group(kind: str, override: dict, error: type, message: str) -> None:
+    """A parameter-group dict's own hyperparameters are checked as the keywords are (torch checks
+    none of them: ``{"lr": inf}`` in a group stepped to NaN)."""
+    groups = [{"params": [torch.zeros(3, requires_grad=True)]},
+              {"params": [torch.zeros(2, requires_grad=True)], **override}]
+    with pytest.raises(error, match=message):
+        getattr(kernels, kind)(groups, **({"momentum": 0.9} if kind == "sgd" else {}))
+
+
+def test_good_hyperparameters_are_stored_as_floats() -> None:
+    """Edges inside the ranges are accepted; numpy scalars are stored as Python floats (a
+    checkpoint's JSON holds those), tensors as given (torch's capturable steps read them)."""
+    import numpy as np
+
+    w = torch.zeros(3, requires_grad=True)
+    opt = kernels.adamw([{"params": [w], "lr": np.float32(0.5), "betas": (0, np.float64(0.5))}], lr=0, eps=1e-30,
+                        weight_decay=0)
+    group = opt.param_groups[0]
+    assert (group["lr"], group["betas"], opt.defaults["lr"]) == (0.5, (0.0, 0.5), 0.0)
+    assert type(group["lr"]) is float and all(type(b) is float for b in group["betas"])
+    lr = torch.tensor(0.01)
+    assert kernels.adamw([w], lr=lr).defaults["lr"] is lr
+    opt = kernels.sgd([w], lr=0.1, momentum=0.0, dampening=1.0, nesterov=False)
+    assert opt.defaults["dampening"] == 1.0
 
 
 def test_generator_inside_a_group_and_named_parameters() -> None:

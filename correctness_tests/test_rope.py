@@ -130,7 +130,7 @@ def test_bad_input_is_refused(side) -> None:
         rope(torch.ones(1, 1, 3, 8, dtype=torch.int64))
     with pytest.raises(ValueError, match="offset must be"):
         rope(torch.randn(1, 1, 3, 8), offset=-1)
-    with pytest.raises(ValueError, match="positions must be"):
+    with pytest.raises(TypeError, match="positions must be one of"):  # a dtype: TypeError, as for x
         rope(torch.randn(1, 1, 3, 8), positions=torch.tensor([0.0, 1.0, 2.0]))
     with pytest.raises(ValueError, match="positions must be >= 0"):
         rope(torch.randn(1, 1, 3, 8), positions=torch.tensor([0, -1, 2]))

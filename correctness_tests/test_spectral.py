@@ -88,13 +88,13 @@ def test_generator_makes_it_reproducible() -> None:
 @pytest.mark.parametrize("side", [KS, RS])
 def test_bad_input_is_refused(side) -> None:
     a = torch.randn(20, 30)
-    with pytest.raises(ValueError, match=r"k must be an int in \[1, min\(m, n\) = 20\]"):
+    with pytest.raises(ValueError, match=r"k must be an int in \[1, 20\]"):
         side.topk_singular_values(a, 21)
     with pytest.raises(ValueError, match="k must be"):
         side.topk_singular_values(a, 0)
     with pytest.raises(ValueError, match=r"\(\.\.\., m, n\)"):
         side.topk_singular_values(torch.randn(5), 1)
-    with pytest.raises(TypeError, match="floating point"):
+    with pytest.raises(TypeError, match="floating-point"):
         side.topk_singular_values(torch.ones(4, 4, dtype=torch.int64), 1)
     with pytest.raises(ValueError, match="NaN or inf"):
         side.topk_singular_values(a.index_fill(0, torch.tensor([3]), float("nan")), 2)

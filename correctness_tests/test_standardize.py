@@ -1,7 +1,11 @@
 """kernels.Standardizer == scikit-learn's StandardScaler (reference.standardize): statistics,
-transform, inverse; chunked partial_fit == one fit; offsets, constant columns, n=1, fp16."""
+transform, inverse; chunked partial_fit == one fit; offsets, constant columns, n=1, fp16; no
+autograd graph kept by a fit, transform differentiable in X; one test per refused input."""
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 import torch
@@ -105,24 +109,123 @@ def test_bad_input_is_refused() -> None:
     s = Standardizer()
     with pytest.raises(RuntimeError, match="not fitted"):
         s.transform(torch.randn(3, 2))
-    with pytest.raises(ValueError, match="NaN or inf"):
-        s.fit(torch.tensor([[1.0, float("nan")]]))
-    with pytest.raises(ValueError, match=r"\(N, D\)"):
-        s.fit(torch.randn(5))
-    with pytest.raises(TypeError, match="floating point"):
-        s.fit(torch.ones(3, 2, dtype=torch.int64))
-    with pytest.raises(ValueError, match="no samples"):
-        s.fit(torch.randn(0, 3))
     s.fit(torch.randn(4, 3))
     with pytest.raises(ValueError, match="has 2 features, the standardizer was fitted on 3"):
         s.transform(torch.randn(4, 2))
-    with pytest.raises(ValueError, match="NaN or inf"):
-        s.transform(torch.tensor([[1.0, float("inf"), 0.0]]))
-    with pytest.raises(ValueError, match="NaN or inf"):
-        s.partial_fit(torch.tensor([[1.0, float("nan"), 0.0]]))
-    with pytest.raises(ValueError, match="fitted statistics on cpu"):
-        s.partial_fit(torch.randn(4, 3, device="meta"))
+    with pytest.raises(ValueError, match="has 4 features, the standardizer was fitted on 3"):
+        s.partial_fit(torch.randn(4, 4))
+    with pytest.raises(ValueError, match="has 2 features, the standardizer was fitted on 3"):
+        s.inverse_transform(torch.randn(4, 2))
     assert s.fit(torch.randn(4, 3)) is s
+
+
+BAD_X = {
+    "a list": ([[1.0, 2.0]], TypeError, r"X must be a torch\.Tensor of shape \(N, D\), got list"),
+    "rank 1": (torch.randn(5), ValueError, r"X must be a tensor of shape \(N, D\), got shape \(5,\)"),
+    "rank 3": (torch.randn(2, 3, 4), ValueError, r"X must be a tensor of shape \(N, D\), got shape \(2, 3, 4\)"),
+    "int64": (torch.ones(3, 2, dtype=torch.int64), TypeError, "X must be a floating-point tensor, got torch.int"),
+    "bool": (torch.ones(3, 2, dtype=torch.bool), TypeError, "X must be a floating-point tensor, got torch.bool"),
+    "complex": (torch.ones(3, 2, dtype=torch.complex64), TypeError, "X must be a floating-point tensor"),
+    "no samples": (torch.randn(0, 3), ValueError, r"X is empty \(shape \(0, 3\)\)"),
+    "no features": (torch.randn(5, 0), ValueError, r"X is empty \(shape \(5, 0\)\)"),
+}
+
+
+@pytest.mark.parametrize("method", ["fit", "partial_fit", "transform", "inverse_transform", "fit_transform"])
+@pytest.mark.parametrize("case", list(BAD_X))
+def test_bad_x_is_refused_naming_x(case: str, method: str) -> None:
+    x, error, message = BAD_X[case]
+    s = Standardizer().fit(torch.randn(4, 3)) if method in ("transform", "inverse_transform") else Standardizer()
+    with pytest.raises(error, match=message):
+        getattr(s, method)(x)
+
+
+def test_x_on_another_device_than_the_statistics_is_refused() -> None:
+    s = Standardizer().fit(torch.randn(4, 3))
+    for method in ("partial_fit", "transform", "inverse_transform"):
+        with pytest.raises(ValueError, match="X on meta; the fitted statistics on cpu: move them to one device"):
+            getattr(s, method)(torch.randn(4, 3, device="meta"))
+
+
+NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf")}
+
+
+@pytest.mark.parametrize("method", ["fit", "partial_fit", "transform", "inverse_transform"])
+@pytest.mark.parametrize("value", list(NON_FINITE))
+def test_nan_and_inf_are_refused_never_silent_statistics(method: str, value: str) -> None:
+    """scikit-learn skips NaN in fit and passes them through transform (and raises on inf): this
+    class refuses both everywhere, with a message saying so, whichever row holds them."""
+    s = Standardizer().fit(torch.randn(6, 3))
+    for row in (0, 4):
+        x = torch.randn(6, 3)
+        x[row, 1] = NON_FINITE[value]
+        with pytest.raises(ValueError, match="NaN or inf in X; this Standardizer refuses NaN and inf"):
+            getattr(s, method)(x)
+
+
+def test_a_result_that_overflows_its_dtype_is_refused() -> None:
+    """fp16 X is standardized in fp32, then cast back: a value 1e5 deviations out is inf in fp16."""
+    s = Standardizer().fit(torch.tensor([[0.0], [0.01], [-0.01]], dtype=torch.float16))
+    with pytest.raises(ValueError, match="NaN or inf in X"):
+        s.transform(torch.tensor([[1000.0]], dtype=torch.float16))
+
+
+def test_a_refused_call_changes_nothing() -> None:
+    """A partial_fit or fit that raises leaves the statistics as they were (a NaN first row used to
+    become the shift of every later batch; a refused fit used to erase the previous one)."""
+    x = torch.randn(8, 3, dtype=torch.float64)
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    s = Standardizer()
+    with pytest.raises(ValueError, match="NaN or inf"):
+        s.partial_fit(bad)
+    assert s.mean_ is None and s.n_samples_seen_ == 0
+    s.partial_fit(torch.randn(5, 4, dtype=torch.float64))  # any width: nothing was fitted
+    s.fit(x)
+    want = Standardizer().fit(x)
+    for method, refused in (("fit", bad), ("fit", torch.randn(0, 3)), ("partial_fit", bad),
+                            ("partial_fit", torch.randn(5, 2, dtype=torch.float64))):
+        with pytest.raises(ValueError):
+            getattr(s, method)(refused)
+        assert s.n_samples_seen_ == 8
+        for name in ("mean_", "var_", "scale_"):
+            assert torch.equal(getattr(s, name), getattr(want, name))
+
+
+def test_a_fit_keeps_no_autograd_graph_and_transform_is_differentiable() -> None:
+    """Fitting on a tensor that requires grad stores constants: the graph (and the leaf behind it)
+    is freed. transform / inverse_transform are affine in X with those constants, so their
+    gradients are 1 / scale_ and scale_ per feature."""
+    w = torch.randn(50, 4, dtype=torch.float64, requires_grad=True)
+    leaf = weakref.ref(w)
+    s = Standardizer().fit(w * 3.0 + 1.0)
+    del w
+    gc.collect()
+    assert leaf() is None, "the fitted statistics keep the input's graph alive"
+    for name, value in vars(s).items():
+        if isinstance(value, torch.Tensor):
+            assert value.grad_fn is None and not value.requires_grad, name
+    x = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    s.transform(x).sum().backward()
+    torch.testing.assert_close(x.grad, (1 / s.scale_).expand(7, 4))
+    x.grad = None
+    s.inverse_transform(x).sum().backward()
+    torch.testing.assert_close(x.grad, s.scale_.expand(7, 4))
+    assert all(v.grad is None for v in vars(s).values() if isinstance(v, torch.Tensor))
+
+
+def test_a_fit_keeps_no_reference_to_x() -> None:
+    """The shift row is a copy: X edited in place later changes nothing, and X can be freed."""
+    x = 5.0 + torch.randn(40, 3)
+    fresh = Standardizer().fit(x.clone())
+    s = Standardizer().fit(x)
+    probe = torch.randn(10, 3)
+    x.add_(100.0)
+    torch.testing.assert_close(s.transform(probe), fresh.transform(probe), rtol=0, atol=0)
+    gone = weakref.ref(x)
+    del x
+    gc.collect()
+    assert gone() is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -143,9 +246,19 @@ def test_bad_out_is_refused() -> None:
     x = torch.randn(20, 4)
     scaler = Standardizer().fit(x)
     for out, message in ((x[:10].clone(), "must be"), (x.double(), "must be"), (x, "of its own"),
-                         (torch.empty(4, 20).T, "contiguous"), ([1.0], "must be a Tensor")):
+                         (torch.empty(4, 20).T, "contiguous"), ([1.0], "out must be a torch.Tensor")):
         with pytest.raises((ValueError, TypeError), match=message):
             scaler.transform(x, out=out)
     with pytest.raises(ValueError, match="float32 or float64"):
         scaler16 = Standardizer().fit(x.half())
         scaler16.transform(x.half(), out=torch.empty_like(x.half()))
+
+
+def test_out_with_an_x_that_requires_grad_is_refused() -> None:
+    x = torch.randn(20, 4, requires_grad=True)
+    scaler = Standardizer().fit(x)
+    with pytest.raises(ValueError, match="out= results carry no gradient and X requires grad"):
+        scaler.transform(x, out=torch.empty(20, 4))
+    with torch.no_grad():
+        buf = scaler.transform(x, out=torch.empty(20, 4))
+    torch.testing.assert_close(buf, scaler.transform(x).detach(), rtol=0, atol=0)

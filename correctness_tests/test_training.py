@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -77,11 +77,17 @@ def test_amp_stays_in_a_band_of_fp32(recipe: Recipe) -> None:
     assert sum(fp32[-5:]) < 0.7 * sum(fp32[:5]) and sum(bf16[-5:]) < 0.7 * sum(bf16[:5])
 
 
-def _poison(x: torch.Tensor) -> torch.Tensor:
+def _poison(x: torch.Tensor, value: float = float("inf")) -> torch.Tensor:
     """One overflowed activation (inf): its loss and gradients are not finite."""
     x = x.clone()
-    x[0, 0] = float("inf")
+    x[0, 0] = value
     return x
+
+
+def _overflow(x: torch.Tensor, autocast: torch.dtype | None) -> torch.Tensor:
+    """One large input: the loss stays finite and its gradients too, but times the GradScaler's
+    2^16 they overflow (fp32 past 3.4e38 at 1e36, fp16 past 65504 at 1e3): the scaler's case."""
+    return _poison(x, 1e3 if autocast == torch.float16 else 1e36)
 
 
 @pytest.mark.parametrize("autocast", [None, torch.float16], ids=["fp32", "fp16"])
@@ -89,14 +95,16 @@ def test_overflowed_steps_are_skipped_never_applied(autocast: torch.dtype | None
     """A batch whose gradients overflow is skipped: the parameters end exactly where a run
     without that batch ends, and the scheduler steps only for applied steps."""
     data = _data(4, 8)
-    bad = [data[0], data[1], (_poison(data[2][0]), data[2][1]), data[3]]
+    bad = [data[0], data[1], (_overflow(data[2][0], autocast), data[2][1]), data[3]]
     (m1, o1), (m2, o2) = _setup(), _setup()
     calls = []
     sched = torch.optim.lr_scheduler.LambdaLR(o1, lambda step: calls.append(step) or 1.0)
     calls.clear()  # LambdaLR evaluates once when built
     recipe = Recipe(autocast_dtype=autocast, grad_scaler=True)
-    result = train(m1, F.cross_entropy, o1, bad, recipe, scheduler=sched)
+    with pytest.warns(RuntimeWarning, match="1 of 4 optimizer steps were skipped"):
+        result = train(m1, F.cross_entropy, o1, bad, recipe, scheduler=sched)
     clean = train(m2, F.cross_entropy, o2, [data[0], data[1], data[3]], recipe)
+    assert math.isfinite(result.losses[2])  # the forward was fine: the scaled gradients overflowed
     assert result.optimizer_steps == 4 and result.skipped_steps == 1 and clean.skipped_steps == 0
     assert len(calls) == 3
     if autocast is None:  # scales are powers of two: exact
@@ -113,6 +121,139 @@ def test_overflow_without_a_scaler_is_an_error_before_the_step() -> None:
         train(m1, F.cross_entropy, o1, data)
     train(m2, F.cross_entropy, o2, data[:1])
     torch.testing.assert_close(_params(m1), _params(m2), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("recipe", [Recipe(), Recipe(grad_scaler=True), Recipe(torch.float16, grad_scaler=True),
+                                    Recipe(grad_scaler=True, accumulation=2)],
+                         ids=["fp32", "scaler", "fp16+scaler", "scaler+acc2"])
+def test_a_nan_in_the_data_is_an_error_before_its_step(recipe: Recipe) -> None:
+    """A NaN input makes the loss NaN: an error before that step under every recipe, the
+    parameters where the clean batches before it left them. A GradScaler used to skip such a
+    batch silently (the scaler rescales gradients; it cannot fix a NaN forward)."""
+    k = recipe.accumulation
+    data = _data(3 * k, 8)
+    data[k] = (_poison(data[k][0], float("nan")), data[k][1])  # the second optimizer step's first micro-batch
+    (m1, o1), (m2, o2) = _setup(), _setup()
+    with pytest.raises(FloatingPointError, match="loss nan is not finite at optimizer step 2; the step was not "
+                                                 "applied.* Check the batch for NaN or inf"):
+        train(m1, F.cross_entropy, o1, data, recipe)
+    train(m2, F.cross_entropy, o2, data[:k], recipe)
+    torch.testing.assert_close(_params(m1), _params(m2), atol=0, rtol=0)
+
+
+def _nan_gradients(every: int = 1) -> Callable[[Tensor, Tensor], Tensor]:
+    """Cross-entropy plus sqrt(0 * out), which adds 0 to the loss and NaN to every gradient
+    (0 * 1/sqrt(0)): on every ``every``-th call, from the first."""
+    calls = iter(range(10**6))
+
+    def loss_fn(out: Tensor, y: Tensor) -> Tensor:
+        loss = F.cross_entropy(out, y)
+        return loss + out.mul(0).sqrt().sum() if next(calls) % every == 0 else loss
+
+    return loss_fn
+
+
+def test_a_transient_overflow_in_a_long_run_is_warned_not_raised() -> None:
+    """One overflowing batch in 40 fp16 steps: skipped, the scale backed off once, the run goes
+    on (no error), and a warning says how many steps of how many were skipped."""
+    data = _data(40, 16)
+    data[20] = (_overflow(data[20][0], torch.float16), data[20][1])
+    model, opt = _setup(width=32)
+    with pytest.warns(RuntimeWarning, match="1 of 40 optimizer steps were skipped") as caught:
+        result = train(model, F.cross_entropy, opt, data, Recipe(torch.float16, grad_scaler=True))
+    assert result.optimizer_steps == 40 and result.skipped_steps == 1 and all(map(math.isfinite, result.losses))
+    assert "pass the same scaler=" in str(caught[0].message)  # a fresh scaler each call re-learns its scale
+    assert sum(result.losses[-5:]) < 0.7 * sum(result.losses[:5])  # and the model still learned
+
+
+@pytest.mark.parametrize(("every", "min_scale", "raised_at", "skips"),
+                         [(1, None, 17, 17), (1, 2.0**12, 5, 5), (2, None, 33, 17)],
+                         ids=["every-step", "min_grad_scale", "every-other-step"])
+def test_gradients_that_stay_nan_raise_once_the_scale_is_useless(every: int, min_scale: float | None,
+                                                                 raised_at: int, skips: int) -> None:
+    """NaN gradients under a finite loss, on every step or every other one: the GradScaler
+    halves its 2^16 scale per skip (clean steps grow it back only after 2000 in a row), and the
+    skip that takes it below min_grad_scale (default 1: the 17th) raises instead of skipping on
+    forever. min_grad_scale=0 never raises: every step is skipped, and warned."""
+    recipe = Recipe(grad_scaler=True, **({"min_grad_scale": min_scale} if min_scale is not None else {}))
+    model, opt = _setup()
+    before = _params(model)
+    with pytest.raises(FloatingPointError, match=rf"skipped optimizer step {raised_at} \({skips} of {raised_at} "
+                                                 r"in this call\).* below min_grad_scale"):
+        train(model, _nan_gradients(every), opt, _data(40, 8), recipe)
+    if every == 1:
+        assert torch.equal(_params(model), before)  # no step was applied
+    model, opt = _setup()
+    with pytest.warns(RuntimeWarning, match="20 of 20 optimizer steps were skipped"):
+        result = train(model, _nan_gradients(), opt, _data(20, 8), Recipe(grad_scaler=True, min_grad_scale=0))
+    assert result.skipped_steps == 20 and torch.equal(_params(model), before)
+
+
+def test_an_optimizer_that_does_not_train_the_model_is_refused() -> None:
+    model, _ = _setup()
+    other, other_opt = _setup()  # the same architecture: only the parameters' identity tells them apart
+    with pytest.raises(ValueError, match="the optimizer holds 4 of its 4 parameters that are not the model's"):
+        train(model, F.cross_entropy, other_opt, _data(1, 4))
+    mixed = torch.optim.SGD([*model.parameters(), next(other.parameters())], lr=0.1)
+    with pytest.raises(ValueError, match="holds 1 of its 5 parameters that are not the model's"):
+        train(model, F.cross_entropy, mixed, _data(1, 4))
+    frozen = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="the model has no trainable parameters"):
+        train(model, F.cross_entropy, frozen, _data(1, 4))
+    model.requires_grad_(True)
+    head = list(model.parameters())[-2:]
+    for p in head:
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="holds none of the model's 2 trainable parameters, only frozen ones"):
+        train(model, F.cross_entropy, torch.optim.SGD(head, lr=0.1), _data(1, 4))
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        train(model, F.cross_entropy, list(model.parameters()), _data(1, 4))
+
+
+def test_an_optimizer_over_part_of_the_model_is_warned_and_trains_that_part() -> None:
+    """Trainable parameters left out of the optimizer: a warning (their gradients are computed and
+    accumulate); parameters frozen by requires_grad=False and left out: silent. Both train the rest."""
+    import warnings
+
+    model, _ = _setup()
+    first, rest = list(model.parameters())[:2], list(model.parameters())[2:]
+    before = [p.detach().clone() for p in first]
+    with pytest.warns(UserWarning, match="2 of the model's trainable parameters are not in the optimizer"):
+        train(model, F.cross_entropy, torch.optim.SGD(rest, lr=0.1), _data(2, 4))
+    assert all(torch.equal(p, b) for p, b in zip(first, before, strict=True))
+    for p in first:
+        p.requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = train(model, F.cross_entropy, torch.optim.SGD(rest, lr=0.1), _data(2, 4))
+    assert result.optimizer_steps == 2
+
+
+def test_wrapped_models_and_loss_modules_own_their_parameters() -> None:
+    """torch.compile's wrapper and DDP (tested under torchrun in test_distributed.py) hold the
+    module's own parameters; a loss_fn that is an nn.Module may train parameters of its own."""
+    import warnings
+
+    from kernels.training import check_parameters
+
+    model, opt = _setup()
+    assert len(check_parameters(torch.compile(model), F.cross_entropy, opt)) == 4  # nothing compiles here
+
+    class Tempered(nn.Module):  # a learnable temperature
+        def __init__(self) -> None:
+            super().__init__()
+            self.log_t = nn.Parameter(torch.zeros(()))
+
+        def forward(self, out: Tensor, y: Tensor) -> Tensor:
+            return F.cross_entropy(out / self.log_t.exp(), y)
+
+    loss_fn = Tempered()
+    opt = torch.optim.SGD([*model.parameters(), loss_fn.log_t], lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(model, loss_fn, opt, _data(2, 4))
+    assert loss_fn.log_t.item() != 0.0
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -210,6 +351,25 @@ def test_bad_recipes_and_inputs_are_refused() -> None:
         ref.train(model, F.cross_entropy, opt, _data(1, 4), Recipe(accumulation=2))
 
 
+def test_recipe_fields_are_refused_by_type() -> None:
+    """bool is an int: accumulation=True used to mean 1; flags must be bools, not 0/1 or strings."""
+    import numpy as np
+
+    with pytest.raises(ValueError, match="accumulation must be an int >= 1, got bool True"):
+        Recipe(accumulation=True)
+    with pytest.raises(TypeError, match="grad_scaler must be True or False, got int 1"):
+        Recipe(grad_scaler=1)
+    with pytest.raises(TypeError, match="channels_last must be True or False, got str 'yes'"):
+        Recipe(channels_last="yes")
+    for bad in (-1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="min_grad_scale must be a finite number >= 0"):
+            Recipe(grad_scaler=True, min_grad_scale=bad)
+    assert Recipe(accumulation=np.int64(2)) == Recipe(accumulation=2)  # stored as an int
+    model, opt = _setup()
+    with pytest.raises(TypeError, match="recipe must be a kernels.Recipe"):
+        train(model, F.cross_entropy, opt, _data(1, 4), {"accumulation": 2})
+
+
 @pytest.mark.parametrize(("bf16_ms", "chosen"), [(9.5, None), (8.5, torch.bfloat16)])
 def test_recipe_auto_leaves_fp32_only_for_a_clear_win(monkeypatch, bf16_ms: float, chosen) -> None:
     """A candidate within AUTO_MARGIN (10%) of fp32 is timing noise, not worth lower precision."""
@@ -302,9 +462,10 @@ def test_clipping_unscales_first_under_a_grad_scaler() -> None:
     want = train(m2, F.cross_entropy, o2, data, max_grad_norm=MAX_NORM)
     assert_close(torch.tensor(got.grad_norms), torch.tensor(want.grad_norms), REDUCTION)
     assert_close(_params(m1), _params(m2), REDUCTION)
-    bad = [data[0], (_poison(data[1][0]), data[1][1])]
+    bad = [data[0], (_overflow(data[1][0], None), data[1][1])]
     (m3, o3), (m4, o4) = _setup(), _setup()
-    result = train(m3, F.cross_entropy, o3, bad, Recipe(grad_scaler=True), max_grad_norm=MAX_NORM)
+    with pytest.warns(RuntimeWarning, match="1 of 2 optimizer steps were skipped"):
+        result = train(m3, F.cross_entropy, o3, bad, Recipe(grad_scaler=True), max_grad_norm=MAX_NORM)
     train(m4, F.cross_entropy, o4, bad[:1], Recipe(grad_scaler=True), max_grad_norm=MAX_NORM)
     assert result.skipped_steps == 1 and not math.isfinite(result.grad_norms[1])
     torch.testing.assert_close(_params(m3), _params(m4), atol=0, rtol=0)
@@ -314,7 +475,7 @@ def test_clipping_unscales_first_under_a_grad_scaler() -> None:
 def test_bad_max_grad_norm_is_refused(bad) -> None:
     model, opt = _setup()
     for loop in (train, ref.train):
-        with pytest.raises(ValueError, match="max_grad_norm must be None .* or a finite number > 0"):
+        with pytest.raises(ValueError, match=r"max_grad_norm \(None: no clipping\) must be a finite number > 0"):
             loop(model, F.cross_entropy, opt, _data(1, 4), max_grad_norm=bad)
 
 

@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels import checks
 from kernels.rope import RotaryEmbedding
 
 
 def check_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> None:
     """The refusals shared with ``reference.attention``: shapes (B, H, S, D), heads, dtypes, mask."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor) or t.ndim != 4:
-            raise ValueError(f"{name} must be a (B, H, S, D) tensor, got {getattr(t, 'shape', type(t).__name__)}")
+        checks.tensor(t, name, ndim=4, shape="(B, H, S, D)")
     if q.dtype != k.dtype or q.dtype != v.dtype or q.device != k.device or q.device != v.device:
         raise ValueError(f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on "
                          f"{q.device}/{k.device}/{v.device}")
@@ -38,6 +38,7 @@ def check_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -
     if hk < 1 or h % hk:
         raise ValueError(f"kv heads ({hk}) must divide q heads ({h}) for grouped-query attention")
     if attn_mask is not None:
+        checks.tensor(attn_mask, "attn_mask", shape="broadcasting to (B, H, S, S)")
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
             raise TypeError(f"attn_mask must be bool (True = attend) or floating (added), got {attn_mask.dtype}")
         try:
@@ -88,8 +89,15 @@ def _math_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor 
 
 def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, causal: bool = False,
                    attn_mask: Tensor | None = None, offset: int = 0, positions: Tensor | None = None) -> Tensor:
-    """softmax(R(q) R(k)^T / sqrt(D) + mask) v: q (B, H, S, D), k and v (B, H_kv, S, D) -> (B, H, S, D)."""
+    """softmax(R(q) R(k)^T / sqrt(D) + mask) v: q (B, H, S, D), k and v (B, H_kv, S, D) -> (B, H, S, D).
+
+    NaN or inf in q, k or v propagate to the output as in any torch op (a check would cost a host
+    sync on every forward); the training engine refuses the non-finite loss they make."""
     check_attention(q, k, v, attn_mask)
+    if not (isinstance(rope, nn.Module) and hasattr(rope, "head_dim")):  # kernels' or reference's RotaryEmbedding
+        raise TypeError(f"rope must be a RotaryEmbedding (kernels.RotaryEmbedding(head_dim)), "
+                        f"got {type(rope).__name__}")
+    checks.flag(causal, "causal")
     mask = combined_mask(attn_mask, causal, q.shape[2], q.device, q.dtype)
     q, k = rope(q, offset=offset, positions=positions), rope(k, offset=offset, positions=positions)
     if q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[2] <= CPU_MATH_MAX_SEQ:
@@ -101,7 +109,8 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, ca
 class RopeSelfAttention(nn.Module):
     """x (B, S, dim) -> (B, S, dim): qkv projection, RoPE attention over heads, output projection.
 
-    ``n_kv_heads`` < ``n_heads`` gives grouped-query attention.
+    ``n_kv_heads`` < ``n_heads`` gives grouped-query attention. S = 0 gives an empty output; NaN or
+    inf in x propagate to the output, as in ``rope_attention``.
     """
 
     attend = staticmethod(rope_attention)
@@ -111,8 +120,12 @@ class RopeSelfAttention(nn.Module):
                  base: float = 10000.0, interleaved: bool = False, causal: bool = False,
                  bias: bool = False) -> None:
         super().__init__()
-        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        if n_heads < 1 or dim % n_heads or n_kv_heads < 1 or n_heads % n_kv_heads:
+        checks.integer(dim, "dim", low=1)
+        checks.integer(n_heads, "n_heads", low=1)
+        n_kv_heads = n_heads if n_kv_heads is None else checks.integer(n_kv_heads, "n_kv_heads", low=1)
+        checks.flag(causal, "causal")
+        checks.flag(bias, "bias")
+        if dim % n_heads or n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must divide dim ({dim}) and n_kv_heads ({n_kv_heads}) "
                              "must divide n_heads")
         self.n_heads, self.n_kv_heads, self.head_dim, self.causal = n_heads, n_kv_heads, dim // n_heads, causal
@@ -121,8 +134,13 @@ class RopeSelfAttention(nn.Module):
         self.rope = self.rope_cls(self.head_dim, max_seq_len, base, interleaved)
 
     def forward(self, x: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+        checks.tensor(x, "x", ndim=3, floating=True, shape=f"(B, S, dim={self.proj.in_features})")
         b, s, dim = x.shape
-        q, k, v = self.qkv(x).view(b, s, -1, self.head_dim).transpose(1, 2).split(
+        if dim != self.proj.in_features:
+            raise ValueError(f"x has {dim} features, the module was built for dim={self.proj.in_features}")
+        checks.same_device({"x": x, "the module's weights": self.qkv.weight})
+        heads = self.n_heads + 2 * self.n_kv_heads
+        q, k, v = self.qkv(x).view(b, s, heads, self.head_dim).transpose(1, 2).split(
             [self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
         out = self.attend(q, k, v, self.rope, causal=self.causal, attn_mask=attn_mask)
         return self.proj(out.transpose(1, 2).reshape(b, s, dim))

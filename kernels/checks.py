@@ -24,17 +24,24 @@ def _what(value: Any) -> str:
         f"a {value.dtype} tensor of shape {tuple(value.shape)}"
 
 
-def integer(value: Any, name: str, *, low: int | None = None, high: int | None = None) -> int:
-    """An int (numpy/torch integer scalars too, never a bool) in [low, high]."""
+def integer(value: Any, name: str, *, low: int | None = None, high: int | None = None, hint: str = "") -> int:
+    """An int (numpy/torch integer scalars too, never a bool) in [low, high]; ``hint`` says what
+    the argument is for, in the message."""
     try:
         v = None if isinstance(value, bool) else operator.index(value)
     except TypeError:
         v = None
     if v is None or (low is not None and v < low) or (high is not None and v > high):
-        bounds = " and ".join(b for b in (f">= {low}" if low is not None else "",
-                                          f"<= {high}" if high is not None else "") if b)
-        raise ValueError(f"{name} must be an int{' ' + bounds if bounds else ''}, got {_what(value)}")
+        why = f" ({hint})" if hint else ""
+        raise ValueError(f"{name} must be an int{_range(low, high)}, got {_what(value)}{why}")
     return v
+
+
+def _range(low: float | None, high: float | None, low_open: bool = False) -> str:
+    if low is not None and high is not None and not low_open:
+        return f" in [{low}, {high}]"
+    bounds = [f"{'>' if low_open else '>='} {low}"] * (low is not None) + [f"<= {high}"] * (high is not None)
+    return " " + " and ".join(bounds) if bounds else ""
 
 
 def number(value: Any, name: str, *, low: float | None = None, high: float | None = None,
@@ -48,9 +55,7 @@ def number(value: Any, name: str, *, low: float | None = None, high: float | Non
         v = math.nan
     below = low is not None and (v <= low if low_open else v < low)
     if not math.isfinite(v) or below or (high is not None and v > high):
-        bounds = " and ".join(b for b in (f"{'>' if low_open else '>='} {low}" if low is not None else "",
-                                          f"<= {high}" if high is not None else "") if b)
-        raise ValueError(f"{name} must be a finite number{' ' + bounds if bounds else ''}, got {_what(value)}")
+        raise ValueError(f"{name} must be a finite number{_range(low, high, low_open)}, got {_what(value)}")
     return v
 
 
@@ -85,8 +90,9 @@ def tensor(value: Any, name: str, *, ndim: int | tuple[int, ...] | None = None, 
         raise TypeError(f"{name} must be a torch.Tensor{want}, got {type(value).__name__}")
     dims = (ndim,) if isinstance(ndim, int) else ndim
     if (dims is not None and value.ndim not in dims) or value.ndim < min_ndim:
-        need = f"{' or '.join(map(str, dims))} dims" if dims is not None else f"at least {min_ndim} dims"
-        raise ValueError(f"{name} must have {need}{want}, got shape {tuple(value.shape)}")
+        need = want or (f" with {' or '.join(map(str, dims))} dims" if dims is not None else
+                        f" with at least {min_ndim} dims")
+        raise ValueError(f"{name} must be a tensor{need}, got shape {tuple(value.shape)}")
     if floating and not value.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {value.dtype}; cast with .float()")
     if dtypes is not None and value.dtype not in dtypes:
@@ -98,22 +104,30 @@ def tensor(value: Any, name: str, *, ndim: int | tuple[int, ...] | None = None, 
 
 def same_device(named: Mapping[str, Tensor]) -> torch.device:
     """The one device all of ``named`` live on; else an error naming each one's device."""
-    devices = {t.device for t in named.values()}
-    if len(devices) > 1:
-        where = ", ".join(f"{n} on {t.device}" for n, t in named.items())
+    by_device: dict[torch.device, list[str]] = {}
+    for n, t in named.items():
+        by_device.setdefault(t.device, []).append(n)
+    if len(by_device) > 1:
+        where = "; ".join(f"{ns[0]}{f' (and {len(ns) - 1} more)' if len(ns) > 1 else ''} on {d}"
+                          for d, ns in by_device.items())
         raise ValueError(f"{where}: move them to one device")
-    return devices.pop()
+    return next(iter(by_device))
+
+
+def nonfinite(named: Mapping[str, Tensor]) -> list[str]:
+    """The names of those of ``named`` holding NaN or inf (floating tensors only; others are finite
+    by type), read with one host sync for all of them."""
+    checked = {n: t for n, t in named.items() if t.is_floating_point() and t.numel()}
+    if not checked:
+        return []
+    on = next(iter(checked.values())).device
+    extremes = [torch.aminmax(t.detach()) for t in checked.values()]  # NaN propagates; inf shows as an extreme
+    flags = torch.stack([(torch.isfinite(e.min) & torch.isfinite(e.max)).to(on) for e in extremes]).tolist()
+    return [n for n, ok in zip(checked, flags, strict=True) if not ok]
 
 
 def finite(named: Mapping[str, Tensor], *, error: type[Exception] = ValueError, hint: str = "") -> None:
-    """Every value of every tensor is finite; else ``error`` naming the first that holds NaN or
-    inf. Floating tensors only (others are finite by type); one host sync for all."""
-    checked = {n: t for n, t in named.items() if t.is_floating_point() and t.numel()}
-    if not checked:
-        return
-    lows_highs = [torch.aminmax(t.detach()) for t in checked.values()]  # NaN propagates; inf shows as an extreme
-    on = next(iter(checked.values())).device
-    flags = torch.stack([(torch.isfinite(mm.min) & torch.isfinite(mm.max)).to(on) for mm in lows_highs]).tolist()
-    for (n, _), ok in zip(checked.items(), flags, strict=True):
-        if not ok:
-            raise error(f"{n} contains NaN or inf{'; ' + hint if hint else ''}")
+    """Every value of every tensor is finite; else ``error`` naming the first that holds NaN or inf."""
+    bad = nonfinite(named)
+    if bad:
+        raise error(f"NaN or inf in {bad[0]}{'; ' + hint if hint else ''}")

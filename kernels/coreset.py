@@ -24,14 +24,10 @@ mode draws masks the reference could not reproduce, so call ``model.eval()`` aro
 
 from __future__ import annotations
 
-import math
-import numbers
-import operator
-
 import torch
 from torch import Tensor, nn
 
-from kernels import per_sample
+from kernels import checks, per_sample
 from kernels.layer_capture import LossFn
 from kernels.per_sample import ghost_terms
 
@@ -44,34 +40,25 @@ def check_k(inputs: Tensor, k: int) -> None:
     stream is left to ``check_inputs``, which ``ocs_scores`` runs once."""
     if not isinstance(inputs, Tensor) or inputs.ndim == 0 or inputs.shape[0] == 0:
         return
-    try:
-        k = None if isinstance(k, bool) else operator.index(k)
-    except TypeError:
-        k = None
-    if k is None or not 1 <= k <= inputs.shape[0]:
-        raise ValueError(f"k must be an int in [1, N={inputs.shape[0]}] (samples to select)")
+    n = inputs.shape[0]
+    checks.integer(k, "k", low=1, high=n, hint=f"samples to select of the stream's N={n}")
 
 
 def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, memory: Memory | None,
-                 tau: float) -> str:
+                 tau: float) -> tuple[str, list[str]]:
     """The refusals of ``ocs_scores``/``ocs_select``, shared with ``reference.coreset``; returns
-    the loss's reduction, 'mean' or 'sum'."""
-    if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor):
-        raise TypeError("inputs and targets must be torch.Tensor")
-    if inputs.ndim == 0 or inputs.shape[0] == 0:
-        raise ValueError(f"the stream is empty (inputs of shape {tuple(inputs.shape)}); pass N >= 1 samples")
-    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not math.isfinite(tau):
-        raise ValueError(f"tau must be a finite number, got {tau!r}")
-    if inputs.is_floating_point() and not torch.isfinite(inputs).all():
-        raise ValueError("inputs contain NaN or inf; scores of such samples are undefined")
+    the loss's reduction, 'mean' or 'sum', and the trainable parameter names."""
+    checks.tensor(inputs, "inputs (the stream)", min_ndim=1, nonempty=True, shape="(N, ...)")
+    checks.number(tau, "tau")
+    checks.module(model, "model")
     for name, m in model.named_modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
             raise ValueError(f"model.{name} is {type(m).__name__}(p={m.p}) in train mode: scores would "
                              "depend on random masks; call model.eval() for scoring, model.train() after")
-    per_sample.check_inputs(model, loss_fn, inputs, targets)  # types, batch sizes, device and dtype
+    names = per_sample.check_inputs(model, loss_fn, inputs, targets)  # types, sizes, device, dtype, NaN/inf
     if memory is not None:
         _check_memory(inputs, targets, memory)
-    return loss_reduction(model, loss_fn, inputs, targets)
+    return loss_reduction(model, loss_fn, inputs, targets), names
 
 
 def loss_reduction(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, probe: int = 4) -> str:
@@ -85,8 +72,8 @@ def loss_reduction(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: T
         if batch.ndim != 0:
             raise ValueError(f"loss_fn must return a scalar, got shape {tuple(batch.shape)}")
         each = torch.stack([loss_fn(out[i : i + 1], y[i : i + 1]) for i in range(len(x))]).double()
-    if not torch.isfinite(each).all():
-        raise FloatingPointError("the model's loss is not finite on the first samples: OCS scores would be NaN")
+    checks.finite({"the model's loss on the first samples": each}, error=FloatingPointError,
+                  hint="OCS scores would be NaN")
     tol = 1e-3 * each.abs().sum() + 1e-30
     for name, value in (("mean", each.mean()), ("sum", each.sum())):
         if (batch - value).abs() <= tol:
@@ -110,14 +97,12 @@ def _check_memory(inputs: Tensor, targets: Tensor, memory: Memory) -> None:
         raise ValueError(f"memory targets are {my.dtype} {tuple(my.shape[1:])} per sample on {my.device}, "
                          f"the stream's {targets.dtype} {tuple(targets.shape[1:])} on {targets.device}: they must "
                          "match")
-    if mx.is_floating_point() and not torch.isfinite(mx).all():
-        raise ValueError("memory inputs contain NaN or inf")
+    checks.finite({"memory inputs": mx, "memory targets": my})
 
 
 def check_scores(scores: Tensor) -> Tensor:
-    if not torch.isfinite(scores).all():
-        raise FloatingPointError("OCS scores are not finite: the model's loss or gradients overflowed "
-                                 "or are NaN on this batch")
+    checks.finite({"the OCS scores": scores}, error=FloatingPointError,
+                  hint="the model's loss or gradients overflowed or are NaN on this batch")
     return scores
 
 
@@ -133,11 +118,11 @@ def ocs_scores(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tenso
 
     inputs (N, ...), targets (N, ...); memory an (inputs (M, ...), targets (M, ...)) replay batch.
     """
-    reduction = check_inputs(model, loss_fn, inputs, targets, memory, tau)
+    reduction, names = check_inputs(model, loss_fn, inputs, targets, memory, tau)
     n = inputs.shape[0]
     if memory is not None:  # one capture for both batches: samples are independent
         inputs, targets = torch.cat([inputs, memory[0]]), torch.cat([targets, memory[1]])
-    both = ghost_terms(model, loss_fn, inputs, targets)
+    both = ghost_terms(model, loss_fn, inputs, targets, names=names)  # memory checked like the stream
     stream = both.rows(slice(0, n))
     with torch.autocast(inputs.device.type, enabled=False):
         gram = stream.gram()

@@ -22,17 +22,15 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from kernels import checks
+
 CUBLAS_WORKSPACE = ":4096:8"  # one of the two settings cuBLAS documents as deterministic
-
-
-def check_seed(seed: int) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
 
 
 def seed_worker(worker_id: int) -> None:
     """DataLoader ``worker_init_fn``: Python's and NumPy's RNGs seeded from the worker's torch seed
     (torch seeds each worker from the loader's generator; the other two it leaves alone)."""
+    checks.integer(worker_id, "worker_id", low=0)
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
     np.random.seed(seed)
@@ -42,7 +40,8 @@ def seed_worker(worker_id: int) -> None:
 def deterministic(seed: int = 0, *, warn_only: bool = False) -> Iterator[torch.Generator]:
     """Reproducible runs inside the block (module docstring); yields a generator seeded with
     ``seed`` for ``DataLoader(generator=..., worker_init_fn=seed_worker)``."""
-    check_seed(seed)
+    checks.integer(seed, "seed", low=0, high=2**32 - 1)
+    checks.flag(warn_only, "warn_only")
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
               os.environ.get("CUBLAS_WORKSPACE_CONFIG"))

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.parallel import DistributedDataParallel
 
+from kernels import checks
 from kernels.distributed import active, all_mean_, unwrap
 
 Forward = Callable[..., Tensor]  # the inner module's forward at some parameters
@@ -48,9 +49,15 @@ def reweighted_loss(losses: Tensor, weight_net: nn.Module, weight_inputs: Tensor
     input. A hypergradient closure MUST pass the losses at the unperturbed theta as
     ``weight_inputs``: with the default, the finite difference moves W's inputs too and computes
     another quantity (off by O(1) from the exact hypergradient, measured in the tests).
+    NaN losses propagate to the result (no host sync per step); the engine refuses a NaN loss.
     """
-    if losses.ndim != 1 or losses.numel() == 0:
-        raise ValueError(f"losses must be per-sample losses of shape (B,) with B >= 1, got {tuple(losses.shape)}")
+    checks.tensor(losses, "losses", ndim=1, floating=True, nonempty=True, shape="(B,) (per-sample losses)")
+    checks.module(weight_net, "weight_net")
+    for p in weight_net.parameters():  # a device check costs no sync; the first parameter stands for all
+        checks.same_device({"losses": losses, "weight_net's parameters": p})
+        break
+    if weight_inputs is not None:
+        checks.tensor(weight_inputs, "weight_inputs", floating=True, shape=f"{tuple(losses.shape)}, like losses")
     inputs = losses.detach() if weight_inputs is None else weight_inputs.detach()
     if inputs.shape != losses.shape:
         raise ValueError(f"weight_inputs must match losses {tuple(losses.shape)}, got {tuple(inputs.shape)}")
@@ -85,20 +92,16 @@ def _mean_grad(fns: list[LossClosure], forward: Forward, wrt: list[Tensor], name
 
 
 def _check(inner: nn.Module, outer: list[Tensor], lr: float, alpha: float) -> list[tuple[str, Tensor]]:
-    if not isinstance(inner, nn.Module):
-        raise TypeError(f"inner must be a torch.nn.Module, got {type(inner).__name__}")
+    checks.module(inner, "inner")
     named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("inner has no parameters that require grad")
     if not outer or not all(isinstance(w, Tensor) and w.requires_grad for w in outer):
         raise ValueError("outer_params must be a non-empty iterable of tensors that require grad")
-    devices = {p.device for _, p in named} | {w.device for w in outer}
-    if len(devices) > 1:
-        raise ValueError(f"inner and outer parameters must be on one device, got {sorted(map(str, devices))}; "
-                         "move both models with .to(device)")
-    for name, value in (("lr", lr), ("alpha", alpha)):
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    checks.same_device({**{f"inner parameter {n!r}": p for n, p in named},
+                        **{f"outer_params[{i}]": w for i, w in enumerate(outer)}})
+    checks.number(lr, "lr", low=0, low_open=True)
+    checks.number(alpha, "alpha", low=0, low_open=True)
     return named
 
 
@@ -182,7 +185,7 @@ def darts_hypergradient(
     torch._foreach_mul_(plus, -lr / (2 * eps))
     if data_parallel:
         all_mean_(plus)  # the mean of the shards' differences: the difference of the global inner loss
-    if not bool(torch.stack([torch.isfinite(g).all() for g in plus]).all()):
-        raise FloatingPointError("the hypergradient is not finite: the inner loss at theta +- eps v gave inf/NaN "
-                                 "(check the held weight inputs and the inner batch)")
+    checks.finite({f"the hypergradient of outer_params[{i}]": g for i, g in enumerate(plus)},
+                  error=FloatingPointError, hint="the inner loss at theta +- eps v gave inf/NaN (check the held "
+                                                 "weight inputs and the inner batch)")
     return plus

@@ -14,15 +14,27 @@ channels_last, or loaded from a state_dict, mis-steps the same way. Autograd's o
 the parameter's layout, so plain training is unaffected, but these optimizers copy any grad or
 state tensor laid out unlike its parameter into the parameter's layout before each fused step,
 and never choose fused for a parameter that is a strided view (no layout of its own to match).
+
+Hyperparameters are checked before torch sees them, the keyword arguments and every override in
+a parameter-group dict alike (torch checks the keywords only, and lets ``lr=inf``, ``lr=True``,
+a NaN SGD ``lr`` or any dampening through; a group dict is not checked at all): each is a finite
+number, not a bool, in its range (``HYPERPARAMETERS``), else a ValueError naming it (``lr``, or
+``params[1]['lr']`` for group 1). Ranges are torch's, two tighter: AdamW's ``eps`` must be > 0
+(with 0 an element whose gradient has been 0 so far steps by 0/0 = NaN), and SGD's ``momentum``
+< 1 (a factor of 1 or more never forgets a gradient: the buffer grows without bound). Numbers are
+stored as Python floats; a tensor ``lr`` or ``betas`` (torch's capturable steps) is checked by
+its value and kept. Groups added later with ``add_param_group`` are torch's, unchecked.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from kernels import checks
 
 Params = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
 FUSED_DEVICES = ("cpu", "cuda")  # where torch has fused AdamW/SGD and we choose it (module note)
@@ -46,6 +58,57 @@ def _groups(params: Params, arg: str) -> list:
                 raise TypeError(f"{arg} holds a {p.dtype} tensor: optimizers update floating-point "
                                 "parameters only")
     return groups
+
+
+def _fraction(value: Any, name: str) -> float:
+    """A decay factor in [0, 1) (``checks.number`` has no open upper bound: that end is checked here)."""
+    v = checks.number(value, name)
+    if not 0.0 <= v < 1.0:
+        why = ": a factor of 1 or more never forgets a gradient" if v >= 1.0 else ""
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}{why}")
+    return v
+
+
+def _betas(value: Any, name: str) -> tuple:
+    if isinstance(value, str | Tensor) or not isinstance(value, Sequence) or len(value) != 2:
+        raise ValueError(f"{name} must be a pair (beta1, beta2) of numbers in [0, 1), got {value!r}")
+    return tuple(_kept(b, _fraction(b, f"{name}[{i}]")) for i, b in enumerate(value))
+
+
+def _kept(value: Any, checked: Any) -> Any:
+    """A tensor hyperparameter stays a tensor (torch's capturable steps read it on the device)."""
+    return value if isinstance(value, Tensor) else checked
+
+
+# Each hyperparameter's check, by optimizer: it returns the value to store (see the module note).
+HYPERPARAMETERS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
+    "adamw": {"lr": lambda v, n: _kept(v, checks.number(v, n, low=0)),
+              "betas": _betas,
+              "eps": lambda v, n: checks.number(v, n, low=0, low_open=True),
+              "weight_decay": lambda v, n: _kept(v, checks.number(v, n, low=0))},
+    "sgd": {"lr": lambda v, n: _kept(v, checks.number(v, n, low=0)),
+            "momentum": _fraction,
+            "dampening": lambda v, n: checks.number(v, n, low=0, high=1),
+            "weight_decay": lambda v, n: _kept(v, checks.number(v, n, low=0)),
+            "nesterov": checks.flag},
+}
+
+
+def _hyperparameters(kind: str, given: dict[str, Any], groups: list) -> dict[str, Any]:
+    """``given`` (the keyword arguments) checked, and in place every group dict's overrides of
+    them; returns the checked keywords. Nesterov's condition is checked per group as it will run."""
+    rules = HYPERPARAMETERS[kind]
+    defaults = {k: rules[k](v, k) for k, v in given.items()}
+    for i, g in enumerate(groups):
+        if isinstance(g, dict):
+            g.update({k: rules[k](g[k], f"params[{i}][{k!r}]") for k in rules if k in g})
+    runs = [{**defaults, **g} for g in groups if isinstance(g, dict)] or [defaults]  # each group as it will run
+    for i, run in enumerate(runs):
+        if kind == "sgd" and run["nesterov"] and (run["momentum"] == 0 or run["dampening"] != 0):
+            where = f"params[{i}] runs with" if run is not defaults else "got"
+            raise ValueError(f"nesterov=True needs momentum > 0 and dampening 0; {where} momentum "
+                             f"{run['momentum']} and dampening {run['dampening']}")
+    return defaults
 
 
 def _dense(t: Tensor) -> bool:
@@ -115,16 +178,19 @@ def _tensors(groups: list) -> list[Tensor]:
 
 def adamw(params: Params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
           eps: float = 1e-8, weight_decay: float = 1e-2) -> torch.optim.AdamW:
-    """torch AdamW (decoupled weight decay, bias correction) with the fastest implementation."""
+    """torch AdamW (decoupled weight decay, bias correction) with the fastest implementation.
+    ``lr``, ``weight_decay`` >= 0, ``eps`` > 0, ``betas`` two numbers in [0, 1) (module note)."""
     groups = _groups(params, "params")
-    return _guard(torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                    **implementation(_tensors(groups))))
+    hyper = _hyperparameters("adamw", dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), groups)
+    return _guard(torch.optim.AdamW(groups, **hyper, **implementation(_tensors(groups))))
 
 
 def sgd(params: Params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
         weight_decay: float = 0.0, nesterov: bool = False) -> torch.optim.SGD:
-    """torch SGD (momentum, dampening, Nesterov, L2 weight decay) with the fastest implementation."""
+    """torch SGD (momentum, dampening, Nesterov, L2 weight decay) with the fastest implementation.
+    ``lr``, ``weight_decay`` >= 0, ``momentum`` in [0, 1), ``dampening`` in [0, 1], ``nesterov``
+    a bool (True needs momentum > 0 and dampening 0) (module note)."""
     groups = _groups(params, "params")
-    return _guard(torch.optim.SGD(groups, lr=lr, momentum=momentum, dampening=dampening,
-                                  weight_decay=weight_decay, nesterov=nesterov,
-                                  **implementation(_tensors(groups))))
+    hyper = _hyperparameters("sgd", dict(lr=lr, momentum=momentum, dampening=dampening,
+                                         weight_decay=weight_decay, nesterov=nesterov), groups)
+    return _guard(torch.optim.SGD(groups, **hyper, **implementation(_tensors(groups))))

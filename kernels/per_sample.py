@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from kernels import checks
 from kernels.ghost import GhostTerms
 from kernels.ghost import Plan as _Plan
 from kernels.layer_capture import Fallback, LossFn, capture
@@ -33,27 +34,27 @@ RANDOMNESS = ("error", "different", "same")
 
 
 def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
-                 randomness: str = "error") -> list[str]:
+                 randomness: str = "error", chunk_size: int | None = None) -> list[str]:
     """Validate a per-sample-gradient call; returns the trainable parameter names.
 
-    Shared by the kernel and the reference so both refuse the same inputs the same way.
+    Shared by the kernel and the reference so both refuse the same inputs the same way. NaN or
+    inf in the inputs, floating targets or trainable parameters is refused (one host sync for
+    all of them): every gradient it touches would be NaN.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    checks.module(model, "model")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (output, target) -> scalar, got {loss_fn!r}")
-    if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor):
-        raise TypeError("inputs and targets must be torch.Tensor")
+    checks.tensor(inputs, "inputs", min_ndim=1, shape="(B, ...)")
+    checks.tensor(targets, "targets", min_ndim=1, shape="(B, ...)")
     if not inputs.is_floating_point():
         raise TypeError(f"inputs must be a floating-point tensor, got {inputs.dtype}; "
                         "cast with .float() (integer token ids: embed them before the call)")
-    if inputs.ndim == 0 or targets.ndim == 0:
-        raise ValueError("inputs and targets need a leading batch dimension, got a 0-dim tensor")
     if inputs.shape[0] != targets.shape[0]:
         raise ValueError(f"batch size mismatch: inputs has {inputs.shape[0]} samples, targets has "
                          f"{targets.shape[0]}; pass one target per sample")
-    if randomness not in RANDOMNESS:
-        raise ValueError(f"randomness must be one of {RANDOMNESS}, got {randomness!r}")
+    checks.choice(randomness, "randomness", RANDOMNESS)
+    if chunk_size is not None:
+        checks.integer(chunk_size, "chunk_size", low=1)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     if not names:
         raise ValueError("model has no parameter with requires_grad=True: nothing to differentiate")
@@ -76,7 +77,18 @@ def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Ten
     if inputs.dtype != p0.dtype:
         raise TypeError(f"inputs are {inputs.dtype} but model parameters are {p0.dtype}; "
                         f"cast inputs with .to({p0.dtype})")
+    checks.finite({"inputs": inputs, "targets": targets, **{f"model parameter {n!r}": params[n] for n in names}},
+                  hint="per-sample gradients of non-finite values are NaN; clean the batch or the model")
     return names
+
+
+def check_result(named: dict[str, Tensor]) -> None:
+    """Finite results from inputs check_inputs found finite, or FloatingPointError: the loss or
+    the model overflowed or divided by zero for some sample (log(0), a softmax of inf)."""
+    checks.finite(named, error=FloatingPointError,
+                  hint="the inputs and parameters are finite, so the loss or the model overflowed or divided by "
+                       "zero for some sample (e.g. log(0)); compute the loss in a stable form (log_softmax, "
+                       "cross_entropy) or in a wider dtype")
 
 
 def _plan(model: nn.Module, names: list[str], randomness: str) -> _Plan:
@@ -168,14 +180,16 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets:
                      out: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
     """Gradient of each sample's own loss: ``{name: Tensor(B, *param.shape)}``.
 
-    inputs (B, ...) floating, targets (B, ...). Parameters with requires_grad=False are skipped.
+    inputs (B, ...) floating, targets (B, ...); B = 0 gives (0, *param.shape) tensors. Parameters
+    with requires_grad=False are skipped. NaN or inf in the inputs or parameters is refused
+    (ValueError); a non-finite gradient from finite ones raises FloatingPointError.
     ``chunk_size`` bounds how many samples vmap processes at once (non-Linear layers only).
     ``randomness`` is torch.func's: 'error' refuses active dropout; 'different' or 'same'.
     ``out``: tensors to write the result into (the same dict is returned), e.g. the previous
     call's result: the B x P result is then not allocated afresh on every call, which under
     glibc's default malloc page-faults every page of it (docs/kernels/per_sample.md).
     """
-    names = check_inputs(model, loss_fn, inputs, targets, randomness)
+    names = check_inputs(model, loss_fn, inputs, targets, randomness, chunk_size)
     if out is not None:
         check_out(model, names, inputs.shape[0], out)
     if inputs.shape[0] == 0:
@@ -186,13 +200,19 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets:
     plan, terms = _terms(model, loss_fn, inputs, targets, plan)
     with torch.autocast(inputs.device.type, enabled=False):  # gradients in the weights' dtype
         result = _from_terms(plan, terms, inputs.shape[0], out)
+    # Checked where it is cheap: an identity layer's gradient is a product of its captured terms,
+    # finite when they are (only fp16 can overflow), so the terms are read rather than the B x P
+    # result (a pass over it cost ~10% of the call on the OCS MLP); vmap's gradients are read.
+    checked = {f"the captured {k} of layer {m!r}": t for m, (a, g) in terms.items()
+               for k, t in (("inputs", a), ("output gradients", g))}
+    checked.update({f"the per-sample gradient of {n!r}": g for n, g in result.items() if g.dtype == torch.float16})
     if plan.other:
         grads = _vmap_grads(model, loss_fn, inputs, targets, plan.other, randomness, chunk_size)
         for n, g in grads.items():
             result[n] = g if out is None else out[n].copy_(g)
-    if out is not None:
-        return out
-    return {n: result[n] for n in names}
+            checked[f"the per-sample gradient of {n!r}"] = result[n]
+    check_result(checked)
+    return out if out is not None else {n: result[n] for n in names}
 
 
 def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int,
@@ -222,10 +242,13 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
 
 
 def ghost_terms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
-                chunk_size: int | None = None, randomness: str = "error") -> GhostTerms:
+                chunk_size: int | None = None, randomness: str = "error",
+                names: list[str] | None = None) -> GhostTerms:
     """Validate, then capture what Gram products of the batch's per-sample gradients need.
-    inputs (B, ...) with B >= 1."""
-    names = check_inputs(model, loss_fn, inputs, targets, randomness)
+    inputs (B, ...) with B >= 1. ``names``: the trainable names ``check_inputs`` returned for
+    exactly these arguments, from a caller that ran it (the check is a pass over the inputs)."""
+    if names is None:
+        names = check_inputs(model, loss_fn, inputs, targets, randomness, chunk_size)
     plan, terms = _terms(model, loss_fn, inputs, targets, _plan(model, names, randomness))
     grads = _vmap_grads(model, loss_fn, inputs, targets, plan.other, randomness, chunk_size) if plan.other else {}
     return GhostTerms(plan, terms, grads, inputs.shape[0], inputs.new_zeros(()))
@@ -233,17 +256,20 @@ def ghost_terms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tens
 
 def _gram(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
           chunk_size: int | None, randomness: str, diagonal: bool) -> Tensor:
+    names = check_inputs(model, loss_fn, inputs, targets, randomness, chunk_size)
     if inputs.shape[0] == 0:
-        check_inputs(model, loss_fn, inputs, targets, randomness)
         return inputs.new_zeros((0,) if diagonal else (0, 0))
-    terms = ghost_terms(model, loss_fn, inputs, targets, chunk_size=chunk_size, randomness=randomness)
-    return terms.gram(diagonal)
+    terms = ghost_terms(model, loss_fn, inputs, targets, chunk_size=chunk_size, randomness=randomness, names=names)
+    gram = terms.gram(diagonal)
+    check_result({"the per-sample gradients' squared norms" if diagonal else "the Gram matrix": gram})
+    return gram
 
 
 @torch.enable_grad()  # a gradient computation: works when called under no_grad
 def per_sample_grad_gram(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
                          chunk_size: int | None = None, randomness: str = "error") -> Tensor:
-    """G (B, B) with G[i, j] = <g_i, g_j> over all trainable parameters.
+    """G (B, B) with G[i, j] = <g_i, g_j> over all trainable parameters; B = 0 gives (0, 0).
+    Non-finite inputs, parameters or results are refused as in ``per_sample_grads``.
 
     Linear layers by the ghost identity, no per-sample gradient built; other layers materialized.
     """
@@ -253,6 +279,7 @@ def per_sample_grad_gram(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targ
 @torch.enable_grad()  # a gradient computation: works when called under no_grad
 def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
                           chunk_size: int | None = None, randomness: str = "error") -> Tensor:
-    """|g_i| (B,) over all trainable parameters: the square root of the Gram's diagonal."""
+    """|g_i| (B,) over all trainable parameters: the square root of the Gram's diagonal;
+    B = 0 gives (0,). Non-finite inputs, parameters or results are refused as in ``per_sample_grads``."""
     sq = _gram(model, loss_fn, inputs, targets, chunk_size, randomness, diagonal=True)
     return sq.clamp_min(0).sqrt()  # a sum of squares; rounding must not turn 0 into NaN

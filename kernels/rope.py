@@ -5,9 +5,10 @@ pairs (i, i + D/2) by default (GPT-NeoX, LLaMA), or (2i, 2i + 1) with ``interlea
 (GPT-J, BDH). cos and sin are computed once in fp32, positions exact (integers below 2^24), and
 kept as non-persistent buffers: they move with ``.to(device)``, ignore dtype casts (a model cast
 to bf16 keeps fp32 tables) and stay out of state dicts. A longer sequence grows the cache to the
-next power of two (``grow=False``: it raises instead, for code that must not reallocate; offset
-calls without a mask then need no host sync, explicit positions and masks are checked on the
-host).
+next power of two, up to ``cache_limit`` positions (default 65,536): one large position id must
+not grow memory without bound, so tables past it are computed per call, rounded alike
+(``grow=False``: it raises instead, for code that must not reallocate; offset calls without a mask
+then need no host sync, explicit positions and masks are checked on the host).
 
 The rotation: the textbook form x cos + rotate_half(x) sin (the reference) makes five passes and
 a concatenated copy. Here each half is written once (x_a c - x_b s, x_b c + x_a s) from cos/sin
@@ -18,11 +19,14 @@ back.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+
+from kernels import checks
+
+CACHE_LIMIT = 1 << 16  # positions the cos/sin cache may grow to by default (2 x 32 MiB at head_dim 256)
 
 
 def rope_angles(head_dim: int, positions: Tensor, base: float) -> Tensor:
@@ -39,24 +43,20 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 
 
 def check_settings(head_dim: int, max_seq_len: int, base: float) -> None:
-    if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+    if checks.integer(head_dim, "head_dim", low=2) % 2:
         raise ValueError(f"head_dim must be an even int >= 2 (features rotate in pairs), got {head_dim!r}")
-    if not isinstance(max_seq_len, int) or max_seq_len < 1:
-        raise ValueError(f"max_seq_len must be an int >= 1, got {max_seq_len!r}")
-    if not (isinstance(base, int | float) and math.isfinite(base) and base > 1):
-        raise ValueError(f"base must be a finite number > 1 (e.g. 10000.0), got {base!r}")
+    checks.integer(max_seq_len, "max_seq_len", low=1)
+    checks.number(base, "base", low=1, low_open=True)
 
 
 def check_rotate(x: Tensor, head_dim: int, offset: int, positions: Tensor | None) -> None:
-    if not isinstance(x, Tensor) or x.ndim != 4:
-        raise ValueError(f"expected x of shape (B, H, S, D), got {getattr(x, 'shape', type(x).__name__)}")
+    checks.tensor(x, "x", ndim=4, floating=True, shape="(B, H, S, D)")
     if x.shape[-1] != head_dim:
         raise ValueError(f"x has head dim {x.shape[-1]}, the embedding was built for {head_dim}")
-    if not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
-    if not isinstance(offset, int) or offset < 0:
-        raise ValueError(f"offset must be an int >= 0, got {offset!r}")
+    checks.integer(offset, "offset", low=0)
     if positions is not None:
+        checks.tensor(positions, "positions", ndim=(1, 2), dtypes=(torch.int32, torch.int64),
+                      shape="(S,) or (B, S)")
         batch_ok = positions.ndim == 1 or (positions.ndim == 2 and positions.shape[0] in (1, x.shape[0]))
         if not batch_ok or positions.dtype not in (torch.int32, torch.int64) or positions.shape[-1] != x.shape[2]:
             raise ValueError(f"positions must be int32/int64 of shape (S,) or (B, S) with S = {x.shape[2]}, "
@@ -106,13 +106,17 @@ class RotaryEmbedding(nn.Module):
     """RoPE for q or k of shape (B, H, S, D); call ``rope(x, offset=0, positions=None)``.
 
     ``positions``: int64 (S,) or (B, S) explicit position ids; ``offset``: positions start there.
+    NaN or inf in x propagate to the output, as in any torch op (no host sync on the forward).
     """
 
     def __init__(self, head_dim: int, max_seq_len: int = 2048, base: float = 10000.0,
-                 interleaved: bool = False, *, grow: bool = True) -> None:
+                 interleaved: bool = False, *, grow: bool = True, cache_limit: int = CACHE_LIMIT) -> None:
         super().__init__()
         check_settings(head_dim, max_seq_len, base)
-        self.head_dim, self.base, self.interleaved, self.grow = head_dim, float(base), bool(interleaved), grow
+        self.head_dim, self.base = head_dim, float(base)
+        self.interleaved, self.grow = checks.flag(interleaved, "interleaved"), checks.flag(grow, "grow")
+        # growth stops here: one large position id must not grow the cache (and memory) without bound
+        self.cache_limit = max(checks.integer(cache_limit, "cache_limit", low=1), max_seq_len)
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self._build(max_seq_len, torch.device("cpu"))
@@ -133,13 +137,23 @@ class RotaryEmbedding(nn.Module):
             self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
         return self
 
-    def _ensure(self, needed: int) -> None:
+    def _ensure(self, needed: int) -> bool:
+        """Whether the cache covers positions below ``needed``, growing it to the next power of two
+        up to ``cache_limit``; False beyond it (the caller computes those tables per call)."""
         if needed <= self.max_seq_len:
-            return
+            return True
         if not self.grow:
             raise ValueError(f"position {needed - 1} is beyond the cache of {self.max_seq_len} positions "
                              "(grow=False); build the embedding with a larger max_seq_len")
-        self._build(1 << (needed - 1).bit_length(), self.cos.device)
+        if needed > self.cache_limit:
+            return False
+        self._build(min(1 << (needed - 1).bit_length(), self.cache_limit), self.cos.device)
+        return True
+
+    def _uncached(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Tables for positions past ``cache_limit``, rounded from fp64 angles as the cache's are."""
+        angles = rope_angles(self.head_dim, positions, self.base)
+        return angles.cos().float(), angles.sin().float()
 
     def tables(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """cos, sin (S, D/2) or (B, 1, S, D/2) in the compute dtype for x (B, H, S, D)."""
@@ -155,10 +169,13 @@ class RotaryEmbedding(nn.Module):
             angles = angles if angles.ndim == 2 else angles[:, None]
             return angles.cos(), angles.sin()
         if positions is None:
-            self._ensure(offset + x.shape[2])
+            if not self._ensure(offset + x.shape[2]):
+                return self._uncached(torch.arange(offset, offset + x.shape[2], device=x.device))
             return self.cos[offset : offset + x.shape[2]], self.sin[offset : offset + x.shape[2]]
-        self._ensure(int(positions.max()) + 1 if positions.numel() else 0)
-        cos, sin = self.cos[positions], self.sin[positions]
+        if self._ensure(int(positions.max()) + 1 if positions.numel() else 0):
+            cos, sin = self.cos[positions], self.sin[positions]
+        else:
+            cos, sin = self._uncached(positions)
         return (cos, sin) if positions.ndim == 1 else (cos[:, None], sin[:, None])
 
     def forward(self, x: Tensor, *, offset: int = 0, positions: Tensor | None = None) -> Tensor:
@@ -167,4 +184,4 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, base={self.base}, "
-                f"interleaved={self.interleaved}, grow={self.grow}")
+                f"interleaved={self.interleaved}, grow={self.grow}, cache_limit={self.cache_limit}")

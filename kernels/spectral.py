@@ -23,6 +23,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from kernels import checks
+
 EXACT_BELOW = 96  # min(m, n) at or under this: svdvals directly (measured crossover, module note)
 
 
@@ -30,23 +32,17 @@ def _check(a: Tensor, k: int, oversample: int | None, niter: int | None, finite:
     """Refuse what has no top-k singular values. ``finite=False`` leaves the NaN/inf check to the
     caller: a pass over all of A costs the randomized path 18-21% of its time (512^2, 1024^2 on
     a 2-vCPU Xeon), and its first product A @ G carries any NaN or inf of A (``_check_finite``)."""
-    if not isinstance(a, Tensor) or a.ndim < 2:
-        raise ValueError(f"A must be a (..., m, n) tensor, got {getattr(a, 'shape', type(a).__name__)}")
-    if not a.is_floating_point():
-        raise TypeError(f"A must be floating point, got {a.dtype}")
-    r = min(a.shape[-2:])
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= r:
-        raise ValueError(f"k must be an int in [1, min(m, n) = {r}], got {k!r}")
+    checks.tensor(a, "A", min_ndim=2, floating=True, shape="(..., m, n)")
+    checks.integer(k, "k", low=1, high=min(a.shape[-2:]))
     for name, v in (("oversample", oversample), ("niter", niter)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise ValueError(f"{name} must be an int >= 0 or None, got {v!r}")
+        if v is not None:
+            checks.integer(v, name, low=0, hint="or None for the default")
     if finite:
         _check_finite(a)
 
 
 def _check_finite(t: Tensor, what: str = "A") -> None:
-    if t.numel() and not bool(torch.isfinite(t).all()):
-        raise ValueError(f"{what} contains NaN or inf; singular values are undefined")
+    checks.finite({what: t}, hint="singular values are undefined")
 
 
 def _orthonormal(y: Tensor) -> Tensor:
@@ -121,9 +117,11 @@ def spectral_features(weights: Tensor | list[Tensor], k: int = 10, *,
 def features_with(values: Callable[[Tensor, int], Tensor], weights: Tensor | list[Tensor], k: int) -> Tensor:
     """``spectral_features`` with top-k values from ``values(A, k)`` (shared with the reference)."""
     if isinstance(weights, list | tuple):
+        if not weights:
+            raise ValueError("weights is an empty list; pass a (..., m, n) tensor or a list of (B, m_l, n_l) "
+                             "layers")
         return torch.cat([features_with(values, w, k) for w in weights], dim=-1)
-    if isinstance(k, bool) or not isinstance(k, int) or k < 2:
-        raise ValueError(f"k must be an int >= 2, got {k!r}")
+    checks.integer(k, "k", low=2)
     _check(weights, 1, None, None, finite=False)  # values() checks finiteness, once
     s = values(weights, min(k, min(weights.shape[-2:])))
     return features_from_values(_pad(s.to(torch.float64 if s.dtype == torch.float64 else torch.float32), k))

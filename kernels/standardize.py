@@ -4,14 +4,36 @@
 (sklearn's test var <= n eps var + (n mean eps)^2, in float64 with float64's eps), and
 ``n_samples_seen_``. ``partial_fit`` merges batches with Chan et al.'s pairwise update, so
 chunked fitting equals one fit up to rounding. Numerics: every batch is shifted by a fixed
-reference row (the first sample seen) before ``var_mean``, so a large common offset (1e6 plus
-unit noise) never enters a sum of squares; fp16/bf16 inputs accumulate in fp32, fp64 in fp64.
+reference row (a copy of the first sample seen) before the sums, so a large common offset (1e6
+plus unit noise) never enters a sum of squares; fp16/bf16 inputs accumulate in fp32, fp64 in fp64.
+
+Autograd: the statistics are data, never part of a graph. ``fit``/``partial_fit`` read X
+detached (fitting on a tensor that requires grad keeps neither its graph nor its storage alive),
+and ``transform``/``inverse_transform`` are differentiable w.r.t. their input as the affine maps
+they are, with the statistics as constants: d transform(X) / dX = 1 / scale_ per feature (unlike
+BatchNorm in training mode, no gradient flows through the mean and variance).
+
+Refused, with an error naming the argument: a non-tensor, a tensor not of rank 2, an integer,
+bool or complex dtype, zero samples or zero features (as StandardScaler), a feature count or
+device other than the fitted statistics', ``out=`` with an X that requires grad. NaN and inf:
+StandardScaler ignores NaN in fit as missing values (per-feature sample counts) and passes them
+through transform, and raises on inf; this class supports no missing values and refuses both,
+in fit (checked on the merged statistics, which every value of X reaches: one sync per call)
+and in transform / inverse_transform (checked on a sum of the result, one reduction and one
+sync, which also catches results that overflow, e.g. a cast back to fp16). A call that raises
+leaves the standardizer as it was.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from kernels import checks
+
+_NOT_FINITE = ("this Standardizer refuses NaN and inf (scikit-learn's StandardScaler would skip NaN as missing "
+               "values and raise on inf): drop or impute them first; values whose squares or sums overflow "
+               "the accumulation dtype are refused the same way")
 
 
 class Standardizer:
@@ -26,46 +48,50 @@ class Standardizer:
         self._m2: Tensor | None = None  # sum of squared deviations from the running mean
         self._dmean: Tensor | None = None  # running mean minus the shift
 
-    def _check(self, x: Tensor, name: str = "X") -> None:
-        if not isinstance(x, Tensor) or x.ndim != 2:
-            raise ValueError(f"{name} must be a (N, D) tensor, got {getattr(x, 'shape', type(x).__name__)}")
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be floating point, got {x.dtype}; cast with .float()")
-        if x.shape[0] == 0:
-            raise ValueError(f"{name} has no samples (N = 0)")
-        if self._shift is not None:
+    def _check(self, x: Tensor, name: str = "X", *, against_fit: bool = True) -> None:
+        checks.tensor(x, name, ndim=2, floating=True, nonempty=True, shape="(N, D)")
+        if against_fit and self._shift is not None:
             if x.shape[1] != self._shift.shape[0]:
                 raise ValueError(f"{name} has {x.shape[1]} features, the standardizer was fitted on "
                                  f"{self._shift.shape[0]}")
-            if x.device != self._shift.device:
-                raise ValueError(f"{name} is on {x.device}, the fitted statistics on {self._shift.device}")
+            checks.same_device({name: x, "the fitted statistics": self._shift})
 
     def fit(self, X: Tensor) -> Standardizer:
-        self.__init__()
-        return self.partial_fit(X)
+        """Statistics of X (N, D) alone; the previous fit is kept if X is refused."""
+        return self._merge(X, fresh=True)
 
     def partial_fit(self, X: Tensor) -> Standardizer:
         """Merge X (N, D) into the running statistics."""
-        self._check(X)
+        return self._merge(X, fresh=False)
+
+    def _merge(self, X: Tensor, *, fresh: bool) -> Standardizer:
+        fresh = fresh or self._shift is None
+        self._check(X, against_fit=not fresh)
+        X = X.detach()  # statistics are constants: no graph, whatever X requires
         acc = torch.float64 if X.dtype == torch.float64 else torch.float32
-        if self._shift is None:
-            self._shift = X[0].to(acc)
-            self._dmean = torch.zeros_like(self._shift)
-            self._m2 = torch.zeros_like(self._shift)
+        if fresh:
+            # a copy: .to() returns X's own row when no cast is needed, which would alias the
+            # caller's tensor (edited in place later) and keep all of its storage alive
+            shift = X[0].to(acc, copy=True)
+            dmean0, m2_0, na = torch.zeros_like(shift), torch.zeros_like(shift), 0
+        else:
+            shift, dmean0, m2_0, na = self._shift, self._dmean, self._m2, self.n_samples_seen_
         # two passes over the shifted data: faster on CPU than torch.var_mean over dim 0, whose
         # reduction is strided (docs/measurements/from-the-code.md)
-        d = X.to(acc) - self._shift
+        d = X.to(acc) - shift
         mean_b = d.mean(0)
         var_b = d.sub_(mean_b).square_().mean(0)  # in place: d is ours, one (N, D) allocation less
-        _finite(mean_b, var_b)
-        na, nb = self.n_samples_seen_, X.shape[0]
+        nb = X.shape[0]
         n = na + nb
-        delta = mean_b - self._dmean
-        self._dmean = self._dmean + delta * (nb / n)
-        self._m2 = self._m2 + var_b * nb + delta.square() * (na * nb / n)
-        self.n_samples_seen_ = n
-        self.mean_ = self._shift + self._dmean
-        self.var_ = self._m2 / n
+        delta = mean_b - dmean0
+        dmean = dmean0 + delta * (nb / n)
+        m2 = m2_0 + var_b * nb + delta.square() * (na * nb / n)
+        # every value of X reaches these (NaN and inf propagate through the means), and so does
+        # any overflow of the merge: checked before anything is stored
+        checks.finite({"X": torch.stack((dmean, m2))}, hint=_NOT_FINITE)
+        self._shift, self._dmean, self._m2, self.n_samples_seen_ = shift, dmean, m2, n
+        self.mean_ = shift + dmean
+        self.var_ = m2 / n
         # sklearn's constant-feature test exactly (float64, its eps): var <= n eps var + (n mean eps)^2.
         # A constant column is exactly 0 here (every row minus the shift row is 0), so the fp32
         # accumulation needs no looser rule (an fp32 eps flagged real features with n >= 2^23).
@@ -81,32 +107,34 @@ class Standardizer:
         return self.mean_.dtype
 
     def transform(self, X: Tensor, *, out: Tensor | None = None) -> Tensor:
-        """(X - mean_) / scale_ in the accumulation dtype, returned in X's dtype. The mean is
-        subtracted in two parts (shift, then the small rest): mean_ rounded to fp32 at 1e6 is
-        0.06 off, which would be 6% of unit-variance data. ``out``: a tensor like X (fp32 or
-        fp64) to write the result into and return, e.g. the previous call's result: a fresh
-        (N, D) result page-faults on every call under glibc's default malloc
-        (docs/kernels/spectral.md)."""
+        """(X - mean_) / scale_ in the accumulation dtype, returned in X's dtype; differentiable
+        w.r.t. X (the statistics are constants). The mean is subtracted in two parts (shift,
+        then the small rest): mean_ rounded to fp32 at 1e6 is 0.06 off, which would be 6% of
+        unit-variance data. ``out``: a tensor like X (fp32 or fp64) to write the result into
+        and return, e.g. the previous call's result: a fresh (N, D) result page-faults on every
+        call under glibc's default malloc (docs/kernels/spectral.md); not with an X that
+        requires grad (out= arguments carry no gradient)."""
         acc = self._fitted(X)
         if out is not None:
             _check_out(X, out, acc)
         result = torch.sub(X.to(acc), self._shift, out=out).sub_(self._dmean).div_(self.scale_)
-        _finite(result.sum())  # one reduction instead of an isfinite pass: NaN and inf propagate into it
-        return result if out is not None else result.to(X.dtype)
+        result = result if out is not None else result.to(X.dtype)
+        _finite(result, acc)
+        return result
 
     def inverse_transform(self, X: Tensor) -> Tensor:
+        """X * scale_ + mean_, returned in X's dtype; differentiable w.r.t. X."""
         acc = self._fitted(X)
-        out = torch.mul(X.to(acc), self.scale_).add_(self._dmean).add_(self._shift)
-        _finite(out.sum())
-        return out.to(X.dtype)
+        result = torch.mul(X.to(acc), self.scale_).add_(self._dmean).add_(self._shift).to(X.dtype)
+        _finite(result, acc)
+        return result
 
     def fit_transform(self, X: Tensor) -> Tensor:
         return self.fit(X).transform(X)
 
 
 def _check_out(x: Tensor, out: Tensor, acc: torch.dtype) -> None:
-    if not isinstance(out, Tensor):
-        raise TypeError(f"out must be a Tensor like X, got {type(out).__name__}")
+    checks.tensor(out, "out", shape="like X")
     if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
         raise ValueError(f"out must be {tuple(x.shape)} {x.dtype} on {x.device} (like X), got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
@@ -114,10 +142,12 @@ def _check_out(x: Tensor, out: Tensor, acc: torch.dtype) -> None:
         raise ValueError(f"out= needs X in float32 or float64 (the result is computed in {acc}), got {x.dtype}")
     if not out.is_contiguous() or out.data_ptr() == x.data_ptr():
         raise ValueError("out must be a contiguous tensor of its own (not X itself)")
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise ValueError("out= results carry no gradient and X requires grad: call transform(X) without out=, "
+                         "or under torch.no_grad()")
 
 
-def _finite(*stats: Tensor) -> None:
-    """NaN/inf in X reach every statistic computed from it (a column mean, a sum): checking those
-    costs nothing next to an isfinite pass over X."""
-    if not all(bool(torch.isfinite(t).all()) for t in stats):
-        raise ValueError("X contains NaN or inf (or values whose sums overflow); drop or impute them first")
+def _finite(result: Tensor, acc: torch.dtype) -> None:
+    """NaN/inf in X (or an overflow) reach the result's sum: one reduction and one sync, cheaper
+    than an elementwise isfinite or aminmax pass over the result (docs/kernels/spectral.md)."""
+    checks.finite({"X": result.detach().sum(dtype=acc)}, hint=_NOT_FINITE)

@@ -7,6 +7,29 @@ to the device (``non_blocking`` when they come pinned, e.g. from ``DataLoader(pi
 workloads preload them on the device), a scheduler stepped once per optimizer step, and steps
 the GradScaler skipped (inf/NaN gradients) counted, never applied.
 
+Nothing non-finite passes silently, and no check costs a host sync of its own (they read the
+loss the engine already reads once per optimizer step, and the scale the skip count reads):
+
+- a non-finite loss raises FloatingPointError before its step, under every recipe. A GradScaler
+  cannot help: the loss is computed before any scaling, so the forward itself is not finite (a
+  NaN or inf in the batch, or activations overflowing), and skipping it would hide the cause.
+- without a GradScaler, non-finite gradients raise the same way.
+- with one, a step whose gradients overflow is skipped and the scale halved, as torch does; a run
+  that skipped any step warns at its end (how many of how many). Skips that cannot be transient
+  raise: when a skip leaves the scale below ``Recipe.min_grad_scale`` (default 1). Each skip
+  halves the scale and only ``growth_interval`` (2000) clean steps in a row double it, so the
+  scale falls that far only when steps keep being skipped, in a row or often (17 in a row from
+  torch's initial 2^16). Below 1 the scaler no longer enlarges the gradients, so what overflows
+  is the gradient itself (fp16 holds up to 65504) or a NaN, which no scale fixes: every later
+  step would be skipped too. One overflow in a long run backs the scale off once: warned, not raised.
+- ``train`` refuses an optimizer that holds parameters which are not the model's (built on
+  another model or a copy; ``loss_fn``'s own count when it is an nn.Module) and one that holds
+  none of its trainable parameters. Trainable parameters the optimizer does not hold are a
+  warning, not an error: training part of a model with one optimizer is legitimate (another
+  optimizer for the rest, or parameters frozen by leaving them out), but the engine still
+  computes their gradients and, zeroing only the optimizer's, lets them accumulate across steps;
+  ``requires_grad_(False)`` freezes them without that cost.
+
 ``Recipe.auto`` picks per device what measured faster. On CPU the answer differs between CPU
 kinds (bf16 and channels_last sped a ResNet-10 up on an AVX512-BF16 AMD EPYC and slowed
 resnet18 down on a Xeon; docs/measurements/from-the-code.md), so ``auto`` times the candidates
@@ -25,6 +48,7 @@ import math
 import os
 import random
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
@@ -33,6 +57,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from kernels import checks
 from kernels.distributed import active, agree, all_mean_, rank, unwrap
 from kernels.feature_cache import read_safetensors, write_safetensors
 
@@ -50,17 +75,18 @@ class Recipe:
     accumulation: int = 1  # micro-batches per optimizer step
     channels_last: bool = False
     compile_mode: str | None = None  # a torch.compile mode; None: eager
+    min_grad_scale: float = 1.0  # a GradScaler skip leaving the scale below this raises (module note); 0: never
     measured_ms: dict = field(default_factory=dict, compare=False)  # what auto timed: ms per step
     compile_s: dict = field(default_factory=dict, compare=False)  # what auto compiled: seconds, apart
 
     def __post_init__(self) -> None:
-        if self.autocast_dtype not in (None, torch.float16, torch.bfloat16):
-            raise ValueError("autocast_dtype must be None, torch.float16 or torch.bfloat16, "
-                             f"got {self.autocast_dtype}")
-        if not isinstance(self.accumulation, int) or self.accumulation < 1:
-            raise ValueError(f"accumulation must be an int >= 1, got {self.accumulation!r}")
-        if self.compile_mode not in COMPILE_MODES:
-            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
+        checks.choice(self.autocast_dtype, "autocast_dtype", (None, torch.float16, torch.bfloat16))
+        checks.flag(self.grad_scaler, "grad_scaler")
+        object.__setattr__(self, "accumulation", checks.integer(self.accumulation, "accumulation", low=1,
+                                                                hint="micro-batches per optimizer step"))
+        checks.flag(self.channels_last, "channels_last")
+        checks.choice(self.compile_mode, "compile_mode", COMPILE_MODES)
+        object.__setattr__(self, "min_grad_scale", checks.number(self.min_grad_scale, "min_grad_scale", low=0))
         if self.autocast_dtype == torch.float16 and not self.grad_scaler:
             raise ValueError("fp16 autocast needs grad_scaler=True: fp16 gradients underflow without it")
 
@@ -130,15 +156,17 @@ def _time_step(recipe: Recipe, model: nn.Module, loss_fn: LossFn, batch: tuple[T
     while they fit in ``budget_s`` (millisecond steps are noisy)."""
     trial = copy.deepcopy(model).to(device)
     opt = torch.optim.SGD(trial.parameters(), lr=0.0)
-    t0 = time.perf_counter()
-    train(trial, loss_fn, opt, [batch], recipe, device=device)
-    if first_s is not None:
-        first_s.append(time.perf_counter() - t0)
     times: list[float] = []
-    while len(times) < 3 or (sum(times) < budget_s and len(times) < max_repeats):
+    with warnings.catch_warnings():  # a fresh GradScaler per timed call may skip its first step: not news here
+        warnings.filterwarnings("ignore", r"\d+ of \d+ optimizer steps were skipped", RuntimeWarning)
         t0 = time.perf_counter()
         train(trial, loss_fn, opt, [batch], recipe, device=device)
-        times.append(time.perf_counter() - t0)
+        if first_s is not None:
+            first_s.append(time.perf_counter() - t0)
+        while len(times) < 3 or (sum(times) < budget_s and len(times) < max_repeats):
+            t0 = time.perf_counter()
+            train(trial, loss_fn, opt, [batch], recipe, device=device)
+            times.append(time.perf_counter() - t0)
     return 1e3 * sorted(times)[len(times) // 2]
 
 
@@ -151,18 +179,45 @@ class TrainResult:
     grad_norms: list[float] = field(default_factory=list)  # with max_grad_norm: each step's norm before clipping
 
 
-def check_max_grad_norm(max_grad_norm: float | None) -> None:
-    """``max_grad_norm``: None (no clipping) or a finite number > 0. Shared with the reference."""
+def check_max_grad_norm(max_grad_norm: float | None) -> float | None:
+    """``max_grad_norm``: None (no clipping) or a finite number > 0, returned as a float. Shared
+    with the reference."""
     if max_grad_norm is None:
-        return
-    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) \
-            or not math.isfinite(max_grad_norm) or max_grad_norm <= 0:
-        raise ValueError(f"max_grad_norm must be None (no clipping) or a finite number > 0, got {max_grad_norm!r}")
+        return None
+    return checks.number(max_grad_norm, "max_grad_norm (None: no clipping)", low=0, low_open=True)
 
 
-def _all_finite(tensors: list[Tensor]) -> bool:
-    """One device sync for all: are all values finite?"""
-    return not tensors or bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+def check_parameters(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The optimizer's parameters, refused unless they train ``model`` (module note): every one
+    the model's (or ``loss_fn``'s, when it is an nn.Module) and at least one of them trainable; a
+    warning for the model's trainable parameters it leaves out. DistributedDataParallel and
+    torch.compile wrappers hold the module's own parameters, so they pass as the module does."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    owners = [m for m in (model, loss_fn) if isinstance(m, nn.Module)]
+    owned = {id(p): p for m in owners for p in m.parameters()}
+    foreign = sum(id(p) not in owned for p in params)
+    if foreign:
+        raise ValueError(f"the optimizer holds {foreign} of its {len(params)} parameters that are not the model's "
+                         "(nor loss_fn's, when loss_fn is an nn.Module): it was built on another model or a copy "
+                         "(copy.deepcopy, a model built again); build it on the parameters of the model passed "
+                         "here, optimizer(model.parameters())")
+    held = {id(p) for p in params}
+    trainable = [p for p in owned.values() if p.requires_grad]
+    if not trainable:
+        raise ValueError("the model has no trainable parameters (requires_grad=False on every one): nothing would "
+                         "train; unfreeze the ones to train with requires_grad_(True)")
+    if not any(id(p) in held for p in trainable):
+        raise ValueError(f"the optimizer holds none of the model's {len(trainable)} trainable parameters, only "
+                         "frozen ones (requires_grad=False): nothing would train; build it on the parameters to "
+                         "train, or unfreeze them")
+    left_out = sum(id(p) not in held for p in model.parameters() if p.requires_grad)
+    if left_out:
+        warnings.warn(f"{left_out} of the model's trainable parameters are not in the optimizer: their gradients "
+                      "are computed every step and never applied nor cleared (they accumulate in .grad); freeze "
+                      "them with requires_grad_(False), or add them to the optimizer", UserWarning, stacklevel=3)
+    return params
 
 
 def _to_device(t: Tensor, device: torch.device, channels_last: bool) -> Tensor:
@@ -184,62 +239,94 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
     call starts a fresh one. channels_last converts ``model`` in place. ``max_grad_norm``: clip
     the global 2-norm of the optimizer's gradients to it once per optimizer step, on the window's
     accumulated gradient, unscaled first under a GradScaler (``torch.nn.utils.clip_grad_norm_``);
-    the norms before clipping are returned in ``grad_norms``.
+    the norms before clipping are returned in ``grad_norms``. Each batch must be an (inputs,
+    targets) pair of tensors on any device (moved to ``device``, where the model's parameters must
+    be); their shapes and dtypes are the model's and loss's business, whose own errors come
+    through. An empty ``batches`` trains nothing: the result has 0 optimizer steps.
 
     Data parallel: pass ``model`` wrapped by ``kernels.distributed`` (DistributedDataParallel)
     and each rank's own batches (a DistributedSampler, or ``kernels.distributed.shard``), the
     same number on every rank. Gradients are all-reduced once per optimizer step (the window's
     last micro-batch; the others run under ``no_sync``), and ``losses`` are the mean over ranks.
     """
-    recipe = recipe or Recipe()
-    check_max_grad_norm(max_grad_norm)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    recipe = Recipe() if recipe is None else recipe
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a kernels.Recipe or None, got {type(recipe).__name__}")
+    max_grad_norm = check_max_grad_norm(max_grad_norm)
+    checks.module(model, "model")
+    params = check_parameters(model, loss_fn, optimizer)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if device.type == "cuda" and device.index is None:  # "cuda" means the current device, cuda:N
         device = torch.device("cuda", torch.cuda.current_device())
+    if params[0].device != device:
+        raise ValueError(f"the model's parameters are on {params[0].device} but device={str(device)!r}: move the "
+                         "model there first (model.to(device)), then build its optimizer")
     if recipe.channels_last:
         model.to(memory_format=torch.channels_last)
     forward = torch.compile(model, mode=recipe.compile_mode) if recipe.compile_mode else model
+    own_scaler = scaler is None
     if scaler is None:
         scaler = torch.amp.GradScaler(device.type, enabled=recipe.grad_scaler)
     elif not recipe.grad_scaler:
         raise ValueError("a scaler was passed but recipe.grad_scaler is False")
-    params = [p for g in optimizer.param_groups for p in g["params"]]
     data_parallel = isinstance(model, DistributedDataParallel) and active()
     autocast = recipe.autocast_dtype is not None
     k, losses, window, skipped, start = recipe.accumulation, [], [], 0, time.perf_counter()
     norms: list[Tensor] = []
+    scale = scaler.get_scale() if recipe.grad_scaler else math.nan  # after each step: one read a step
     model.train()
     optimizer.zero_grad(set_to_none=True)
 
     def step() -> None:
-        nonlocal skipped
+        nonlocal skipped, scale
+        n = len(losses) + 1
         grads = [p.grad for p in params if p.grad is not None]
         if len(window) < k and grads:  # trailing partial window: loss was divided by k, not its size
             torch._foreach_mul_(grads, k / len(window))
         loss = torch.stack(window).mean()
         loss = (all_mean_([loss])[0] if data_parallel else loss).item()  # every rank reports the global loss
-        if not recipe.grad_scaler and not (math.isfinite(loss) and _all_finite(grads)):
+        if not math.isfinite(loss):  # the forward: no scale can fix it (module note)
+            cause = ("a GradScaler cannot skip it: it scales gradients, and the loss is computed before any "
+                     "scaling, so the forward itself is not finite" if recipe.grad_scaler else
+                     "the forward is not finite")
+            fp16 = "; fp16 activations overflow past 65504: try bf16" if recipe.autocast_dtype == torch.float16 \
+                else ""
             raise FloatingPointError(
-                f"loss {loss:.4g} or its gradients are not finite at optimizer step {len(losses) + 1}; "
-                "the step was not applied. Lower the learning rate, or use grad_scaler=True to skip "
-                "such steps")
+                f"loss {loss:.4g} is not finite at optimizer step {n}; the step was not applied: {cause}. Check "
+                f"the batch for NaN or inf; a model that diverged needs a lower learning rate{fp16}")
+        if not recipe.grad_scaler and checks.nonfinite({str(j): g for j, g in enumerate(grads)}):  # one sync
+            raise FloatingPointError(
+                f"the gradients of loss {loss:.4g} are not finite at optimizer step {n}; the step was not "
+                "applied. Lower the learning rate, or use grad_scaler=True to skip such steps")
         if max_grad_norm is not None:
             scaler.unscale_(optimizer)  # clip true gradients, not scaled ones (a no-op when disabled)
             norms.append(torch.nn.utils.clip_grad_norm_(params, max_grad_norm).detach())
-        scale = scaler.get_scale() if recipe.grad_scaler else None
+        before = scale
         scaler.step(optimizer)
         scaler.update()
-        if recipe.grad_scaler and scaler.get_scale() < scale:  # the scaler backed off: step skipped
+        scale = scaler.get_scale() if recipe.grad_scaler else math.nan
+        if scale < before:  # the scaler backed off: step skipped
             skipped += 1
+            if scale < recipe.min_grad_scale:
+                raise FloatingPointError(
+                    f"the GradScaler skipped optimizer step {n} ({skipped} of {n} in this call) for inf/NaN "
+                    f"gradients and has backed off to a scale of {scale:g}, below min_grad_scale="
+                    f"{recipe.min_grad_scale:g}: these skips are not transient. At a scale of 1 or less the "
+                    "scaled gradients are no larger than the true ones, so these overflow or are NaN by "
+                    "themselves (an op such as sqrt, log or a division at 0, or a model that diverged: lower the "
+                    "learning rate) and every later step would be skipped too. Recipe(min_grad_scale=0) turns "
+                    "this check off")
         elif scheduler is not None:
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss)
         window.clear()
 
-    for x, y in batches:  # each batch is read after the previous step: a generator may depend on it
+    for i, batch in enumerate(batches):  # each batch is read after the previous step: a generator may depend on it
+        if not (isinstance(batch, tuple | list) and len(batch) == 2):
+            raise TypeError(f"batches must yield (inputs, targets) pairs; batch {i} is a {type(batch).__name__}"
+                            f"{f' of {len(batch)}' if isinstance(batch, tuple | list) else ''}")
+        x, y = checks.tensor(batch[0], f"batch {i}'s inputs"), checks.tensor(batch[1], f"batch {i}'s targets")
         x, y = _to_device(x, device, recipe.channels_last), _to_device(y, device, False)
         # DDP: gradients are all-reduced only on the window's last micro-batch (one all-reduce a step)
         sync = not data_parallel or len(window) == k - 1
@@ -257,6 +344,11 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
             all_mean_([p.grad for p in params if p.grad is not None])
         step()
     grad_norms = torch.stack(norms).tolist() if norms else []  # one sync for all steps
+    if skipped:
+        keep = "; pass the same scaler= to successive calls to keep the scale it found" if own_scaler else ""
+        warnings.warn(f"{skipped} of {len(losses)} optimizer steps were skipped: the GradScaler found inf/NaN "
+                      f"gradients and backed its scale off to {scale:g}{keep} (result.skipped_steps counts them)",
+                      RuntimeWarning, stacklevel=2)
     return TrainResult(losses, len(losses), skipped, time.perf_counter() - start, grad_norms)
 
 
@@ -289,8 +381,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     those of the wrapped module, so a checkpoint loads into one process or many alike. The RNG
     states are rank 0's: after resuming, every rank starts from them (reseed per rank for
     distinct dropout or augmentation streams)."""
-    if not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    step = checks.integer(step, "step", low=0)
+    checks.module(model, "model")
     if not active():
         _write_checkpoint(path, unwrap(model), optimizer, scheduler, scaler, step)
         return
@@ -341,6 +433,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     """Restore what ``save_checkpoint`` wrote into the given objects (built as for a fresh run)
     and the RNG states; returns the saved ``step``. A checkpoint holding a scheduler or scaler
     state not asked for (or the reverse) is an error: resuming without it would change the run."""
+    checks.module(model, "model")
     tensors, meta = read_safetensors(path)
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path} is not a kernelgate checkpoint (format {meta.get('format')!r})")

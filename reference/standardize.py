@@ -1,4 +1,6 @@
-"""Reference standardization: scikit-learn's StandardScaler on the CPU, in numpy."""
+"""Reference standardization: scikit-learn's StandardScaler on the CPU, in numpy. Its inputs are
+the kernel's valid ones: on bad input it does what scikit-learn does (NaN skipped in fit and kept
+by transform, inf refused), where kernels.standardize refuses NaN too; not differentiable."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
     """
     if (recipe is not None and recipe != Recipe()) or scaler is not None:
         raise ValueError(f"the reference loop is plain fp32 with no accumulation; got {recipe}")
-    check_max_grad_norm(max_grad_norm)
+    max_grad_norm = check_max_grad_norm(max_grad_norm)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     model.train()
     losses, norms, start = [], [], time.perf_counter()
