@@ -32,7 +32,7 @@ correctness: $(STAMP)
 # shared CI host memory bandwidth moved 167-199 GB/s between runs and memory-bound ratios with
 # it (per-sample grads 4.2-6.7x), past the 20% baseline tolerance; `make bench` compares.
 perf: $(STAMP)
-	$(PYTEST) perf_tests -q --perf-size smoke $(PERF_ARGS)
+	$(PYTEST) perf_tests -q --perf-size smoke --perf-require-floors $(PERF_ARGS)
 
 test: lint correctness perf
 

@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Every module without its full set of mirrored files, and why: the one place these are listed.
 EXCEPTIONS: dict[str, str] = {
-    "kernels/checks.py": "the argument validators every kernel shares: no slow counterpart; tested with the walk of "
-                         "every public name (correctness_tests/test_checks.py); their cost is in each kernel's row",
+    "kernels/checks.py": "the argument validators every kernel shares: no slow counterpart; tested with the "
+                         "walk of every public name (test_checks.py); their cost is in each kernel's row",
     "kernels/ghost.py": "internal to per_sample (the ghost Gram terms): tested and timed through per_sample",
     "kernels/layer_capture.py": "internal to per_sample (captures Linear inputs and output grads)",
     "kernels/feature_cache.py": "a cache has no slow counterpart: its test compares cached to recomputed; "

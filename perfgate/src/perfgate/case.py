@@ -12,31 +12,16 @@ import numpy as np
 import pytest
 
 from . import compat
+from .floors import OPTIMIZED, comparison, floor_value, kernel_name, parametrized_impls
 from .state import REFERENCE, GateState, Measurement, Visits
 from .timing import interleaved, peak_memory, synced
 
-OPTIMIZED = "optimized"  # the impl --perf-slowdown slows
 MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the options say
 MAX_ROUNDS = 1000
 MIN_VISIT_ROUNDS = 3  # interleaved pairs a visit times, at least
 # Interleaved pairs, at least: with 5 pairs a percentile bootstrap's 2.5% bound is set by one
 # outlying pair (a resample repeats it 3 times in 5 with probability 6%; in 7, 4 times: 0.9%):
 MIN_PAIRS = 7
-
-
-def comparison(impl: str, over: str) -> str:
-    """The row name of ``impl`` timed against ``over`` (a peer) instead of the reference."""
-    return f"{impl} vs {over}"
-
-
-def _impls(item: pytest.Item) -> list[str]:
-    """The values the test parametrizes ``impl`` over."""
-    for mark in item.iter_markers("parametrize"):
-        names = mark.args[0] if mark.args else mark.kwargs.get("argnames", "")
-        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
-        if names == ["impl"]:  # values, or pytest.param(value, ...) sets
-            return [str(v.values[0]) if hasattr(v, "marks") else str(v) for v in mark.args[1]]
-    return []
 
 
 def _floor(item: pytest.Item, mark_name: str, impl: str, device: str, size: str,
@@ -57,18 +42,16 @@ def _floor(item: pytest.Item, mark_name: str, impl: str, device: str, size: str,
             raise pytest.UsageError(f"{item.nodeid}: a memory floor is over the reference; over= is for speedups")
         if mark.kwargs.get("impl", "optimized") != impl or mark.kwargs.get("over") != over:
             continue
-        value = mark.kwargs.get(device_class)
-        if isinstance(value, dict):
-            value = value.get(size)
+        value = floor_value(mark, device, size)
         if value is None:
             continue
         pattern = mark.kwargs.get("variant")
         if pattern is not None and not fnmatch.fnmatchcase(variant or "", pattern):
             note = note or f"set for {pattern}, ran {variant or 'no variant'}"
             continue
-        if mark_name == "memory" and not 0.0 <= float(value) < 1.0:
+        if mark_name == "memory" and not 0.0 <= value < 1.0:
             raise pytest.UsageError(f"{item.nodeid}: a memory floor is a fraction saved in [0, 1), got {value}")
-        found.append(float(value))
+        found.append(value)
     if len(found) > 1:
         raise pytest.UsageError(f"{item.nodeid}: {len(found)} {mark_name} markers apply to impl {impl!r} on "
                                 f"{device_class} at size {size}; key them apart with impl= or variant=")
@@ -79,7 +62,7 @@ def _comparisons(item: pytest.Item, impl: str) -> list[tuple[str, str]]:
     """(impl, over) pairs of the ``speedup(over=...)`` markers that name ``impl`` on either side.
     Both names must be values of the test's ``impl`` parameter: a misspelt one would never be
     timed, and its floor would pass unseen."""
-    impls, pairs = _impls(item), []
+    impls, pairs = parametrized_impls(item), []
     for mark in item.iter_markers("speedup"):
         over = mark.kwargs.get("over")
         if over is None:
@@ -121,15 +104,11 @@ class PerfCase:
     """What the ``perf`` fixture gives a test: its device, size, impl and the timing call."""
 
     def __init__(self, request: pytest.FixtureRequest, benchmark: Any, state: GateState) -> None:
-        params = getattr(request.node, "callspec", None)
-        params = dict(params.params) if params else {}
-        if "impl" not in params:
+        names = kernel_name(request.node)
+        if names is None:
             pytest.fail(f"{request.node.nodeid}: a perf test must be parametrized over 'impl' "
                         "(e.g. @pytest.mark.parametrize('impl', ['reference', 'optimized']))")
-        self.impl: str = str(params.pop("impl"))
-        name = request.node.originalname.removeprefix("test_")
-        extra = ",".join(str(v) for v in params.values())
-        self.kernel = f"{name}[{extra}]" if extra else name
+        self.kernel, self.impl = names
         self.device: str = state.device
         self.size: str = state.size
         self._request, self._benchmark, self._state = request, benchmark, state
@@ -159,7 +138,7 @@ class PerfCase:
         state.pin_threads()  # a peer's BLAS pool loads at its first use: at the session's threads too
         # wall-clock calls (the first call, the sizing call) end with a synchronize
         run = synced(fn, self.device)
-        slowed = state.slowdown != 1.0 and self.impl == OPTIMIZED
+        slowed = state.slowdown != 1.0 and self.impl == OPTIMIZED  # --perf-slowdown slows "optimized" only
         if slowed:  # --perf-slowdown (CPU only): spun after the call, its rounds sized slowed
             run = _slowed(run, state.slowdown)
         setup_synced = None if setup is None else synced(setup, self.device)

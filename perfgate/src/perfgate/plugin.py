@@ -7,8 +7,9 @@ perfgate prints speedup = median(reference) / median(impl) with a bootstrap inte
 into the benchmark JSON (key ``perfgate``), and fails the session when a floor declared with
 ``@pytest.mark.speedup(cpu=..., cuda=...)`` or ``@pytest.mark.memory(...)`` is not met, or,
 under ``--benchmark-compare``, when a speedup fell more than ``--perf-tolerance`` under the
-stored baseline's. The hooks below only delegate to ``PerfSession`` (session.py), which stays
-inert in a session that collects no perf test.
+stored baseline's. A declared floor whose row was not measured is named with the reason (and
+fails the session under ``--perf-require-floors``). The hooks below only delegate to
+``PerfSession`` (session.py), which stays inert in a session that collects no perf test.
 """
 
 from __future__ import annotations
@@ -56,6 +57,19 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     start = time.perf_counter()
     yield
     item.config.stash[SESSION].ran(item.nodeid, time.perf_counter() - start)
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    """Tests -k, -m, --deselect or --perf-shard left out: a floor declared on one is reported."""
+    if items:
+        items[0].config.stash[SESSION].deselected(items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    """Each phase's report: why a perf test measured nothing (skipped, failed, errored)."""
+    outcome = yield
+    item.config.stash[SESSION].reported(outcome.get_result())
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -4,7 +4,8 @@ It reads and checks the ``--perf-*`` options at configure and does nothing else 
 has collected a test that uses the ``perf`` fixture (or was given a ``--perf-*`` option): only
 then does it import torch, fix torch's threads, set glibc's malloc mode, fingerprint the machine
 and move pytest-benchmark's storage to that fingerprint's folder. A session without perf tests
-is left as it would be without the plugin.
+is left as it would be without the plugin. A perf session refuses to run under pytest-xdist:
+timing needs the machine to itself.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from . import compat
 from .stored import JSON_KEY
 
 if TYPE_CHECKING:  # the rest of perfgate (numpy, scipy) loads when a perf session starts
+    from .floors import Ledger, Unmeasured
     from .state import GateState
 
 
@@ -46,6 +48,10 @@ OPTIONS: list[tuple[str, Any, str]] = [
                            "files with python -m perfgate.report --merge"),
     ("--perf-slowdown", 1.0, "TEST ONLY, for python -m perfgate.fidelity: make every 'optimized' impl this many "
                              "times slower in the harness, to measure what the gate catches"),
+    ("--perf-require-floors", False, "fail the session when a speedup or memory floor declared for this device "
+                                     "class and size was not checked because its row was not measured (its impl, "
+                                     "its reference or its peer deselected, skipped, failed, errored or not run); "
+                                     "without it such floors are listed, not failed"),
 ]
 _TYPES = {"--perf-tolerance": float, "--perf-threads": int, "--perf-visits": int, "--perf-extend": float,
           "--perf-slowdown": float}
@@ -79,6 +85,7 @@ class PerfSession:
         self.threads_option, self.visits = opt["--perf-threads"], opt["--perf-visits"]
         self.extend_s, self.slowdown = opt["--perf-extend"], opt["--perf-slowdown"]
         self.l2_flush: bool = opt["--perf-l2-flush"]
+        self.require_floors: bool = opt["--perf-require-floors"]
         if not 0.0 <= self.tolerance < 1.0:
             raise pytest.UsageError(f"--perf-tolerance must be in [0, 1), got {self.tolerance}")
         if self.threads_option is not None and self.threads_option < 1:
@@ -100,6 +107,13 @@ class PerfSession:
         if self.slowdown != 1.0 and self.saving:
             raise pytest.UsageError("--perf-slowdown is for measuring the gate; a slowed run cannot be a baseline")
         self.state: GateState | None = None
+        self._deselected: list[pytest.Item] = []  # perf tests -k, -m, --deselect or a shard left out
+        self._shard_dropped: set[str] = set()  # node ids --perf-shard left to other shards
+        self.ledger: Ledger | None = None  # the declared floors and what became of each perf test
+        self.floors_unmeasured: list[Unmeasured] = []  # set at the session's end
+        why = self._xdist_refusal()
+        if self.asked and why:  # a --perf-* option asks for the gate: refused before any worker starts
+            raise pytest.UsageError(why)
         self._held_compare: Any = None
         self._prev_threads: int | None = None
         self._prev_cuda: int | None = None
@@ -108,6 +122,21 @@ class PerfSession:
     def saving(self) -> bool:
         opt = self.config.getoption
         return bool(opt("benchmark_save", None) or opt("benchmark_autosave", None))
+
+    def _xdist_refusal(self) -> str | None:
+        """Why this would-be perf session refuses to run under pytest-xdist, or None. With benchmarks
+        off (--benchmark-disable, --benchmark-skip) perf tests are plain tests, run once untimed,
+        which workers may share out; but not under --perf-require-floors, a check of the whole
+        session that no worker sees."""
+        role = _xdist(self.config)
+        if not role or (not _benchmarks_on(self.config) and not self.require_floors):
+            return None
+        floors = " (nor could one worker check the whole session's floors)" if self.require_floors else ""
+        return (f"perfgate: timing needs one process, and this is a pytest-xdist {role}: parallel workers share "
+                "the machine's cores and skew each other's timings; pytest-benchmark turns itself off under "
+                f"xdist, so no speedup would be measured or gated{floors}. Run the perf tests in one process: "
+                "drop -n/--dist (or add -p no:xdist). To only check that they run, in parallel: "
+                "--benchmark-disable, without --perf-require-floors.")
 
     # -- configure and collection ---------------------------------------------------------------
 
@@ -136,6 +165,7 @@ class PerfSession:
             raise pytest.UsageError(str(exc)) from exc
         kept = [item for item in items if assignment[unit(item.nodeid)] == index]
         dropped = [item for item in items if assignment[unit(item.nodeid)] != index]
+        self._shard_dropped = {item.nodeid for item in dropped}  # their floors are checked in their shards
         if dropped:
             self.config.hook.pytest_deselected(items=dropped)
             items[:] = kept
@@ -151,13 +181,38 @@ class PerfSession:
             name = unit(nodeid)
             self.state.durations[name] = self.state.durations.get(name, 0.0) + seconds
 
+    def deselected(self, items: list[pytest.Item]) -> None:
+        """Tests left out of the run: a floor declared on a perf test among them goes unmeasured."""
+        self._deselected += [item for item in items if "perf" in getattr(item, "fixturenames", ())]
+
+    def reported(self, report: pytest.TestReport) -> None:
+        """A test phase's report: why a perf test measured nothing (skipped, failed, errored)."""
+        if self.ledger is not None:
+            self.ledger.record(report)
+
     def collected(self, items: list[pytest.Item]) -> None:
-        """After collection: a perf test among ``items`` (or a --perf-* option) starts the gate."""
+        """After collection: a perf test among ``items`` (or a --perf-* option) starts the gate, and
+        the floors the perf tests declare, run or deselected, are listed to be checked at the end."""
         if self.asked or any("perf" in getattr(item, "fixturenames", ()) for item in items):
-            self.activate()
+            if _xdist(self.config) == "worker" and self._xdist_refusal():
+                # refused by the perf fixture, test by test (activate): xdist reports a test's error
+                # to the controller, while a worker stopped at collection is a crashed worker it restarts
+                return
+            state = self.activate()
+            self._list_floors(items, state)
         elif self._held_compare is not None:
             compare, self._held_compare = self._held_compare, None
             compat.load_compare(self.config, compare, storage=None)
+
+    def _list_floors(self, items: list[pytest.Item], state: GateState) -> None:
+        """The floors declared on the run's and the deselected perf tests (not on those of other
+        shards, whose floors their shards check) for this device class and size."""
+        from .floors import Ledger, declared
+
+        left_out = [item for item in self._deselected if item.nodeid not in self._shard_dropped]
+        floors, nodeids = declared([*items, *left_out], state.device, state.size)
+        self.ledger = Ledger(floors, nodeids, deselected={item.nodeid for item in left_out})
+        self._deselected = []
 
     def activate(self) -> GateState:
         """Fix threads and malloc, fingerprint the machine, and point pytest-benchmark's storage at
@@ -165,6 +220,9 @@ class PerfSession:
         --benchmark-compare takes the newest baseline of this machine and size)."""
         if self.state is not None:
             return self.state
+        why = self._xdist_refusal()
+        if why:
+            raise pytest.UsageError(why)
         from .fingerprint import fingerprint, slug
         from .state import GateState
         from .timing import configure_malloc, resolve_device, timer_for, torch_or_none
@@ -289,46 +347,88 @@ class PerfSession:
             "interrupted": state.interrupted,  # Ctrl-C: partial rows; never saved, refused as a baseline
             "durations": state.durations,  # seconds per test function, setup to teardown: --perf-shard's weights
             "speedups": [r.as_dict() for r in state.rows],
+            # declared floors whose rows were not measured (deselected, skipped, failed, ...), and why
+            "unmeasured_floors": [u.as_dict() for u in self.floors_unmeasured],
         }
 
     # -- the session's end --------------------------------------------------------------------------
 
     def finish(self, session: pytest.Session) -> None:
         """Before pytest-benchmark writes its JSON: the later visits, the extensions of straddled
-        floors, the rows. An interrupted session starts no more timing."""
+        floors, the rows, and the declared floors no row checked. An interrupted session starts no
+        more timing."""
         state = self.state
-        if state is None or not state.results:
+        if state is None:
             return
-        if session.exitstatus == pytest.ExitCode.INTERRUPTED:
-            state.interrupted = True
-        state.tests_failed = session.testsfailed
-        state.compute_rows()
-        if state.interrupted and self.saving:  # a partial run must not become the newest baseline
-            compat.withhold_save(self.config)
+        if state.results:
+            if session.exitstatus == pytest.ExitCode.INTERRUPTED:
+                state.interrupted = True
+            state.tests_failed = session.testsfailed
+            state.compute_rows()
+            if state.interrupted and self.saving:  # a partial run must not become the newest baseline
+                compat.withhold_save(self.config)
+        if self.ledger is not None:
+            measured = {(kernel, impl): m.variant for kernel, impls in state.results.items()
+                        for impl, m in impls.items()}
+            rows = {(r.kernel, r.impl) for r in state.rows or []}
+            self.floors_unmeasured = self.ledger.unmeasured(rows, measured,
+                                                            speedup_floors_off=bool(state.cpu_floors_off),
+                                                            benchmarks_off=not _benchmarks_on(self.config))
 
     def exit_status(self, session: pytest.Session) -> None:
-        """After every other hook: a failed gate fails the session; Ctrl-C in the extra timing
-        ends it interrupted."""
+        """After every other hook: a failed gate fails the session, and so, under
+        --perf-require-floors, does a declared floor no row checked (even when every test was
+        deselected); Ctrl-C in the extra timing ends it interrupted."""
         state = self.state
-        if state is None or not state.results or session.exitstatus != pytest.ExitCode.OK:
+        if state is None:
             return
-        if any(r.failures for r in state.compute_rows()):
+        if state.results and session.exitstatus == pytest.ExitCode.OK:
+            if any(r.failures for r in state.compute_rows()):
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            elif state.interrupted:
+                session.exitstatus = pytest.ExitCode.INTERRUPTED
+        passing = (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)  # all deselected: 5, not a pass
+        if session.exitstatus in passing and self._floors_failed():
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        elif state.interrupted:
-            session.exitstatus = pytest.ExitCode.INTERRUPTED
+
+    def _floors_failed(self) -> list[Unmeasured]:
+        """The unmeasured floors that fail the session: under --perf-require-floors, those that
+        apply here for certain."""
+        return [u for u in self.floors_unmeasured if u.required] if self.require_floors else []
 
     def summary(self, tr: Any) -> None:
+        """The table, the declared floors no row checked, the verdict."""
         state = self.state
         if state is None:
             return
         if state.unmeasured:
             tr.write_line(f"perfgate: {state.unmeasured} perf call(s) ran once with benchmarks disabled "
-                          "(--benchmark-disable, or xdist): no speedup measured, the gate did not run",
-                          yellow=True)
-        if not state.results:
-            return
+                          "(--benchmark-disable): no speedup measured, the gate did not run", yellow=True)
+        rows = self._table(tr) if state.results else []
+        self._unmeasured_floors(tr)
+        if state.results or self.floors_unmeasured:
+            self._verdict(tr, rows)
+        missed = [u for u in self.floors_unmeasured if u.required]
+        if missed and not self.require_floors:
+            tr.write_line(f"perfgate: {len(missed)} declared floor(s) not checked (NOT MEASURED above): the "
+                          "verdict covers the rows measured only; --perf-require-floors fails a session on them",
+                          yellow=True, bold=True)
+
+    def _unmeasured_floors(self, tr: Any) -> None:
+        """Each declared floor no row checked: a note where it may not apply here (a variant-keyed
+        floor of a skipped impl), a warning otherwise; under --perf-require-floors the verdict
+        lists those as failures instead."""
+        for u in self.floors_unmeasured:
+            if not u.required:
+                tr.write_line(f"perfgate: {u.line()}")
+            elif not self.require_floors:
+                tr.write_line(f"NOT MEASURED: {u.line()}", yellow=True, bold=True)
+
+    def _table(self, tr: Any) -> list:
+        """The speedup table and the notes under it; the rows."""
         from .stats import format_table
 
+        state = self.state
         if state.cpu_floors_off:
             tr.write_line(f"perfgate: CPU speedup floors are set at torch's default {_DEFAULT_THREADS[0]} "
                           f"thread(s) under --perf-malloc cache; {state.cpu_floors_off} they are not applied: "
@@ -360,7 +460,7 @@ class PerfSession:
             matched = sum(r.baseline is not None for r in rows)
             tr.write_line(f"compared against baseline in {state.baseline_path}: {matched} of {len(rows)} "
                           f"row(s) have a stored speedup at size {state.size}")
-        self._verdict(tr, rows)
+        return rows
 
     def _verdict(self, tr: Any, rows: list) -> None:
         from .stats import held_to, verdict
@@ -368,7 +468,8 @@ class PerfSession:
         state = self.state
         what = held_to(state.cpu_floors_off)
         budget = f"--perf-extend {state.extend_s:g} s{', interrupted' if state.interrupted else ''}"
-        for style, text in verdict(rows, what, budget):
+        missed = [f"{u.line()} (--perf-require-floors)" for u in self._floors_failed()]
+        for style, text in verdict(rows, what, budget, missed):
             tr.write_line(text, **STYLES[style])
 
 
@@ -395,6 +496,26 @@ def _check_stored(folder: Path | None, paths: list[Path] | None = None) -> None:
                 f"perfgate reads this fingerprint's stored runs, and one is not a whole perfgate run:\n  {exc}\n"
                 "--benchmark-compare would skip it and compare against an older run, or stop on it. Restore it "
                 f"(e.g. from version control), or move it out of {folder or path.parent}.") from exc
+
+
+def _xdist(config: pytest.Config) -> str:
+    """How pytest-xdist runs this process: "worker", "controller" (it hands the tests to workers) or
+    "" (not at all). A worker's config has ``workerinput`` (xdist resets its -n and --dist); a
+    controller has -n N with N > 0 or --dist other than "no", except under --collect-only, where
+    xdist runs nothing. Read from options, so without xdist installed nothing matches."""
+    if hasattr(config, "workerinput"):
+        return "worker"
+    distributed = config.getoption("numprocesses", None) or config.getoption("dist", "no") not in (None, "no")
+    return "controller" if distributed and not config.getoption("collectonly", False) else ""
+
+
+def _benchmarks_on(config: pytest.Config) -> bool:
+    """pytest-benchmark times benchmarks: neither --benchmark-disable (without --benchmark-enable)
+    nor --benchmark-skip (without --benchmark-only) turned them off. Its own rule, less its xdist
+    clause, which perfgate refuses instead."""
+    opt = config.getoption
+    disabled = opt("benchmark_disable", False) and not opt("benchmark_enable", False)
+    return not disabled and not (opt("benchmark_skip", False) and not opt("benchmark_only", False))
 
 
 def _cpu_floors_off(device: str, threads: int | None, malloc: str) -> str:

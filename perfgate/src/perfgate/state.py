@@ -9,10 +9,10 @@ from statistics import median
 
 import pytest
 
+from .floors import REFERENCE
 from .stats import SpeedupRow, gate, speedup_interval
 from .timing import Timed, Timer, interleaved
 
-REFERENCE = "reference"
 MAX_PAIRS = 1000  # a straddled row is extended up to this many interleaved pairs in all
 
 

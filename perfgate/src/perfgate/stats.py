@@ -169,11 +169,13 @@ def held_to(floors_off: str) -> str:
     return "at or above their floors" if not floors_off else f"without speedup floors (not applied {floors_off})"
 
 
-def verdict(rows: Sequence[SpeedupRow], what: str, budget: str) -> list[tuple[str, str]]:
+def verdict(rows: Sequence[SpeedupRow], what: str, budget: str,
+            missed: Sequence[str] = ()) -> list[tuple[str, str]]:
     """The session's closing lines as (style, text), style one of note, warn, fail, pass: each
     extension, each unresolved floor, each failure, then the verdict. ``what`` says what the
     passed rows were held to ("at or above their floors"); ``budget`` how far a straddled row
-    could be extended ("--perf-extend 60 s")."""
+    could be extended ("--perf-extend 60 s"); ``missed``: declared floors no row checked that fail
+    the session (``--perf-require-floors``), each a failure."""
     lines = []
     for r in rows:
         if r.extended:
@@ -185,7 +187,7 @@ def verdict(rows: Sequence[SpeedupRow], what: str, budget: str) -> list[tuple[st
             how = (f"after +{r.extended} pairs" if r.extended else "not extended") + f" ({budget})"
             lines.append(("warn", f"UNRESOLVED: {u}; {how}: neither failed nor passed; rerun, or run on a quieter "
                                   "host"))
-    failures = [f for r in rows for f in r.failures]
+    failures = [f for r in rows for f in r.failures] + list(missed)
     lines += [("fail", f"GATE FAILED: {f}") for f in failures]
     if failures or not rows:
         return lines
