@@ -350,7 +350,7 @@ def _optimizers() -> dict[str, dict[str, Any]]:
             "unowned_parameters": NA("an optimizer owns what it is given; train() checks it against the model"),
         }
     rows["adamw"]["out_of_range"] = R(lambda: kernels.adamw(params(), betas=(1.5, 0.9)), ValueError,
-                                      r"betas\[0\] must be in \[0, 1\), got 1.5")
+                                      r"betas\[0\] must be a finite number in \[0, 1\), got float 1.5")
     rows["sgd"]["bool_for_int"] = R(lambda: kernels.sgd(params(), nesterov=1), TypeError,
                                     "nesterov must be True or False, got int 1")
     return rows
@@ -529,6 +529,7 @@ def test_integer_refuses_bools_floats_and_strings(value: Any) -> None:
 
 @pytest.mark.parametrize(("value", "kw"), [(math.nan, {}), (math.inf, {}), (-math.inf, {}), (True, {}), ("1", {}),
                                             (0.0, {"low": 0, "low_open": True}), (1.5, {"high": 1}),
+                                            (1.0, {"low": 0, "high": 1, "high_open": True}),
                                             (torch.tensor([1.0, 2.0]), {}), (None, {})])
 def test_number_refuses_nonfinite_bools_and_out_of_range(value: Any, kw: dict) -> None:
     with pytest.raises(ValueError, match="x must be a finite number"):

@@ -156,18 +156,18 @@ BAD_HYPERPARAMETERS = [  # (kind, keywords, error, message): torch 2.14.1 accept
     ("adamw", dict(eps=0.0), ValueError, "eps must be a finite number > 0, got float 0.0"),
     ("adamw", dict(weight_decay=INF), ValueError, "weight_decay must be a finite number >= 0"),
     ("sgd", dict(weight_decay=NAN), ValueError, "weight_decay must be a finite number >= 0"),
-    ("sgd", dict(momentum=1.5), ValueError, r"momentum must be in \[0, 1\), got 1.5: a factor of 1 or more"),
-    ("sgd", dict(momentum=INF), ValueError, "momentum must be a finite number, got float inf"),
+    ("sgd", dict(momentum=1.5), ValueError, r"momentum must be .* in \[0, 1\), got float 1.5 \(a factor of 1 or"),
+    ("sgd", dict(momentum=INF), ValueError, r"momentum must be a finite number in \[0, 1\), got float inf"),
     ("sgd", dict(dampening=-0.5), ValueError, r"dampening must be a finite number in \[0, 1\], got float -0.5"),
     ("sgd", dict(nesterov=1, momentum=0.9), TypeError, "nesterov must be True or False, got int 1"),
     ("adamw", dict(betas=(0.9, 0.99, 0.999)), ValueError, r"betas must be a pair"),  # torch dropped the third
     ("adamw", dict(lr="1e-3"), ValueError, "lr must be a finite number >= 0, got str '1e-3'"),  # torch: TypeError
     ("adamw", dict(lr=-1e-3), ValueError, "lr must be a finite number >= 0"),
-    ("adamw", dict(betas=(0.9, 1.0)), ValueError, r"betas\[1\] must be in \[0, 1\), got 1.0"),
-    ("adamw", dict(betas=(NAN, 0.999)), ValueError, r"betas\[0\] must be a finite number, got float nan"),
-    ("adamw", dict(betas=(True, 0.999)), ValueError, r"betas\[0\] must be a finite number, got bool True"),
+    ("adamw", dict(betas=(0.9, 1.0)), ValueError, r"betas\[1\] must be a finite number in \[0, 1\), got float 1"),
+    ("adamw", dict(betas=(NAN, 0.999)), ValueError, r"betas\[0\] must be .* in \[0, 1\), got float nan"),
+    ("adamw", dict(betas=(True, 0.999)), ValueError, r"betas\[0\] must be .* in \[0, 1\), got bool True"),
     ("adamw", dict(betas=0.9), ValueError, r"betas must be a pair \(beta1, beta2\) of numbers in \[0, 1\)"),
-    ("sgd", dict(momentum=-0.1), ValueError, r"momentum must be in \[0, 1\), got -0.1"),
+    ("sgd", dict(momentum=-0.1), ValueError, r"momentum must be a finite number in \[0, 1\), got float -0.1"),
     ("sgd", dict(nesterov=True), ValueError, "nesterov=True needs momentum > 0 and dampening 0; got momentum 0.0"),
 ]
 
@@ -186,9 +186,9 @@ def test_bad_hyperparameters_are_refused_by_name(kind: str, keywords: dict, erro
 @pytest.mark.parametrize(("kind", "override", "error", "message"), [
     ("adamw", {"lr": INF}, ValueError, r"params\[1\]\['lr'\] must be a finite number >= 0, got float inf"),
     ("sgd", {"lr": True}, ValueError, r"params\[1\]\['lr'\] must be a finite number >= 0, got bool True"),
-    ("adamw", {"betas": (0.9, 1.5)}, ValueError, r"params\[1\]\['betas'\]\[1\] must be in \[0, 1\)"),
+    ("adamw", {"betas": (0.9, 1.5)}, ValueError, r"params\[1\]\['betas'\]\[1\] must be a finite number in \[0, 1"),
     ("adamw", {"eps": 0}, ValueError, r"params\[1\]\['eps'\] must be a finite number > 0"),
-    ("sgd", {"momentum": -1.0}, ValueError, r"params\[1\]\['momentum'\] must be in \[0, 1\)"),
+    ("sgd", {"momentum": -1.0}, ValueError, r"params\[1\]\['momentum'\] must be a finite number in \[0, 1\)"),
     ("sgd", {"weight_decay": NAN}, ValueError, r"params\[1\]\['weight_decay'\] must be a finite number"),
     ("sgd", {"nesterov": "yes"}, TypeError, r"params\[1\]\['nesterov'\] must be True or False"),
     ("sgd", {"momentum": 0.0, "nesterov": True}, ValueError,

@@ -37,16 +37,18 @@ def integer(value: Any, name: str, *, low: int | None = None, high: int | None =
     return v
 
 
-def _range(low: float | None, high: float | None, low_open: bool = False) -> str:
+def _range(low: float | None, high: float | None, low_open: bool = False, high_open: bool = False) -> str:
     if low is not None and high is not None and not low_open:
-        return f" in [{low}, {high}]"
-    bounds = [f"{'>' if low_open else '>='} {low}"] * (low is not None) + [f"<= {high}"] * (high is not None)
+        return f" in [{low}, {high}{')' if high_open else ']'}"
+    bounds = ([f"{'>' if low_open else '>='} {low}"] * (low is not None)
+              + [f"{'<' if high_open else '<='} {high}"] * (high is not None))
     return " " + " and ".join(bounds) if bounds else ""
 
 
 def number(value: Any, name: str, *, low: float | None = None, high: float | None = None,
-           low_open: bool = False) -> float:
-    """A finite real number (not a bool) in [low, high], or (low, high] with ``low_open``."""
+           low_open: bool = False, high_open: bool = False, hint: str = "") -> float:
+    """A finite real number (not a bool) in [low, high]; ``low_open``/``high_open`` leave that end
+    out. ``hint`` says why the range, in the message."""
     scalar = isinstance(value, Tensor) and value.numel() == 1 and value.dtype.is_floating_point
     ok = scalar or not isinstance(value, bool | str | Tensor)
     try:
@@ -54,8 +56,11 @@ def number(value: Any, name: str, *, low: float | None = None, high: float | Non
     except (TypeError, ValueError):
         v = math.nan
     below = low is not None and (v <= low if low_open else v < low)
-    if not math.isfinite(v) or below or (high is not None and v > high):
-        raise ValueError(f"{name} must be a finite number{_range(low, high, low_open)}, got {_what(value)}")
+    above = high is not None and (v >= high if high_open else v > high)
+    if not math.isfinite(v) or below or above:
+        why = f" ({hint})" if hint else ""
+        raise ValueError(f"{name} must be a finite number{_range(low, high, low_open, high_open)}, "
+                         f"got {_what(value)}{why}")
     return v
 
 

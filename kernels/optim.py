@@ -61,12 +61,9 @@ def _groups(params: Params, arg: str) -> list:
 
 
 def _fraction(value: Any, name: str) -> float:
-    """A decay factor in [0, 1) (``checks.number`` has no open upper bound: that end is checked here)."""
-    v = checks.number(value, name)
-    if not 0.0 <= v < 1.0:
-        why = ": a factor of 1 or more never forgets a gradient" if v >= 1.0 else ""
-        raise ValueError(f"{name} must be in [0, 1), got {value!r}{why}")
-    return v
+    """A decay factor in [0, 1)."""
+    return checks.number(value, name, low=0, high=1, high_open=True,
+                         hint="a factor of 1 or more never forgets a gradient: its buffer grows without bound")
 
 
 def _betas(value: Any, name: str) -> tuple:
