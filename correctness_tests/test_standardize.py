@@ -4,8 +4,11 @@ autograd graph kept by a fit, transform differentiable in X; one test per refuse
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
+from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -13,8 +16,25 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from correctness_tests.tolerances import ELEMENTWISE, REDUCTION, assert_as_accurate, assert_close
+from kernels import standardize
 from kernels.standardize import Standardizer
 from reference.standardize import Standardizer as Reference
+
+# Rows per CPU block for the tests that draw it: None keeps the kernel's own (one block at these
+# sizes), 1 is a block per row.
+BLOCK_ROWS = st.sampled_from([None, 1, 3, 64])
+
+
+@contextlib.contextmanager
+def blocks_of(rows: int | None, x: torch.Tensor) -> Iterator[None]:
+    """The kernel's CPU row blocks set to ``rows`` rows of x's (N, D) in its accumulation dtype."""
+    if rows is None:
+        yield
+        return
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    with mock.patch.object(standardize, "BLOCK_BYTES", rows * x.shape[1] * acc.itemsize):
+        assert len(standardize._blocks(x, acc)) == -(-x.shape[0] // rows)
+        yield
 
 
 @st.composite
@@ -34,8 +54,14 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, kind: str, dtype: torch
     assert_close(actual.double(), expected.double(), kind, dtype=dtype)
 
 
-@given(data())
-def test_fit_transform_inverse_equal_sklearn(x: torch.Tensor) -> None:
+@given(data(), BLOCK_ROWS)
+def test_fit_transform_inverse_equal_sklearn(x: torch.Tensor, rows: int | None) -> None:
+    """Any row blocking (a block per row to one block) gives sklearn's statistics and transform."""
+    with blocks_of(rows, x):
+        _fit_transform_inverse_equal_sklearn(x)
+
+
+def _fit_transform_inverse_equal_sklearn(x: torch.Tensor) -> None:
     got, want = Standardizer().fit(x), Reference().fit(x)
     assert got.n_samples_seen_ == want.n_samples_seen_ == x.shape[0]
     _close(got.mean_, want.mean_, REDUCTION, x.dtype)
@@ -52,12 +78,14 @@ def test_fit_transform_inverse_equal_sklearn(x: torch.Tensor) -> None:
     _close(got.inverse_transform(z), x, REDUCTION, x.dtype)
 
 
-@given(data(), st.lists(st.integers(1, 299), max_size=4))
-def test_chunked_partial_fit_equals_one_fit(x: torch.Tensor, cuts: list[int]) -> None:
+@given(data(), st.lists(st.integers(1, 299), max_size=4), BLOCK_ROWS)
+def test_chunked_partial_fit_equals_one_fit(x: torch.Tensor, cuts: list[int], rows: int | None) -> None:
+    """partial_fit chunks (blocked by ``rows`` inside each) equal one unblocked fit."""
     bounds = sorted({c for c in cuts if c < x.shape[0]} | {0, x.shape[0]})
     chunked = Standardizer()
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        chunked.partial_fit(x[a:b])
+    with blocks_of(rows, x):
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            chunked.partial_fit(x[a:b])
     whole = Standardizer().fit(x)
     assert chunked.n_samples_seen_ == x.shape[0]
     _close(chunked.mean_, whole.mean_, REDUCTION, x.dtype)
@@ -95,14 +123,19 @@ def test_n1_and_constant_columns_get_scale_one() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_accumulates_in_fp32(dtype) -> None:
+@pytest.mark.parametrize("rows", [None, 7])
+def test_half_precision_accumulates_in_fp32(dtype, rows: int | None) -> None:
+    """Statistics in fp32, and the transform computed in fp32 then cast, in one block or many."""
     x = (10 + 3 * torch.randn(20000, 6)).to(dtype)
-    s = Standardizer().fit(x)
+    with blocks_of(rows, x):
+        s = Standardizer().fit(x)
+        z = s.transform(x)
     want = Reference().fit(x.double())
     assert s.mean_.dtype == torch.float32
     _close(s.mean_, want.mean_, REDUCTION, torch.float32)
     _close(s.var_, want.var_, REDUCTION, torch.float32)
-    assert s.transform(x).dtype == dtype
+    assert z.dtype == dtype
+    torch.testing.assert_close(z, want.transform(x.double()).to(dtype))
 
 
 def test_bad_input_is_refused() -> None:
@@ -152,14 +185,15 @@ NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf")}
 
 @pytest.mark.parametrize("method", ["fit", "partial_fit", "transform", "inverse_transform"])
 @pytest.mark.parametrize("value", list(NON_FINITE))
-def test_nan_and_inf_are_refused_never_silent_statistics(method: str, value: str) -> None:
+@pytest.mark.parametrize("rows", [None, 2])
+def test_nan_and_inf_are_refused_never_silent_statistics(method: str, value: str, rows: int | None) -> None:
     """scikit-learn skips NaN in fit and passes them through transform (and raises on inf): this
-    class refuses both everywhere, with a message saying so, whichever row holds them."""
+    class refuses both everywhere, with a message saying so, whichever row (and row block) holds them."""
     s = Standardizer().fit(torch.randn(6, 3))
-    for row in (0, 4):
+    for row in (0, 4, 5):
         x = torch.randn(6, 3)
         x[row, 1] = NON_FINITE[value]
-        with pytest.raises(ValueError, match="NaN or inf in X; this Standardizer refuses NaN and inf"):
+        with blocks_of(rows, x), pytest.raises(ValueError, match="NaN or inf in X; this Standardizer refuses NaN"):
             getattr(s, method)(x)
 
 

@@ -6,6 +6,9 @@
 chunked fitting equals one fit up to rounding. Numerics: every batch is shifted by a fixed
 reference row (a copy of the first sample seen) before the sums, so a large common offset (1e6
 plus unit noise) never enters a sum of squares; fp16/bf16 inputs accumulate in fp32, fp64 in fp64.
+On the CPU, fit and transform work through X in row blocks of about ``BLOCK_BYTES`` (2 MiB): each
+block's passes run while it is in cache, so X is read from memory once per call (the block
+statistics merged by the same Chan update) and the result written once.
 
 Autograd: the statistics are data, never part of a graph. ``fit``/``partial_fit`` read X
 detached (fitting on a tensor that requires grad keeps neither its graph nor its storage alive),
@@ -19,8 +22,8 @@ device other than the fitted statistics', ``out=`` with an X that requires grad.
 StandardScaler ignores NaN in fit as missing values (per-feature sample counts) and passes them
 through transform, and raises on inf; this class supports no missing values and refuses both,
 in fit (checked on the merged statistics, which every value of X reaches: one sync per call)
-and in transform / inverse_transform (checked on a sum of the result, one reduction and one
-sync, which also catches results that overflow, e.g. a cast back to fp16). A call that raises
+and in transform / inverse_transform (checked on column sums of the result, one per row block,
+and one sync; this also catches results that overflow, e.g. a cast back to fp16). A call that raises
 leaves the standardizer as it was.
 """
 
@@ -30,6 +33,10 @@ import torch
 from torch import Tensor
 
 from kernels import checks
+
+# Bytes of a row block on the CPU: a few times the per-core L2, well inside the last-level cache
+# (docs/measurements/standardize-blocks-zen3.txt).
+BLOCK_BYTES = 2 << 20
 
 _NOT_FINITE = ("this Standardizer refuses NaN and inf (scikit-learn's StandardScaler would skip NaN as missing "
                "values and raise on inf): drop or impute them first; values whose squares or sums overflow "
@@ -76,11 +83,7 @@ class Standardizer:
             dmean0, m2_0, na = torch.zeros_like(shift), torch.zeros_like(shift), 0
         else:
             shift, dmean0, m2_0, na = self._shift, self._dmean, self._m2, self.n_samples_seen_
-        # two passes over the shifted data: faster on CPU than torch.var_mean over dim 0, whose
-        # reduction is strided (docs/measurements/from-the-code.md)
-        d = X.to(acc) - shift
-        mean_b = d.mean(0)
-        var_b = d.sub_(mean_b).square_().mean(0)  # in place: d is ours, one (N, D) allocation less
+        mean_b, var_b = _moments(X, shift, acc)
         nb = X.shape[0]
         n = na + nb
         delta = mean_b - dmean0
@@ -117,16 +120,31 @@ class Standardizer:
         acc = self._fitted(X)
         if out is not None:
             _check_out(X, out, acc)
-        result = torch.sub(X.to(acc), self._shift, out=out).sub_(self._dmean).div_(self.scale_)
-        result = result if out is not None else result.to(X.dtype)
-        _finite(result, acc)
+        if torch.is_grad_enabled() and X.requires_grad:  # the differentiable path: whole tensors
+            result = torch.sub(X.to(acc), self._shift).sub_(self._dmean).div_(self.scale_).to(X.dtype)
+            _finite([result], acc)
+            return result
+        # row blocks written into the result: each block's arithmetic and its column sum (the
+        # finiteness check) run on a block still in cache, X is read and the result written once
+        result = torch.empty_like(X) if out is None else out
+        blocks = _blocks(X, acc)
+        # fp16/bf16: each block is computed in fp32 in one reused buffer, then cast into the result
+        work = None if X.dtype == acc else torch.empty((blocks[0].stop, X.shape[1]), dtype=acc, device=X.device)
+        sums = []
+        for rows in blocks:
+            block = result[rows] if work is None else work[: rows.stop - rows.start]
+            torch.sub(X[rows], self._shift, out=block).sub_(self._dmean).div_(self.scale_)
+            if work is not None:
+                result[rows].copy_(block)
+            sums.append(result[rows].sum(0, dtype=acc))
+        _finite(sums, acc)
         return result
 
     def inverse_transform(self, X: Tensor) -> Tensor:
         """X * scale_ + mean_, returned in X's dtype; differentiable w.r.t. X."""
         acc = self._fitted(X)
         result = torch.mul(X.to(acc), self.scale_).add_(self._dmean).add_(self._shift).to(X.dtype)
-        _finite(result, acc)
+        _finite([result], acc)
         return result
 
     def fit_transform(self, X: Tensor) -> Tensor:
@@ -147,7 +165,39 @@ def _check_out(x: Tensor, out: Tensor, acc: torch.dtype) -> None:
                          "or under torch.no_grad()")
 
 
-def _finite(result: Tensor, acc: torch.dtype) -> None:
-    """NaN/inf in X (or an overflow) reach the result's sum: one reduction and one sync, cheaper
-    than an elementwise isfinite or aminmax pass over the result (docs/kernels/spectral.md)."""
-    checks.finite({"X": result.detach().sum(dtype=acc)}, hint=_NOT_FINITE)
+def _blocks(x: Tensor, acc: torch.dtype) -> list[slice]:
+    """Row ranges of about ``BLOCK_BYTES`` of x in the accumulation dtype on the CPU, where a
+    block's later passes then read the cache instead of memory (and a neighbour's share of the
+    last-level cache matters less); one block (all of x) on other devices, where each extra
+    block would be extra kernel launches."""
+    n, d = x.shape
+    rows = n if x.device.type != "cpu" else max(1, BLOCK_BYTES // (d * acc.itemsize))
+    return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
+
+
+def _moments(x: Tensor, shift: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Column mean and variance (ddof 0) of x - shift, x (N, D), in ``acc``: two passes over each
+    row block (its mean, then its squared deviations from it), the blocks merged by Chan et al.'s
+    pairwise formula (exact in exact arithmetic; the tests draw the block size, down to a row).
+    torch.var_mean over dim 0 is no substitute on the CPU: its reduction is strided
+    (docs/measurements/from-the-code.md)."""
+    blocks = _blocks(x, acc)
+    work = torch.empty((blocks[0].stop, x.shape[1]), dtype=acc, device=x.device)  # one block, reused
+    means, m2s = [], []
+    for rows in blocks:
+        d = torch.sub(x[rows], shift, out=work[: rows.stop - rows.start])
+        means.append(d.mean(0))
+        m2s.append(d.sub_(means[-1]).square_().sum(0))  # in place: the block is ours
+    if len(blocks) == 1:
+        return means[0], m2s[0] / x.shape[0]
+    counts = torch.tensor([r.stop - r.start for r in blocks], dtype=acc, device=x.device).unsqueeze(1)
+    means_, n = torch.stack(means), x.shape[0]
+    mean = (means_ * counts).sum(0) / n
+    m2 = torch.stack(m2s).sum(0) + ((means_ - mean).square() * counts).sum(0)
+    return mean, m2 / n
+
+
+def _finite(results: list[Tensor], acc: torch.dtype) -> None:
+    """NaN/inf in X (or an overflow) reach the result's sums: one reduction per block, one sync,
+    cheaper than an elementwise isfinite or aminmax pass over the result (docs/kernels/spectral.md)."""
+    checks.finite({"X": torch.stack([r.detach().sum(dtype=acc) for r in results])}, hint=_NOT_FINITE)
