@@ -205,17 +205,20 @@ def _perf(pytester: pytest.Pytester, *args: str, k: str = CAUGHT_K) -> pytest.Ru
 
 # Short rounds for the two floor cases: their rows fall 2.5x or more under the floors, far past noise.
 QUICK = "--benchmark-max-time=0.25"
+# The three detection tests judge every row however busy the host (--perf-contended): they test that
+# a slower kernel is caught, and a contended CI host must not turn that into "unresolved".
+JUDGED = "--perf-contended=inf"
 
 
 def test_a_kernel_replaced_by_its_reference_fails_without_a_baseline(scratch: pytest.Pytester) -> None:
     scratch.makeconftest(LOST_CONFTEST)
-    result = _perf(scratch, QUICK)
+    result = _perf(scratch, QUICK, JUDGED)
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     result.stdout.fnmatch_lines_random([f"GATE FAILED: {row}*is under the floor*" for row in CAUGHT_ROWS])
 
 
 def test_a_4x_slower_kernel_fails_without_a_baseline(scratch: pytest.Pytester) -> None:
-    result = _perf(scratch, QUICK, f"--perf-slowdown={SLOWDOWN}")
+    result = _perf(scratch, QUICK, JUDGED, f"--perf-slowdown={SLOWDOWN}")
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     result.stdout.fnmatch_lines_random([f"GATE FAILED: {row}*is under the floor*" for row in CAUGHT_ROWS])
 
@@ -231,7 +234,7 @@ def test_a_1_5x_slower_kernel_fails_against_this_machines_baseline(scratch: pyte
     common = (storage, f"--perf-threads={threads}")
     k = "test_topk_singular_values"
     assert _perf(scratch, *common, "--benchmark-save=base", k=k).ret == 0
-    result = _perf(scratch, *common, "--benchmark-compare", "--perf-slowdown=1.5", k=k)
+    result = _perf(scratch, *common, JUDGED, "--benchmark-compare", "--perf-slowdown=1.5", k=k)
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     result.stdout.fnmatch_lines([f"GATE FAILED: {CAUGHT_ROWS[1]}*under the stored baseline's*"])
 
@@ -254,5 +257,6 @@ def test_two_shards_merged_give_the_rows_and_verdict_of_one_unsharded_run(scratc
         return {(r["kernel"], r["impl"]): (r["floor"], r["size"], r["failures"]) for r in section["speedups"]}
 
     assert rows("merged.json") == rows("whole.json")
-    passed = [line for line in whole.stdout.lines if line.startswith("gate passed")]
+    # "gate passed", or "gate not failed" where a contended host left a row unresolved: the same either way
+    passed = [line for line in whole.stdout.lines if line.startswith(("gate passed", "gate not failed"))]
     assert passed and passed[-1] in merged.stdout.lines, (passed, merged.stdout.str())

@@ -166,10 +166,10 @@ class PerfCase:
                                              timer=state.timer.clock.name)
         # every impl's timed callable is kept for the impls of this kernel that follow it: the
         # reference for all of them, a peer for the impls a speedup(over=) marker compares with it
-        paired, later = None, None
+        paired, later, load = None, None, []
         state.runners[(self.kernel, self.impl)] = (timed, float(np.median(times)))
         if self.impl != REFERENCE and (self.kernel, REFERENCE) in state.runners:
-            paired, later = self._pair(REFERENCE, self.impl, rounds)
+            paired, later, load = self._pair(REFERENCE, self.impl, rounds)
         args = () if setup is None else (setup(),)
         # rows gated on memory take the median of 3 peaks: CPU peaks move by a few stray pages
         repeats = 3 if any(self._request.node.iter_markers("memory")) else 1
@@ -182,6 +182,7 @@ class PerfCase:
         state.results.setdefault(self.kernel, {})[self.impl] = Measurement(
             times=times, size=self.size, label=label, peak_bytes=peak,
             work_bytes=work_bytes, paired=paired, visits=1 + len(later.shares) if later else 1, variant=variant,
+            load=load,
             peer=any(over == self.impl for _, over in _comparisons(self._request.node, self.impl)))
         if later is not None:
             state.timers[(self.kernel, self.impl)] = later  # kept to extend a straddled floor
@@ -193,8 +194,9 @@ class PerfCase:
                 self._compare(side, over, rounds)
         return result
 
-    def _pair(self, base: str, side: str, rounds: int) -> tuple[list[tuple[float, float]], Visits]:
-        """Interleaved (base, side) pairs timed now, and the later visits' share of them."""
+    def _pair(self, base: str, side: str, rounds: int) -> tuple[list[tuple[float, float]], Visits, list]:
+        """Interleaved (base, side) pairs timed now, the later visits' share of them, and the CPU
+        time the host withheld while these pairs ran (``Measurement.load``)."""
         state, config = self._state, self._request.config
         (base_timed, base_median), (side_timed, side_median) = (state.runners[(self.kernel, i)]
                                                                 for i in (base, side))
@@ -209,20 +211,21 @@ class PerfCase:
         visits = 1 if n <= MIN_PAIRS else max(1, min(state.visits, n // MIN_VISIT_ROUNDS))
         shares = [len(v) for v in np.array_split(range(n), visits)]
         name = side if base == REFERENCE else comparison(side, base)
-        paired = interleaved(state.timer, base_timed, side_timed, shares[0], calls)
-        return paired, Visits(self.kernel, name, base_timed, side_timed, calls, shares[1:])
+        load: list[tuple[float, float]] = []
+        paired = interleaved(state.timer, base_timed, side_timed, shares[0], calls, host=state.host, load=load)
+        return paired, Visits(self.kernel, name, base_timed, side_timed, calls, shares[1:]), load
 
     def _compare(self, side: str, over: str, rounds: int) -> None:
         """A row of ``side`` timed interleaved against ``over`` (a peer), as its speedup over the
         reference is: the question "why not the peer?" answered by one paired measurement."""
         state = self._state
         measured = state.results[self.kernel][side]
-        paired, later = self._pair(over, side, rounds)
+        paired, later, load = self._pair(over, side, rounds)
         name = comparison(side, over)
         state.results[self.kernel][name] = Measurement(
             times=measured.times, size=self.size, label=measured.label, peak_bytes=measured.peak_bytes,
             work_bytes=measured.work_bytes, paired=paired, visits=1 + len(later.shares),
-            variant=measured.variant, against=over)
+            variant=measured.variant, against=over, load=load)
         state.timers[(self.kernel, name)] = later
         if later.shares:
             state.pending.append(later)

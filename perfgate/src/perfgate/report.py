@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .session import JSON_KEY
 from .shard import MergeError, merge
-from .stats import TABLE_HEADER, format_table, gate, held_to, row_from_dict, table_cells, verdict
+from .stats import CONTENDED, TABLE_HEADER, format_table, gate, held_to, row_from_dict, table_cells, verdict
 from .stored import BadRun, read_run
 
 
@@ -108,7 +108,7 @@ def merged_verdict(runs: list[dict], output: Path | None) -> int:
     section = run[JSON_KEY]
     rows = [row_from_dict(r) for r in section["speedups"]]
     for row in rows:
-        gate(row, section["tolerance"])
+        gate(row, section["tolerance"], section.get("contended", CONTENDED))
     section["speedups"] = [r.as_dict() for r in rows]
     shards = ", ".join(f"{m['shard']}: {m['path']}" for m in section["merged_from"])
     print(f"{section['slug']}  size {section['size']}  {_label(run)}  merged from {len(runs)} shards ({shards})")

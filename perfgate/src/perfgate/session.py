@@ -43,6 +43,10 @@ OPTIONS: list[tuple[str, Any, str]] = [
                          "during its test, the rest at the session's end (default 3)"),
     ("--perf-extend", 60.0, "seconds of extra interleaved pairs a row may take when its interval straddles its "
                             "floor, before it is reported unresolved (default 60; 0: never extend)"),
+    ("--perf-contended", 0.05, "share of the CPU time the host may withhold while a row's pairs run (other "
+                               "processes' run-queue wait and the hypervisor's steal, read from Linux's /proc) "
+                               "before the row's floor or baseline failure is reported unresolved instead: "
+                               "evidence about the host, not the kernel (default 0.05; inf: never)"),
     ("--perf-shard", None, "K/N: run shard K of N of the perf suite (each test function with all its impls in one "
                            "shard, balanced by this fingerprint's stored run); merge the shards' --benchmark-json "
                            "files with python -m perfgate.report --merge"),
@@ -54,7 +58,7 @@ OPTIONS: list[tuple[str, Any, str]] = [
                                      "without it such floors are listed, not failed"),
 ]
 _TYPES = {"--perf-tolerance": float, "--perf-threads": int, "--perf-visits": int, "--perf-extend": float,
-          "--perf-slowdown": float}
+          "--perf-slowdown": float, "--perf-contended": float}
 _CHOICES = {"--perf-size": SIZES, "--perf-malloc": ("cache", "default")}
 
 # torch's own thread count, read before any session in this process (pytester) sets it: CPU
@@ -86,6 +90,7 @@ class PerfSession:
         self.extend_s, self.slowdown = opt["--perf-extend"], opt["--perf-slowdown"]
         self.l2_flush: bool = opt["--perf-l2-flush"]
         self.require_floors: bool = opt["--perf-require-floors"]
+        self.contended: float = opt["--perf-contended"]
         if not 0.0 <= self.tolerance < 1.0:
             raise pytest.UsageError(f"--perf-tolerance must be in [0, 1), got {self.tolerance}")
         if self.threads_option is not None and self.threads_option < 1:
@@ -94,6 +99,8 @@ class PerfSession:
             raise pytest.UsageError(f"--perf-visits must be >= 1, got {self.visits}")
         if not self.extend_s >= 0.0:
             raise pytest.UsageError(f"--perf-extend must be seconds >= 0, got {self.extend_s}")
+        if not self.contended > 0.0:
+            raise pytest.UsageError(f"--perf-contended must be a share > 0 (inf: never), got {self.contended}")
         if self.slowdown < 1.0:
             raise pytest.UsageError(f"--perf-slowdown must be >= 1, got {self.slowdown}")
         self.shard: tuple[int, int] | None = None
@@ -225,7 +232,7 @@ class PerfSession:
             raise pytest.UsageError(why)
         from .fingerprint import fingerprint, slug
         from .state import GateState
-        from .timing import configure_malloc, resolve_device, timer_for, torch_or_none
+        from .timing import HostLoad, configure_malloc, resolve_device, timer_for, torch_or_none
 
         try:
             device = resolve_device(self.requested_device)
@@ -258,11 +265,13 @@ class PerfSession:
         malloc = configure_malloc(self.malloc) if device == "cpu" else "n/a"
         fp = fingerprint(device, threads, malloc, l2_flush=self.l2_flush)
         self.state = GateState(device=device, size=size, threads=threads, tolerance=self.tolerance,
+                               contended=self.contended,
                                fingerprint=fp, slug=slug(fp), slowdown=self.slowdown, visits=self.visits,
                                extend_s=self.extend_s, cpu_floors_off=_cpu_floors_off(device, threads, malloc),
                                timer=timer_for(device, l2_flush=self.l2_flush,
                                                host_timer=compat.host_timer(self.config),
-                                               disable_gc=bool(self.config.getoption("benchmark_disable_gc"))))
+                                               disable_gc=bool(self.config.getoption("benchmark_disable_gc"))),
+                               host=HostLoad(threads or 1))
         path = compat.storage_url(self.config)
         storage = None if path is None else f"file://{path}/{self.state.slug}/{size}"
         compare, self._held_compare = self._held_compare, None
@@ -339,6 +348,7 @@ class PerfSession:
             "slug": state.slug,
             "size": state.size,
             "tolerance": state.tolerance,
+            "contended": state.contended,  # the withheld CPU share at which a failing row is unresolved
             "floors_applied": not state.cpu_floors_off,  # False: CPU floors not applied (threads, malloc)
             "floors_off": state.cpu_floors_off,  # why not, e.g. "at --perf-threads 1"; "" when applied
             "baseline": state.baseline_id,  # the stored run the rows were compared with (commit, time), or None

@@ -26,7 +26,7 @@ from statistics import median
 from .stored import read_run
 
 # What all shards of one merge must share, beyond the plan: a row is comparable only under these.
-SHARED = ("fingerprint", "size", "tolerance", "floors_applied", "floors_off", "baseline")
+SHARED = ("fingerprint", "size", "tolerance", "contended", "floors_applied", "floors_off", "baseline")
 
 
 class MergeError(ValueError):

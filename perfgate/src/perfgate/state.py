@@ -10,8 +10,8 @@ from statistics import median
 import pytest
 
 from .floors import REFERENCE
-from .stats import SpeedupRow, gate, speedup_interval
-from .timing import Timed, Timer, interleaved
+from .stats import CONTENDED, SpeedupRow, gate, speedup_interval
+from .timing import HostLoad, Timed, Timer, interleaved, withheld
 
 MAX_PAIRS = 1000  # a straddled row is extended up to this many interleaved pairs in all
 
@@ -28,6 +28,7 @@ class Measurement:
     variant: str | None = None  # what the impl chose at run time (``perf(..., variant=)``)
     against: str = REFERENCE  # the impl ``paired`` times it against: a peer for a comparison row
     peer: bool = False  # the impl is a peer library (a ``speedup(over=)`` target), not ours
+    load: list[tuple[float, float]] = field(default_factory=list)  # (wall s, CPU share withheld) per stretch
 
 
 @dataclass
@@ -73,6 +74,8 @@ class GateState:
     interrupted: bool = False  # Ctrl-C: no later visits, no extensions
     limiters: list = field(default_factory=list)  # threadpoolctl limits set by pin_threads, to restore
     timer: Timer | None = None  # the device's clock (CUDA events, or the host timer) and the L2 flush
+    contended: float = CONTENDED  # --perf-contended: the withheld CPU share that leaves a failure unjudged
+    host: HostLoad | None = None  # reads the CPU time the host withheld while pairs were timed
 
     def pin_threads(self) -> None:
         """Every BLAS and OpenMP pool loaded in the process (numpy's and scipy's OpenBLAS, a
@@ -103,7 +106,7 @@ class GateState:
     def _time_pairs(self, later: Visits, pairs: int) -> None:
         m = self.results[later.kernel][later.impl]
         m.paired += interleaved(self.timer, later.reference, later.timed, pairs, later.calls,
-                                first_round=len(m.paired))
+                                first_round=len(m.paired), host=self.host, load=m.load)
 
     def compute_rows(self) -> list[SpeedupRow]:
         """Speedup rows for every impl measured beside its reference (computed once). A row whose
@@ -177,13 +180,13 @@ class GateState:
             visits=m.visits, variant=m.variant,
             floor=self.floors.get((kernel, impl)), floor_note=self.floor_notes.get((kernel, impl), ""),
             baseline=None if stored is None else stored[0], baseline_low=None if stored is None else stored[1],
-            peer=m.peer or m.against != REFERENCE,
+            peer=m.peer or m.against != REFERENCE, contention=withheld(m.load),
             reference_peak_bytes=ref.peak_bytes, optimized_peak_bytes=m.peak_bytes,
             reference_gbps=_gbps(ref.work_bytes, ref_t), optimized_gbps=_gbps(m.work_bytes, opt_t),
             memory_floor=self.memory_floors.get((kernel, impl)),
             memory_baseline=self.memory_baseline.get(baseline_key(kernel, impl, m.size)),
         )
-        gate(row, self.tolerance)
+        gate(row, self.tolerance, self.contended)
         return row
 
     def memory_unmeasured(self) -> list[str]:

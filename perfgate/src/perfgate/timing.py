@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -285,16 +286,65 @@ def _median(times: list[float]) -> float:
     return sorted(times)[len(times) // 2]
 
 
+@dataclass
+class HostLoad:
+    """How much CPU the host withheld from this process while it was timed, from Linux's /proc:
+    the run-queue wait of the process's threads (runnable, but another process held the CPU:
+    ``/proc/self/task/*/schedstat``) over ``threads`` CPUs, plus the hypervisor's steal from the
+    machine's ``cpus`` (``/proc/stat``). Interleaving cancels a host state both sides of a pair
+    share, but not this one: a kernel on 2 threads whose second CPU is taken waits at every
+    parallel region, while a single-threaded reference barely notices (measured in docs/gate.md,
+    "A contended host")."""
+
+    threads: int
+    cpus: int = os.cpu_count() or 1
+
+    def read(self) -> tuple[float, float, float] | None:
+        """(wall s, steal s summed over the CPUs, run-queue wait s summed over the threads), or
+        None where /proc gives neither (not Linux)."""
+        try:
+            with open("/proc/stat", encoding="ascii") as fh:
+                steal = int(fh.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+            wait = 0.0
+            for task in os.listdir("/proc/self/task"):
+                try:
+                    with open(f"/proc/self/task/{task}/schedstat", encoding="ascii") as fh:
+                        wait += int(fh.read().split()[1]) / 1e9
+                except (OSError, IndexError):
+                    continue  # a thread that ended between the listing and the read
+        except (OSError, IndexError, ValueError):
+            return None
+        return time.perf_counter(), steal, wait
+
+    def share(self, before: tuple[float, float, float] | None, after: tuple[float, float, float] | None
+              ) -> tuple[float, float] | None:
+        """(wall s, the share of the CPU time withheld) between two readings, None if either is."""
+        if before is None or after is None or after[0] <= before[0]:
+            return None
+        wall = after[0] - before[0]
+        steal, wait = after[1] - before[1], after[2] - before[2]
+        return wall, max(0.0, steal / (wall * self.cpus) + wait / (wall * max(1, self.threads)))
+
+
+def withheld(load: list[tuple[float, float]]) -> float | None:
+    """The wall-weighted share of CPU time withheld over ``load``'s stretches (``HostLoad.share``)."""
+    wall = sum(w for w, _ in load)
+    return None if not load or wall <= 0 else sum(w * s for w, s in load) / wall
+
+
 def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls: tuple[int, int],
-                first_round: int = 0) -> list[tuple[float, float]]:
+                first_round: int = 0, host: HostLoad | None = None,
+                load: list[tuple[float, float]] | None = None) -> list[tuple[float, float]]:
     """(reference s, impl s) pairs from blocks timed alternately in ABBA order (reference first in
     even rounds, the impl first in odd ones; rounds count from ``first_round``): both blocks of a
     pair see the same host state (memory bandwidth, clocks, neighbours), so their ratio does not
     move with it. A block is ``calls`` back-to-back calls after a warming one (which warms the
     caches the other side's block just used), read as the median call, so each side runs with
     its own data in cache, as in its separate rounds; alternating single calls measured small
-    kernels with the other's data in cache (docs/measurements/from-the-code.md)."""
+    kernels with the other's data in cache (docs/measurements/from-the-code.md). With ``host``,
+    the stretch's (wall s, withheld share) is appended to ``load``."""
     pairs = []
+    before = host.read() if host is not None else None
     for i in range(first_round, first_round + rounds):
         if i % 2 == 0:
             r = _median(timer.block(reference, calls[0]))
@@ -303,4 +353,7 @@ def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls:
             o = _median(timer.block(impl, calls[1]))
             r = _median(timer.block(reference, calls[0]))
         pairs.append((r, o))
+    stretch = host.share(before, host.read()) if host is not None else None
+    if stretch is not None and load is not None:
+        load.append(stretch)
     return pairs
