@@ -131,9 +131,9 @@ class SpeedupRow:
         return {**asdict(self), "memory_ratio": self.memory_ratio, "outcome": self.outcome}
 
 
-# The share of CPU time withheld from the session (run-queue wait and steal, timing.HostLoad) at
-# which a row's speedup no longer judges the kernel: a quiet 2-vCPU host read 0.000-0.001, one
-# busy process beside the session 0.14-0.25 (docs/gate.md, "A contended host").
+# The share of CPU time withheld from the session (timing.HostLoad) at which a row's speedup no
+# longer judges the kernel: the smoke suite's 59 rows on a quiet 2-vCPU host read 0.000-0.025, one
+# busy process beside the session 0.13-0.36 (docs/gate.md, "A contended host").
 CONTENDED = 0.05
 
 

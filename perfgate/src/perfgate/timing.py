@@ -288,23 +288,32 @@ def _median(times: list[float]) -> float:
 
 @dataclass
 class HostLoad:
-    """How much CPU the host withheld from this process while it was timed, from Linux's /proc:
-    the run-queue wait of the process's threads (runnable, but another process held the CPU:
-    ``/proc/self/task/*/schedstat``) over ``threads`` CPUs, plus the hypervisor's steal from the
-    machine's ``cpus`` (``/proc/stat``). Interleaving cancels a host state both sides of a pair
-    share, but not this one: a kernel on 2 threads whose second CPU is taken waits at every
-    parallel region, while a single-threaded reference barely notices (measured in docs/gate.md,
-    "A contended host")."""
+    """How much CPU the host withheld from this process while it was timed, from Linux's /proc.
+    Interleaving cancels a host state both sides of a pair share, but not this one: a kernel on 2
+    threads whose second CPU is taken waits at every parallel region, while a single-threaded
+    reference barely notices (measured in docs/gate.md, "A contended host").
+
+    Withheld = the hypervisor's steal (``/proc/stat``) over the machine's ``cpus``, plus the lesser
+    of two shares that must agree: the run-queue wait of this process's threads (runnable, no CPU
+    free: ``/proc/self/task/*/schedstat``) over ``threads``, and the CPU time other processes ran
+    (the machine's busy time less this process's) over ``cpus``. Wait alone would also count our
+    own pools competing (torch's OpenMP beside a peer's spinning OpenBLAS read 0.6 on a quiet
+    host); others' time alone would count a neighbour on a CPU we do not use."""
 
     threads: int
     cpus: int = os.cpu_count() or 1
 
-    def read(self) -> tuple[float, float, float] | None:
-        """(wall s, steal s summed over the CPUs, run-queue wait s summed over the threads), or
-        None where /proc gives neither (not Linux)."""
+    def read(self) -> tuple[float, ...] | None:
+        """(wall s, steal s and others' busy s summed over the CPUs, run-queue wait s summed over the
+        threads), or None where /proc gives them not (not Linux)."""
         try:
+            import resource  # POSIX only
+
             with open("/proc/stat", encoding="ascii") as fh:
-                steal = int(fh.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+                user, nice, system, _, _, irq, softirq, steal = (int(v) for v in fh.readline().split()[1:9])
+            tick = os.sysconf("SC_CLK_TCK")
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            others = (user + nice + system + irq + softirq) / tick - usage.ru_utime - usage.ru_stime
             wait = 0.0
             for task in os.listdir("/proc/self/task"):
                 try:
@@ -312,18 +321,19 @@ class HostLoad:
                         wait += int(fh.read().split()[1]) / 1e9
                 except (OSError, IndexError):
                     continue  # a thread that ended between the listing and the read
-        except (OSError, IndexError, ValueError):
+        except (ImportError, OSError, IndexError, ValueError):
             return None
-        return time.perf_counter(), steal, wait
+        return time.perf_counter(), steal / tick, others, wait
 
-    def share(self, before: tuple[float, float, float] | None, after: tuple[float, float, float] | None
-              ) -> tuple[float, float] | None:
+    def share(self, before: tuple[float, ...] | None,
+              after: tuple[float, ...] | None) -> tuple[float, float] | None:
         """(wall s, the share of the CPU time withheld) between two readings, None if either is."""
         if before is None or after is None or after[0] <= before[0]:
             return None
         wall = after[0] - before[0]
-        steal, wait = after[1] - before[1], after[2] - before[2]
-        return wall, max(0.0, steal / (wall * self.cpus) + wait / (wall * max(1, self.threads)))
+        steal, others, wait = (a - b for a, b in zip(after[1:], before[1:], strict=True))
+        taken = min(wait / (wall * max(1, self.threads)), max(0.0, others) / (wall * self.cpus))
+        return wall, max(0.0, steal / (wall * self.cpus) + taken)
 
 
 def withheld(load: list[tuple[float, float]]) -> float | None:
