@@ -58,24 +58,20 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, kind: str, dtype: torch
 def test_fit_transform_inverse_equal_sklearn(x: torch.Tensor, rows: int | None) -> None:
     """Any row blocking (a block per row to one block) gives sklearn's statistics and transform."""
     with blocks_of(rows, x):
-        _fit_transform_inverse_equal_sklearn(x)
-
-
-def _fit_transform_inverse_equal_sklearn(x: torch.Tensor) -> None:
-    got, want = Standardizer().fit(x), Reference().fit(x)
-    assert got.n_samples_seen_ == want.n_samples_seen_ == x.shape[0]
-    _close(got.mean_, want.mean_, REDUCTION, x.dtype)
-    _close(got.var_, want.var_, REDUCTION, x.dtype)
-    _close(got.scale_, want.scale_, REDUCTION, x.dtype)
-    z = got.transform(x)
-    assert z.dtype == x.dtype and z.shape == x.shape
-    # sklearn subtracts a mean rounded to X's dtype (1000.46 in fp32: 1.5e-4 off at unit scale), so
-    # the transform is judged by sklearn in fp64 on the same values, and must be as accurate
-    oracle = Reference().fit(x.double())
-    _close(z, oracle.transform(x.double()), REDUCTION, x.dtype)
-    if x.dtype == torch.float32:  # (sklearn in fp64 is no oracle for fp64 inputs: it rounds the same)
-        assert_as_accurate(z, want.transform(x).to(x.dtype), oracle.transform(x.double()))
-    _close(got.inverse_transform(z), x, REDUCTION, x.dtype)
+        got, want = Standardizer().fit(x), Reference().fit(x)
+        assert got.n_samples_seen_ == want.n_samples_seen_ == x.shape[0]
+        _close(got.mean_, want.mean_, REDUCTION, x.dtype)
+        _close(got.var_, want.var_, REDUCTION, x.dtype)
+        _close(got.scale_, want.scale_, REDUCTION, x.dtype)
+        z = got.transform(x)
+        assert z.dtype == x.dtype and z.shape == x.shape
+        # sklearn subtracts a mean rounded to X's dtype (1000.46 in fp32: 1.5e-4 off at unit scale), so
+        # the transform is judged by sklearn in fp64 on the same values, and must be as accurate
+        oracle = Reference().fit(x.double())
+        _close(z, oracle.transform(x.double()), REDUCTION, x.dtype)
+        if x.dtype == torch.float32:  # (sklearn in fp64 is no oracle for fp64 inputs: it rounds the same)
+            assert_as_accurate(z, want.transform(x).to(x.dtype), oracle.transform(x.double()))
+        _close(got.inverse_transform(z), x, REDUCTION, x.dtype)
 
 
 @given(data(), st.lists(st.integers(1, 299), max_size=4), BLOCK_ROWS)

@@ -43,8 +43,9 @@ OPTIONS: list[tuple[str, Any, str]] = [
                          "during its test, the rest at the session's end (default 3)"),
     ("--perf-extend", 60.0, "seconds of extra interleaved pairs a row may take when its interval straddles its "
                             "floor, before it is reported unresolved (default 60; 0: never extend)"),
-    ("--perf-contended", 0.05, "share of the CPU time the host may withhold while a row's pairs run (other "
-                               "processes' run-queue wait and the hypervisor's steal, read from Linux's /proc) "
+    ("--perf-contended", 0.05, "share of the CPU time the host may withhold while a row's pairs run (CPU "
+                               "time other processes took from our threads, and the hypervisor's steal, read "
+                               "from Linux's /proc) "
                                "before the row's floor or baseline failure is reported unresolved instead: "
                                "evidence about the host, not the kernel (default 0.05; inf: never)"),
     ("--perf-shard", None, "K/N: run shard K of N of the perf suite (each test function with all its impls in one "

@@ -21,8 +21,8 @@ gated by it: a peer that got faster is not our regression, and ours stays gated 
 the reference.
 
 A failure measured while the host withheld CPU time from the session (``SpeedupRow.contention``
-at or above ``--perf-contended``: other processes' run-queue wait plus the hypervisor's steal,
-read by ``timing.HostLoad``) is reported ``unresolved`` instead: a 2-thread kernel whose second
+at or above ``--perf-contended``: CPU time other processes took from our threads, plus the
+hypervisor's steal, read by ``timing.HostLoad``) is reported ``unresolved`` instead: a 2-thread kernel whose second
 CPU is taken loses far more than a single-threaded reference, so the ratio then measures the host.
 
 Memory (``@pytest.mark.memory``): saved = 1 - optimized peak / reference peak, each peak the
@@ -147,14 +147,14 @@ def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> lis
     failures = []
     row.unresolved = []
     # a speedup measured while the host withheld CPU time is evidence about the host, not the kernel
-    contended = row.contention is not None and row.contention >= contended
+    busy = row.contention is not None and row.contention >= contended
     why = (f": the host withheld {row.contention:.0%} of the CPU time while its pairs ran (other processes "
-           "or the hypervisor's steal), so this is no verdict on the kernel") if contended else ""
+           "or the hypervisor's steal), so this is no verdict on the kernel") if busy else ""
     gated = row.baseline is not None and not row.peer
     base_low = row.baseline if row.baseline_low is None else min(row.baseline_low, row.baseline)
     under_floor = row.floor is not None and row.high < row.floor
     under_baseline = gated and row.speedup < (1.0 - tolerance) * row.baseline and row.high < base_low
-    if contended and (under_floor or under_baseline):
+    if busy and (under_floor or under_baseline):
         row.unresolved.append(f"{where}: {measured} is under its "
                               f"{'floor' if under_floor else 'stored baseline'}{why}")
         under_floor = under_baseline = False
