@@ -25,8 +25,11 @@ lint: $(STAMP)
 	$(VENV)/bin/actionlint
 	$(VENV)/bin/zizmor --offline --no-progress .github/workflows
 
+# The tests that time nothing on every core (pytest-xdist), then the timed ones (perf sessions,
+# clocks, host-load readings; marker `timed`) alone, so no other test shares the CPUs with them.
 correctness: $(STAMP)
-	$(PYTEST) correctness_tests perfgate/tests -q
+	$(PYTEST) correctness_tests perfgate/tests -q -m "not timed" -n auto
+	$(PYTEST) correctness_tests perfgate/tests -q -m timed
 
 # The perf suite at smoke size, gated by its speedup floors. No baseline compare here: on the
 # shared CI host memory bandwidth moved 167-199 GB/s between runs and memory-bound ratios with

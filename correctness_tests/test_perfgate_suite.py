@@ -210,6 +210,7 @@ QUICK = "--benchmark-max-time=0.25"
 JUDGED = "--perf-contended=inf"
 
 
+@pytest.mark.timed
 def test_a_kernel_replaced_by_its_reference_fails_without_a_baseline(scratch: pytest.Pytester) -> None:
     scratch.makeconftest(LOST_CONFTEST)
     result = _perf(scratch, QUICK, JUDGED)
@@ -217,12 +218,14 @@ def test_a_kernel_replaced_by_its_reference_fails_without_a_baseline(scratch: py
     result.stdout.fnmatch_lines_random([f"GATE FAILED: {row}*is under the floor*" for row in CAUGHT_ROWS])
 
 
+@pytest.mark.timed
 def test_a_4x_slower_kernel_fails_without_a_baseline(scratch: pytest.Pytester) -> None:
     result = _perf(scratch, QUICK, JUDGED, f"--perf-slowdown={SLOWDOWN}")
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     result.stdout.fnmatch_lines_random([f"GATE FAILED: {row}*is under the floor*" for row in CAUGHT_ROWS])
 
 
+@pytest.mark.timed
 def test_a_1_5x_slower_kernel_fails_against_this_machines_baseline(scratch: pytest.Pytester) -> None:
     """At make bench's thread count (Makefile BENCH_THREADS), where the baseline rule gates, on
     top-k SVD (compute-bound). One save/compare pair is one trial: memory-bound rows move between
@@ -239,6 +242,7 @@ def test_a_1_5x_slower_kernel_fails_against_this_machines_baseline(scratch: pyte
     result.stdout.fnmatch_lines([f"GATE FAILED: {CAUGHT_ROWS[1]}*under the stored baseline's*"])
 
 
+@pytest.mark.timed
 def test_two_shards_merged_give_the_rows_and_verdict_of_one_unsharded_run(scratch: pytest.Pytester) -> None:
     """Two CAUGHT perf tests (with their peers) as one run and as 2 shards (``--perf-shard``), merged by
     ``python -m perfgate.report --merge``: the same rows, floors and verdict. perfgate's own tests

@@ -10,6 +10,8 @@ import pytest
 from pytest_benchmark import session as benchmark_session
 from pytest_benchmark.utils import load_storage
 
+pytestmark = pytest.mark.timed  # perf sessions and clocks: run alone (make correctness)
+
 
 def test_benchmark_session_has_what_compat_uses() -> None:
     init = inspect.getsource(benchmark_session.BenchmarkSession.__init__)

@@ -13,8 +13,11 @@ import time
 import pytest
 
 from perfgate import timing
-from perfgate.stats import CONTENDED, SpeedupRow, gate
-from perfgate.timing import HostLoad, withheld
+from perfgate.state import Measurement, _bound
+from perfgate.stats import CONTENDED, SpeedupRow, decided, gate
+from perfgate.timing import Bandwidth, HostLoad, PairLoad, bandwidth_withheld, withheld
+
+pytestmark = pytest.mark.timed  # perf sessions and clocks: run alone (make correctness)
 
 # ours 4 ms against a reference of 8: 2x, under the floor of 3
 SUITE = """
@@ -63,9 +66,79 @@ def test_contention_never_hides_a_met_floor_or_a_memory_failure() -> None:
     assert gate(mem, 0.2) and mem.outcome == "FAIL"
 
 
-def test_withheld_weights_the_stretches_by_their_wall_time() -> None:
+def test_contention_excuses_only_the_shortfall_it_can_explain() -> None:
+    """``bound``: the speedup had every withheld second been the impl's. A floor or baseline missed
+    even at the bound fails, contended or not; one the bound reaches is unresolved."""
+    lost = _row(0.3, bound=2.5)
+    assert gate(lost, 0.2) and lost.outcome == "FAIL"
+    assert "even had all the host withheld (the host withheld 30% of the CPU time" in lost.failures[0]
+    assert "2.50x at most" in lost.failures[0]
+    excused = _row(0.3, bound=3.5)
+    assert gate(excused, 0.2) == [] and excused.outcome == "unresolved"
+    assert "charged all to it, 3.50x at most" in excused.unresolved[0]
+    base = dict(floor=None, baseline=4.0, baseline_low=3.8)  # threshold min(0.8 x 4.0, 3.8) = 3.2
+    assert gate(_row(0.3, bound=3.1, **base), 0.2)
+    assert gate(_row(0.3, bound=3.3, **base), 0.2) == []
+
+
+def test_a_bandwidth_shortfall_is_contention_too() -> None:
+    """A streaming probe beside the pairs that read far under the session's best: a neighbour took
+    memory bandwidth, which /proc does not show."""
+    busy = _row(0.0, bandwidth=0.4)
+    assert gate(busy, 0.2) == [] and "a streaming probe beside its pairs read 40% under" in busy.unresolved[0]
+    quiet = _row(0.0, bandwidth=0.1)
+    assert gate(quiet, 0.2) and quiet.outcome == "FAIL"
+    assert gate(_row(0.0, bandwidth=0.4), 0.2, contended=float("inf"))  # --perf-contended=inf judges all
+
+
+def _ms(values: list[float]) -> list[float]:
+    return [v / 1e3 for v in values]
+
+
+def test_the_bound_charges_each_pairs_delay_to_the_impls_block_median() -> None:
+    """Blocks of 5 timed calls: the median moves only when 3 of them do, so a pair's 6 ms of delay
+    lowers the impl's block median by at most 2 ms; a probe at half the best bandwidth halves it."""
+    ref, opt = _ms([8.0, 8.1, 7.9, 8.0, 8.05, 7.95, 8.0]), _ms([4.0, 4.05, 3.95, 4.0, 4.0, 4.02, 3.98])
+    m = Measurement(times=[], size="smoke", label="", peak_bytes=None, calls=5)
+    m.load = [PairLoad(0.1, 0.3, 0.006)] * 7
+    assert _bound(m, ref, opt, None, 0.95) == pytest.approx(4.0, rel=0.03)  # 8 / (4 - 6/3)
+    m.load = [PairLoad(0.1, 0.3, 0.006, gbps=5.0)] * 7
+    assert _bound(m, ref, opt, 10.0, 0.95) == pytest.approx(8.0, rel=0.03)  # 8 / ((4 - 2) x 0.5)
+    m.load = [PairLoad(0.1, 0.3, 0.015)] * 7
+    assert _bound(m, ref, opt, None, 0.95) == float("inf")  # 15 ms / 3 > 4 ms: it explains anything
+
+
+def test_withheld_weights_the_pairs_by_their_wall_time() -> None:
     assert withheld([]) is None
-    assert withheld([(1.0, 0.0), (3.0, 0.4)]) == pytest.approx(0.3)
+    assert withheld([PairLoad(1.0, 0.0, 0.0), PairLoad(3.0, 0.4, 1.2)]) == pytest.approx(0.3)
+    assert bandwidth_withheld([PairLoad(1.0, 0.0, 0.0)], 10.0) is None  # unprobed
+    load = [PairLoad(1.0, 0.0, 0.0, gbps=10.0), PairLoad(3.0, 0.0, 0.0, gbps=6.0)]
+    assert bandwidth_withheld(load, 10.0) == pytest.approx(0.3)
+
+
+def test_the_streaming_probe_reads_a_bandwidth() -> None:
+    probe = Bandwidth(8 * 2**20)
+    assert probe.nbytes == 16 * 2**20 and 0.1 < probe.read() < 10_000
+
+
+def _gated(row: SpeedupRow) -> SpeedupRow:
+    gate(row, 0.2)
+    return row
+
+
+def test_a_row_is_decided_when_every_rule_that_applies_to_it_is_cleared() -> None:
+    """The stopping rule: later pairs are not timed for a row whose (early, 99%) interval clears its
+    floor and its baseline's threshold either way, or that has nothing to clear."""
+    assert decided(_gated(_row(0.0, speedup=4.0, low=3.5, high=4.5)), 0.2)  # met
+    assert decided(_gated(_row(0.0)), 0.2)  # missed, on a quiet host
+    assert not decided(_gated(_row(0.0, speedup=3.0, low=2.5, high=3.5)), 0.2)  # straddles
+    assert not decided(_gated(_row(0.3)), 0.2)  # missed on a contended host: it may quiet down
+    assert decided(_gated(_row(None, floor=None)), 0.2)  # no floor, no baseline: nothing to decide
+    base = dict(floor=None, baseline=4.0, baseline_low=3.8)  # fails under 3.2 with the interval under 3.8
+    assert not decided(_gated(_row(0.0, speedup=3.3, low=3.1, high=3.9, **base)), 0.2)
+    assert decided(_gated(_row(0.0, speedup=3.9, low=3.5, high=4.2, **base)), 0.2)
+    assert decided(_gated(_row(0.0, speedup=2.5, low=2.4, high=2.6, **base)), 0.2)  # failed
+    assert decided(_gated(_row(0.0, speedup=3.3, low=3.1, high=3.9, peer=True, **base)), 0.2)  # not gated
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not os.path.exists("/proc/self/task"),
@@ -85,19 +158,20 @@ def test_a_busy_process_on_our_cpu_is_read_as_withheld_time() -> None:
         end_at = time.perf_counter() + 0.5
         while time.perf_counter() < end_at:
             pass
-        wall, share = host.share(start, host.read())
+        wall, share, delay = host.share(start, host.read())
     finally:
         spinner.kill()
         spinner.wait()
         os.sched_setaffinity(0, before_affinity)
     assert wall >= 0.5 and share > 2 * CONTENDED, share
+    assert 0.1 * wall < delay <= wall, (delay, wall)  # the seconds we waited for the spinner's CPU
 
 
 def test_a_contended_session_reports_the_row_unresolved_and_passes(pytester: pytest.Pytester,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """End to end, with the host's reading replaced by a contended one: the missed floor is
     unresolved with the share in the JSON; with --perf-contended=inf the same session fails."""
-    monkeypatch.setattr(timing.HostLoad, "share", lambda self, before, after: (0.1, 0.3))
+    monkeypatch.setattr(timing.HostLoad, "share", lambda self, before, after: (0.1, 0.3, 0.1))
     pytester.makepyfile(test_slow=SUITE)
     result = pytester.runpytest(*FAST, "--benchmark-json=out.json")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
@@ -114,7 +188,7 @@ def test_a_contended_session_reports_the_row_unresolved_and_passes(pytester: pyt
 
 def test_a_quiet_session_fails_the_missed_floor(pytester: pytest.Pytester,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(timing.HostLoad, "share", lambda self, before, after: (0.1, 0.0))
+    monkeypatch.setattr(timing.HostLoad, "share", lambda self, before, after: (0.1, 0.0, 0.0))
     pytester.makepyfile(test_slow=SUITE)
     result = pytester.runpytest(*FAST)
     assert result.ret == pytest.ExitCode.TESTS_FAILED

@@ -18,6 +18,8 @@ from perfgate.fingerprint import slug
 from perfgate.report import main as report_main
 from perfgate.stats import SpeedupRow, gate, speedup_interval
 
+pytestmark = pytest.mark.timed  # perf sessions and clocks: run alone (make correctness)
+
 SUITE = """
 import time
 import pytest
@@ -554,13 +556,17 @@ def test_later_visits_run_after_every_test(pytester: pytest.Pytester) -> None:
     With 1 visit it reads the 4x of the test's own moment."""
     pytester.makepyfile(test_later=LATER)
     rows = {}
-    for visits in (1, 3):
+    for visits, more in ((1, ()), (3, ("--perf-all-visits",)), ("3 decided", ())):
         (pytester.path / "later").unlink(missing_ok=True)
-        args = (f"--perf-visits={visits}", "--benchmark-max-time=1.5", f"--benchmark-json=v{visits}.json")
+        args = (f"--perf-visits={str(visits)[0]}", "--benchmark-max-time=1.5", "--benchmark-json=v.json", *more)
         assert _run(pytester, *args).ret == 0
-        rows[visits] = json.loads((pytester.path / f"v{visits}.json").read_text())["perfgate"]["speedups"][0]
-    assert 3.2 < rows[1]["speedup"] < 4.4 and rows[1]["visits"] == 1
-    assert 0.8 < rows[3]["speedup"] < 1.2 and rows[3]["visits"] == 3
+        rows[visits] = json.loads((pytester.path / "v.json").read_text())["perfgate"]["speedups"][0]
+    assert 3.2 < rows[1]["speedup"] < 4.4 and rows[1]["visits"] == 1 and rows[1]["skipped"] == 0
+    assert 0.8 < rows[3]["speedup"] < 1.2 and rows[3]["visits"] == 3 and rows[3]["skipped"] == 0
+    # the stopping rule: a row with no floor or baseline to decide is decided by its first visit
+    decided = rows["3 decided"]
+    assert 3.2 < decided["speedup"] < 4.4 and decided["visits"] == 1
+    assert decided["skipped"] == rows[3]["rounds"][0] - decided["rounds"][0] > 0
     result = _run(pytester, "--perf-visits=0")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--perf-visits must be >= 1*"])

@@ -13,6 +13,8 @@ import pytest
 from perfgate.report import main as report_main
 from perfgate.shard import parse, plan, stored_weights
 
+pytestmark = pytest.mark.timed  # perf sessions and clocks: run alone (make correctness)
+
 # Four test functions, one parametrized over a second argument: its rows must stay in one shard.
 SUITE = """
 import time

@@ -12,6 +12,8 @@ import pytest
 from perfgate.fingerprint import SMI_FIELDS, fingerprint, slug, smi_facts
 from perfgate.timing import HostClock, Timer, interleaved
 
+pytestmark = pytest.mark.timed  # perf sessions and clocks: run alone (make correctness)
+
 US = 1e-6
 
 

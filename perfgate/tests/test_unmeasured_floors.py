@@ -11,6 +11,8 @@ import json
 
 import pytest
 
+pytestmark = pytest.mark.timed  # perf sessions and clocks: run alone (make correctness)
+
 # --perf-contended=inf: these suites test the rules on speedups set by design; a busy CI host must
 # not turn their designed failures unresolved (test_contention.py tests that rule)
 FAST = ["--perf-device", "cpu", "--benchmark-max-time=0.1", "--benchmark-min-rounds=8", "-p", "no:cacheprovider",

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.timed  # perf sessions and clocks: run alone (make correctness)
+
 FAST = ["--benchmark-max-time=0.1", "--benchmark-min-rounds=8", "-p", "no:cacheprovider", "-p", "no:xdist"]
 
 SUITE = """

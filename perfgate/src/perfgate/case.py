@@ -14,7 +14,7 @@ import pytest
 from . import compat
 from .floors import OPTIMIZED, comparison, floor_value, kernel_name, parametrized_impls
 from .state import REFERENCE, GateState, Measurement, Visits
-from .timing import interleaved, peak_memory, synced
+from .timing import PairLoad, interleaved, peak_memory, synced
 
 MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the options say
 MAX_ROUNDS = 1000
@@ -182,7 +182,7 @@ class PerfCase:
         state.results.setdefault(self.kernel, {})[self.impl] = Measurement(
             times=times, size=self.size, label=label, peak_bytes=peak,
             work_bytes=work_bytes, paired=paired, visits=1 + len(later.shares) if later else 1, variant=variant,
-            load=load,
+            load=load, calls=later.calls[1] if later else 1,
             peer=any(over == self.impl for _, over in _comparisons(self._request.node, self.impl)))
         if later is not None:
             state.timers[(self.kernel, self.impl)] = later  # kept to extend a straddled floor
@@ -194,7 +194,7 @@ class PerfCase:
                 self._compare(side, over, rounds)
         return result
 
-    def _pair(self, base: str, side: str, rounds: int) -> tuple[list[tuple[float, float]], Visits, list]:
+    def _pair(self, base: str, side: str, rounds: int) -> tuple[list[tuple[float, float]], Visits, list[PairLoad]]:
         """Interleaved (base, side) pairs timed now, the later visits' share of them, and the CPU
         time the host withheld while these pairs ran (``Measurement.load``)."""
         state, config = self._state, self._request.config
@@ -211,7 +211,7 @@ class PerfCase:
         visits = 1 if n <= MIN_PAIRS else max(1, min(state.visits, n // MIN_VISIT_ROUNDS))
         shares = [len(v) for v in np.array_split(range(n), visits)]
         name = side if base == REFERENCE else comparison(side, base)
-        load: list[tuple[float, float]] = []
+        load: list[PairLoad] = []
         paired = interleaved(state.timer, base_timed, side_timed, shares[0], calls, host=state.host, load=load)
         return paired, Visits(self.kernel, name, base_timed, side_timed, calls, shares[1:]), load
 
@@ -225,7 +225,7 @@ class PerfCase:
         state.results[self.kernel][name] = Measurement(
             times=measured.times, size=self.size, label=measured.label, peak_bytes=measured.peak_bytes,
             work_bytes=measured.work_bytes, paired=paired, visits=1 + len(later.shares),
-            variant=measured.variant, against=over, load=load)
+            variant=measured.variant, against=over, load=load, calls=later.calls[1])
         state.timers[(self.kernel, name)] = later
         if later.shares:
             state.pending.append(later)

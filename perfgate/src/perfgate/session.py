@@ -41,6 +41,9 @@ OPTIONS: list[tuple[str, Any, str]] = [
                                "loop)"),
     ("--perf-visits", 3, "time each impl's interleaved rounds with its reference in this many visits: one "
                          "during its test, the rest at the session's end (default 3)"),
+    ("--perf-all-visits", False, "time every visit of every row, even of a row already decided (its 99% interval "
+                                 "clear of its floor and baseline, or nothing to gate): the sequential stopping "
+                                 "rule off, e.g. to measure what it saves and costs"),
     ("--perf-extend", 60.0, "seconds of extra interleaved pairs a row may take when its interval straddles its "
                             "floor, before it is reported unresolved (default 60; 0: never extend)"),
     ("--perf-contended", 0.05, "share of the CPU time the host may withhold while a row's pairs run (CPU "
@@ -90,6 +93,7 @@ class PerfSession:
         self.threads_option, self.visits = opt["--perf-threads"], opt["--perf-visits"]
         self.extend_s, self.slowdown = opt["--perf-extend"], opt["--perf-slowdown"]
         self.l2_flush: bool = opt["--perf-l2-flush"]
+        self.all_visits: bool = opt["--perf-all-visits"]
         self.require_floors: bool = opt["--perf-require-floors"]
         self.contended: float = opt["--perf-contended"]
         if not 0.0 <= self.tolerance < 1.0:
@@ -233,7 +237,7 @@ class PerfSession:
             raise pytest.UsageError(why)
         from .fingerprint import fingerprint, slug
         from .state import GateState
-        from .timing import HostLoad, configure_malloc, resolve_device, timer_for, torch_or_none
+        from .timing import Bandwidth, HostLoad, configure_malloc, resolve_device, timer_for, torch_or_none
 
         try:
             device = resolve_device(self.requested_device)
@@ -268,11 +272,12 @@ class PerfSession:
         self.state = GateState(device=device, size=size, threads=threads, tolerance=self.tolerance,
                                contended=self.contended,
                                fingerprint=fp, slug=slug(fp), slowdown=self.slowdown, visits=self.visits,
-                               extend_s=self.extend_s, cpu_floors_off=_cpu_floors_off(device, threads, malloc),
+                               extend_s=self.extend_s, all_visits=self.all_visits,
+                               cpu_floors_off=_cpu_floors_off(device, threads, malloc),
                                timer=timer_for(device, l2_flush=self.l2_flush,
                                                host_timer=compat.host_timer(self.config),
                                                disable_gc=bool(self.config.getoption("benchmark_disable_gc"))),
-                               host=HostLoad(threads or 1))
+                               host=HostLoad(threads or 1, probe=Bandwidth() if device == "cpu" else None))
         path = compat.storage_url(self.config)
         storage = None if path is None else f"file://{path}/{self.state.slug}/{size}"
         compare, self._held_compare = self._held_compare, None

@@ -7,13 +7,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
 
+import numpy as np
 import pytest
 
 from .floors import REFERENCE
-from .stats import CONTENDED, SpeedupRow, gate, speedup_interval
-from .timing import HostLoad, Timed, Timer, interleaved, withheld
+from .stats import CONTENDED, SpeedupRow, decided, gate, speedup_interval
+from .timing import HostLoad, PairLoad, Timed, Timer, bandwidth_withheld, interleaved, withheld
 
 MAX_PAIRS = 1000  # a straddled row is extended up to this many interleaved pairs in all
+# The interval a row's later visits are decided by: a row whose 99% interval already clears every
+# rule that applies to it is not measured further (the verdict, at the end, is at 95%).
+EARLY = 0.99
 
 
 @dataclass
@@ -28,7 +32,8 @@ class Measurement:
     variant: str | None = None  # what the impl chose at run time (``perf(..., variant=)``)
     against: str = REFERENCE  # the impl ``paired`` times it against: a peer for a comparison row
     peer: bool = False  # the impl is a peer library (a ``speedup(over=)`` target), not ours
-    load: list[tuple[float, float]] = field(default_factory=list)  # (wall s, CPU share withheld) per stretch
+    load: list[PairLoad] = field(default_factory=list)  # what the host withheld, per pair of ``paired``
+    calls: int = 1  # timed calls in each of this impl's blocks of ``paired`` (the block's median)
 
 
 @dataclass
@@ -75,7 +80,9 @@ class GateState:
     limiters: list = field(default_factory=list)  # threadpoolctl limits set by pin_threads, to restore
     timer: Timer | None = None  # the device's clock (CUDA events, or the host timer) and the L2 flush
     contended: float = CONTENDED  # --perf-contended: the withheld CPU share that leaves a failure unjudged
-    host: HostLoad | None = None  # reads the CPU time the host withheld while pairs were timed
+    host: HostLoad | None = None  # reads the CPU time (and bandwidth) the host withheld while pairs were timed
+    skipped: dict[tuple[str, str], int] = field(default_factory=dict)  # later pairs a decided row did not need
+    all_visits: bool = False  # --perf-all-visits: the stopping rule off
 
     def pin_threads(self) -> None:
         """Every BLAS and OpenMP pool loaded in the process (numpy's and scipy's OpenBLAS, a
@@ -95,11 +102,19 @@ class GateState:
     def revisit(self) -> None:
         """Time every impl's later visits, in passes over all impls (visit 2 of each, then visit 3
         of each, ...), so each row's interleaved rounds sample host states apart in time, not only
-        the one it happened to meet during its test."""
+        the one it happened to meet during its test. A row already decided (``decided`` on its
+        ``EARLY`` interval: every rule that applies to it cleared, or none applies) is not visited
+        again: its remaining pairs are counted in ``skipped``."""
         pending = [] if self.interrupted else self.pending
         for v in range(max((len(p.shares) for p in pending), default=0)):
             for p in pending:
-                if v < len(p.shares):
+                if v >= len(p.shares):
+                    continue
+                if not self.all_visits and decided(self._row(p.kernel, p.impl, EARLY), self.tolerance):
+                    self.skipped[(p.kernel, p.impl)] = sum(p.shares[v:])
+                    self.results[p.kernel][p.impl].visits -= len(p.shares) - v
+                    p.shares = p.shares[:v]
+                else:
                     self._time_pairs(p, p.shares[v])
         self.pending.clear()
 
@@ -162,8 +177,8 @@ class GateState:
             row.extended = len(m.paired) - pairs
         return row
 
-    def _row(self, kernel: str, impl: str) -> SpeedupRow:
-        """``impl``'s speedup row from what is measured now, gated."""
+    def _row(self, kernel: str, impl: str, confidence: float = 0.95) -> SpeedupRow:
+        """``impl``'s speedup row from what is measured now, gated at ``confidence``."""
         m = self.results[kernel][impl]
         ref = self.results[kernel][m.against]
         # With declared work on both sides the ratio is of throughput (bytes/s), e.g. a
@@ -171,16 +186,19 @@ class GateState:
         scale = m.work_bytes / ref.work_bytes if ref.work_bytes and m.work_bytes else 1.0
         # interleaved pairs when the reference ran first in this session, else the two runs
         ref_t, opt_t = (list(t) for t in zip(*m.paired, strict=True)) if m.paired else (ref.times, m.times)
-        point, low, high = (scale * v for v in speedup_interval(ref_t, opt_t, paired=bool(m.paired)))
+        point, low, high = (scale * v for v in speedup_interval(ref_t, opt_t, confidence, paired=bool(m.paired)))
+        whole = bool(m.paired) and len(m.load) == len(m.paired)  # every pair's host load was read
         stored = (self.baseline or {}).get(baseline_key(kernel, impl, m.size))
         row = SpeedupRow(
             kernel=kernel, impl=impl, size=m.size, label=m.label, device=self.device,
             reference_ms=1e3 * median(ref_t), optimized_ms=1e3 * median(opt_t),
             speedup=point, low=low, high=high, rounds=(len(ref_t), len(opt_t)), interleaved=bool(m.paired),
-            visits=m.visits, variant=m.variant,
+            visits=m.visits, variant=m.variant, skipped=self.skipped.get((kernel, impl), 0),
             floor=self.floors.get((kernel, impl)), floor_note=self.floor_notes.get((kernel, impl), ""),
             baseline=None if stored is None else stored[0], baseline_low=None if stored is None else stored[1],
-            peer=m.peer or m.against != REFERENCE, contention=withheld(m.load),
+            peer=m.peer or m.against != REFERENCE, contention=withheld(m.load) if whole else None,
+            bandwidth=bandwidth_withheld(m.load, self.quiet_gbps) if whole else None,
+            bound=scale * _bound(m, ref_t, opt_t, self.quiet_gbps, confidence) if whole else None,
             reference_peak_bytes=ref.peak_bytes, optimized_peak_bytes=m.peak_bytes,
             reference_gbps=_gbps(ref.work_bytes, ref_t), optimized_gbps=_gbps(m.work_bytes, opt_t),
             memory_floor=self.memory_floors.get((kernel, impl)),
@@ -188,6 +206,15 @@ class GateState:
         )
         gate(row, self.tolerance, self.contended)
         return row
+
+    @property
+    def quiet_gbps(self) -> float | None:
+        """The host's quiet bandwidth: the streaming probe's 90th percentile this session (on the quiet
+        Zen 3 its readings' median sat 11% under it, its 10th percentile 19%; beside a copy loop
+        on the other vCPU the median read 37% under)."""
+        readings = [p.gbps for impls in self.results.values() for m in impls.values() for p in m.load
+                    if p.gbps is not None]
+        return float(np.percentile(readings, 90)) if readings else None
 
     def memory_unmeasured(self) -> list[str]:
         """Rows with a memory floor but no peak from this platform: reported, not gated."""
@@ -206,6 +233,23 @@ def _pair_seconds(m: Measurement, timer: Visits, cost: Callable[[float], float])
     each costing ``cost`` of its reading (the reading, and the L2 flush when on)."""
     ref_s, opt_s = (cost(median(t)) for t in zip(*m.paired, strict=True))
     return (timer.calls[0] + 1) * ref_s + (timer.calls[1] + 1) * opt_s
+
+
+def _bound(m: Measurement, ref_t: list[float], opt_t: list[float], quiet_gbps: float | None,
+           confidence: float) -> float:
+    """The interval's high of ``m``'s speedup had everything the host withheld been the impl's:
+    each pair's impl reading less the pair's delay (a block's median call moves only when at least
+    half its calls do, so by at most delay / that many), times the probe's bandwidth share (a fully
+    memory-bound call slows by no more than its bandwidth fell). inf when the delay could explain
+    the whole reading."""
+    moved = m.calls - m.calls // 2  # calls that must slow for a block's median (sorted[calls // 2]) to
+    relieved = []
+    for o, load in zip(opt_t, m.load, strict=True):
+        share = 1.0 if load.gbps is None or not quiet_gbps else min(1.0, load.gbps / quiet_gbps)
+        relieved.append((o - load.delay / moved) * share)
+    if median(relieved) <= 0.0:
+        return float("inf")
+    return speedup_interval(ref_t, [max(v, 1e-12) for v in relieved], confidence, paired=True)[2]
 
 
 def _gbps(work_bytes: float | None, times: list[float]) -> float | None:

@@ -102,7 +102,12 @@ class SpeedupRow:
     memory_baseline: float | None = None  # the baseline's optimized/reference peak ratio
     floor_note: str = ""  # why no floor applies to this row where the test declares one
     extended: int = 0  # interleaved pairs added at the session's end to resolve a straddled floor
+    skipped: int = 0  # later interleaved pairs not timed: the row was decided before them (GateState.revisit)
     contention: float | None = None  # share of CPU time the host withheld during its pairs (None: unread)
+    bandwidth: float | None = None  # share of the streaming probe's bandwidth withheld during its pairs
+    # the interval's high had every second of CPU withheld, and the probe's shortfall, been the
+    # impl's: the most speedup the host's contention can explain (None: nothing withheld was read)
+    bound: float | None = None
     failures: list[str] = field(default_factory=list)
     unresolved: list[str] = field(default_factory=list)  # floors the interval still straddles
 
@@ -133,33 +138,58 @@ class SpeedupRow:
 
 # The share of CPU time withheld from the session (timing.HostLoad) at which a row's speedup no
 # longer judges the kernel: the smoke suite's 59 rows on a quiet 2-vCPU host read 0.000-0.025, one
-# busy process beside the session 0.13-0.36 (docs/gate.md, "A contended host").
+# busy process beside the session 0.13-0.36 (docs/gate.md, "A contended host"). The same share of
+# the streaming probe's bandwidth (timing.Bandwidth) under the session's best reading.
 CONTENDED = 0.05
+BANDWIDTH_CONTENDED = 0.25
+
+
+def _host_busy(row: SpeedupRow, contended: float) -> str:
+    """Why ``row``'s pairs ran on a contended host ("" when they did not)."""
+    why = []
+    if row.contention is not None and row.contention >= contended:
+        why.append(f"the host withheld {row.contention:.0%} of the CPU time while its pairs ran (other "
+                   "processes or the hypervisor's steal)")
+    if row.bandwidth is not None and row.bandwidth >= BANDWIDTH_CONTENDED * contended / CONTENDED:
+        why.append(f"a streaming probe beside its pairs read {row.bandwidth:.0%} under the session's best "
+                   "bandwidth (a neighbour taking memory bandwidth)")
+    return " and ".join(why)
 
 
 def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> list[str]:
     """The reasons ``row`` fails the gate (empty when it passes); also stored on the row, with
     ``row.unresolved`` saying which floor its interval still straddles, or which failure the
-    host's contention (``row.contention`` at or above ``contended``) left unjudged."""
+    host's contention (``row.contention`` at or above ``contended``, or ``row.bandwidth`` at or
+    above ``BANDWIDTH_CONTENDED``, scaled alike) left unjudged. Contention excuses only what it can
+    explain: a failure that stands even at ``row.bound`` (every withheld second and the probe's
+    shortfall charged to the impl) fails, contended or not."""
     where = f"{row.kernel} [{row.impl}, {row.label or row.size}] on {row.device}"
     pairs = f"{row.rounds[0]} interleaved pairs" if row.interleaved else f"{row.rounds[0]}/{row.rounds[1]} rounds"
     measured = f"speedup {row.speedup:.2f}x (95% CI {row.low:.2f}-{row.high:.2f}x, {pairs})"
     failures = []
     row.unresolved = []
-    # a speedup measured while the host withheld CPU time is evidence about the host, not the kernel
-    busy = row.contention is not None and row.contention >= contended
-    why = (f": the host withheld {row.contention:.0%} of the CPU time while its pairs ran (other processes "
-           "or the hypervisor's steal), so this is no verdict on the kernel") if busy else ""
+    # a speedup measured while the host withheld CPU time or bandwidth is evidence about the host,
+    # not the kernel, up to what the withheld time could explain (row.bound)
+    busy = _host_busy(row, contended)
+    bound = float("inf") if row.bound is None else row.bound
     gated = row.baseline is not None and not row.peer
     base_low = row.baseline if row.baseline_low is None else min(row.baseline_low, row.baseline)
+    threshold = None if not gated else min((1.0 - tolerance) * row.baseline, base_low)
     under_floor = row.floor is not None and row.high < row.floor
     under_baseline = gated and row.speedup < (1.0 - tolerance) * row.baseline and row.high < base_low
-    if busy and (under_floor or under_baseline):
+    excused_floor = busy and under_floor and bound >= row.floor
+    excused_baseline = busy and under_baseline and bound >= threshold
+    if excused_floor or excused_baseline:
         row.unresolved.append(f"{where}: {measured} is under its "
-                              f"{'floor' if under_floor else 'stored baseline'}{why}")
-        under_floor = under_baseline = False
+                              f"{'floor' if excused_floor else 'stored baseline'}: {busy}, so this is no "
+                              f"verdict on the kernel (charged all to it, {bound:.2f}x at most)")
+        under_floor = under_floor and not excused_floor
+        under_baseline = under_baseline and not excused_baseline
+    explained = (f", even had all the host withheld ({busy}) been its time: {bound:.2f}x at most"
+                 if busy else "")
     if under_floor:
-        failures.append(f"{where}: {measured} is under the floor {row.floor:.2f}x (the whole interval is)")
+        failures.append(f"{where}: {measured} is under the floor {row.floor:.2f}x (the whole interval is)"
+                        f"{explained}")
     elif row.straddles_floor and not row.unresolved:
         row.unresolved.append(f"{where}: {measured} straddles the floor {row.floor:.2f}x: neither met nor "
                               "missed on this evidence")
@@ -167,7 +197,7 @@ def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> lis
         failures.append(
             f"{where}: {measured} fell more than {tolerance:.0%} under the stored baseline's "
             f"{row.baseline:.2f}x (under {(1.0 - tolerance) * row.baseline:.2f}x, and the whole interval under "
-            f"the baseline's, {base_low:.2f}x and up)"
+            f"the baseline's, {base_low:.2f}x and up){explained}"
         )
     ratio = row.memory_ratio
     if row.memory_floor is not None and row.reference_peak_bytes == 0:
@@ -184,6 +214,20 @@ def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> lis
                             f"{tolerance:.0%} under the stored baseline's {1.0 - row.memory_baseline:.1%}")
     row.failures = failures
     return failures
+
+
+def decided(row: SpeedupRow, tolerance: float) -> bool:
+    """More pairs would not change ``row``'s verdict (``row`` gated on a wider interval than the
+    final verdict's, ``state.EARLY``): no floor or gated baseline applies to it, or each that does
+    is cleared, met (its interval above the floor, above the baseline's threshold) or missed (the
+    whole interval under it, on a quiet host). A straddled floor, a baseline the interval still
+    reaches, or a failure left unjudged on a contended host (it may quiet down) is undecided."""
+    if row.unresolved:
+        return False
+    if row.baseline is not None and not row.peer and not row.failures:
+        base_low = row.baseline if row.baseline_low is None else min(row.baseline_low, row.baseline)
+        return row.low >= min((1.0 - tolerance) * row.baseline, base_low)
+    return True
 
 
 def held_to(floors_off: str) -> str:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import mmap
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -286,12 +287,54 @@ def _median(times: list[float]) -> float:
     return sorted(times)[len(times) // 2]
 
 
+@dataclass(frozen=True)
+class PairLoad:
+    """What the host withheld while one interleaved pair ran (``HostLoad``)."""
+
+    wall: float  # seconds the pair took
+    share: float  # share of the CPU time withheld (``HostLoad.share``)
+    delay: float  # most seconds the withholding could have added to the pair's wall time
+    gbps: float | None = None  # the streaming probe beside the pair's stretch (``Bandwidth``), GB/s
+
+
+class Bandwidth:
+    """A streaming probe: copies of a ``nbytes`` buffer (twice the 32 MiB L3 of the hosts measured,
+    so it streams from memory) on one thread, read as GB/s moved (read + write). A neighbour that
+    takes memory bandwidth, which /proc does not show (another VM on the same socket), slows it as
+    it slows a memory-bound kernel: on the Zen 3 (family 25 model 1) a numpy copy loop on the other
+    vCPU took the probe from 12.9 to 8.4 GB/s. Read beside each stretch of pairs and compared with
+    the session's quiet figure (``GateState.quiet_gbps``)."""
+
+    def __init__(self, nbytes: int = 64 * 2**20, copies: int = 3) -> None:
+        import numpy as np
+
+        # mapped apart from malloc's heap, whose top the CPU peak-memory reading trims; written now,
+        # so a reading takes no page faults
+        self.src, self.dst = (np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.float64) for _ in range(2))
+        self.src.fill(1.0)
+        self.dst.fill(0.0)
+        self.nbytes, self.copies = 2 * self.src.nbytes, copies  # read + written
+
+    def read(self) -> float:
+        """GB/s of the best of ``copies`` copies (one slow copy is a hiccup, not the host's bandwidth)."""
+        import numpy as np
+
+        best = float("inf")
+        for _ in range(self.copies):
+            start = time.perf_counter()
+            np.copyto(self.dst, self.src)
+            best = min(best, time.perf_counter() - start)
+        return self.nbytes / max(best, 1e-9) / 1e9
+
+
 @dataclass
 class HostLoad:
-    """How much CPU the host withheld from this process while it was timed, from Linux's /proc.
-    Interleaving cancels a host state both sides of a pair share, but not this one: a kernel on 2
-    threads whose second CPU is taken waits at every parallel region, while a single-threaded
-    reference barely notices (measured in docs/gate.md, "A contended host").
+    """How much the host withheld from this process while it was timed: CPU time from Linux's
+    /proc, and, with ``probe``, memory bandwidth. Interleaving cancels a host state both sides of
+    a pair share, but not these: a kernel on 2 threads whose second CPU is taken waits at every
+    parallel region, while a single-threaded reference barely notices; a memory-bound kernel
+    slows with the bandwidth a neighbour takes, a compute-bound reference does not (measured in
+    docs/gate.md, "A contended host").
 
     Withheld = the hypervisor's steal (``/proc/stat``) over the machine's ``cpus``, plus the lesser
     of two shares that must agree: the run-queue wait of this process's threads (runnable, no CPU
@@ -302,6 +345,7 @@ class HostLoad:
 
     threads: int
     cpus: int = os.cpu_count() or 1
+    probe: Bandwidth | None = None
 
     def read(self) -> tuple[float, ...] | None:
         """(wall s, steal s and others' busy s summed over the CPUs, run-queue wait s summed over the
@@ -326,25 +370,40 @@ class HostLoad:
         return time.perf_counter(), steal / tick, others, wait
 
     def share(self, before: tuple[float, ...] | None,
-              after: tuple[float, ...] | None) -> tuple[float, float] | None:
-        """(wall s, the share of the CPU time withheld) between two readings, None if either is."""
+              after: tuple[float, ...] | None) -> tuple[float, float, float] | None:
+        """(wall s, the share of the CPU time withheld, the delay) between two readings, None if
+        either is. The delay bounds what the withholding could add to the wall time: each second a
+        thread of ours waited for a CPU another process held (at most the others' CPU seconds), and
+        each second of steal, stalls the wall clock by at most a second, even where every thread
+        waits at a barrier for the one descheduled."""
         if before is None or after is None or after[0] <= before[0]:
             return None
         wall = after[0] - before[0]
         steal, others, wait = (a - b for a, b in zip(after[1:], before[1:], strict=True))
         taken = min(wait / (wall * max(1, self.threads)), max(0.0, others) / (wall * self.cpus))
-        return wall, max(0.0, steal / (wall * self.cpus) + taken)
+        delay = max(0.0, steal) + min(max(0.0, wait), max(0.0, others))
+        return wall, max(0.0, steal / (wall * self.cpus) + taken), min(delay, wall)
 
 
-def withheld(load: list[tuple[float, float]]) -> float | None:
-    """The wall-weighted share of CPU time withheld over ``load``'s stretches (``HostLoad.share``)."""
-    wall = sum(w for w, _ in load)
-    return None if not load or wall <= 0 else sum(w * s for w, s in load) / wall
+def withheld(load: Sequence[PairLoad]) -> float | None:
+    """The wall-weighted share of CPU time withheld over ``load``'s pairs (``HostLoad.share``)."""
+    wall = sum(p.wall for p in load)
+    return None if not load or wall <= 0 else sum(p.wall * p.share for p in load) / wall
+
+
+def bandwidth_withheld(load: Sequence[PairLoad], quiet_gbps: float | None) -> float | None:
+    """The wall-weighted share of the streaming bandwidth (``Bandwidth``) under ``quiet_gbps``, the
+    session's best reading, over ``load``'s pairs; None where unprobed."""
+    probed = [p for p in load if p.gbps is not None]
+    wall = sum(p.wall for p in probed)
+    if not probed or not quiet_gbps or wall <= 0:
+        return None
+    return sum(p.wall * max(0.0, 1.0 - p.gbps / quiet_gbps) for p in probed) / wall
 
 
 def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls: tuple[int, int],
                 first_round: int = 0, host: HostLoad | None = None,
-                load: list[tuple[float, float]] | None = None) -> list[tuple[float, float]]:
+                load: list[PairLoad] | None = None) -> list[tuple[float, float]]:
     """(reference s, impl s) pairs from blocks timed alternately in ABBA order (reference first in
     even rounds, the impl first in odd ones; rounds count from ``first_round``): both blocks of a
     pair see the same host state (memory bandwidth, clocks, neighbours), so their ratio does not
@@ -352,10 +411,12 @@ def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls:
     caches the other side's block just used), read as the median call, so each side runs with
     its own data in cache, as in its separate rounds; alternating single calls measured small
     kernels with the other's data in cache (docs/measurements/from-the-code.md). With ``host``,
-    the stretch's (wall s, withheld share) is appended to ``load``."""
-    pairs = []
-    before = host.read() if host is not None else None
+    each pair's ``PairLoad`` is appended to ``load``: the CPU time withheld read around each pair,
+    the bandwidth probed before and after the stretch."""
+    pairs, loads = [], []
+    gbps = [host.probe.read()] if host is not None and host.probe is not None else []
     for i in range(first_round, first_round + rounds):
+        before = host.read() if host is not None else None
         if i % 2 == 0:
             r = _median(timer.block(reference, calls[0]))
             o = _median(timer.block(impl, calls[1]))
@@ -363,7 +424,10 @@ def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls:
             o = _median(timer.block(impl, calls[1]))
             r = _median(timer.block(reference, calls[0]))
         pairs.append((r, o))
-    stretch = host.share(before, host.read()) if host is not None else None
-    if stretch is not None and load is not None:
-        load.append(stretch)
+        loads.append(host.share(before, host.read()) if host is not None else None)
+    if gbps:
+        gbps.append(host.probe.read())
+    if load is not None:
+        probe = sum(gbps) / len(gbps) if gbps else None
+        load += [PairLoad(*stretch, gbps=probe) for stretch in loads if stretch is not None]
     return pairs
