@@ -13,15 +13,19 @@ import pytest
 
 from . import compat
 from .floors import OPTIMIZED, comparison, floor_value, kernel_name, parametrized_impls
-from .state import REFERENCE, GateState, Measurement, Visits
+from .state import MIN_PAIRS, REFERENCE, GateState, Measurement, Visits
 from .timing import PairLoad, interleaved, peak_memory, synced
 
 MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the options say
 MAX_ROUNDS = 1000
 MIN_VISIT_ROUNDS = 3  # interleaved pairs a visit times, at least
-# Interleaved pairs, at least: with 5 pairs a percentile bootstrap's 2.5% bound is set by one
-# outlying pair (a resample repeats it 3 times in 5 with probability 6%; in 7, 4 times: 0.9%):
-MIN_PAIRS = 7
+# A slow row's first visit: its 7 pairs (MIN_PAIRS) are timed as 4 now and 3 at the session's end,
+# which a row its 4 pairs already decided in its favour does not need (GateState.revisit)
+FIRST_PAIRS = 4
+# A call this long is timed in its block without a warming call first: the caches a warming call
+# would refill (a 32 MiB L3 at 20 GB/s or more: under 2 ms) are within 2% of it, and the call
+# costs as much as the reading
+WARM_S = 0.1
 
 
 def _floor(item: pytest.Item, mark_name: str, impl: str, device: str, size: str,
@@ -126,7 +130,8 @@ class PerfCase:
     ) -> Any:
         """Time ``fn()`` (or ``fn(setup())`` with a fresh setup each round, untimed).
 
-        Rounds default to what fits in ``--benchmark-max-time`` (at least
+        ``warmup_rounds``: untimed calls before the rounds, the first call and the sizing call
+        (always made) among them. Rounds default to what fits in ``--benchmark-max-time`` (at least
         ``--benchmark-min-rounds``, never under 5, at most 1000). The first call is reported
         apart as ``first_call_ms`` (compile and warm-up live there), never in the timed rounds.
         ``work_bytes``: bytes one call moves; declared on both impls, the row's speedup becomes a
@@ -162,7 +167,8 @@ class PerfCase:
         # the rounds are one block on the session's clock (CUDA events on a GPU), given to
         # pytest-benchmark as its rounds
         timed = (run if slowed else fn, setup)
-        times, result = compat.record_rounds(bench, lambda: state.timer.rounds(timed, rounds, warm=warmup_rounds),
+        times, result = compat.record_rounds(bench, lambda: state.timer.rounds(timed, rounds,
+                                                                                   warm=max(0, warmup_rounds - 2)),
                                              timer=state.timer.clock.name)
         # every impl's timed callable is kept for the impls of this kernel that follow it: the
         # reference for all of them, a peer for the impls a speedup(over=) marker compares with it
@@ -202,7 +208,8 @@ class PerfCase:
                                                                 for i in (base, side))
         base_s, side_s = state.timer.cost(base_median), state.timer.cost(side_median)  # with the flush
         calls = (_block_calls(base_s), _block_calls(side_s))
-        block_s = (calls[0] + 1) * base_s + (calls[1] + 1) * side_s
+        warm = (int(base_s < WARM_S), int(side_s < WARM_S))
+        block_s = (calls[0] + warm[0]) * base_s + (calls[1] + warm[1]) * side_s
         max_time = float(config.getoption("benchmark_max_time"))
         n = max(MIN_PAIRS, min(rounds, math.ceil(max_time / max(block_s, 1e-6))))
         # a share now, the rest in later visits at the session's end (GateState.revisit); a
@@ -210,10 +217,13 @@ class PerfCase:
         # stay in fewer visits: 5 pairs in 3 visits gave a 2-3x wide bootstrap interval
         visits = 1 if n <= MIN_PAIRS else max(1, min(state.visits, n // MIN_VISIT_ROUNDS))
         shares = [len(v) for v in np.array_split(range(n), visits)]
+        if visits == 1 and state.visits > 1:
+            shares = [FIRST_PAIRS, n - FIRST_PAIRS]
         name = side if base == REFERENCE else comparison(side, base)
         load: list[PairLoad] = []
-        paired = interleaved(state.timer, base_timed, side_timed, shares[0], calls, host=state.host, load=load)
-        return paired, Visits(self.kernel, name, base_timed, side_timed, calls, shares[1:]), load
+        paired = interleaved(state.timer, base_timed, side_timed, shares[0], calls, host=state.host, load=load,
+                             warm=warm)
+        return paired, Visits(self.kernel, name, base_timed, side_timed, calls, shares[1:], warm), load
 
     def _compare(self, side: str, over: str, rounds: int) -> None:
         """A row of ``side`` timed interleaved against ``over`` (a peer), as its speedup over the

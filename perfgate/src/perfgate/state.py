@@ -18,6 +18,10 @@ MAX_PAIRS = 1000  # a straddled row is extended up to this many interleaved pair
 # The interval a row's later visits are decided by: a row whose 99% interval already clears every
 # rule that applies to it is not measured further (the verdict, at the end, is at 95%).
 EARLY = 0.99
+# Interleaved pairs, at least, before a row may fail: with 5 pairs a percentile bootstrap's 2.5%
+# bound is set by one outlying pair (a resample repeats it 3 times in 5 with probability 6%; in 7,
+# 4 times: 0.9%). A row's first visit may be shorter (case.FIRST_PAIRS): it can only pass there.
+MIN_PAIRS = 7
 
 
 @dataclass
@@ -46,6 +50,7 @@ class Visits:
     timed: Timed
     calls: tuple[int, int]
     shares: list[int]
+    warm: tuple[int, int] = (1, 1)  # untimed calls before each side's block (case.WARM_S)
 
 
 @dataclass
@@ -110,9 +115,11 @@ class GateState:
             for p in pending:
                 if v >= len(p.shares):
                     continue
-                if not self.all_visits and decided(self._row(p.kernel, p.impl, EARLY), self.tolerance):
+                m = self.results[p.kernel][p.impl]
+                if not self.all_visits and decided(self._row(p.kernel, p.impl, EARLY), self.tolerance,
+                                                   may_fail=len(m.paired) >= MIN_PAIRS):
                     self.skipped[(p.kernel, p.impl)] = sum(p.shares[v:])
-                    self.results[p.kernel][p.impl].visits -= len(p.shares) - v
+                    m.visits -= len(p.shares) - v
                     p.shares = p.shares[:v]
                 else:
                     self._time_pairs(p, p.shares[v])
@@ -121,7 +128,7 @@ class GateState:
     def _time_pairs(self, later: Visits, pairs: int) -> None:
         m = self.results[later.kernel][later.impl]
         m.paired += interleaved(self.timer, later.reference, later.timed, pairs, later.calls,
-                                first_round=len(m.paired), host=self.host, load=m.load)
+                                first_round=len(m.paired), host=self.host, load=m.load, warm=later.warm)
 
     def compute_rows(self) -> list[SpeedupRow]:
         """Speedup rows for every impl measured beside its reference (computed once). A row whose
@@ -232,7 +239,7 @@ def _pair_seconds(m: Measurement, timer: Visits, cost: Callable[[float], float])
     """Seconds one interleaved pair takes: each side's block is a warming call and its timed calls,
     each costing ``cost`` of its reading (the reading, and the L2 flush when on)."""
     ref_s, opt_s = (cost(median(t)) for t in zip(*m.paired, strict=True))
-    return (timer.calls[0] + 1) * ref_s + (timer.calls[1] + 1) * opt_s
+    return (timer.calls[0] + timer.warm[0]) * ref_s + (timer.calls[1] + timer.warm[1]) * opt_s
 
 
 def _bound(m: Measurement, ref_t: list[float], opt_t: list[float], quiet_gbps: float | None,

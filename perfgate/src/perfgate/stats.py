@@ -216,13 +216,14 @@ def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> lis
     return failures
 
 
-def decided(row: SpeedupRow, tolerance: float) -> bool:
+def decided(row: SpeedupRow, tolerance: float, may_fail: bool = True) -> bool:
     """More pairs would not change ``row``'s verdict (``row`` gated on a wider interval than the
     final verdict's, ``state.EARLY``): no floor or gated baseline applies to it, or each that does
     is cleared, met (its interval above the floor, above the baseline's threshold) or missed (the
     whole interval under it, on a quiet host). A straddled floor, a baseline the interval still
-    reaches, or a failure left unjudged on a contended host (it may quiet down) is undecided."""
-    if row.unresolved:
+    reaches, or a failure left unjudged on a contended host (it may quiet down) is undecided, and so
+    is a failure on fewer pairs than a failing verdict needs (``may_fail`` False)."""
+    if row.unresolved or (row.failures and not may_fail):
         return False
     if row.baseline is not None and not row.peer and not row.failures:
         base_low = row.baseline if row.baseline_low is None else min(row.baseline_low, row.baseline)

@@ -403,12 +403,12 @@ def bandwidth_withheld(load: Sequence[PairLoad], quiet_gbps: float | None) -> fl
 
 def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls: tuple[int, int],
                 first_round: int = 0, host: HostLoad | None = None,
-                load: list[PairLoad] | None = None) -> list[tuple[float, float]]:
+                load: list[PairLoad] | None = None, warm: tuple[int, int] = (1, 1)) -> list[tuple[float, float]]:
     """(reference s, impl s) pairs from blocks timed alternately in ABBA order (reference first in
     even rounds, the impl first in odd ones; rounds count from ``first_round``): both blocks of a
     pair see the same host state (memory bandwidth, clocks, neighbours), so their ratio does not
-    move with it. A block is ``calls`` back-to-back calls after a warming one (which warms the
-    caches the other side's block just used), read as the median call, so each side runs with
+    move with it. A block is ``calls`` back-to-back calls after ``warm`` warming ones (which warm
+    the caches the other side's block just used), read as the median call, so each side runs with
     its own data in cache, as in its separate rounds; alternating single calls measured small
     kernels with the other's data in cache (docs/measurements/from-the-code.md). With ``host``,
     each pair's ``PairLoad`` is appended to ``load``: the CPU time withheld read around each pair,
@@ -418,11 +418,11 @@ def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls:
     for i in range(first_round, first_round + rounds):
         before = host.read() if host is not None else None
         if i % 2 == 0:
-            r = _median(timer.block(reference, calls[0]))
-            o = _median(timer.block(impl, calls[1]))
+            r = _median(timer.block(reference, calls[0], warm[0]))
+            o = _median(timer.block(impl, calls[1], warm[1]))
         else:
-            o = _median(timer.block(impl, calls[1]))
-            r = _median(timer.block(reference, calls[0]))
+            o = _median(timer.block(impl, calls[1], warm[1]))
+            r = _median(timer.block(reference, calls[0], warm[0]))
         pairs.append((r, o))
         loads.append(host.share(before, host.read()) if host is not None else None)
     if gbps:
