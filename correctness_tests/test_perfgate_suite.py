@@ -54,19 +54,9 @@ NO_REGRESSION = {
 CAUGHT = ("test_per_sample.py", "test_spectral.py", "test_standardize.py")
 CAUGHT_K = "test_per_sample_grads or test_topk_singular_values or test_standardize"
 CAUGHT_ROWS = ("per_sample_grads [[]optimized", "topk_singular_values [[]optimized", "standardize [[]optimized")
-# Replaces each kernel by its reference before the perf tests import it.
-LOST_CONFTEST = """
-import kernels, kernels.per_sample, kernels.spectral, kernels.standardize
-import reference.per_sample, reference.spectral, reference.standardize
-
-for module, name, slow in [
-    (kernels.per_sample, "per_sample_grads", reference.per_sample.per_sample_grads),
-    (kernels.spectral, "topk_singular_values", reference.spectral.topk_singular_values),
-    (kernels.standardize, "Standardizer", reference.standardize.Standardizer),
-]:
-    setattr(module, name, slow)
-    setattr(kernels, name, slow)
-"""
+# Replaces each kernel by its reference before the perf tests import it (one module, also for
+# python -m perfgate.fidelity --lost).
+LOST_CONFTEST = "import correctness_tests.lost_kernels  # noqa: F401\n"
 
 
 def _floors(device_class: str, marker: str) -> list[tuple[str, str, str, float, str | None]]:

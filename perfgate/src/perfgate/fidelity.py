@@ -1,8 +1,10 @@
 """``python -m perfgate.fidelity``: how often the gate cries wolf, and how often it bites.
 
 Runs a subset of the perf suite once to save a baseline (into a scratch folder, never
-``.benchmarks/``), then ``--runs`` times unchanged (every alarm is false) and ``--runs`` times
-with the optimized side slowed by each ``--factors`` (every alarm is a detection). The
+``.benchmarks/``), then ``--runs`` times unchanged (every alarm is false), ``--runs`` times
+with the optimized side slowed by each ``--factors``, and with ``--lost PLUGIN`` ``--runs`` times
+with that pytest plugin loaded, which replaces kernels by their references (every alarm is a
+detection). The
 slowdown is the harness's test-only ``--perf-slowdown``: the optimized callables are timed, then
 spun for (factor - 1) x their duration; no kernel has a slow switch.
 
@@ -83,38 +85,56 @@ def verdicts(base: dict, run: dict, p: float = 0.05) -> dict[str, dict[str, bool
     return out
 
 
+UNCHANGED = "false alarms, unchanged"
+LOST = "caught, kernels lost"
+
+
+def conditions(factors: list[float], lost: str | None) -> list[tuple[str, list[str]]]:
+    """(column, extra pytest arguments) of each condition: unchanged, each slowdown factor, and with
+    ``lost`` (a pytest plugin module that swaps kernels for their references at import) lost kernels."""
+    out = [(UNCHANGED, [])] + [(f"caught at x{f:g}", [f"--perf-slowdown={f}"]) for f in factors]
+    return out + ([(LOST, ["-p", lost])] if lost else [])
+
+
 def measure(tests: list[str], runs: int, factors: list[float], extra: list[str],
-            keep: Path | None = None) -> dict[float, list[dict]]:
-    """{factor: [verdicts of each run]}, factor 1.0 being the unchanged runs. With ``keep``, the
-    baseline's and every run's JSON stay there (to try other rules on the same rounds)."""
+            keep: Path | None = None, lost: str | None = None) -> dict[str, list[dict]]:
+    """{condition: [verdicts of each run]} (``conditions``); each run also records its wall seconds
+    under ``"seconds"``. With ``keep``, the baseline's and every run's JSON stay there (to try
+    other rules on the same rounds)."""
+    import time
+
     with tempfile.TemporaryDirectory() as scratch:
         tmp = keep or Path(scratch)
         tmp.mkdir(parents=True, exist_ok=True)
         storage = Path(scratch) / "baselines"
         base = _pytest(tests, storage, tmp / "base.json", ["--benchmark-save=fidelity", *extra])
-        results: dict[float, list[dict]] = {}
-        for factor in [1.0, *factors]:
+        results: dict[str, list[dict]] = {}
+        for n, (name, args) in enumerate(conditions(factors, lost)):
             for i in range(runs):
-                out = tmp / f"run-{factor}-{i}.json"
-                run = _pytest(tests, storage, out, ["--benchmark-compare", f"--perf-slowdown={factor}", *extra])
-                results.setdefault(factor, []).append(verdicts(base, run))
-                print(f"x{factor} run {i + 1}/{runs}: " + ", ".join(
-                    f"{k} {''.join('X' if v[r] else '.' for r in RULES)}" for k, v in results[factor][-1].items()),
+                out = tmp / f"run-{n}-{i}.json"
+                start = time.perf_counter()
+                run = _pytest(tests, storage, out, ["--benchmark-compare", *args, *extra])
+                results.setdefault(name, []).append(verdicts(base, run))
+                results.setdefault("seconds", []).append(time.perf_counter() - start)
+                print(f"{name} run {i + 1}/{runs}: " + ", ".join(
+                    f"{k} {''.join('X' if v[r] else '.' for r in RULES)}" for k, v in results[name][-1].items()),
                     file=sys.stderr, flush=True)
     return results
 
 
-def table(results: dict[float, list[dict]]) -> list[str]:
-    """Markdown: per rule, the false alarms (x1.0) and the detection rate at each factor."""
-    factors = sorted(results)
-    header = ["rule"] + [("false alarms, unchanged" if f == 1.0 else f"caught at x{f:g}") for f in factors]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+def table(results: dict[str, list[dict]]) -> list[str]:
+    """Markdown: per rule, the false alarms (unchanged) and the detection rate of each condition,
+    then the median seconds a run took."""
+    names = [name for name in results if name != "seconds"]
+    lines = ["| " + " | ".join(["rule", *names]) + " |", "|" + "---|" * (len(names) + 1)]
     for rule in RULES:
         cells = [rule]
-        for f in factors:
-            trials = [v[rule] for run in results[f] for v in run.values()]
+        for name in names:
+            trials = [v[rule] for run in results[name] for v in run.values()]
             cells.append(f"{sum(trials)}/{len(trials)} ({sum(trials) / max(len(trials), 1):.0%})")
         lines.append("| " + " | ".join(cells) + " |")
+    if results.get("seconds"):
+        lines.append(f"\nseconds a run, median of {len(results['seconds'])}: {median(results['seconds']):.1f}")
     return lines
 
 
@@ -129,11 +149,14 @@ def main(argv: list[str] | None = None) -> int:
                              "speedup moves with the other vCPU's neighbours)")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments, e.g. '--perf-device cuda'")
     parser.add_argument("--keep", type=Path, default=None, help="keep every run's JSON in this folder")
+    parser.add_argument("--lost", default=None,
+                        help="a pytest plugin module (an import name) that replaces kernels by their "
+                             "references when imported: --runs more runs with it loaded")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.threads < 1 or any(f <= 1.0 for f in args.factors):
         parser.error("--runs and --threads must be >= 1 and every factor > 1")
     extra = [f"--perf-threads={args.threads}", *args.pytest_args.split()]
-    results = measure(args.tests, args.runs, args.factors, extra, args.keep)
+    results = measure(args.tests, args.runs, args.factors, extra, args.keep, args.lost)
     print("\n".join(table(results)))
     return 0
 
