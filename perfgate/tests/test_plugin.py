@@ -498,8 +498,14 @@ def test_fidelity_rules() -> None:
     assert host == {"perfgate": False, "pytest-benchmark median:10%": True, "asv (x1.1 + Mann-Whitney)": True,
                     "10% of the speedup": False, "perfgate: unresolved": False,
                     "perfgate before: under the baseline's point": False}
-    lines = fidelity.table({1.0: [{"k": same}], 1.5: [{"k": slow}, {"k": same}]})
-    assert lines[2].startswith("| perfgate | 0/1 (0%) | 1/2 (50%) |")
+    lines = fidelity.table({fidelity.UNCHANGED: [{"k": same}], "caught at x1.5": [{"k": slow}, {"k": same}],
+                            fidelity.LOST: [{"k": slow}], "seconds": [10.0, 20.0, 30.0]})
+    assert lines[0] == "| rule | false alarms, unchanged | caught at x1.5 | caught, kernels lost |"
+    assert lines[2].startswith("| perfgate | 0/1 (0%) | 1/2 (50%) | 1/1 (100%) |")
+    assert lines[-1].endswith("seconds a run, median of 3: 20.0")
+    assert fidelity.conditions([1.5, 4.0], "my.plugin") == [
+        (fidelity.UNCHANGED, []), ("caught at x1.5", ["--perf-slowdown=1.5"]),
+        ("caught at x4", ["--perf-slowdown=4.0"]), (fidelity.LOST, ["-p", "my.plugin"])]
 
 
 DRIFT = """
