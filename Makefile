@@ -25,10 +25,11 @@ lint: $(STAMP)
 	$(VENV)/bin/actionlint
 	$(VENV)/bin/zizmor --offline --no-progress .github/workflows
 
-# The tests that time nothing on every core (pytest-xdist), then the timed ones (perf sessions,
-# clocks, host-load readings; marker `timed`) alone, so no other test shares the CPUs with them.
+# The tests that time nothing on every core (pytest-xdist, one torch thread a worker: two 2-thread
+# OpenMP teams on 2 vCPUs spin against each other), then the timed ones (perf sessions, clocks,
+# host-load readings; marker `timed`) alone, so no other test shares the CPUs with them.
 correctness: $(STAMP)
-	$(PYTEST) correctness_tests perfgate/tests -q -m "not timed" -n auto
+	OMP_NUM_THREADS=1 $(PYTEST) correctness_tests perfgate/tests -q -m "not timed" -n auto
 	$(PYTEST) correctness_tests perfgate/tests -q -m timed
 
 # The perf suite at smoke size, gated by its speedup floors. No baseline compare here: on the
