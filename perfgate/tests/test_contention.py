@@ -82,7 +82,7 @@ def test_contention_excuses_only_the_shortfall_it_can_explain() -> None:
 
 
 def test_a_bandwidth_shortfall_is_contention_too() -> None:
-    """A streaming probe beside the pairs that read far under the session's best: a neighbour took
+    """A streaming probe beside the pairs that read far under the session's quiet figure: a neighbour took
     memory bandwidth, which /proc does not show."""
     busy = _row(0.0, bandwidth=0.4)
     assert gate(busy, 0.2) == [] and "a streaming probe beside its pairs read 40% under" in busy.unresolved[0]
@@ -201,3 +201,60 @@ def test_a_bad_contended_share_is_a_usage_error(pytester: pytest.Pytester, value
     result = pytester.runpytest(*FAST, f"--perf-contended={value}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--perf-contended must be a share > 0 (inf: never)*"])
+
+
+# three rows, 8 ms references: a quiet 2x over a floor of 1.5; then, the probe reading half the
+# session's quiet bandwidth, a 2x and a 1x under a floor of 3
+STREAMED = """
+import os
+import time
+import pytest
+
+def sleepy(perf, impl, opt_s):
+    perf(lambda: time.sleep({"reference": 0.008, "optimized": opt_s}[impl]), label="8ms")
+
+@pytest.mark.speedup(cpu=1.5)
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_a_quiet(perf, impl):
+    os.environ.pop("PERFGATE_TEST_STREAMED", None)
+    sleepy(perf, impl, 0.004)
+
+@pytest.mark.speedup(cpu=3.0)
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_b_streamed(perf, impl):
+    os.environ["PERFGATE_TEST_STREAMED"] = "1"
+    sleepy(perf, impl, 0.004)
+
+@pytest.mark.speedup(cpu=3.0)
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_c_lost(perf, impl):
+    os.environ["PERFGATE_TEST_STREAMED"] = "1"
+    sleepy(perf, impl, 0.008)
+"""
+
+
+def test_a_bandwidth_shortfall_excuses_only_what_it_can_explain(pytester: pytest.Pytester,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end, the probe read at half the session's quiet bandwidth beside two rows under their
+    floor of 3: the 2x row could be a fully memory-bound 4x, so it is unresolved; the 1x row could
+    be 2x at most, so it fails, contended or not."""
+    monkeypatch.setattr(timing.HostLoad, "share", lambda self, before, after: (0.1, 0.0, 0.0))
+    monkeypatch.setattr(timing.Bandwidth, "read",
+                        lambda self: 5.0 if os.environ.get("PERFGATE_TEST_STREAMED") else 10.0)
+    monkeypatch.delenv("PERFGATE_TEST_STREAMED", raising=False)
+    pytester.makepyfile(test_streamed=STREAMED)
+    try:
+        result = pytester.runpytest(*FAST, "--perf-visits=1", "--benchmark-json=out.json")
+    finally:
+        os.environ.pop("PERFGATE_TEST_STREAMED", None)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines_random([
+        "UNRESOLVED: b_streamed ?optimized, 8ms? on cpu: *is under its floor: a streaming probe beside its pairs "
+        "read 50% under the session's quiet bandwidth*charged all to it, *x at most*",
+        "GATE FAILED: c_lost ?optimized, 8ms? on cpu: *is under the floor 3.00x (the whole interval is), even had all "
+        "the host withheld (a streaming probe*read 50% under*) been its time: 2.*x at most",
+    ])
+    rows = {r["kernel"]: r for r in json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"]}
+    assert rows["a_quiet"]["bandwidth"] == 0.0 and rows["a_quiet"]["outcome"] == "ok"
+    assert rows["b_streamed"]["bandwidth"] == pytest.approx(0.5) and rows["b_streamed"]["outcome"] == "unresolved"
+    assert 3.0 <= rows["b_streamed"]["bound"] < 5.0 and rows["c_lost"]["bound"] < 3.0

@@ -139,7 +139,7 @@ class SpeedupRow:
 # The share of CPU time withheld from the session (timing.HostLoad) at which a row's speedup no
 # longer judges the kernel: the smoke suite's 59 rows on a quiet 2-vCPU host read 0.000-0.025, one
 # busy process beside the session 0.13-0.36 (docs/gate.md, "A contended host"). The same share of
-# the streaming probe's bandwidth (timing.Bandwidth) under the session's best reading.
+# the streaming probe's bandwidth (timing.Bandwidth) under the session's quiet figure.
 CONTENDED = 0.05
 BANDWIDTH_CONTENDED = 0.25
 
@@ -151,7 +151,7 @@ def _host_busy(row: SpeedupRow, contended: float) -> str:
         why.append(f"the host withheld {row.contention:.0%} of the CPU time while its pairs ran (other "
                    "processes or the hypervisor's steal)")
     if row.bandwidth is not None and row.bandwidth >= BANDWIDTH_CONTENDED * contended / CONTENDED:
-        why.append(f"a streaming probe beside its pairs read {row.bandwidth:.0%} under the session's best "
+        why.append(f"a streaming probe beside its pairs read {row.bandwidth:.0%} under the session's quiet "
                    "bandwidth (a neighbour taking memory bandwidth)")
     return " and ".join(why)
 

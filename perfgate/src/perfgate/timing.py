@@ -393,7 +393,7 @@ def withheld(load: Sequence[PairLoad]) -> float | None:
 
 def bandwidth_withheld(load: Sequence[PairLoad], quiet_gbps: float | None) -> float | None:
     """The wall-weighted share of the streaming bandwidth (``Bandwidth``) under ``quiet_gbps``, the
-    session's best reading, over ``load``'s pairs; None where unprobed."""
+    session's quiet figure, over ``load``'s pairs; None where unprobed."""
     probed = [p for p in load if p.gbps is not None]
     wall = sum(p.wall for p in probed)
     if not probed or not quiet_gbps or wall <= 0:
