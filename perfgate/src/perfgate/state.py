@@ -245,10 +245,10 @@ def _pair_seconds(m: Measurement, timer: Visits, cost: Callable[[float], float])
 def _bound(m: Measurement, ref_t: list[float], opt_t: list[float], quiet_gbps: float | None,
            confidence: float) -> float:
     """The interval's high of ``m``'s speedup had everything the host withheld been the impl's:
-    each pair's impl reading less the pair's delay (a block's median call moves only when at least
-    half its calls do, so by at most delay / that many), times the probe's bandwidth share (a fully
-    memory-bound call slows by no more than its bandwidth fell). inf when the delay could explain
-    the whole reading."""
+    each pair's impl reading less the delay read around its timed calls (a block's median call
+    moves only when at least half its calls do, so by at most delay / that many), times the
+    probe's bandwidth share (a fully memory-bound call slows by no more than its bandwidth fell).
+    inf when the delay could explain the whole reading."""
     moved = m.calls - m.calls // 2  # calls that must slow for a block's median (sorted[calls // 2]) to
     relieved = []
     for o, load in zip(opt_t, m.load, strict=True):

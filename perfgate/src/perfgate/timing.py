@@ -166,11 +166,14 @@ class Timer:
         """Wall seconds of a call that reads ``seconds``: what a block of it takes."""
         return seconds + self.overhead_s
 
-    def block(self, timed: Timed, calls: int, warm: int = 1) -> list[float]:
-        """Seconds of each of ``calls`` back-to-back calls after ``warm`` untimed ones."""
-        return self.rounds(timed, calls, warm)[0]
+    def block(self, timed: Timed, calls: int, warm: int = 1,
+              warmed: Callable[[], Any] | None = None) -> list[float]:
+        """Seconds of each of ``calls`` back-to-back calls after ``warm`` untimed ones; ``warmed`` is
+        called between the two (a host-load reading of the timed calls alone)."""
+        return self.rounds(timed, calls, warm, warmed)[0]
 
-    def rounds(self, timed: Timed, calls: int, warm: int = 1) -> tuple[list[float], Any]:
+    def rounds(self, timed: Timed, calls: int, warm: int = 1,
+               warmed: Callable[[], Any] | None = None) -> tuple[list[float], Any]:
         """``block``'s seconds, and what the last call returned. Each call's setup (and the flush)
         runs before its first mark, so neither is in its reading; nothing waits for the device
         until the block's end."""
@@ -182,6 +185,8 @@ class Timer:
             gc.disable()
         try:
             for i in range(warm + calls):
+                if i == warm and warmed is not None:
+                    warmed()
                 args = () if setup is None else (setup(),)
                 if self.flush is not None:
                     self.flush()
@@ -293,7 +298,7 @@ class PairLoad:
 
     wall: float  # seconds the pair took
     share: float  # share of the CPU time withheld (``HostLoad.share``)
-    delay: float  # most seconds the withholding could have added to the pair's wall time
+    delay: float  # most seconds the withholding could have added to the impl's timed calls in the pair
     gbps: float | None = None  # the streaming probe beside the pair's stretch (``Bandwidth``), GB/s
 
 
@@ -372,16 +377,18 @@ class HostLoad:
     def share(self, before: tuple[float, ...] | None,
               after: tuple[float, ...] | None) -> tuple[float, float, float] | None:
         """(wall s, the share of the CPU time withheld, the delay) between two readings, None if
-        either is. The delay bounds what the withholding could add to the wall time: each second a
-        thread of ours waited for a CPU another process held (at most the others' CPU seconds), and
-        each second of steal, stalls the wall clock by at most a second, even where every thread
-        waits at a barrier for the one descheduled."""
+        either is. The delay bounds what waiting for CPUs could add to the wall time: each second a
+        thread of ours waited in the run queue (for whatever held the CPU, our own pools included)
+        and each second of steal stalls the wall clock by at most a second, even where every thread
+        waits at a barrier for the one descheduled. It takes the wait alone, read to the
+        nanosecond, not its lesser with the others' CPU time: /proc/stat counts that in 10 ms ticks,
+        too coarse for one block of calls."""
         if before is None or after is None or after[0] <= before[0]:
             return None
         wall = after[0] - before[0]
         steal, others, wait = (a - b for a, b in zip(after[1:], before[1:], strict=True))
         taken = min(wait / (wall * max(1, self.threads)), max(0.0, others) / (wall * self.cpus))
-        delay = max(0.0, steal) + min(max(0.0, wait), max(0.0, others))
+        delay = max(0.0, steal) + max(0.0, wait)
         return wall, max(0.0, steal / (wall * self.cpus) + taken), min(delay, wall)
 
 
@@ -412,19 +419,32 @@ def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls:
     its own data in cache, as in its separate rounds; alternating single calls measured small
     kernels with the other's data in cache (docs/measurements/from-the-code.md). With ``host``,
     each pair's ``PairLoad`` is appended to ``load``: the CPU time withheld read around each pair,
-    the bandwidth probed before and after the stretch."""
+    the delay around the impl's timed calls alone, the bandwidth probed before and after the
+    stretch."""
     pairs, loads = [], []
     gbps = [host.probe.read()] if host is not None and host.probe is not None else []
+    timed: list[tuple[float, ...] | None] = []  # host readings around the impl's timed calls
+
+    def impl_block() -> float:
+        warmed = (lambda: timed.append(host.read())) if host is not None else None
+        times = timer.block(impl, calls[1], warm[1], warmed)
+        if host is not None:
+            timed.append(host.read())
+        return _median(times)
+
     for i in range(first_round, first_round + rounds):
         before = host.read() if host is not None else None
+        timed.clear()
         if i % 2 == 0:
             r = _median(timer.block(reference, calls[0], warm[0]))
-            o = _median(timer.block(impl, calls[1], warm[1]))
+            o = impl_block()
         else:
-            o = _median(timer.block(impl, calls[1], warm[1]))
+            o = impl_block()
             r = _median(timer.block(reference, calls[0], warm[0]))
         pairs.append((r, o))
-        loads.append(host.share(before, host.read()) if host is not None else None)
+        if host is not None:
+            pair, own = host.share(before, host.read()), host.share(*timed) if len(timed) == 2 else None
+            loads.append(None if pair is None or own is None else (pair[0], pair[1], own[2]))
     if gbps:
         gbps.append(host.probe.read())
     if load is not None:
