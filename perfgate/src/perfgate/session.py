@@ -41,7 +41,7 @@ OPTIONS: list[tuple[str, Any, str]] = [
                                "loop)"),
     ("--perf-visits", 3, "time each impl's interleaved rounds with its reference in this many visits: one "
                          "during its test, the rest at the session's end (default 3)"),
-    ("--perf-all-visits", False, "time every visit of every row, even of a row already decided (its 99% interval "
+    ("--perf-all-visits", False, "time every visit of every row, even of a row already decided (its 99%% interval "
                                  "clear of its floor and baseline, or nothing to gate): the sequential stopping "
                                  "rule off, e.g. to measure what it saves and costs"),
     ("--perf-extend", 60.0, "seconds of extra interleaved pairs a row may take when its interval straddles its "
