@@ -3,12 +3,13 @@ cores and skew each other's timings (and pytest-benchmark turns itself off there
 silently not run). A session that asks nothing of perfgate keeps working under xdist, and so do
 perf tests with benchmarks off, run once untimed.
 
-pytest-xdist is not installed in this project's environment (nor pinned in constraints.txt), so
-these tests simulate what perfgate reads of it: on the controller its ``-n``/``--numprocesses``
-and ``--dist`` options (registered here as xdist registers them), on a worker the ``workerinput``
-attribute xdist sets on the worker's config before configuring it (where it also resets ``-n``
-and ``--dist``). ``-p no:xdist`` keeps a real xdist, where installed, out of the simulation; the
-last test runs the real one where it is installed and is skipped elsewhere.
+perfgate does not depend on pytest-xdist (kernelgate's test extras install it, for ``make
+correctness``), so these tests simulate what perfgate reads of it: on the controller its
+``-n``/``--numprocesses`` and ``--dist`` options (registered here as xdist registers them), on a
+worker the ``workerinput`` attribute xdist sets on the worker's config before configuring it
+(where it also resets ``-n`` and ``--dist``). ``-p no:xdist`` keeps a real xdist, where
+installed, out of the simulation; the last test runs the real one where it is installed and is
+skipped elsewhere.
 """
 
 from __future__ import annotations
