@@ -174,6 +174,7 @@ def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> lis
     # not the kernel, up to what the withheld time could explain (row.bound)
     busy = _host_busy(row, contended)
     bound = float("inf") if row.bound is None else row.bound
+    at_most = "any speedup" if bound == float("inf") else f"{bound:.2f}x at most"
     gated = row.baseline is not None and not row.peer
     base_low = row.baseline if row.baseline_low is None else min(row.baseline_low, row.baseline)
     threshold = None if not gated else min((1.0 - tolerance) * row.baseline, base_low)
@@ -184,10 +185,10 @@ def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> lis
     if excused_floor or excused_baseline:
         row.unresolved.append(f"{where}: {measured} is under its "
                               f"{'floor' if excused_floor else 'stored baseline'}: {busy}, so this is no "
-                              f"verdict on the kernel (charged all to it, {bound:.2f}x at most)")
+                              f"verdict on the kernel (charged all to it: {at_most})")
         under_floor = under_floor and not excused_floor
         under_baseline = under_baseline and not excused_baseline
-    explained = (f", even had all the host withheld ({busy}) been its time: {bound:.2f}x at most"
+    explained = (f", even had all the host withheld ({busy}) been its time: {at_most}"
                  if busy else "")
     if under_floor:
         failures.append(f"{where}: {measured} is under the floor {row.floor:.2f}x (the whole interval is)"
