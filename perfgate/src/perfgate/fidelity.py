@@ -36,6 +36,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from statistics import median
 
@@ -101,8 +102,6 @@ def measure(tests: list[str], runs: int, factors: list[float], extra: list[str],
     """{condition: [verdicts of each run]} (``conditions``); each run also records its wall seconds
     under ``"seconds"``. With ``keep``, the baseline's and every run's JSON stay there (to try
     other rules on the same rounds)."""
-    import time
-
     with tempfile.TemporaryDirectory() as scratch:
         tmp = keep or Path(scratch)
         tmp.mkdir(parents=True, exist_ok=True)

@@ -146,6 +146,11 @@ CONTENDED = 0.05
 BANDWIDTH_CONTENDED = 0.4
 
 
+def _base_low(row: SpeedupRow) -> float:
+    """The stored baseline's interval's lower bound (its point where it has no interval)."""
+    return row.baseline if row.baseline_low is None else min(row.baseline_low, row.baseline)
+
+
 def _host_busy(row: SpeedupRow, contended: float) -> str:
     """Why ``row``'s pairs ran on a contended host ("" when they did not)."""
     why = []
@@ -176,7 +181,7 @@ def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> lis
     bound = float("inf") if row.bound is None else row.bound
     at_most = "any speedup" if bound == float("inf") else f"{bound:.2f}x at most"
     gated = row.baseline is not None and not row.peer
-    base_low = row.baseline if row.baseline_low is None else min(row.baseline_low, row.baseline)
+    base_low = _base_low(row) if gated else None
     threshold = None if not gated else min((1.0 - tolerance) * row.baseline, base_low)
     under_floor = row.floor is not None and row.high < row.floor
     under_baseline = gated and row.speedup < (1.0 - tolerance) * row.baseline and row.high < base_low
@@ -229,8 +234,7 @@ def decided(row: SpeedupRow, tolerance: float, may_fail: bool = True) -> bool:
     if row.unresolved or (row.failures and not may_fail):
         return False
     if row.baseline is not None and not row.peer and not row.failures:
-        base_low = row.baseline if row.baseline_low is None else min(row.baseline_low, row.baseline)
-        return row.low >= min((1.0 - tolerance) * row.baseline, base_low)
+        return row.low >= min((1.0 - tolerance) * row.baseline, _base_low(row))
     return True
 
 
