@@ -12,7 +12,7 @@ from kernels.training import Recipe
 from reference.workloads.meta_reweight import reference_step
 from workloads import meta_reweight as M
 from workloads.cli import meta_reweight as meta_reweight_cli
-from workloads.common import amp_recipe
+from workloads.common import EMULATED_BF16_NOTE, amp_recipe, bf16_emulated
 from workloads.meta_reweight import reference_learner
 
 # The workload's ResNet-10 widths: narrower nets cross more ReLU kinks in the finite difference
@@ -138,4 +138,21 @@ def test_config_and_cli(capsys, tmp_path) -> None:
     assert {p.name for p in tmp_path.iterdir()} == {f"meta_reweight_{t}.{e}" for t in ("accuracy", "memory")
                                                      for e in ("csv", "json", "png")}
     out = capsys.readouterr().out
-    assert "balanced test accuracy" in out and "+ AMP + accumulation 2" in out and "peak MiB" in out
+    assert "balanced test accuracy" in out and "+ accumulation 2" in out and "peak MiB" in out
+    # the AMP rows where bf16 runs in hardware; elsewhere the line that says they are left out
+    assert ("+ AMP + accumulation 2" in out) == (not bf16_emulated("cpu")) == (EMULATED_BF16_NOTE not in out)
+
+
+def test_memory_table_leaves_emulated_bf16_out_unless_asked(monkeypatch) -> None:
+    """The rows and their recipes (the AMP rows run in test_runs_report_accuracy_memory_and_plain_training
+    and, on this CPU or not, in test_config_and_cli)."""
+    import workloads.meta_reweight_ablation as A
+
+    monkeypatch.setattr(A, "bf16_emulated", lambda device: True)
+    recipe = lambda name, step, ln, *a, **k: (name, None if step is reference_step else ln.recipe)  # noqa: E731
+    monkeypatch.setattr(A, "run", recipe)
+    base = [("reference (fp32, exact hypergradient)", None), ("baseline (fp32, DARTS kernel)", Recipe()),
+            ("+ accumulation 2", Recipe(accumulation=2))]
+    assert A.memory_ablation(SMALL, 2) == base
+    assert A.memory_ablation(SMALL, 2, emulated_bf16=True) == [
+        *base[:2], ("+ AMP", amp_recipe("cpu")), base[2], ("+ AMP + accumulation 2", amp_recipe("cpu", 2))]

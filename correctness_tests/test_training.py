@@ -15,7 +15,7 @@ from torch import Tensor, nn
 import reference.training as ref
 from correctness_tests.tolerances import REDUCTION, assert_close
 from kernels.models import MLP
-from kernels.training import Recipe, train
+from kernels.training import Recipe, native_bf16, train
 
 
 def _setup(seed: int = 0, width: int = 16) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -318,7 +318,9 @@ def test_recipe_auto() -> None:
     model, _ = _setup()
     x, y = _data(1, 16)[0]
     chosen = Recipe.auto("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y))
-    assert set(chosen.measured_ms) == {"fp32", "bfloat16"}  # channels_last only for images
+    # channels_last only for images; bf16 only where the CPU computes it (this one, or not)
+    assert set(chosen.measured_ms) == ({"fp32", "bfloat16"} if native_bf16("cpu") else {"fp32"})
+    assert native_bf16("cuda")  # a GPU's bf16 is its own hardware's
     assert all(0 < ms < 1e4 for ms in chosen.measured_ms.values())
     assert _params(model).equal(_params(_setup()[0]))  # timed on a copy: the model is untouched
 
@@ -377,10 +379,30 @@ def test_recipe_auto_leaves_fp32_only_for_a_clear_win(monkeypatch, bf16_ms: floa
 
     timed = {"fp32": 10.0, "bfloat16": bf16_ms}
     monkeypatch.setattr(engine, "_time_step", lambda recipe, *a, **k: timed[recipe.name])
+    monkeypatch.setattr(engine, "native_bf16", lambda device: True)  # a CPU with bf16 instructions
     model, _ = _setup()
     x, y = _data(1, 16)[0]
     recipe = Recipe.auto("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y))
     assert recipe.autocast_dtype is chosen and recipe.measured_ms == timed
+
+
+def test_recipe_auto_times_no_emulated_bf16(monkeypatch) -> None:
+    """Where bf16 runs in software (no AVX512-BF16 or AMX) auto times fp32 and channels_last only,
+    and keeps channels_last when it clears the margin; with the instructions it times all four."""
+    import kernels.training as engine
+
+    x = torch.randn(4, 3, 8, 8)
+    y = torch.randint(0, 2, (4,))
+    model = nn.Sequential(nn.Conv2d(3, 2, 3), nn.Flatten(), nn.Linear(72, 2))
+    timed = {"fp32": 10.0, "fp32+channels_last": 8.5, "bfloat16": 1.0, "bfloat16+channels_last": 1.0}
+    monkeypatch.setattr(engine, "_time_step", lambda recipe, *a, **k: timed[recipe.name])
+    monkeypatch.setattr(engine, "native_bf16", lambda device: False)
+    recipe = Recipe.auto("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y))
+    assert recipe.measured_ms == {"fp32": 10.0, "fp32+channels_last": 8.5} and recipe.channels_last
+    assert recipe.autocast_dtype is None
+    monkeypatch.setattr(engine, "native_bf16", lambda device: True)
+    recipe = Recipe.auto("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y))
+    assert recipe.measured_ms == timed and recipe.autocast_dtype is torch.bfloat16
 
 
 @pytest.mark.parametrize(("compiled_ms", "kept"), [(9.5, None), (8.5, "max-autotune")])
@@ -396,6 +418,7 @@ def test_recipe_auto_keeps_a_compile_mode_only_when_it_measures_faster(monkeypat
         return timed[recipe.name]
 
     monkeypatch.setattr(engine, "_time_step", fake)
+    monkeypatch.setattr(engine, "native_bf16", lambda device: True)
     model, _ = _setup()
     x, y = _data(1, 16)[0]
     recipe = Recipe.auto("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y),

@@ -35,7 +35,9 @@ kinds (bf16 and channels_last sped a ResNet-10 up on an AVX512-BF16 AMD EPYC and
 resnet18 down on a Xeon; docs/measurements/from-the-code.md), so ``auto`` times the candidates
 on the caller's model and batch when given them, and otherwise keeps plain fp32; it leaves fp32
 only for a candidate at least 10% faster (a smaller gain is timing noise, not a reason to lose
-precision and the reference's exact selections). CUDA: fp16 + GradScaler + channels_last,
+precision and the reference's exact selections). bf16 is a candidate only on a CPU that computes
+it natively (``native_bf16``): elsewhere autocast converts it in software, 9-20x slower than
+fp32, so timing it would only cost the caller seconds. CUDA: fp16 + GradScaler + channels_last,
 torch's documented fast path, not yet measured in this project.
 """
 
@@ -119,16 +121,27 @@ class Recipe:
         base = cls(accumulation=accumulation)
         if model is None or loss_fn is None or batch is None:
             return base
-        candidates = [base, replace(base, autocast_dtype=torch.bfloat16), replace(base, channels_last=True),
-                      replace(base, autocast_dtype=torch.bfloat16, channels_last=True)]
-        if batch[0].ndim != 4:
-            candidates = candidates[:2]  # channels_last is for images
+        layouts = [False, True] if batch[0].ndim == 4 else [False]  # channels_last is for images
+        dtypes = [None, torch.bfloat16] if native_bf16(device) else [None]
+        candidates = [replace(base, autocast_dtype=d, channels_last=c) for c in layouts for d in dtypes]
         timings = {r.name: _time_step(r, model, loss_fn, batch, device) for r in candidates}
         best = min(candidates, key=lambda r: timings[r.name])
         if timings[best.name] > (1 - AUTO_MARGIN) * timings[base.name]:
             best = base  # a win inside the timing noise does not pay for reduced precision
         best = replace(best, measured_ms=timings)
         return _keep_faster_compile(best, compile_modes, model, loss_fn, batch, device) if compile_modes else best
+
+
+def native_bf16(device: str | torch.device) -> bool:
+    """Whether bf16 autocast on ``device`` runs in hardware: CUDA, or a CPU with AVX512-BF16 or
+    AMX (torch's own checks). Without them oneDNN converts bf16 in software. A torch without
+    the checks answers True, so ``auto`` measures rather than guesses."""
+    if torch.device(device).type != "cpu":
+        return True
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if None in probes:
+        return True
+    return any(probe() for probe in probes)
 
 
 def _keep_faster_compile(best: Recipe, modes: tuple[str, ...], model: nn.Module, loss_fn: LossFn,

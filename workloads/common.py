@@ -60,16 +60,14 @@ def amp_recipe(device: str, accumulation: int = 1):  # -> kernels.training.Recip
 
 def bf16_emulated(device: str) -> bool:
     """Whether bf16 autocast on ``device`` runs in software: a CPU without AVX512-BF16 or AMX-BF16
-    (there the ablations' AMP rows ran 13-20x slower than fp32, on a Zen 3)."""
-    import torch
+    (there the ablations' AMP rows ran 9-20x slower than fp32, on a Zen 3)."""
+    from kernels.training import native_bf16
 
-    from perfgate.fingerprint import bf16_instructions
-
-    return torch.device(device).type == "cpu" and not bf16_instructions()
+    return not native_bf16(device)
 
 
 EMULATED_BF16_NOTE = ("bf16 is emulated on this CPU (no avx512_bf16 or amx_bf16): the AMP rows are left out "
-                      "(13-20x slower than fp32 where measured); --emulated-bf16 runs them")
+                      "(9-20x slower than fp32 where measured); --emulated-bf16 runs them")
 
 
 def progress(items: Iterable[T] | None = None, **kwargs: Any) -> Any:

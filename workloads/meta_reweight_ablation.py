@@ -1,7 +1,8 @@
 """The Meta-Weight-Net workload's ablation: balanced-test accuracy with and without
 reweighting for the reference and the optimized run, then Betty's memory table (baseline / + AMP
-/ + accumulation / both), peak memory of one outer step (CUDA: max_memory_allocated; CPU: the
-perf gate's resident-set high-water mark) and time per outer step, every row in one process
+/ + accumulation / both; the AMP rows where bf16 runs in hardware, or with --emulated-bf16), peak
+memory of one outer step (CUDA: max_memory_allocated; CPU: the perf gate's resident-set
+high-water mark) and time per outer step, every row in one process
 (``python -m workloads.cli.meta_reweight``)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import replace
 
 from kernels.training import Recipe
 from reference.workloads.meta_reweight import reference_step
-from workloads.common import amp_recipe, progress
+from workloads.common import amp_recipe, bf16_emulated, progress
 from workloads.meta_reweight import (
     Config,
     RunReport,
@@ -21,15 +22,22 @@ from workloads.meta_reweight import (
 )
 
 
-def memory_ablation(cfg: Config, accumulation: int = 4, steps: int = 5) -> list[RunReport]:
-    """Betty's memory table, each row ``steps`` timed outer steps after 2 warm-up steps."""
+def memory_ablation(cfg: Config, accumulation: int = 4, steps: int = 5,
+                    emulated_bf16: bool = False) -> list[RunReport]:
+    """Betty's memory table, each row ``steps`` timed outer steps after 2 warm-up steps. Where bf16
+    is emulated (a CPU without bf16 instructions) the two AMP rows are left out, unless
+    ``emulated_bf16``."""
     cfg = replace(cfg, steps=steps)
+    amp = emulated_bf16 or not bf16_emulated(cfg.device)
     rows = [("reference (fp32, exact hypergradient)", reference_step, reference_learner(cfg)),
-            ("baseline (fp32, DARTS kernel)", outer_step, learner(cfg)),
-            ("+ AMP", outer_step, learner(cfg, recipe=amp_recipe(cfg.device))),
-            (f"+ accumulation {accumulation}", outer_step, learner(cfg, recipe=Recipe(accumulation=accumulation))),
-            (f"+ AMP + accumulation {accumulation}", outer_step,
-             learner(cfg, recipe=amp_recipe(cfg.device, accumulation)))]
+            ("baseline (fp32, DARTS kernel)", outer_step, learner(cfg))]
+    if amp:
+        rows.append(("+ AMP", outer_step, learner(cfg, recipe=amp_recipe(cfg.device))))
+    accumulated = learner(cfg, recipe=Recipe(accumulation=accumulation))
+    rows.append((f"+ accumulation {accumulation}", outer_step, accumulated))
+    if amp:
+        rows.append((f"+ AMP + accumulation {accumulation}", outer_step,
+                     learner(cfg, recipe=amp_recipe(cfg.device, accumulation))))
     return [run(name, step, ln, cfg, warmup=2, measure_peak=True)
             for name, step, ln in progress(rows, desc="memory table", unit="run")]
 

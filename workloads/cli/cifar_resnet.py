@@ -6,8 +6,7 @@ import argparse
 
 from workloads import cifar_resnet as workload
 from workloads.cifar_resnet import HEADER, Config, ablation, format_rows, table
-from workloads.cli.options import add_common, describe, parse_args, save
-from workloads.common import EMULATED_BF16_NOTE, bf16_emulated
+from workloads.cli.options import add_common, add_emulated_bf16, describe, leaves_out_amp, parse_args, save
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,8 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=128)
     add_common(parser)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
-    parser.add_argument("--emulated-bf16", action="store_true",
-                        help="run the AMP rows on a CPU without bf16 instructions too (software bf16: slow)")
+    add_emulated_bf16(parser)
     args = parse_args(parser, argv)
     if args.steps < 1 or args.batch < 2 or args.batch % 2:
         parser.error("--steps must be >= 1 and --batch an even number >= 2 (the OneCycleLR row splits each "
@@ -30,9 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     print(f"ResNet10 on synthetic CIFAR, {cfg.steps} steps of batch {cfg.batch} on "
           f"{describe(cfg.device)}")
-    if bf16_emulated(cfg.device) and not args.emulated_bf16:
-        print(EMULATED_BF16_NOTE)
-    rows = ablation(cfg, compile_=not args.no_compile, emulated_bf16=args.emulated_bf16)
+    rows = ablation(cfg, compile_=not args.no_compile, emulated_bf16=not leaves_out_amp(args, cfg.device))
     print("\n".join(format_rows(rows)))
     save(args, "cifar_resnet", HEADER, table(rows), cfg, "ms/step",
          {"training loss per step": {r.name: r.losses for r in rows}})

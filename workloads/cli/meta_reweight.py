@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from workloads import meta_reweight as workload
-from workloads.cli.options import add_common, describe, parse_args, save
+from workloads.cli.options import add_common, add_emulated_bf16, describe, leaves_out_amp, parse_args, save
 from workloads.common import markdown, mib
 from workloads.meta_reweight import Config, class_counts, optimized_recipe
 from workloads.meta_reweight_ablation import accuracy_runs, memory_ablation
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-per-class", type=int, default=490)
     parser.add_argument("--memory-steps", type=int, default=5, help="timed outer steps per memory-table row")
     add_common(parser)
+    add_emulated_bf16(parser)
     args = parse_args(parser, argv)
     if args.memory_steps < 1:
         parser.error(f"--memory-steps must be >= 1, got {args.memory_steps}")
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     accuracy = [[r.name, f"{r.ms_per_step:.1f}", f"{r.balanced_accuracy:.1%}"] for r in rows]
     print("\n".join(markdown(ACCURACY, accuracy)))
     print()
-    mem = memory_ablation(cfg, args.accumulation, steps=args.memory_steps)
+    mem = memory_ablation(cfg, args.accumulation, steps=args.memory_steps,
+                          emulated_bf16=not leaves_out_amp(args, cfg.device))
     base = mem[1].peak_mib
     memory = [[r.name, mib(r.peak_mib), "-" if not (base and r.peak_mib) else f"{1 - r.peak_mib / base:.1%}",
                f"{r.ms_per_step:.1f}"] for r in mem]

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from workloads.common import EMULATED_BF16_NOTE, bf16_emulated
 from workloads.output import machine, write_results
 
 
@@ -20,6 +21,21 @@ def add_common(parser: argparse.ArgumentParser) -> None:
                         help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--output-dir", metavar="DIR",
                         help="also write the results here: NAME.json (rows, config, machine), NAME.csv, NAME.png")
+
+
+def add_emulated_bf16(parser: argparse.ArgumentParser) -> None:
+    """``--emulated-bf16``, for a CLI with AMP rows: run them on a CPU without bf16 instructions too."""
+    parser.add_argument("--emulated-bf16", action="store_true",
+                        help="run the AMP rows on a CPU without bf16 instructions too (software bf16: slow)")
+
+
+def leaves_out_amp(args: argparse.Namespace, device: str) -> bool:
+    """Whether this run leaves its AMP rows out (bf16 emulated on ``device`` and no ``--emulated-bf16``),
+    said on stdout when it does."""
+    left_out = bf16_emulated(device) and not args.emulated_bf16
+    if left_out:
+        print(EMULATED_BF16_NOTE)
+    return left_out
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

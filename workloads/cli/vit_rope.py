@@ -6,8 +6,8 @@ import argparse
 from dataclasses import replace
 
 from workloads import vit_rope as workload
-from workloads.cli.options import add_common, describe, parse_args, save
-from workloads.common import EMULATED_BF16_NOTE, bf16_emulated, progress
+from workloads.cli.options import add_common, add_emulated_bf16, describe, leaves_out_amp, parse_args, save
+from workloads.common import progress
 from workloads.vit_rope import (
     HEADER,
     Config,
@@ -31,8 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cifar", metavar="PATH", help="local CIFAR-10 (torchvision layout) instead of synthetic")
     parser.add_argument("--ablation", action="store_true", help="every row, not only reference/optimized")
     parser.add_argument("--no-compile", action="store_true", help="skip the ablation's torch.compile rows")
-    parser.add_argument("--emulated-bf16", action="store_true",
-                        help="run the AMP row on a CPU without bf16 instructions too (software bf16: slow)")
+    add_emulated_bf16(parser)
     parser.add_argument("--checkpoint", metavar="PATH", help="save the optimized run's state here (atomically)")
     parser.add_argument("--save-every", type=int, default=10, metavar="K", help="steps between saves (10)")
     parser.add_argument("--resume", action="store_true", help="continue the optimized run from --checkpoint")
@@ -55,9 +54,7 @@ def main(argv: list[str] | None = None) -> int:
           f"of batch {cfg.batch} ({clipped}) on {describe(cfg.device)}")
     plain = replace(cfg, checkpoint=None, resume=False)  # the reference run is never checkpointed
     if args.ablation:
-        if bf16_emulated(cfg.device) and not args.emulated_bf16:
-            print(EMULATED_BF16_NOTE)
-        rows = ablation(cfg, compile_=not args.no_compile, emulated_bf16=args.emulated_bf16)
+        rows = ablation(cfg, compile_=not args.no_compile, emulated_bf16=not leaves_out_amp(args, cfg.device))
     else:
         rows = [run(m, c) for m, c in progress([(reference_method(), plain), (optimized_method(cfg), cfg)],
                                                 desc="runs", unit="run")]
