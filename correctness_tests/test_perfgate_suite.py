@@ -49,10 +49,11 @@ NO_REGRESSION = {
     "which dominates at 512 tokens: 1.10-1.28x ahead",
     ("sgd_step", "optimized vs torch_foreach"): "fused SGD over torch's foreach SGD, memory-bound: 1.24-1.53x",
 }
-# (perf test file, -k expression, rows that must fail) for the scratch-copy runs: fast kernels
-# of three kinds (memory-bound per-sample grads, LAPACK-bound SVD, reductions).
+# (perf test file, test, rows that must fail) for the scratch-copy runs: fast kernels of three
+# kinds (memory-bound per-sample grads, LAPACK-bound SVD, reductions), each as its reference and
+# optimized impl only (their peers' rows are not what these runs check).
 CAUGHT = ("test_per_sample.py", "test_spectral.py", "test_standardize.py")
-CAUGHT_K = "test_per_sample_grads or test_topk_singular_values or test_standardize"
+CAUGHT_TESTS = ("test_per_sample_grads", "test_topk_singular_values", "test_standardize")
 CAUGHT_ROWS = ("per_sample_grads [[]optimized", "topk_singular_values [[]optimized", "standardize [[]optimized")
 # Replaces each kernel by its reference before the perf tests import it (one module, also for
 # python -m perfgate.fidelity --lost).
@@ -188,8 +189,10 @@ def scratch(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytes
     return pytester
 
 
-def _perf(pytester: pytest.Pytester, *args: str, k: str = CAUGHT_K) -> pytest.RunResult:
-    return pytester.runpytest_subprocess(*CAUGHT, "-k", k, "-p", "no:cacheprovider", "--perf-device", "cpu",
+def _perf(pytester: pytest.Pytester, *args: str, tests: tuple[int, ...] = (0, 1, 2)) -> pytest.RunResult:
+    """The CAUGHT ``tests`` (indices), reference and optimized, in a fresh process."""
+    ids = [f"{CAUGHT[i]}::{CAUGHT_TESTS[i]}[{impl}]" for i in tests for impl in ("reference", "optimized")]
+    return pytester.runpytest_subprocess(*ids, "-p", "no:cacheprovider", "--perf-device", "cpu",
                                          "--perf-size", "smoke", *args)
 
 
@@ -225,24 +228,23 @@ def test_a_1_5x_slower_kernel_fails_against_this_machines_baseline(scratch: pyte
                    if line.startswith("BENCH_THREADS"))
     storage = f"--benchmark-storage=file://{scratch.path / 'baselines'}"
     common = (storage, f"--perf-threads={threads}")
-    k = "test_topk_singular_values"
-    assert _perf(scratch, *common, "--benchmark-save=base", k=k).ret == 0
-    result = _perf(scratch, *common, JUDGED, "--benchmark-compare", "--perf-slowdown=1.5", k=k)
+    assert _perf(scratch, *common, "--benchmark-save=base", tests=(1,)).ret == 0
+    result = _perf(scratch, *common, JUDGED, "--benchmark-compare", "--perf-slowdown=1.5", tests=(1,))
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     result.stdout.fnmatch_lines([f"GATE FAILED: {CAUGHT_ROWS[1]}*under the stored baseline's*"])
 
 
 @pytest.mark.timed
 def test_two_shards_merged_give_the_rows_and_verdict_of_one_unsharded_run(scratch: pytest.Pytester) -> None:
-    """Two CAUGHT perf tests (with their peers) as one run and as 2 shards (``--perf-shard``), merged by
-    ``python -m perfgate.report --merge``: the same rows, floors and verdict. perfgate's own tests
+    """Two CAUGHT perf tests as one run and as 2 shards (``--perf-shard``), merged by ``python -m
+    perfgate.report --merge``: the same rows, floors and verdict. perfgate's own tests
     (perfgate/tests/test_shard.py) cover the baseline, a failed row and the refusals."""
-    k = "test_topk_singular_values or test_standardize"  # two test functions, one a shard
-    whole = _perf(scratch, QUICK, "--benchmark-json=whole.json", k=k)
+    two = (1, 2)  # two test functions, one a shard
+    whole = _perf(scratch, QUICK, "--benchmark-json=whole.json", tests=two)
     assert whole.ret == 0, whole.stdout.str()
     shards = [f"shard{i}.json" for i in (1, 2)]
     for i, name in enumerate(shards, 1):
-        assert _perf(scratch, QUICK, f"--perf-shard={i}/2", f"--benchmark-json={name}", k=k).ret == 0
+        assert _perf(scratch, QUICK, f"--perf-shard={i}/2", f"--benchmark-json={name}", tests=two).ret == 0
     merged = scratch.run(sys.executable, "-m", "perfgate.report", "--merge", *shards, "--output", "merged.json")
     assert merged.ret == 0, merged.stdout.str() + merged.stderr.str()
 
