@@ -13,11 +13,9 @@ PERF_ARGS ?=
 
 install: $(STAMP)
 
-# --no-compile: no bytecode for all of torch's files up front (50 s of a 140 s install on a 2-vCPU
-# Zen 3); Python compiles what is imported, once, at its first import.
 $(STAMP): pyproject.toml perfgate/pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --no-compile -c constraints.txt -e ./perfgate -e '.[test]'
+	$(PY) -m pip install -c constraints.txt -e ./perfgate -e '.[test]'
 	touch $(STAMP)
 
 # ruff, and actionlint over the GitHub workflows (a broken workflow cannot land); zizmor audits

@@ -1,5 +1,8 @@
 """pytester's inline runs unload the modules first imported inside them, and a C extension
-(torch, numpy.fft, matplotlib's) cannot load twice in one process: import them once here."""
+(torch, numpy.fft, matplotlib's) cannot load twice in one process: import them once here. The
+same holds for what each inline session would otherwise import, assertion-rewrite and unload
+again: hypothesis (its pytest plugin imports it; 88 modules) and perfgate's lazily imported
+modules (a session cost 2-5 s of rewriting before)."""
 
 import contextlib
 
@@ -7,5 +10,12 @@ import matplotlib.pyplot  # noqa: F401
 import numpy  # noqa: F401
 import scipy.stats  # noqa: F401
 
+import perfgate.case  # noqa: F401
+import perfgate.floors  # noqa: F401
+import perfgate.state  # noqa: F401
+import perfgate.timing  # noqa: F401
+
 with contextlib.suppress(ImportError):  # perfgate runs without torch; where it is installed, load it once
     import torch  # noqa: F401
+with contextlib.suppress(ImportError):  # not perfgate's dependency; where its pytest plugin is, load it once
+    import hypothesis  # noqa: F401
