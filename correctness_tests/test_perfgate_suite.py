@@ -190,10 +190,12 @@ def scratch(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytes
 
 
 def _perf(pytester: pytest.Pytester, *args: str, tests: tuple[int, ...] = (0, 1, 2)) -> pytest.RunResult:
-    """The CAUGHT ``tests`` (indices), reference and optimized, in a fresh process."""
+    """The CAUGHT ``tests`` (indices), reference and optimized, in a fresh process (without
+    hypothesis's plugin: the perf tests use none, and it would import and assertion-rewrite its
+    88 modules in each process, 2 s on the Zen 3)."""
     ids = [f"{CAUGHT[i]}::{CAUGHT_TESTS[i]}[{impl}]" for i in tests for impl in ("reference", "optimized")]
-    return pytester.runpytest_subprocess(*ids, "-p", "no:cacheprovider", "--perf-device", "cpu",
-                                         "--perf-size", "smoke", *args)
+    return pytester.runpytest_subprocess(*ids, "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+                                         "--perf-device", "cpu", "--perf-size", "smoke", *args)
 
 
 # Short rounds for the two floor cases: their rows fall 2.5x or more under the floors, far past noise.
