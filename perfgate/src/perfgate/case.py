@@ -13,7 +13,7 @@ import pytest
 
 from . import compat
 from .floors import OPTIMIZED, comparison, floor_value, kernel_name, parametrized_impls
-from .state import MIN_PAIRS, REFERENCE, GateState, Measurement, Visits
+from .state import MIN_PAIRS, REFERENCE, GateState, Measurement, Visits, baseline_key
 from .timing import PairLoad, interleaved, peak_memory, synced
 
 MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the options say
@@ -81,6 +81,42 @@ def _comparisons(item: pytest.Item, impl: str) -> list[tuple[str, str]]:
     return pairs
 
 
+UNKNOWN = "<not run yet>"  # the variant of an impl that has not run yet (_judged)
+
+
+def _judged(item: pytest.Item, state: GateState, impl: str, over: str | None, variant: str | None,
+            kinds: tuple[str, ...] = ("speedup", "memory")) -> bool:
+    """Whether a rule judges ``impl``'s row here (over ``over``, else over the reference): a floor
+    of ``kinds`` for this device class and size (a speedup floor only while CPU floors apply; one
+    keyed to a variant pattern when ``variant`` matches it, or whatever it is when ``variant`` is
+    ``UNKNOWN``: the impl has not run yet), or, for a row of ours over the reference, a stored
+    baseline (a peer's row is reported beside it, not gated)."""
+    for kind in kinds:
+        if kind == "speedup" and state.cpu_floors_off:
+            continue
+        for mark in item.iter_markers(kind):
+            if mark.kwargs.get("impl", OPTIMIZED) != impl or mark.kwargs.get("over") != over:
+                continue
+            if mark.args or floor_value(mark, state.device, state.size) is None:
+                continue
+            pattern = mark.kwargs.get("variant")
+            if pattern is None or variant is UNKNOWN or fnmatch.fnmatchcase(variant or "", pattern):
+                return True
+    peer = any(o == impl for _, o in _comparisons(item, impl))
+    stored = state.baseline is not None and baseline_key(kernel_name(item)[0], impl, state.size) in state.baseline
+    return over is None and "speedup" in kinds and stored and not peer
+
+
+def _needed(item: pytest.Item, state: GateState, impl: str) -> bool:
+    """Whether ``impl`` must be timed under ``--perf-gated-only``, decided before it runs (so a
+    variant-keyed floor counts): a rule may judge its row or a comparison row it is a side of; the
+    reference, when any other impl of its test is needed."""
+    if impl == REFERENCE:
+        return any(_needed(item, state, other) for other in parametrized_impls(item) if other != REFERENCE)
+    return _judged(item, state, impl, None, UNKNOWN) or any(
+        _judged(item, state, side, over, UNKNOWN, ("speedup",)) for side, over in _comparisons(item, impl))
+
+
 def _slowed(run: Callable[..., Any], factor: float) -> Callable[..., Any]:
     """TEST ONLY (``--perf-slowdown``, for perfgate.fidelity): ``run`` made ``factor``
     times slower by spinning after it for (factor - 1) x its own duration. The harness does it,
@@ -140,6 +176,11 @@ class PerfCase:
         ``variant=`` applies only when it matches.
         """
         config, state, bench = self._request.config, self._state, self._benchmark
+        node = self._request.node
+        if state.gated_only and not _needed(node, state, self.impl):
+            state.not_timed.append(f"{self.kernel} [{self.impl}]")
+            pytest.skip(f"{self.kernel} [{self.impl}]: no floor or stored baseline judges it here "
+                        "(--perf-gated-only; make bench times it)")
         state.pin_threads()  # a peer's BLAS pool loads at its first use: at the session's threads too
         # wall-clock calls (the first call, the sizing call) end with a synchronize
         run = synced(fn, self.device)
@@ -174,7 +215,9 @@ class PerfCase:
         # reference for all of them, a peer for the impls a speedup(over=) marker compares with it
         paired, later, load = None, None, []
         state.runners[(self.kernel, self.impl)] = (timed, float(np.median(times)))
-        if self.impl != REFERENCE and (self.kernel, REFERENCE) in state.runners:
+        # interleaved pairs for a speedup a rule judges (under --perf-gated-only; else for every row)
+        speedup_judged = not state.gated_only or _judged(node, state, self.impl, None, variant, ("speedup",))
+        if self.impl != REFERENCE and (self.kernel, REFERENCE) in state.runners and speedup_judged:
             paired, later, load = self._pair(REFERENCE, self.impl, rounds)
         args = () if setup is None else (setup(),)
         # rows gated on memory take the median of 3 peaks: CPU peaks move by a few stray pages
@@ -195,8 +238,11 @@ class PerfCase:
             if later.shares:
                 state.pending.append(later)
         self._set_floors(self.impl, variant)
-        for side, over in _comparisons(self._request.node, self.impl):
-            if (self.kernel, side) in state.runners and (self.kernel, over) in state.runners:
+        for side, over in _comparisons(node, self.impl):
+            if (self.kernel, side) not in state.runners or (self.kernel, over) not in state.runners:
+                continue
+            side_variant = state.results[self.kernel][side].variant
+            if not state.gated_only or _judged(node, state, side, over, side_variant, ("speedup",)):
                 self._compare(side, over, rounds)
         return result
 

@@ -44,6 +44,10 @@ OPTIONS: list[tuple[str, Any, str]] = [
     ("--perf-all-visits", False, "time every visit of every row, even of a row already decided (its 99%% interval "
                                  "clear of its floor and baseline, or nothing to gate): the sequential stopping "
                                  "rule off, e.g. to measure what it saves and costs"),
+    ("--perf-gated-only", False, "time only what a rule judges in this session: an impl no speedup or memory "
+                                 "floor (for this device class and size) or stored baseline involves is skipped, "
+                                 "and a row only memory judges gets no interleaved pairs; for a CI gate (make "
+                                 "test), not for a report or a saved baseline (make bench, make baseline)"),
     ("--perf-extend", 60.0, "seconds of extra interleaved pairs a row may take when its interval straddles its "
                             "floor, before it is reported unresolved (default 60; 0: never extend)"),
     ("--perf-contended", 0.05, "share of the CPU time the host may withhold while a row's pairs run (CPU "
@@ -94,6 +98,7 @@ class PerfSession:
         self.extend_s, self.slowdown = opt["--perf-extend"], opt["--perf-slowdown"]
         self.l2_flush: bool = opt["--perf-l2-flush"]
         self.all_visits: bool = opt["--perf-all-visits"]
+        self.gated_only: bool = opt["--perf-gated-only"]
         self.require_floors: bool = opt["--perf-require-floors"]
         self.contended: float = opt["--perf-contended"]
         if not 0.0 <= self.tolerance < 1.0:
@@ -118,6 +123,9 @@ class PerfSession:
                 raise pytest.UsageError(str(exc)) from exc
         if self.slowdown != 1.0 and self.saving:
             raise pytest.UsageError("--perf-slowdown is for measuring the gate; a slowed run cannot be a baseline")
+        if self.gated_only and self.saving:
+            raise pytest.UsageError("--perf-gated-only leaves out the rows nothing judges today, and a saved run "
+                                    "is the baseline of every row: drop one of the two")
         self.state: GateState | None = None
         self._deselected: list[pytest.Item] = []  # perf tests -k, -m, --deselect or a shard left out
         self._shard_dropped: set[str] = set()  # node ids --perf-shard left to other shards
@@ -272,7 +280,7 @@ class PerfSession:
         self.state = GateState(device=device, size=size, threads=threads, tolerance=self.tolerance,
                                contended=self.contended,
                                fingerprint=fp, slug=slug(fp), slowdown=self.slowdown, visits=self.visits,
-                               extend_s=self.extend_s, all_visits=self.all_visits,
+                               extend_s=self.extend_s, all_visits=self.all_visits, gated_only=self.gated_only,
                                cpu_floors_off=_cpu_floors_off(device, threads, malloc),
                                timer=timer_for(device, l2_flush=self.l2_flush,
                                                host_timer=compat.host_timer(self.config),
@@ -461,6 +469,10 @@ class PerfSession:
             tr.write_line(line)
         for kernel in state.unpaired():
             tr.write_line(f"{kernel}: no reference/optimized pair measured, no speedup", yellow=True)
+        if state.not_timed:
+            left = ", ".join(state.not_timed)
+            tr.write_line(f"perfgate: --perf-gated-only: {len(state.not_timed)} impl(s) not timed, no floor or "
+                          f"stored baseline judges them here (make bench times them): {left}")
         for row in state.memory_unmeasured():
             tr.write_line(f"{row}: a memory floor is declared but this platform gives no peak memory "
                           "(CUDA, or Linux /proc/self/clear_refs): memory not gated", yellow=True)

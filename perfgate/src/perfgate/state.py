@@ -88,6 +88,8 @@ class GateState:
     host: HostLoad | None = None  # reads the CPU time (and bandwidth) the host withheld while pairs were timed
     skipped: dict[tuple[str, str], int] = field(default_factory=dict)  # later pairs a decided row did not need
     all_visits: bool = False  # --perf-all-visits: the stopping rule off
+    gated_only: bool = False  # --perf-gated-only: time only the impls and pairs a floor or baseline judges
+    not_timed: list[str] = field(default_factory=list)  # "kernel [impl]" --perf-gated-only left untimed
 
     def pin_threads(self) -> None:
         """Every BLAS and OpenMP pool loaded in the process (numpy's and scipy's OpenBLAS, a
