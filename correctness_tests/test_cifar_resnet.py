@@ -28,7 +28,7 @@ def test_the_optimized_run_learns() -> None:
 
 
 def test_ablation_runs_every_row() -> None:
-    rows = ablation(Config(steps=6, batch=16, warmup=1), compile_=False, emulated_bf16=True)
+    rows = ablation(Config(steps=6, batch=16, warmup=1, eval_images=64), compile_=False, emulated_bf16=True)
     assert [r.name.split(" (")[0] for r in rows] == [
         "baseline", "+ fused AdamW", "+ AMP", "+ channels_last", "auto", "auto, deterministic",
         "auto + OneCycleLR, accumulation 2",
@@ -43,7 +43,7 @@ def test_ablation_leaves_emulated_bf16_out(monkeypatch) -> None:
     import workloads.cifar_resnet as C
 
     monkeypatch.setattr(C, "bf16_emulated", lambda device: True)
-    rows = ablation(Config(steps=1, batch=8, warmup=1), compile_=False)
+    rows = ablation(Config(steps=1, batch=8, warmup=1, eval_images=64), compile_=False)
     names = [r.name for r in rows]
     assert "+ AMP" not in names and names[1:3] == ["+ fused AdamW (fp32)", "+ channels_last"]
 
@@ -58,3 +58,6 @@ def test_cli_rejects_bad_sizes(capsys) -> None:
         with pytest.raises(SystemExit):
             main(bad)
         assert "--steps must be >= 1 and --batch an even number >= 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--eval-images", "0"])
+    assert "eval_images must be" in capsys.readouterr().err

@@ -91,7 +91,9 @@ def test_cosine_schedule_warms_up_then_decays() -> None:
 
 
 def test_cli_ablation_rows(capsys, tmp_path) -> None:
-    argv = ["--steps", "1", "--batch", "8", "--depth", "1", "--ablation", "--no-compile", "--emulated-bf16"]
+    # 64 held-out images: the accuracy's evaluation, not the 3 steps, was 90% of each row's time
+    argv = ["--steps", "1", "--batch", "8", "--depth", "1", "--ablation", "--no-compile", "--emulated-bf16",
+            "--eval-images", "64"]
     assert vit_rope_cli.main([*argv, "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     record = json.loads((tmp_path / "vit_rope.json").read_text())
@@ -103,14 +105,15 @@ def test_cli_ablation_rows(capsys, tmp_path) -> None:
     assert "clipped at 1" in out and ", no clipping |" in out  # the clipping's own ablation row
     for row in (", checkpoint every 10 steps |", ", DataLoader, 0 workers |", ", DataLoader, 2 workers |"):
         assert row in out, row
-    for bad in (["--steps", "0"], ["--max-grad-norm", "-1"], ["--no-clip", "--max-grad-norm", "2"]):
+    for bad in (["--steps", "0"], ["--max-grad-norm", "-1"], ["--no-clip", "--max-grad-norm", "2"],
+                ["--eval-images", "0"]):
         with pytest.raises(SystemExit):
             vit_rope_cli.main(bad)
 
 
 def test_the_loader_feeds_the_same_batches_with_any_number_of_workers() -> None:
     """The optimized run from the augmenting DataLoader: 0 and 2 workers train bitwise alike."""
-    cfg = vit_rope.Config(steps=2, batch=8, depth=1, accumulation=2)
+    cfg = vit_rope.Config(steps=2, batch=8, depth=1, accumulation=2, eval_images=64)
     method = vit_rope.optimized_method(cfg, Recipe(accumulation=2))
     inline, workers = (vit_rope.run(method, cfg, workers=w) for w in (0, 2))
     assert inline.losses == workers.losses and len(inline.losses) == 4

@@ -65,9 +65,10 @@ class Config:
     warmup: int = 2
     device: str = "cpu"
     seed: int = 0
+    eval_images: int = 1000  # held-out images the accuracy is measured on
 
     def __post_init__(self) -> None:
-        require_positive(self, ("steps", "batch"))
+        require_positive(self, ("steps", "batch", "eval_images"))
         check_device(self.device)
 
     def batches(self, channels_last: bool = False, micro: int = 1) -> list[tuple[Tensor, Tensor]]:
@@ -84,7 +85,8 @@ class Config:
 
 
 @torch.no_grad()
-def accuracy(model: torch.nn.Module, device: str, n: int = 1000) -> float:
+def accuracy(model: torch.nn.Module, device: str, n: int) -> float:
+    """On ``n`` held-out images (synthetic, of another seed)."""
     x, y = synthetic_cifar(n, seed=10_000)
     model.eval()
     return (model(x.to(device)).argmax(1).cpu() == y).float().mean().item()
@@ -100,7 +102,8 @@ def timed(name: str, cfg: Config, model: torch.nn.Module, step: Callable[[Iterab
     t1 = time.perf_counter()
     result = step(islice(batches, cfg.steps * micro))
     t2 = time.perf_counter()
-    return RunReport(name, 1e3 * (t2 - t1) / cfg.steps, t1 - t0, accuracy(model, cfg.device), result.losses[-1],
+    held_out = accuracy(model, cfg.device, cfg.eval_images)
+    return RunReport(name, 1e3 * (t2 - t1) / cfg.steps, t1 - t0, held_out, result.losses[-1],
                      [*warm.losses, *result.losses])
 
 

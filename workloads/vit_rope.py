@@ -59,12 +59,14 @@ class Config:
     seed: int = 0
     cifar: str | None = None  # local CIFAR-10 root (torchvision layout) instead of synthetic images
     max_grad_norm: float | None = 1.0  # the original's clipping; None: none
+    eval_images: int = 1000  # held-out images the accuracy is measured on
     checkpoint: str | None = None  # save the run's state here every save_every steps (atomically)
     save_every: int = 10
     resume: bool = False  # continue from ``checkpoint``
 
     def __post_init__(self) -> None:
-        require_positive(self, ("steps", "batch", "accumulation", "dim", "heads", "depth", "save_every"))
+        require_positive(self, ("steps", "batch", "accumulation", "dim", "heads", "depth", "save_every",
+                                "eval_images"))
         check_max_grad_norm(self.max_grad_norm)
         check_device(self.device)
         if self.cifar is not None and not (Path(self.cifar) / "cifar-10-batches-py").is_dir():
@@ -133,8 +135,9 @@ def cifar10(root: str, train: bool) -> tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, cfg: Config, n: int = 1000) -> float:
-    """On 1000 held-out images: synthetic ones of another seed, or CIFAR-10's test split."""
+def accuracy(model: nn.Module, cfg: Config) -> float:
+    """On ``cfg.eval_images`` held-out images: synthetic ones of another seed, or CIFAR-10's test split."""
+    n = cfg.eval_images
     x, y = cifar10(cfg.cifar, train=False) if cfg.cifar else synthetic_cifar(n, seed=10_000)
     x, y = x[:n], y[:n]
     device = cfg.device

@@ -74,7 +74,8 @@ def test_a_floor_missed_still_fails(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_gated=SUITE.format(floor=8.0))  # 4x against 8: the same verdict as without
     result = pytester.runpytest(*FAST, "--perf-gated-only")
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
-    result.stdout.fnmatch_lines(["*GATE FAILED: sleepy [[]optimized, 8ms] on cpu: speedup *under the floor 8.00x*"])
+    failed = "*GATE FAILED: sleepy [[]optimized, 8ms] on cpu: speedup *under the floor 8.00x*"
+    result.stdout.fnmatch_lines([failed])
 
 
 def test_a_stored_baseline_judges_the_rows_it_holds(pytester: pytest.Pytester) -> None:

@@ -6,7 +6,15 @@ import argparse
 
 from workloads import cifar_resnet as workload
 from workloads.cifar_resnet import HEADER, Config, ablation, format_rows, table
-from workloads.cli.options import add_common, add_emulated_bf16, describe, leaves_out_amp, parse_args, save
+from workloads.cli.options import (
+    add_common,
+    add_emulated_bf16,
+    add_eval_images,
+    describe,
+    leaves_out_amp,
+    parse_args,
+    save,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,12 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     add_common(parser)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     add_emulated_bf16(parser)
+    add_eval_images(parser)
     args = parse_args(parser, argv)
     if args.steps < 1 or args.batch < 2 or args.batch % 2:
         parser.error("--steps must be >= 1 and --batch an even number >= 2 (the OneCycleLR row splits each "
                      "batch into 2 micro-batches)")
     try:
-        cfg = Config(steps=args.steps, batch=args.batch, device=args.device)
+        cfg = Config(steps=args.steps, batch=args.batch, device=args.device, eval_images=args.eval_images)
     except ValueError as e:
         parser.error(str(e))
     print(f"ResNet10 on synthetic CIFAR, {cfg.steps} steps of batch {cfg.batch} on "

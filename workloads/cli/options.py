@@ -23,6 +23,12 @@ def add_common(parser: argparse.ArgumentParser) -> None:
                         help="also write the results here: NAME.json (rows, config, machine), NAME.csv, NAME.png")
 
 
+def add_eval_images(parser: argparse.ArgumentParser) -> None:
+    """``--eval-images``: the held-out images a run's accuracy is measured on."""
+    parser.add_argument("--eval-images", type=int, default=1000, metavar="N",
+                        help="held-out images the accuracy is measured on (1000)")
+
+
 def add_emulated_bf16(parser: argparse.ArgumentParser) -> None:
     """``--emulated-bf16``, for a CLI with AMP rows: run them on a CPU without bf16 instructions too."""
     parser.add_argument("--emulated-bf16", action="store_true",

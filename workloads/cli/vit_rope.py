@@ -6,7 +6,15 @@ import argparse
 from dataclasses import replace
 
 from workloads import vit_rope as workload
-from workloads.cli.options import add_common, add_emulated_bf16, describe, leaves_out_amp, parse_args, save
+from workloads.cli.options import (
+    add_common,
+    add_emulated_bf16,
+    add_eval_images,
+    describe,
+    leaves_out_amp,
+    parse_args,
+    save,
+)
 from workloads.common import progress
 from workloads.vit_rope import (
     HEADER,
@@ -32,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ablation", action="store_true", help="every row, not only reference/optimized")
     parser.add_argument("--no-compile", action="store_true", help="skip the ablation's torch.compile rows")
     add_emulated_bf16(parser)
+    add_eval_images(parser)
     parser.add_argument("--checkpoint", metavar="PATH", help="save the optimized run's state here (atomically)")
     parser.add_argument("--save-every", type=int, default=10, metavar="K", help="steps between saves (10)")
     parser.add_argument("--resume", action="store_true", help="continue the optimized run from --checkpoint")
@@ -43,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--checkpoint and --resume apply to the optimized run, not to --ablation")
     try:
         cfg = Config(steps=args.steps, batch=args.batch, accumulation=args.accumulation, depth=args.depth,
-                     device=args.device, cifar=args.cifar,
+                     device=args.device, cifar=args.cifar, eval_images=args.eval_images,
                      max_grad_norm=None if args.no_clip else args.max_grad_norm, checkpoint=args.checkpoint,
                      save_every=args.save_every, resume=args.resume)
     except ValueError as e:
