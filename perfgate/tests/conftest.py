@@ -5,6 +5,8 @@ again: hypothesis (its pytest plugin imports it; 88 modules) and perfgate's lazi
 modules (a session cost 2-5 s of rewriting before)."""
 
 import contextlib
+import copy
+import functools
 
 import matplotlib.pyplot  # noqa: F401
 import numpy  # noqa: F401
@@ -19,3 +21,11 @@ with contextlib.suppress(ImportError):  # perfgate runs without torch; where it 
     import torch  # noqa: F401
 with contextlib.suppress(ImportError):  # not perfgate's dependency; where its pytest plugin is, load it once
     import hypothesis  # noqa: F401
+
+# pytest-benchmark reads the CPU with py-cpuinfo, which runs CPUID in a fresh Python process (0.2 s)
+# in every session that saves a run or writes JSON: one reading serves this process's sessions.
+with contextlib.suppress(ImportError):
+    import cpuinfo
+
+    _cpu_info = functools.cache(cpuinfo.get_cpu_info)
+    cpuinfo.get_cpu_info = lambda: copy.deepcopy(_cpu_info())

@@ -285,7 +285,7 @@ class PerfSession:
                                timer=timer_for(device, l2_flush=self.l2_flush,
                                                host_timer=compat.host_timer(self.config),
                                                disable_gc=bool(self.config.getoption("benchmark_disable_gc"))),
-                               host=HostLoad(threads or 1, probe=Bandwidth() if device == "cpu" else None))
+                               host=HostLoad(threads or 1, probe=Bandwidth.shared() if device == "cpu" else None))
         path = compat.storage_url(self.config)
         storage = None if path is None else f"file://{path}/{self.state.slug}/{size}"
         compare, self._held_compare = self._held_compare, None
