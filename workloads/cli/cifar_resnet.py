@@ -6,15 +6,7 @@ import argparse
 
 from workloads import cifar_resnet as workload
 from workloads.cifar_resnet import HEADER, Config, ablation, format_rows, table
-from workloads.cli.options import (
-    add_common,
-    add_emulated_bf16,
-    add_eval_images,
-    describe,
-    leaves_out_amp,
-    parse_args,
-    save,
-)
+from workloads.cli.options import add_common, describe, leaves_out_amp, parse_args, save
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,10 +15,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=128)
-    add_common(parser)
+    add_common(parser, amp_rows=True, accuracy=True)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
-    add_emulated_bf16(parser)
-    add_eval_images(parser)
     args = parse_args(parser, argv)
     if args.steps < 1 or args.batch < 2 or args.batch % 2:
         parser.error("--steps must be >= 1 and --batch an even number >= 2 (the OneCycleLR row splits each "

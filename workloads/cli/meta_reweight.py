@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from workloads import meta_reweight as workload
-from workloads.cli.options import add_common, add_emulated_bf16, describe, leaves_out_amp, parse_args, save
+from workloads.cli.options import add_common, describe, leaves_out_amp, parse_args, save
 from workloads.common import markdown, mib
 from workloads.meta_reweight import Config, class_counts, optimized_recipe
 from workloads.meta_reweight_ablation import accuracy_runs, memory_ablation
@@ -21,8 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accumulation", type=int, default=4)
     parser.add_argument("--max-per-class", type=int, default=490)
     parser.add_argument("--memory-steps", type=int, default=5, help="timed outer steps per memory-table row")
-    add_common(parser)
-    add_emulated_bf16(parser)
+    add_common(parser, amp_rows=True)
     args = parse_args(parser, argv)
     if args.memory_steps < 1:
         parser.error(f"--memory-steps must be >= 1, got {args.memory_steps}")

@@ -14,25 +14,21 @@ from workloads.common import EMULATED_BF16_NOTE, bf16_emulated
 from workloads.output import machine, write_results
 
 
-def add_common(parser: argparse.ArgumentParser) -> None:
+def add_common(parser: argparse.ArgumentParser, amp_rows: bool = False, accuracy: bool = False) -> None:
     """``--device`` (checked by each workload's Config: a bad one is a one-line error) and
-    ``--output-dir`` (workloads.output: JSON, CSV and a PNG)."""
+    ``--output-dir`` (workloads.output: JSON, CSV and a PNG); with ``amp_rows``, ``--emulated-bf16``
+    (run AMP rows on a CPU without bf16 instructions too); with ``accuracy``, ``--eval-images``
+    (the held-out images a run's accuracy is measured on)."""
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--output-dir", metavar="DIR",
                         help="also write the results here: NAME.json (rows, config, machine), NAME.csv, NAME.png")
-
-
-def add_eval_images(parser: argparse.ArgumentParser) -> None:
-    """``--eval-images``: the held-out images a run's accuracy is measured on."""
-    parser.add_argument("--eval-images", type=int, default=1000, metavar="N",
-                        help="held-out images the accuracy is measured on (1000)")
-
-
-def add_emulated_bf16(parser: argparse.ArgumentParser) -> None:
-    """``--emulated-bf16``, for a CLI with AMP rows: run them on a CPU without bf16 instructions too."""
-    parser.add_argument("--emulated-bf16", action="store_true",
-                        help="run the AMP rows on a CPU without bf16 instructions too (software bf16: slow)")
+    if amp_rows:
+        parser.add_argument("--emulated-bf16", action="store_true",
+                            help="run the AMP rows on a CPU without bf16 instructions too (software bf16: slow)")
+    if accuracy:
+        parser.add_argument("--eval-images", type=int, default=1000, metavar="N",
+                            help="held-out images the accuracy is measured on (1000)")
 
 
 def leaves_out_amp(args: argparse.Namespace, device: str) -> bool:

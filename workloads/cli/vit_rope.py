@@ -6,15 +6,7 @@ import argparse
 from dataclasses import replace
 
 from workloads import vit_rope as workload
-from workloads.cli.options import (
-    add_common,
-    add_emulated_bf16,
-    add_eval_images,
-    describe,
-    leaves_out_amp,
-    parse_args,
-    save,
-)
+from workloads.cli.options import add_common, describe, leaves_out_amp, parse_args, save
 from workloads.common import progress
 from workloads.vit_rope import (
     HEADER,
@@ -35,12 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--depth", type=int, default=6)
-    add_common(parser)
+    add_common(parser, amp_rows=True, accuracy=True)
     parser.add_argument("--cifar", metavar="PATH", help="local CIFAR-10 (torchvision layout) instead of synthetic")
     parser.add_argument("--ablation", action="store_true", help="every row, not only reference/optimized")
     parser.add_argument("--no-compile", action="store_true", help="skip the ablation's torch.compile rows")
-    add_emulated_bf16(parser)
-    add_eval_images(parser)
     parser.add_argument("--checkpoint", metavar="PATH", help="save the optimized run's state here (atomically)")
     parser.add_argument("--save-every", type=int, default=10, metavar="K", help="steps between saves (10)")
     parser.add_argument("--resume", action="store_true", help="continue the optimized run from --checkpoint")
