@@ -94,14 +94,11 @@ def _judged(item: pytest.Item, state: GateState, impl: str, over: str | None, va
     for kind in kinds:
         if kind == "speedup" and state.cpu_floors_off:
             continue
-        for mark in item.iter_markers(kind):
-            if mark.kwargs.get("impl", OPTIMIZED) != impl or mark.kwargs.get("over") != over:
-                continue
-            if mark.args or floor_value(mark, state.device, state.size) is None:
-                continue
-            pattern = mark.kwargs.get("variant")
-            if pattern is None or variant is UNKNOWN or fnmatch.fnmatchcase(variant or "", pattern):
-                return True
+        # _floor's note is set only when a floor keyed to another variant exists
+        known = None if variant is UNKNOWN else variant
+        floor, note = _floor(item, kind, impl, state.device, state.size, known, over)
+        if floor is not None or (variant is UNKNOWN and note):
+            return True
     peer = any(o == impl for _, o in _comparisons(item, impl))
     stored = state.baseline is not None and baseline_key(kernel_name(item)[0], impl, state.size) in state.baseline
     return over is None and "speedup" in kinds and stored and not peer
