@@ -15,7 +15,11 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml perfgate/pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -c constraints.txt -e ./perfgate -e '.[test]'
+	$(PY) -m pip install --no-compile -c constraints.txt -e ./perfgate -e '.[test]'
+	@# pip byte-compiles on one core; compileall on every core (half the time for torch's 10k files).
+	@# A host with PYTHONDONTWRITEBYTECODE would otherwise compile torch anew in every process.
+	@# -x: torch's one Python 3.12-only test helper, which no 3.11 process imports.
+	$(PY) -m compileall -q -j 0 -x 'py312_intrinsics\.py$$' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 	touch $(STAMP)
 
 # ruff, and actionlint over the GitHub workflows (a broken workflow cannot land); zizmor audits

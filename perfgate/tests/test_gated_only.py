@@ -68,6 +68,9 @@ def test_only_what_a_rule_judges_is_timed(pytester: pytest.Pytester) -> None:
     assert {k for k, r in rows.items() if r["interleaved"]} == {"sleepy [optimized]", "sleepy [optimized vs peer]"}
     assert rows["sleepy [optimized]"]["floor"] == 2.0 and rows["sleepy [optimized vs peer]"]["floor"] == 1.2
     assert rows["sleepy [keyed]"]["floor"] is None and rows["sleepy [lean]"]["memory_floor"] == 0.5
+    # each impl's own rounds are the 5 a bootstrap needs, not --benchmark-min-rounds' 8: no rule reads them
+    benchmarks = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    assert len(benchmarks) == 5 and {b["stats"]["rounds"] for b in benchmarks} == {5}
 
 
 def test_a_floor_missed_still_fails(pytester: pytest.Pytester) -> None:

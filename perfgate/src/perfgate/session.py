@@ -46,7 +46,9 @@ OPTIONS: list[tuple[str, Any, str]] = [
                                  "rule off, e.g. to measure what it saves and costs"),
     ("--perf-gated-only", False, "time only what a rule judges in this session: an impl no speedup or memory "
                                  "floor (for this device class and size) or stored baseline involves is skipped, "
-                                 "and a row only memory judges gets no interleaved pairs; for a CI gate (make "
+                                 "a row only memory judges gets no interleaved pairs, and an impl's own rounds "
+                                 "(pytest-benchmark's stats; no rule reads them) are 5, not sized to "
+                                 "--benchmark-max-time; for a CI gate (make "
                                  "test), not for a report or a saved baseline (make bench, make baseline)"),
     ("--perf-extend", 60.0, "seconds of extra interleaved pairs a row may take when its interval straddles its "
                             "floor, before it is reported unresolved (default 60; 0: never extend)"),
