@@ -165,8 +165,9 @@ class PerfCase:
 
         ``warmup_rounds``: untimed calls before the rounds, the first call and the sizing call
         (always made) among them. Rounds default to what fits in ``--benchmark-max-time`` (at least
-        ``--benchmark-min-rounds``, never under 5, at most 1000; 5 under ``--perf-gated-only``). The first call is reported
-        apart as ``first_call_ms`` (compile and warm-up live there), never in the timed rounds.
+        ``--benchmark-min-rounds``, never under 5, at most 1000; 5 under ``--perf-gated-only``).
+        The first call is reported apart as ``first_call_ms`` (compile and warm-up live there),
+        never in the timed rounds.
         ``work_bytes``: bytes one call moves; declared on both impls, the row's speedup becomes a
         throughput ratio and GB/s are reported. ``variant``: what this impl chose at run time that
         its speedup depends on (e.g. ``Recipe.auto``'s recipe name); a ``speedup`` marker with
