@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -548,6 +550,32 @@ def test_resume_from_a_checkpoint_continues_the_run_bitwise(tmp_path, recipe: Re
     assert (torch.rand(3).tolist(), random.random(), np.random.rand()) == (draws[0].tolist(), *draws[1:])
     if scaler is not None:
         assert scaler3.get_scale() == scaler.get_scale()
+
+
+def test_a_checkpoint_rank_0_cannot_write_leaves_no_cycle_holding_the_model(tmp_path, monkeypatch) -> None:
+    """Rank 0's write error is raised after every rank agreed; its traceback must not keep the model
+    (under DDP: the process group, whose gloo threads then outlived the interpreter and aborted rank 0,
+    2 of 12 torchrun runs beside a busy process) alive in a reference cycle until a GC pass."""
+    import kernels.training as T
+
+    monkeypatch.setattr(T, "active", lambda: True)  # rank 0 of a group of one: agree() is the identity
+    monkeypatch.setattr(T, "rank", lambda: 0)
+    monkeypatch.setattr(T, "agree", lambda ok: ok)
+    model = nn.Linear(3, 2)
+    alive = weakref.ref(model)
+    gc.disable()
+    try:
+        try:
+            T.save_checkpoint(tmp_path / "missing-folder" / "x.safetensors", model,
+                              torch.optim.SGD(model.parameters()))
+        except OSError:
+            pass
+        else:
+            pytest.fail("save_checkpoint wrote into a folder that does not exist")
+        del model
+        assert alive() is None, "the model outlived its last reference (a cycle through the raised error)"
+    finally:
+        gc.enable()
 
 
 def test_bad_checkpoints_are_refused(tmp_path) -> None:

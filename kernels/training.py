@@ -407,7 +407,10 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
             error = e
     if not agree(error is None):  # also the barrier: no rank reads the file before rank 0 has replaced it
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:  # the traceback holds this frame: with ``error`` still in it, the model would
+                del error  # live in a cycle until a GC pass, and under DDP keep gloo's threads past exit
         raise RuntimeError(f"rank 0 could not write the checkpoint {path} (its error is in rank 0's log)")
 
 
