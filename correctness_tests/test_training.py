@@ -554,8 +554,8 @@ def test_resume_from_a_checkpoint_continues_the_run_bitwise(tmp_path, recipe: Re
 
 def test_a_checkpoint_rank_0_cannot_write_leaves_no_cycle_holding_the_model(tmp_path, monkeypatch) -> None:
     """Rank 0's write error is raised after every rank agreed; its traceback must not keep the model
-    (under DDP: the process group, whose gloo threads then outlived the interpreter and aborted rank 0,
-    2 of 12 torchrun runs beside a busy process) alive in a reference cycle until a GC pass."""
+    (under DDP: the process group, whose gloo threads would outlive the interpreter and abort it)
+    alive in a reference cycle until a GC pass."""
     import kernels.training as T
 
     monkeypatch.setattr(T, "active", lambda: True)  # rank 0 of a group of one: agree() is the identity

@@ -225,8 +225,8 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
         m = plan.linear[mname]
         if m.weight.requires_grad:
             # One row per sample (T = 1): the outer product g_i a_i^T as a broadcast multiply, one
-            # streaming write of (B, out, in); a K=1 bmm ran 2.3-2.8x slower on an AMD Zen 4.
-            # Rows (T > 1): (B, out, T) @ (B, T, in) by bmm (docs/kernels/per_sample.md).
+            # streaming write of (B, out, in), which a K=1 bmm is not on every CPU; rows (T > 1):
+            # (B, out, T) @ (B, T, in) by bmm (measured in docs/kernels/per_sample.md).
             w = into.get(prefix + "weight")
             product = torch.mul if a.shape[1] == 1 else torch.bmm
             out[prefix + "weight"] = product(g.transpose(1, 2), a, out=w)

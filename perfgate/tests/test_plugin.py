@@ -564,8 +564,7 @@ def test_later_visits_run_after_every_test(pytester: pytest.Pytester) -> None:
     rows = {}
     for visits, more in ((1, ()), (3, ("--perf-all-visits",)), ("3 decided", ())):
         (pytester.path / "later").unlink(missing_ok=True)
-        # max-time 3 s: the pair count is the rounds' 30 in every run (a 52 ms block under 1.5 s gave
-        # 29 or 30 pairs by the run's own medians, so the decided run's skipped count could be 19)
+        # max-time 3 s: every run's pair count is the rounds' 30, not capped by its own medians
         args = (f"--perf-visits={str(visits)[0]}", "--benchmark-max-time=3", "--benchmark-json=v.json", *more)
         assert _run(pytester, *args).ret == 0
         rows[visits] = json.loads((pytester.path / "v.json").read_text())["perfgate"]["speedups"][0]
