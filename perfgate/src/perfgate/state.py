@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from .floors import REFERENCE
-from .stats import CONTENDED, SpeedupRow, decided, gate, speedup_interval
+from .stats import CONTENDED, SpeedupRow, decided, gate, misses, speedup_interval
 from .timing import HostLoad, PairLoad, Timed, Timer, bandwidth_withheld, interleaved, withheld
 
 MAX_PAIRS = 1000  # a straddled row is extended up to this many interleaved pairs in all
@@ -22,6 +23,9 @@ EARLY = 0.99
 # bound is set by one outlying pair (a resample repeats it 3 times in 5 with probability 6%; in 7,
 # 4 times: 0.9%). A row's first visit may be shorter (case.FIRST_PAIRS): it can only pass there.
 MIN_PAIRS = 7
+# Seconds of interleaved pairs, at the least, that time a failing row again at the session's end
+# (GateState.confirm): a stretch long enough to outlast a passing host state.
+CONFIRM_S = 1.0
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Measurement:
     peer: bool = False  # the impl is a peer library (a ``speedup(over=)`` target), not ours
     load: list[PairLoad] = field(default_factory=list)  # what the host withheld, per pair of ``paired``
     calls: int = 1  # timed calls in each of this impl's blocks of ``paired`` (the block's median)
+    confirm_from: int | None = None  # where in ``paired`` the pairs timing a failure again begin
 
 
 @dataclass
@@ -150,6 +155,12 @@ class GateState:
             for impl in impls:
                 if impl != REFERENCE:
                     row = self._row(kernel, impl)
+                    if row.failures and any(misses(row, self.tolerance)) and not self.interrupted:
+                        try:
+                            row = self.confirm(row)
+                        except KeyboardInterrupt:
+                            self.interrupted = True
+                            row = self._row(kernel, impl)
                     if row.straddles_floor and not row.failures and not self.interrupted:
                         try:
                             row = self.resolve(row)
@@ -161,6 +172,24 @@ class GateState:
         self.runners.clear()
         self.rows = rows
         return rows
+
+    def confirm(self, row: SpeedupRow) -> SpeedupRow:
+        """Time ``row``, which misses its floor or baseline, again: at least ``MIN_PAIRS`` pairs and
+        ``CONFIRM_S`` seconds of them, within ``extend_s``. The row then fails only if these pairs
+        alone miss too (``stats.gate``); a kernel that got slower misses in both stretches."""
+        timer = self.timers.get((row.kernel, row.impl))
+        m = self.results[row.kernel][row.impl]
+        if timer is None or m.confirm_from is not None:
+            return row
+        per_pair = max(_pair_seconds(m, timer, self.timer.cost), 1e-9)
+        pairs = min(max(MIN_PAIRS, math.ceil(CONFIRM_S / per_pair)), int(self.extend_s / per_pair),
+                    MAX_PAIRS - len(m.paired))
+        if pairs < MIN_PAIRS:  # --perf-extend too short for a stretch that could fail: the row stands
+            return row
+        m.confirm_from = len(m.paired)
+        m.visits += 1
+        self._time_pairs(timer, pairs)
+        return self._row(row.kernel, row.impl)
 
     def resolve(self, row: SpeedupRow) -> SpeedupRow:
         """Time more interleaved pairs of ``row`` until its interval leaves the floor (above: met;
@@ -197,6 +226,10 @@ class GateState:
         ref_t, opt_t = (list(t) for t in zip(*m.paired, strict=True)) if m.paired else (ref.times, m.times)
         point, low, high = (scale * v for v in speedup_interval(ref_t, opt_t, confidence, paired=bool(m.paired)))
         whole = bool(m.paired) and len(m.load) == len(m.paired)  # every pair's host load was read
+        again = None  # the pairs timed again at the session's end, alone
+        if m.confirm_from is not None:
+            again = [scale * v for v in speedup_interval(*zip(*m.paired[m.confirm_from:], strict=True),
+                                                          confidence, paired=True)]
         stored = (self.baseline or {}).get(baseline_key(kernel, impl, m.size))
         row = SpeedupRow(
             kernel=kernel, impl=impl, size=m.size, label=m.label, device=self.device,
@@ -212,6 +245,8 @@ class GateState:
             reference_gbps=_gbps(ref.work_bytes, ref_t), optimized_gbps=_gbps(m.work_bytes, opt_t),
             memory_floor=self.memory_floors.get((kernel, impl)),
             memory_baseline=self.memory_baseline.get(baseline_key(kernel, impl, m.size)),
+            confirmed=0 if again is None else len(m.paired) - m.confirm_from,
+            confirm_speedup=None if again is None else again[0], confirm_high=None if again is None else again[2],
         )
         gate(row, self.tolerance, self.contended)
         return row

@@ -20,6 +20,12 @@ asv's rule of a factor plus a significance test, on the speedup. Rows about a pe
 gated by it: a peer that got faster is not our regression, and ours stays gated by its rows over
 the reference.
 
+A failure is timed again before it stands: a row that misses its floor or its baseline gets a
+second stretch of interleaved pairs at the session's end (``GateState.confirm``), and fails only
+if those pairs alone miss too. A kernel that got slower misses in both stretches; a host state
+that slowed only one (a neighbour's phase no probe reads) leaves the row unresolved, or passed
+where all its pairs together clear the floor.
+
 A failure measured while the host withheld CPU time from the session (``SpeedupRow.contention``
 at or above ``--perf-contended``: CPU time other processes took from our threads, plus the
 hypervisor's steal, read by ``timing.HostLoad``) is reported ``unresolved`` instead: a 2-thread kernel whose second
@@ -108,6 +114,11 @@ class SpeedupRow:
     # the interval's high had every second of CPU withheld, and the probe's shortfall, been the
     # impl's: the most speedup the host's contention can explain (None: nothing withheld was read)
     bound: float | None = None
+    # a failure is timed again at the session's end before it stands (GateState.confirm): that
+    # stretch's interleaved pairs, and its own speedup and interval's high (None: not timed again)
+    confirmed: int = 0
+    confirm_speedup: float | None = None
+    confirm_high: float | None = None
     failures: list[str] = field(default_factory=list)
     unresolved: list[str] = field(default_factory=list)  # floors the interval still straddles
 
@@ -183,8 +194,7 @@ def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> lis
     gated = row.baseline is not None and not row.peer
     base_low = _base_low(row) if gated else None
     threshold = None if not gated else min((1.0 - tolerance) * row.baseline, base_low)
-    under_floor = row.floor is not None and row.high < row.floor
-    under_baseline = gated and row.speedup < (1.0 - tolerance) * row.baseline and row.high < base_low
+    under_floor, under_baseline = misses(row, tolerance)
     excused_floor = busy and under_floor and bound >= row.floor
     excused_baseline = busy and under_baseline and bound >= threshold
     if excused_floor or excused_baseline:
@@ -193,8 +203,23 @@ def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> lis
                               f"verdict on the kernel (charged all to it: {at_most})")
         under_floor = under_floor and not excused_floor
         under_baseline = under_baseline and not excused_baseline
+    # a failure stands only if the pairs timed again at the session's end miss too: a host state
+    # that slowed one stretch of pairs and not the other is no verdict on the kernel
+    again = ""
+    if row.confirm_high is not None and (under_floor or under_baseline):
+        again = f"{row.confirmed} pairs timed again at the session's end read {row.confirm_speedup:.2f}x " \
+                f"(up to {row.confirm_high:.2f}x)"
+        if under_floor and row.confirm_high >= row.floor:
+            row.unresolved.append(f"{where}: {measured} is under its floor {row.floor:.2f}x, but {again}: the "
+                                  "host changed between the two, so this is no verdict on the kernel")
+            under_floor = False
+        if under_baseline and (row.confirm_high >= base_low
+                               or row.confirm_speedup >= (1.0 - tolerance) * row.baseline):
+            row.unresolved.append(f"{where}: {measured} is under its stored baseline, but {again}: the host "
+                                  "changed between the two, so this is no verdict on the kernel")
+            under_baseline = False
     explained = (f", even had all the host withheld ({busy}) been its time: {at_most}"
-                 if busy else "")
+                 if busy else "") + (f"; {again}" if again else "")
     if under_floor:
         failures.append(f"{where}: {measured} is under the floor {row.floor:.2f}x (the whole interval is)"
                         f"{explained}")
@@ -222,6 +247,15 @@ def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> lis
                             f"{tolerance:.0%} under the stored baseline's {1.0 - row.memory_baseline:.1%}")
     row.failures = failures
     return failures
+
+
+def misses(row: SpeedupRow, tolerance: float) -> tuple[bool, bool]:
+    """Whether ``row``'s speedup is under its floor (the whole interval is) and under its gated
+    stored baseline (more than ``tolerance`` under it, the whole interval under the baseline's)."""
+    gated = row.baseline is not None and not row.peer
+    under_floor = row.floor is not None and row.high < row.floor
+    under_baseline = gated and row.speedup < (1.0 - tolerance) * row.baseline and row.high < _base_low(row)
+    return under_floor, under_baseline
 
 
 def decided(row: SpeedupRow, tolerance: float, may_fail: bool = True) -> bool:
@@ -253,6 +287,11 @@ def verdict(rows: Sequence[SpeedupRow], what: str, budget: str,
     the session (``--perf-require-floors``), each a failure."""
     lines = []
     for r in rows:
+        if r.confirmed:
+            lines.append(("note", f"timed again: {r.kernel} [{r.impl}] +{r.confirmed} interleaved pairs at the "
+                                  f"session's end, its first pairs missed: these read {r.confirm_speedup:.2f}x "
+                                  f"(up to {r.confirm_high:.2f}x); all {r.rounds[0]}: {r.speedup:.2f}x (95% CI "
+                                  f"{r.low:.2f}-{r.high:.2f}x), {r.outcome}"))
         if r.extended:
             now = f"now {r.speedup:.2f}x (95% CI {r.low:.2f}-{r.high:.2f}x), {r.outcome}"
             lines.append(("note", f"extended: {r.kernel} [{r.impl}] +{r.extended} interleaved pairs at the "

@@ -1,0 +1,117 @@
+"""A failure is timed again before it stands: a row that misses its floor or baseline gets a second
+stretch of interleaved pairs at the session's end (``GateState.confirm``), and fails only if that
+stretch misses too. A host state that slowed one stretch and not the other leaves it unresolved
+(or passed, where all its pairs together clear the floor); a kernel that got slower misses in
+both and fails."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from perfgate.stats import SpeedupRow, gate, row_from_dict
+
+# ours at 8 ms, the reference's time: 1x, under the floor of 3. "a_passing" is slow only during its
+# own test (test_b_host_quiet makes it fast before the session's end); "c_lost" is slow throughout.
+SUITE = """
+import time
+import pytest
+
+SLOW = {"a_passing": True}
+
+def sleepy(perf, impl, slow):
+    perf(lambda: time.sleep(0.008 if impl == "reference" or slow() else 0.002), label="8ms")
+
+@pytest.mark.speedup(cpu=3.0)
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_a_passing(perf, impl):
+    sleepy(perf, impl, lambda: SLOW["a_passing"])
+
+def test_b_host_quiet():
+    SLOW["a_passing"] = False
+
+@pytest.mark.speedup(cpu=3.0)
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_c_lost(perf, impl):
+    sleepy(perf, impl, lambda: True)
+"""
+FAST = ["--perf-device", "cpu", "--benchmark-max-time=0.1", "--benchmark-min-rounds=8", "-p", "no:cacheprovider",
+        "--perf-visits=1", "--perf-contended=inf"]
+
+
+def _row(**kw) -> SpeedupRow:
+    fields = dict(kernel="k", impl="optimized", size="smoke", label="", device="cpu", reference_ms=8.0,
+                  optimized_ms=4.0, speedup=2.0, low=1.9, high=2.1, rounds=(10, 10), interleaved=True,
+                  floor=3.0, contention=0.0)
+    return SpeedupRow(**{**fields, **kw})
+
+
+def test_a_miss_the_second_stretch_does_not_repeat_is_unresolved() -> None:
+    row = _row(confirmed=20, confirm_speedup=4.0, confirm_high=4.2)
+    assert gate(row, 0.2) == [] and row.outcome == "unresolved"
+    again = "20 pairs timed again at the session's end read 4.00x (up to 4.20x): the host changed"
+    assert again in row.unresolved[0]
+
+
+def test_a_miss_the_second_stretch_repeats_fails_and_says_both() -> None:
+    row = _row(confirmed=20, confirm_speedup=2.0, confirm_high=2.2)
+    failures = gate(row, 0.2)
+    assert row.outcome == "FAIL" and len(failures) == 1
+    assert "is under the floor 3.00x (the whole interval is); 20 pairs timed again" in failures[0]
+
+
+def test_a_second_stretch_that_straddles_the_floor_is_no_failure() -> None:
+    row = _row(confirmed=7, confirm_speedup=2.8, confirm_high=3.1)
+    assert gate(row, 0.2) == [] and row.outcome == "unresolved"
+
+
+def test_a_baseline_miss_is_confirmed_the_same_way() -> None:
+    base = dict(floor=None, baseline=4.0, baseline_low=3.8)
+    assert gate(_row(**base, confirmed=9, confirm_speedup=2.0, confirm_high=2.1), 0.2)  # repeats: fails
+    row = _row(**base, confirmed=9, confirm_speedup=3.9, confirm_high=4.1)
+    assert gate(row, 0.2) == [] and "under its stored baseline, but 9 pairs timed again" in row.unresolved[0]
+
+
+def test_the_second_stretch_survives_a_json_round_trip() -> None:
+    """A merge (``python -m perfgate.report --merge``) gates rows read back from the shards' JSON:
+    the same verdict."""
+    for again in (4.2, 2.2):
+        row = _row(confirmed=20, confirm_speedup=again - 0.2, confirm_high=again)
+        gate(row, 0.2)
+        back = row_from_dict(row.as_dict())
+        gate(back, 0.2)
+        assert (back.outcome, back.failures, back.unresolved) == (row.outcome, row.failures, row.unresolved)
+
+
+@pytest.mark.timed
+def test_a_session_times_a_failure_again_and_fails_only_what_repeats(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_twice=SUITE)
+    result = pytester.runpytest(*FAST, "--benchmark-json=out.json")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines_random([
+        "timed again: a_passing ?optimized? +* interleaved pairs at the session's end, its first pairs missed: "
+        "these read [34].*x (up to *x); all *: *",
+        "timed again: c_lost ?optimized? +* these read 1.00x *, FAIL",
+        "GATE FAILED: c_lost ?optimized, 8ms? on cpu: * is under the floor 3.00x (the whole interval is); * pairs "
+        "timed again at the session's end read 1.00x (up to 1.0*x)",
+    ])
+    assert "GATE FAILED: a_passing" not in result.stdout.str()
+    rows = {r["kernel"]: r for r in json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"]}
+    # all its pairs may pass (the second stretch outnumbers the first) or straddle: never a failure
+    assert rows["a_passing"]["outcome"] in ("ok", "unresolved") and rows["a_passing"]["confirm_speedup"] > 3.0
+    assert rows["c_lost"]["outcome"] == "FAIL" and rows["c_lost"]["confirm_high"] < 3.0
+    for row in rows.values():
+        assert row["rounds"][0] - 7 >= row["confirmed"] >= 7 and row["visits"] == 2, row
+
+
+@pytest.mark.timed
+def test_no_second_stretch_without_the_budget_for_one(pytester: pytest.Pytester) -> None:
+    """--perf-extend 0: no pairs at the session's end, so a missed floor fails as measured."""
+    pytester.makepyfile(test_twice=SUITE)
+    result = pytester.runpytest(*FAST, "--perf-extend=0", "--benchmark-json=out.json")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines_random(["GATE FAILED: a_passing ?optimized, 8ms? on cpu: * is under the floor "
+                                        "3.00x (the whole interval is)"])
+    rows = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"]
+    assert [r["confirmed"] for r in rows] == [0, 0]
