@@ -3,10 +3,19 @@
     python docs/measurements/host_contention.py probe            # the streaming probe, 100 readings
     python docs/measurements/host_contention.py probe-streamed   # the same beside a copy loop on vCPU 1
     python docs/measurements/host_contention.py pool             # the Standardizer after randomized_svd
+    python docs/measurements/host_contention.py sag 200          # the Standardizer's sag, in 200 windows
+    python docs/measurements/host_contention.py sag-probes 400   # beside probes that might see it
 
 ``probe``: perfgate's ``timing.Bandwidth`` on vCPU 0, 20 ms apart. ``pool``: the Standardizer
 (10000 x 512 fp32, torch's default threads, cache malloc) alone, right after scikit-learn's
 ``randomized_svd`` (numpy's OpenBLAS pool), and 0.3 s after it; median of 15 calls each.
+``sag``: nothing else runs; each window is the Standardizer's fit + transform at 2 threads
+(median of 15) and at 1 (median of 7), the scikit-learn reference (median of 3), the streaming
+probe, and what /proc shows while the 2-thread calls ran: this process's CPU seconds per wall
+second, the busy seconds of other processes, and the hypervisor's steal. ``sag-probes``: each
+window is the same 2-thread call (median of 15) beside three probes, median microseconds: an add
+over 512 KiB at 2 threads (one parallel region, 200 calls), a ``sin`` over 64 Ki floats in cache
+at 2 threads and at 1 (11 calls), and at 1 thread pinned to vCPU 0, then to vCPU 1.
 """
 
 import os
@@ -60,6 +69,88 @@ def pool() -> None:
           f"{statistics.median(after):.1f} ms, 0.3 s after {statistics.median(later):.1f} ms")
 
 
+def sag(windows: int) -> None:
+    import resource
+
+    import torch
+
+    from kernels.standardize import Standardizer
+    from reference.standardize import Standardizer as Reference
+
+    configure_malloc("cache")
+    x = 5.0 + 3.0 * torch.randn(10000, 512, generator=torch.Generator().manual_seed(0))
+    bw, tick = Bandwidth(), os.sysconf("SC_CLK_TCK")
+
+    def median_ms(fn, calls: int) -> float:
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    def proc() -> tuple[list[int], float, float]:
+        with open("/proc/stat", encoding="ascii") as fh:
+            ticks = [int(v) for v in fh.readline().split()[1:9]]
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return ticks, usage.ru_utime + usage.ru_stime, time.perf_counter()
+
+    def ours() -> None:
+        Standardizer().fit(x).transform(x)
+
+    print("window  ours@2thr ms  ours@1thr ms  ref ms  ref/ours@2  stream GB/s  our CPUs busy  others s  steal s")
+    for w in range(windows):
+        ticks0, cpu0, wall0 = proc()
+        torch.set_num_threads(2)
+        two = median_ms(ours, 15)
+        ticks1, cpu1, wall1 = proc()
+        torch.set_num_threads(1)
+        one = median_ms(ours, 7)
+        torch.set_num_threads(2)
+        ref = median_ms(lambda: Reference().fit(x).transform(x), 3)
+        d = [b - a for a, b in zip(ticks0, ticks1, strict=True)]
+        others = (d[0] + d[1] + d[2] + d[5] + d[6]) / tick - (cpu1 - cpu0)
+        print(f"{w:6d}  {two:12.2f}  {one:12.2f}  {ref:6.1f}  {ref / two:10.2f}  {bw.read():11.1f}  "
+              f"{(cpu1 - cpu0) / (wall1 - wall0):13.2f}  {others:+8.2f}  {d[7] / tick:7.2f}", flush=True)
+
+
+def sag_probes(windows: int) -> None:
+    import torch
+
+    from kernels.standardize import Standardizer
+
+    configure_malloc("cache")
+    x = 5.0 + 3.0 * torch.randn(10000, 512, generator=torch.Generator().manual_seed(0))
+    a, b, t = torch.rand(1 << 16), torch.empty(1 << 16), torch.ones(1 << 17)
+
+    def median_us(fn, calls: int) -> float:
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return 1e6 * statistics.median(times)
+
+    def sin() -> float:
+        return median_us(lambda: torch.sin(a, out=b), 11)
+
+    cpus = os.sched_getaffinity(0)
+    print("window  ours@2thr ms  add@2thr us  sin@2thr us  sin@1thr us  sin@vCPU0 us  sin@vCPU1 us")
+    for w in range(windows):
+        torch.set_num_threads(2)
+        add, sin2 = median_us(lambda: t.add_(1.0), 200), sin()
+        ours = median_us(lambda: Standardizer().fit(x).transform(x), 15) / 1e3
+        torch.set_num_threads(1)
+        sin1 = sin()
+        os.sched_setaffinity(0, {0})
+        cpu0 = sin()
+        os.sched_setaffinity(0, {1})
+        cpu1 = sin()
+        os.sched_setaffinity(0, cpus)
+        print(f"{w:6d}  {ours:12.2f}  {add:11.1f}  {sin2:11.1f}  {sin1:11.1f}  {cpu0:12.1f}  {cpu1:12.1f}",
+              flush=True)
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "probe"
     if what == "probe-streamed":
@@ -69,5 +160,7 @@ if __name__ == "__main__":
             probe()
         finally:
             streamer.kill()
+    elif what in ("sag", "sag-probes"):
+        {"sag": sag, "sag-probes": sag_probes}[what](int(sys.argv[2]) if len(sys.argv) > 2 else 200)
     else:
         {"probe": probe, "pool": pool}[what]()

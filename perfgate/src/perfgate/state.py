@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,9 +22,6 @@ EARLY = 0.99
 # bound is set by one outlying pair (a resample repeats it 3 times in 5 with probability 6%; in 7,
 # 4 times: 0.9%). A row's first visit may be shorter (case.FIRST_PAIRS): it can only pass there.
 MIN_PAIRS = 7
-# Seconds of interleaved pairs, at the least, that time a failing row again at the session's end
-# (GateState.confirm): a stretch long enough to outlast a passing host state.
-CONFIRM_S = 1.0
 
 
 @dataclass
@@ -42,7 +38,7 @@ class Measurement:
     peer: bool = False  # the impl is a peer library (a ``speedup(over=)`` target), not ours
     load: list[PairLoad] = field(default_factory=list)  # what the host withheld, per pair of ``paired``
     calls: int = 1  # timed calls in each of this impl's blocks of ``paired`` (the block's median)
-    confirm_from: int | None = None  # where in ``paired`` the pairs timing a failure again begin
+    again: slice | None = None  # the pairs of ``paired`` that timed a failure again (GateState.confirm)
 
 
 @dataclass
@@ -174,21 +170,23 @@ class GateState:
         return rows
 
     def confirm(self, row: SpeedupRow) -> SpeedupRow:
-        """Time ``row``, which misses its floor or baseline, again: at least ``MIN_PAIRS`` pairs and
-        ``CONFIRM_S`` seconds of them, within ``extend_s``. The row then fails only if these pairs
-        alone miss too (``stats.gate``); a kernel that got slower misses in both stretches."""
+        """Time ``row``, which misses its floor or baseline, again: as many pairs as it was given
+        (those timed and those the stopping rule skipped, at least ``MIN_PAIRS``), within
+        ``extend_s``. The row then fails only if these pairs alone miss too (``stats.gate``); a
+        kernel that got slower misses in both stretches."""
         timer = self.timers.get((row.kernel, row.impl))
         m = self.results[row.kernel][row.impl]
-        if timer is None or m.confirm_from is not None:
+        if timer is None or m.again is not None:
             return row
         per_pair = max(_pair_seconds(m, timer, self.timer.cost), 1e-9)
-        pairs = min(max(MIN_PAIRS, math.ceil(CONFIRM_S / per_pair)), int(self.extend_s / per_pair),
-                    MAX_PAIRS - len(m.paired))
+        given = len(m.paired) + self.skipped.get((row.kernel, row.impl), 0)
+        pairs = min(max(MIN_PAIRS, given), int(self.extend_s / per_pair), MAX_PAIRS - len(m.paired))
         if pairs < MIN_PAIRS:  # --perf-extend too short for a stretch that could fail: the row stands
             return row
-        m.confirm_from = len(m.paired)
+        start = len(m.paired)
         m.visits += 1
         self._time_pairs(timer, pairs)
+        m.again = slice(start, len(m.paired))
         return self._row(row.kernel, row.impl)
 
     def resolve(self, row: SpeedupRow) -> SpeedupRow:
@@ -227,8 +225,8 @@ class GateState:
         point, low, high = (scale * v for v in speedup_interval(ref_t, opt_t, confidence, paired=bool(m.paired)))
         whole = bool(m.paired) and len(m.load) == len(m.paired)  # every pair's host load was read
         again = None  # the pairs timed again at the session's end, alone
-        if m.confirm_from is not None:
-            again = [scale * v for v in speedup_interval(*zip(*m.paired[m.confirm_from:], strict=True),
+        if m.again is not None:
+            again = [scale * v for v in speedup_interval(*zip(*m.paired[m.again], strict=True),
                                                           confidence, paired=True)]
         stored = (self.baseline or {}).get(baseline_key(kernel, impl, m.size))
         row = SpeedupRow(
@@ -245,7 +243,7 @@ class GateState:
             reference_gbps=_gbps(ref.work_bytes, ref_t), optimized_gbps=_gbps(m.work_bytes, opt_t),
             memory_floor=self.memory_floors.get((kernel, impl)),
             memory_baseline=self.memory_baseline.get(baseline_key(kernel, impl, m.size)),
-            confirmed=0 if again is None else len(m.paired) - m.confirm_from,
+            confirmed=0 if again is None else m.again.stop - m.again.start,
             confirm_speedup=None if again is None else again[0], confirm_high=None if again is None else again[2],
         )
         gate(row, self.tolerance, self.contended)
