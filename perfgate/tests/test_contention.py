@@ -254,7 +254,7 @@ def test_a_bandwidth_shortfall_excuses_only_what_it_can_explain(pytester: pytest
         "read 50% under the session's quiet bandwidth*charged all to it: *x at most*",
         "GATE FAILED: c_lost ?optimized, 8ms? on cpu: *is under the floor 3.00x (the whole interval is), even had "
         "all the host withheld (a streaming probe*read 50% under*) been its time: 2.*x at most; * pairs timed "
-        "again at the session's end read 1.00x*",
+        "again at the session's end read [01].[09]*x*",
     ])
     rows = {r["kernel"]: r for r in json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"]}
     assert rows["a_quiet"]["bandwidth"] == 0.0 and rows["a_quiet"]["outcome"] == "ok"
