@@ -69,6 +69,16 @@ def pool() -> None:
           f"{statistics.median(after):.1f} ms, 0.3 s after {statistics.median(later):.1f} ms")
 
 
+def _median_s(fn, calls: int) -> float:
+    """Median seconds of ``calls`` calls of ``fn``."""
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def sag(windows: int) -> None:
     import resource
 
@@ -80,14 +90,6 @@ def sag(windows: int) -> None:
     configure_malloc("cache")
     x = 5.0 + 3.0 * torch.randn(10000, 512, generator=torch.Generator().manual_seed(0))
     bw, tick = Bandwidth(), os.sysconf("SC_CLK_TCK")
-
-    def median_ms(fn, calls: int) -> float:
-        times = []
-        for _ in range(calls):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return 1e3 * statistics.median(times)
 
     def proc() -> tuple[list[int], float, float]:
         with open("/proc/stat", encoding="ascii") as fh:
@@ -102,12 +104,12 @@ def sag(windows: int) -> None:
     for w in range(windows):
         ticks0, cpu0, wall0 = proc()
         torch.set_num_threads(2)
-        two = median_ms(ours, 15)
+        two = 1e3 * _median_s(ours, 15)
         ticks1, cpu1, wall1 = proc()
         torch.set_num_threads(1)
-        one = median_ms(ours, 7)
+        one = 1e3 * _median_s(ours, 7)
         torch.set_num_threads(2)
-        ref = median_ms(lambda: Reference().fit(x).transform(x), 3)
+        ref = 1e3 * _median_s(lambda: Reference().fit(x).transform(x), 3)
         d = [b - a for a, b in zip(ticks0, ticks1, strict=True)]
         others = (d[0] + d[1] + d[2] + d[5] + d[6]) / tick - (cpu1 - cpu0)
         print(f"{w:6d}  {two:12.2f}  {one:12.2f}  {ref:6.1f}  {ref / two:10.2f}  {bw.read():11.1f}  "
@@ -123,23 +125,15 @@ def sag_probes(windows: int) -> None:
     x = 5.0 + 3.0 * torch.randn(10000, 512, generator=torch.Generator().manual_seed(0))
     a, b, t = torch.rand(1 << 16), torch.empty(1 << 16), torch.ones(1 << 17)
 
-    def median_us(fn, calls: int) -> float:
-        times = []
-        for _ in range(calls):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return 1e6 * statistics.median(times)
-
     def sin() -> float:
-        return median_us(lambda: torch.sin(a, out=b), 11)
+        return 1e6 * _median_s(lambda: torch.sin(a, out=b), 11)
 
     cpus = os.sched_getaffinity(0)
     print("window  ours@2thr ms  add@2thr us  sin@2thr us  sin@1thr us  sin@vCPU0 us  sin@vCPU1 us")
     for w in range(windows):
         torch.set_num_threads(2)
-        add, sin2 = median_us(lambda: t.add_(1.0), 200), sin()
-        ours = median_us(lambda: Standardizer().fit(x).transform(x), 15) / 1e3
+        add, sin2 = 1e6 * _median_s(lambda: t.add_(1.0), 200), sin()
+        ours = 1e3 * _median_s(lambda: Standardizer().fit(x).transform(x), 15)
         torch.set_num_threads(1)
         sin1 = sin()
         os.sched_setaffinity(0, {0})
