@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -19,6 +20,9 @@ from workloads.meta_reweight import reference_learner
 # (tolerances.FINITE_DIFFERENCE_RELU). Small batches and sets keep it fast.
 SMALL = M.Config(max_per_class=60, meta_per_class=4, test_per_class=4, batch=20, meta_batch=20, steps=3,
                  norm="group")
+
+# The CLI test's net and sets: narrow and small, in fields its arguments leave at their defaults.
+CLI_SIZE = {"widths": (8, 8, 8, 8), "meta_per_class": 2, "test_per_class": 10, "batch": 20, "meta_batch": 20}
 
 
 def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -118,7 +122,7 @@ def test_runs_report_accuracy_memory_and_plain_training() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, plain.weight_net.parameters(), strict=True))
 
 
-def test_config_and_cli(capsys, tmp_path) -> None:
+def test_config_and_cli(capsys, tmp_path, monkeypatch) -> None:
     with pytest.raises(ValueError, match="imbalance must be >= 1"):
         M.Config(imbalance=0.5)
     with pytest.raises(ValueError, match="lr must be > 0"):
@@ -133,6 +137,9 @@ def test_config_and_cli(capsys, tmp_path) -> None:
     for bad in (["--steps", "0"], ["--memory-steps", "0"]):
         with pytest.raises(SystemExit):
             meta_reweight_cli.main(bad)
+    # The CLI end to end on a narrow net and small sets (its arguments, tables and files are what
+    # this checks; the full-size net's steps are what the other tests compare).
+    monkeypatch.setattr(meta_reweight_cli, "Config", partial(M.Config, **CLI_SIZE))
     assert meta_reweight_cli.main(["--steps", "1", "--max-per-class", "100", "--accumulation", "2",
                                    "--memory-steps", "1", "--output-dir", str(tmp_path)]) == 0
     assert {p.name for p in tmp_path.iterdir()} == {f"meta_reweight_{t}.{e}" for t in ("accuracy", "memory")

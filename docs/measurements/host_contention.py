@@ -5,6 +5,7 @@
     python docs/measurements/host_contention.py pool             # the Standardizer after randomized_svd
     python docs/measurements/host_contention.py sag 200          # the Standardizer's sag, in 200 windows
     python docs/measurements/host_contention.py sag-probes 400   # beside probes that might see it
+    python docs/measurements/host_contention.py detect-streamed  # the gate's detection runs beside a copy loop
 
 ``probe``: perfgate's ``timing.Bandwidth`` on vCPU 0, 20 ms apart. ``pool``: the Standardizer
 (10000 x 512 fp32, torch's default threads, cache malloc) alone, right after scikit-learn's
@@ -16,13 +17,19 @@ second, the busy seconds of other processes, and the hypervisor's steal. ``sag-p
 window is the same 2-thread call (median of 15) beside three probes, median microseconds: an add
 over 512 KiB at 2 threads (one parallel region, 200 calls), a ``sin`` over 64 Ki floats in cache
 at 2 threads and at 1 (11 calls), and at 1 thread pinned to vCPU 0, then to vCPU 1.
+``detect-streamed``: the perf rows of the gate's detection tests (correctness_tests/test_perfgate_suite.py),
+unchanged, 4x slower and with every kernel replaced by its reference, each 3 times at the default
+``--perf-contended`` (not the tests' ``inf``) beside the copy loop; their rows and verdicts.
 """
 
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from perfgate.timing import Bandwidth, configure_malloc
 
@@ -145,6 +152,33 @@ def sag_probes(windows: int) -> None:
               flush=True)
 
 
+def detect_streamed(runs: int = 3) -> None:
+    from correctness_tests.test_perfgate_suite import CAUGHT, CAUGHT_TESTS, LOST_CONFTEST
+
+    root = Path(__file__).resolve().parents[2]
+    ids = [f"{f}::{t}[{impl}]" for f, t in zip(CAUGHT, CAUGHT_TESTS, strict=True)
+           for impl in ("reference", "optimized")]
+    conditions = {"unchanged": ("", []), "4x slower": ("", ["--perf-slowdown=4"]), "lost": (LOST_CONFTEST, [])}
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    streamer = subprocess.Popen([sys.executable, "-c", STREAMER])
+    try:
+        for name, (conftest, args) in conditions.items():
+            for run in range(runs):
+                with tempfile.TemporaryDirectory() as scratch:
+                    for f in CAUGHT:
+                        shutil.copy(root / "perf_tests" / f, scratch)
+                    Path(scratch, "conftest.py").write_text(conftest)
+                    out = subprocess.run([sys.executable, "-m", "pytest", *ids, "-q", "-p", "no:cacheprovider",
+                                          "--perf-device", "cpu", "--perf-size", "smoke", *args], cwd=scratch,
+                                         env=env, capture_output=True, text=True)
+                print(f"## {name}, run {run + 1}: pytest exit {out.returncode}")
+                keep = ("per_sample_grads ", "topk_singular_values ", "standardize ", "GATE FAILED", "UNRESOLVED",
+                        "gate ", "timed again")
+                print("\n".join(line for line in out.stdout.splitlines() if line.startswith(keep)), flush=True)
+    finally:
+        streamer.kill()
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "probe"
     if what == "probe-streamed":
@@ -154,6 +188,8 @@ if __name__ == "__main__":
             probe()
         finally:
             streamer.kill()
+    elif what == "detect-streamed":
+        detect_streamed()
     elif what in ("sag", "sag-probes"):
         {"sag": sag, "sag-probes": sag_probes}[what](int(sys.argv[2]) if len(sys.argv) > 2 else 200)
     else:
