@@ -92,6 +92,10 @@ def test_a_stored_baseline_judges_the_rows_it_holds(pytester: pytest.Pytester) -
     for row in ("sleepy [plain]", "sleepy [keyed]", "sleepy [lean]", "unfloored [optimized]"):
         assert rows[row]["interleaved"] and rows[row]["baseline"] is not None, row
     assert "sleepy [optimized vs other peer]" not in rows and not rows["sleepy [peer]"]["interleaved"]
+    # peak memory is read where a memory floor could judge it (a memory-marked test), nowhere else
+    assert rows["sleepy [optimized]"]["optimized_peak_bytes"] is not None
+    unfloored = rows["unfloored [optimized]"]
+    assert (unfloored["reference_peak_bytes"], unfloored["optimized_peak_bytes"]) == (None, None)
 
 
 def test_a_saved_run_refuses_it(pytester: pytest.Pytester) -> None:

@@ -164,7 +164,8 @@ class PerfCase:
         """Time ``fn()`` (or ``fn(setup())`` with a fresh setup each round, untimed).
 
         ``warmup_rounds``: untimed calls before the rounds, the first call and the sizing call
-        (always made) among them. Rounds default to what fits in ``--benchmark-max-time`` (at least
+        among them (both always made, except the sizing call under ``--perf-gated-only``, whose
+        rounds are not sized). Rounds default to what fits in ``--benchmark-max-time`` (at least
         ``--benchmark-min-rounds``, never under 5, at most 1000; 5 under ``--perf-gated-only``).
         The first call is reported apart as ``first_call_ms`` (compile and warm-up live there),
         never in the timed rounds.
@@ -192,14 +193,15 @@ class PerfCase:
             return bench.pedantic(call, rounds=1, iterations=1)
         t0 = time.perf_counter()
         call()
-        t1 = time.perf_counter()
-        call()  # a warm call sizes the rounds: the first may compile or build caches
-        first, warm = t1 - t0, state.timer.cost(time.perf_counter() - t1)
+        first = time.perf_counter() - t0
         if rounds is None and state.gated_only:
             # rows are judged on their interleaved pairs: the impl's own rounds feed only its
             # pytest-benchmark stats and the pairs' block size, so they are not sized to max-time
             rounds = MIN_ROUNDS
         elif rounds is None:
+            t1 = time.perf_counter()
+            call()  # a warm call sizes the rounds: the first may compile or build caches
+            warm = state.timer.cost(time.perf_counter() - t1)
             max_time = float(config.getoption("benchmark_max_time"))
             min_rounds = int(config.getoption("benchmark_min_rounds"))
             rounds = min(MAX_ROUNDS, max(min_rounds, math.ceil(max_time / max(warm, 1e-6))))
@@ -221,11 +223,13 @@ class PerfCase:
         speedup_judged = not state.gated_only or _judged(node, state, self.impl, None, variant, ("speedup",))
         if self.impl != REFERENCE and (self.kernel, REFERENCE) in state.runners and speedup_judged:
             paired, later, load = self._pair(REFERENCE, self.impl, rounds)
-        args = () if setup is None else (setup(),)
-        # rows gated on memory take the median of 3 peaks: CPU peaks move by a few stray pages
-        repeats = 3 if any(self._request.node.iter_markers("memory")) else 1
+        # rows gated on memory take the median of 3 peaks: CPU peaks move by a few stray pages;
+        # under --perf-gated-only a test without a memory floor reads none (no rule would)
+        memory_marked = any(self._request.node.iter_markers("memory"))
+        repeats = 3 if memory_marked else 0 if state.gated_only else 1
+        args = () if setup is None or not repeats else (setup(),)
         peaks = [peak_memory(lambda: fn(*args), self.device) for _ in range(repeats)]
-        peak = None if None in peaks else sorted(peaks)[len(peaks) // 2]
+        peak = None if not peaks or None in peaks else sorted(peaks)[len(peaks) // 2]
         bench.extra_info.update(peak_memory_bytes=peak, work_bytes=work_bytes)
         if self.impl in state.results.get(self.kernel, {}):
             pytest.fail(f"two perf tests measure {self.kernel} [{self.impl}]: perf kernel names come "
