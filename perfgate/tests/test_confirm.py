@@ -66,6 +66,16 @@ def test_a_second_stretch_that_straddles_the_floor_is_no_failure() -> None:
     assert gate(row, 0.2) == [] and row.outcome == "unresolved"
 
 
+def test_a_second_stretch_that_reads_as_the_first_fails_whatever_its_high() -> None:
+    """Beside a copy loop a lost kernel's 7 pairs timed again read 1.05x, their interval up to
+    3.36x on one noisy pair, over a floor of 3.3: the stretches agree, so the failure stands."""
+    row = _row(speedup=0.97, low=0.87, high=1.21, floor=3.3, confirmed=7, confirm_speedup=1.05, confirm_high=3.36)
+    failures = gate(row, 0.2)
+    assert row.outcome == "FAIL" and "7 pairs timed again at the session's end read 1.05x" in failures[0]
+    base = dict(floor=None, baseline=4.0, baseline_low=3.8, speedup=2.0, low=1.9, high=2.6)
+    assert gate(_row(**base, confirmed=7, confirm_speedup=2.5, confirm_high=4.0), 0.2)
+
+
 def test_a_baseline_miss_is_confirmed_the_same_way() -> None:
     base = dict(floor=None, baseline=4.0, baseline_low=3.8)
     assert gate(_row(**base, confirmed=9, confirm_speedup=2.0, confirm_high=2.1), 0.2)  # repeats: fails

@@ -21,10 +21,10 @@ gated by it: a peer that got faster is not our regression, and ours stays gated 
 the reference.
 
 A failure is timed again before it stands: a row that misses its floor or its baseline gets a
-second stretch of interleaved pairs at the session's end (``GateState.confirm``), and fails only
-if those pairs alone miss too. A kernel that got slower misses in both stretches; a host state
-that slowed only one (a neighbour's phase no probe reads) leaves the row unresolved, or passed
-where all its pairs together clear the floor.
+second stretch of interleaved pairs at the session's end (``GateState.confirm``), and fails
+unless those pairs alone reach the line and read above the interval of all the pairs. A kernel
+that got slower misses in both stretches; a host state that slowed only one (a neighbour's phase
+no probe reads) leaves the row unresolved, or passed where all its pairs together clear the floor.
 
 A failure measured while the host withheld CPU time from the session (``SpeedupRow.contention``
 at or above ``--perf-contended``: CPU time other processes took from our threads, plus the
@@ -203,18 +203,21 @@ def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> lis
                               f"verdict on the kernel (charged all to it: {at_most})")
         under_floor = under_floor and not excused_floor
         under_baseline = under_baseline and not excused_baseline
-    # a failure stands only if the pairs timed again at the session's end miss too: a host state
-    # that slowed one stretch of pairs and not the other is no verdict on the kernel
+    # a failure stands unless the pairs timed again at the session's end reach the line and read
+    # above the interval of all the pairs (the two stretches disagree): a host state that slowed
+    # one stretch and not the other is no verdict on the kernel; one noisy pair in a stretch that
+    # reads as the rest did is no such disagreement
     again = ""
     if row.confirm_high is not None and (under_floor or under_baseline):
         again = f"{row.confirmed} pairs timed again at the session's end read {row.confirm_speedup:.2f}x " \
                 f"(up to {row.confirm_high:.2f}x)"
-        if under_floor and row.confirm_high >= row.floor:
+        changed = row.confirm_speedup > row.high
+        if under_floor and changed and row.confirm_high >= row.floor:
             row.unresolved.append(f"{where}: {measured} is under its floor {row.floor:.2f}x, but {again}: the "
                                   "host changed between the two, so this is no verdict on the kernel")
             under_floor = False
-        if under_baseline and (row.confirm_high >= base_low
-                               or row.confirm_speedup >= (1.0 - tolerance) * row.baseline):
+        if under_baseline and changed and (row.confirm_high >= base_low
+                                           or row.confirm_speedup >= (1.0 - tolerance) * row.baseline):
             row.unresolved.append(f"{where}: {measured} is under its stored baseline, but {again}: the host "
                                   "changed between the two, so this is no verdict on the kernel")
             under_baseline = False
