@@ -224,7 +224,7 @@ class PerfCase:
         if self.impl != REFERENCE and (self.kernel, REFERENCE) in state.runners and speedup_judged:
             paired, later, load = self._pair(REFERENCE, self.impl, rounds)
         # rows gated on memory take the median of 3 peaks: CPU peaks move by a few stray pages;
-        # under --perf-gated-only a test without a memory floor reads none (no rule would)
+        # under --perf-gated-only a test without a memory marker reads none (no rule would)
         memory_marked = any(self._request.node.iter_markers("memory"))
         repeats = 3 if memory_marked else 0 if state.gated_only else 1
         args = () if setup is None or not repeats else (setup(),)
