@@ -19,13 +19,13 @@ import importlib
 import json
 import os
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from perfgate.case import comparison
+from perfgate.report import main as report_main
 
 ROOT = Path(__file__).resolve().parents[1]
 EVIDENCE = ROOT / "docs" / "measurements" / "floor-evidence.json"
@@ -242,18 +242,21 @@ def _section(pytester: pytest.Pytester, name: str) -> dict:
 
 
 @pytest.mark.timed
-def test_two_shards_merged_give_the_rows_and_verdict_of_one_unsharded_run(scratch: pytest.Pytester) -> None:
+def test_two_shards_merged_give_the_rows_and_verdict_of_one_unsharded_run(scratch: pytest.Pytester,
+                                                                          capsys: pytest.CaptureFixture) -> None:
     """Two CAUGHT perf tests as one run and as 2 shards (``--perf-shard``), merged by ``python -m
-    perfgate.report --merge``: the same rows, floors and verdict. perfgate's own tests
-    (perfgate/tests/test_shard.py) cover the baseline, a failed row and the refusals."""
+    perfgate.report --merge`` (its main, called here): the same rows, floors and verdict.
+    perfgate's own tests (perfgate/tests/test_shard.py) cover the baseline, a failed row and the
+    refusals."""
     two = (1, 2)  # two test functions, one a shard
     whole = _perf(scratch, QUICK, "--benchmark-json=whole.json", tests=two)
     assert whole.ret == 0, whole.stdout.str()
     shards = [f"shard{i}.json" for i in (1, 2)]
     for i, name in enumerate(shards, 1):
         assert _perf(scratch, QUICK, f"--perf-shard={i}/2", f"--benchmark-json={name}", tests=two).ret == 0
-    merged = scratch.run(sys.executable, "-m", "perfgate.report", "--merge", *shards, "--output", "merged.json")
-    assert merged.ret == 0, merged.stdout.str() + merged.stderr.str()
+    merged_ret = report_main(["--merge", *shards, "--output", "merged.json"])  # in this process: no imports
+    merged_out, merged_err = capsys.readouterr()
+    assert merged_ret == 0, merged_out + merged_err
 
     def rows(name: str) -> dict[tuple[str, str], tuple]:
         return {(r["kernel"], r["impl"]): (r["floor"], r["size"], r["failures"])
@@ -265,11 +268,11 @@ def test_two_shards_merged_give_the_rows_and_verdict_of_one_unsharded_run(scratc
     # "unresolved" may differ, and the merge's verdict is the one its own rows give.
     one, two = ({(r["kernel"], r["impl"]): r["outcome"] for r in _section(scratch, name)["speedups"]}
                 for name in ("whole.json", "merged.json"))
-    verdicts = [[line for line in run.stdout.lines if line.startswith(("gate passed", "gate not failed"))][-1:]
-                for run in (whole, merged)]
+    verdicts = [[line for line in lines if line.startswith(("gate passed", "gate not failed"))][-1:]
+                for lines in (whole.stdout.lines, merged_out.splitlines())]
     assert verdicts[0] and verdicts[1], verdicts
     if one == two:
-        assert verdicts[0] == verdicts[1], (verdicts, merged.stdout.str())
+        assert verdicts[0] == verdicts[1], (verdicts, merged_out)
     else:
         assert all("unresolved" in (one[k], two[k]) for k in one if one[k] != two[k]), (one, two)
         unresolved = sum(v == "unresolved" for v in two.values())

@@ -1,8 +1,7 @@
 """pytester's inline runs unload the modules first imported inside them, and a C extension
 (torch, numpy.fft, matplotlib's) cannot load twice in one process: import them once here. The
 same holds for what each inline session would otherwise import, assertion-rewrite and unload
-again: hypothesis (its pytest plugin imports it; 88 modules) and perfgate's lazily imported
-modules (a session cost 2-5 s of rewriting before)."""
+again: perfgate's lazily imported modules (a session cost 2-5 s of rewriting before)."""
 
 import contextlib
 import copy
@@ -10,6 +9,7 @@ import functools
 
 import matplotlib.pyplot  # noqa: F401
 import numpy  # noqa: F401
+import pytest
 import scipy.stats  # noqa: F401
 
 import perfgate.case  # noqa: F401
@@ -19,8 +19,6 @@ import perfgate.timing  # noqa: F401
 
 with contextlib.suppress(ImportError):  # perfgate runs without torch; where it is installed, load it once
     import torch  # noqa: F401
-with contextlib.suppress(ImportError):  # not perfgate's dependency; where its pytest plugin is, load it once
-    import hypothesis  # noqa: F401
 
 # pytest-benchmark reads the CPU with py-cpuinfo, which runs CPUID in a fresh Python process (0.2 s)
 # in every session that saves a run or writes JSON: one reading serves this process's sessions.
@@ -29,3 +27,12 @@ with contextlib.suppress(ImportError):
 
     _cpu_info = functools.cache(cpuinfo.get_cpu_info)
     cpuinfo.get_cpu_info = lambda: copy.deepcopy(_cpu_info())
+
+
+
+@pytest.fixture
+def pytester(pytester: pytest.Pytester) -> pytest.Pytester:
+    """pytester whose sessions (inline or in a fresh process) run without hypothesis's plugin: they
+    hold no hypothesis test, and the plugin imports hypothesis in each fresh process (0.75 s)."""
+    pytester.plugins.append("no:hypothesispytest")
+    return pytester
