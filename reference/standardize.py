@@ -5,7 +5,6 @@ by transform, inf refused), where kernels.standardize refuses NaN too; not diffe
 from __future__ import annotations
 
 import torch
-from sklearn.preprocessing import StandardScaler
 from torch import Tensor
 
 
@@ -13,6 +12,9 @@ class Standardizer:
     """The kernel's API over ``sklearn.preprocessing.StandardScaler`` (tensors in, tensors out)."""
 
     def __init__(self) -> None:
+        # imported here: every process that imports ``reference`` would load scikit-learn (~1 s)
+        from sklearn.preprocessing import StandardScaler
+
         self._scaler = StandardScaler()
 
     def __getattr__(self, name: str):  # mean_, var_, scale_, n_samples_seen_ as tensors/ints
