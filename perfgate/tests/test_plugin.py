@@ -87,6 +87,9 @@ def test_slowed_optimized_side_fails_the_session(pytester: pytest.Pytester) -> N
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*GATE FAILED: sleepy [[]optimized, 8ms] on cpu: speedup *x (95% CI *, "
                                  "* interleaved pairs) is under the floor 2.00x (the whole interval is)*"])
+    # the verdict comes after pytest-benchmark's tables: a CI log's tail shows it
+    out = result.stdout.str()
+    assert out.rindex("benchmark 'sleepy': 2 tests") < out.index("perfgate speedups") < out.rindex("GATE FAILED")
 
 
 def test_rerun_against_saved_baseline_passes(pytester: pytest.Pytester) -> None:

@@ -131,5 +131,6 @@ def pytest_sessionfinish(session: pytest.Session) -> Any:
     session.config.stash[SESSION].exit_status(session)
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-benchmark's tables: the verdict is what a log's tail shows
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     config.stash[SESSION].summary(terminalreporter)
