@@ -81,7 +81,7 @@ def svd_lowrank(a: Tensor, k: int, generator: torch.Generator) -> Tensor:
 def randomized_svd(a: Tensor, k: int, generator: torch.Generator) -> Tensor:
     """scikit-learn's randomized SVD with its defaults (10 oversamples, 'auto' power iterations)."""
     extmath = need("sklearn.utils.extmath", "scikit-learn", "peer: sklearn randomized_svd")
-    seed = int(torch.randint(2**31, (), generator=generator))
+    seed = int(torch.randint(2**31, (), generator=generator, device=generator.device))
     s = extmath.randomized_svd(a.cpu().numpy(), k, random_state=np.random.RandomState(seed))[1]
     return torch.from_numpy(s).to(a.device)
 

@@ -261,7 +261,8 @@ class PerfSession:
             import torch
 
             self._prev_cuda = torch.cuda.current_device()
-            torch.cuda.set_device(device)
+            index = torch.device(device).index  # plain "cuda" has none: torch's current GPU
+            torch.cuda.set_device(self._prev_cuda if index is None else index)
         if self.l2_flush and not device.startswith("cuda"):
             raise pytest.UsageError(f"--perf-l2-flush overwrites a GPU's L2 cache before each timed call; this "
                                     f"session runs on {device}: drop it, or run with --perf-device cuda")
