@@ -44,7 +44,7 @@ def _time(perf, impl: str, seq: int, causal: bool) -> None:
     assert_close(got, reference.rope_attention(q, k, v, rope, causal=causal), REDUCTION)
 
 
-@pytest.mark.speedup(cpu=1.05)
+@pytest.mark.speedup(cpu=1.05, cuda={"full": 1.5})
 @pytest.mark.speedup(cpu={"smoke": 0.85}, over=PEER)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("impl", [*IMPLS, PEER, GRAPHED])
@@ -52,7 +52,7 @@ def test_rope_attention_s128(perf, impl: str, causal: bool) -> None:
     _time(perf, impl, 128, causal)
 
 
-@pytest.mark.speedup(cpu=1.2)
+@pytest.mark.speedup(cpu=1.2, cuda={"full": 1.5})
 @pytest.mark.speedup(cpu={"smoke": 0.9}, over=PEER)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("impl", [*IMPLS, PEER, GRAPHED])

@@ -31,7 +31,7 @@ IMPLS = {"reference": reference.ocs_select, "optimized": kernels.ocs_select}
 PEER = "peer: opacus + OCS formulas"
 
 
-@pytest.mark.speedup(cpu={"smoke": 7.5, "full": 30.0})
+@pytest.mark.speedup(cpu={"smoke": 7.5, "full": 30.0}, cuda={"full": 15.0})
 @pytest.mark.speedup(over=PEER)
 @pytest.mark.parametrize("impl", [*IMPLS, PEER])
 def test_ocs_select(perf, impl: str) -> None:

@@ -24,7 +24,7 @@ BATCH = {"smoke": 32, "full": 100}
 IMPLS = {"reference": exact_hypergradient, "optimized": darts_hypergradient, BETTY: betty_darts}
 
 
-@pytest.mark.speedup(cpu=1.7)
+@pytest.mark.speedup(cpu=1.7, cuda={"full": 1.2})
 @pytest.mark.speedup(impl="optimized, at=None", over=BETTY)
 @pytest.mark.parametrize("impl", ["reference", "optimized", "optimized, at=None", BETTY])
 def test_hypergradient(perf, impl: str) -> None:

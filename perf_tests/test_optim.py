@@ -50,21 +50,21 @@ def _time_steps(perf, kind: str, impl: str) -> None:
     assert all(not torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
 
 
-@pytest.mark.speedup(cpu=2.0)
+@pytest.mark.speedup(cpu=2.0, cuda={"full": 4.0})
 @pytest.mark.speedup(cpu={"smoke": 2.4}, over="torch_foreach")
 @pytest.mark.parametrize("impl", ["reference", "torch_forloop", "torch_foreach", "optimized"])
 def test_adamw_step(perf, impl: str) -> None:
     _time_steps(perf, "adamw", impl)
 
 
-@pytest.mark.speedup(cpu=1.0)
+@pytest.mark.speedup(cpu=1.0, cuda={"full": 2.0})
 @pytest.mark.speedup(cpu={"smoke": 1.0}, over="torch_foreach")
 @pytest.mark.parametrize("impl", ["reference", "torch_forloop", "torch_foreach", "optimized"])
 def test_sgd_step(perf, impl: str) -> None:
     _time_steps(perf, "sgd", impl)
 
 
-@pytest.mark.speedup(cpu=0.6)
+@pytest.mark.speedup(cpu=0.6, cuda={"full": 0.6})
 @pytest.mark.parametrize("impl", ["reference", "optimized"])
 def test_adamw_bandwidth(perf, impl: str) -> None:
     n = BANDWIDTH_PARAMS[perf.size]
