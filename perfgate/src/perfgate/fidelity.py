@@ -121,12 +121,67 @@ def measure(tests: list[str], runs: int, factors: list[float], extra: list[str],
     return results
 
 
-def table(results: dict[str, list[dict]]) -> list[str]:
+AB_RULES = ("perfgate --perf-against", "asv continuous (x1.1 + Mann-Whitney p < 0.002)",
+            "point over the tolerance", "perfgate --perf-against: unresolved")
+
+
+def verdicts_ab(run: dict) -> dict[str, dict[str, bool]]:
+    """{"kernel [impl]": {rule: alarm}} for every comparable row of a ``--perf-against`` run, each
+    rule on the same block medians: the gate's verdict, asv continuous's (this tree's median over
+    1.1 x REV's and a one-sided Mann-Whitney U test at p < 0.002, on the blocks), and the point
+    estimate alone more than the tolerance slower."""
+    from scipy.stats import mannwhitneyu
+
+    against = run[JSON_KEY]["against"]
+    line = 1.0 / (1.0 + against["tolerance"])
+    out = {}
+    for row in against["rows"]:
+        if row["outcome"] == "not comparable":
+            continue
+        rev, this = row["rev_times"], row["this_times"]
+        out[f"{row['kernel']} [{row['impl']}]"] = {
+            AB_RULES[0]: row["outcome"] == "FAIL",
+            AB_RULES[1]: median(this) > 1.1 * median(rev)
+            and mannwhitneyu(this, rev, alternative="greater").pvalue < 0.002,
+            AB_RULES[2]: row["ratio"] < line,
+            AB_RULES[3]: row["outcome"] == "unresolved",
+        }
+    return out
+
+
+def measure_against(tests: list[str], runs: int, factors: list[float], extra: list[str], rev: str,
+                    keep: Path | None = None) -> dict[str, list[dict]]:
+    """{condition: [verdicts_ab of each run]}: ``runs`` runs against ``rev`` unchanged, and
+    ``runs`` with this tree's optimized impls slowed by each factor. In a slowed run the
+    optimized rows are detections and every other row (an ablation) is one more unchanged trial."""
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = keep or Path(scratch)
+        tmp.mkdir(parents=True, exist_ok=True)
+        storage = Path(scratch) / "baselines"
+        results: dict[str, list[dict]] = {}
+        for n, (name, args) in enumerate(conditions(factors, None)):
+            for i in range(runs):
+                start = time.perf_counter()
+                out = tmp / f"against-{n}-{i}.json"
+                run = _pytest(tests, storage, out, ["--perf-against", rev, *args, *extra])
+                found = verdicts_ab(run)
+                slowed = {k: v for k, v in found.items() if k.endswith("[optimized]")} if args else {}
+                results.setdefault(name, []).append(slowed if args else found)
+                if args:
+                    results.setdefault(UNCHANGED, []).append({k: v for k, v in found.items() if k not in slowed})
+                results.setdefault("seconds", []).append(time.perf_counter() - start)
+                print(f"{name} run {i + 1}/{runs}: " + ", ".join(
+                    f"{k} {''.join('X' if v[r] else '.' for r in AB_RULES)}" for k, v in found.items()),
+                    file=sys.stderr, flush=True)
+    return results
+
+
+def table(results: dict[str, list[dict]], rules: tuple[str, ...] = RULES) -> list[str]:
     """Markdown: per rule, the false alarms (unchanged) and the detection rate of each condition,
     then the median seconds a run took."""
     names = [name for name in results if name != "seconds"]
     lines = ["| " + " | ".join(["rule", *names]) + " |", "|" + "---|" * (len(names) + 1)]
-    for rule in RULES:
+    for rule in rules:
         cells = [rule]
         for name in names:
             trials = [v[rule] for run in results[name] for v in run.values()]
@@ -148,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
                              "speedup moves with the other vCPU's neighbours)")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments, e.g. '--perf-device cuda'")
     parser.add_argument("--keep", type=Path, default=None, help="keep every run's JSON in this folder")
+    parser.add_argument("--against", default=None, metavar="REV",
+                        help="measure --perf-against REV's rule instead of the baseline's: unchanged runs (on a "
+                             "clean tree against HEAD, every alarm is false) and runs with the optimized impls "
+                             "slowed")
     parser.add_argument("--lost", default=None,
                         help="a pytest plugin module (an import name) that replaces kernels by their "
                              "references when imported: --runs more runs with it loaded")
@@ -155,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1 or args.threads < 1 or any(f <= 1.0 for f in args.factors):
         parser.error("--runs and --threads must be >= 1 and every factor > 1")
     extra = [f"--perf-threads={args.threads}", *args.pytest_args.split()]
+    if args.against is not None:
+        results = measure_against(args.tests, args.runs, args.factors, extra, args.against, args.keep)
+        print("\n".join(table(results, AB_RULES)))
+        return 0
     results = measure(args.tests, args.runs, args.factors, extra, args.keep, args.lost)
     print("\n".join(table(results)))
     return 0

@@ -19,6 +19,7 @@ from . import compat
 from .stored import JSON_KEY
 
 if TYPE_CHECKING:  # the rest of perfgate (numpy, scipy) loads when a perf session starts
+    from .against import Against
     from .floors import Ledger, Unmeasured
     from .state import GateState
 
@@ -62,13 +63,22 @@ OPTIONS: list[tuple[str, Any, str]] = [
                            "files with python -m perfgate.report --merge"),
     ("--perf-slowdown", 1.0, "TEST ONLY, for python -m perfgate.fidelity: make every 'optimized' impl this many "
                              "times slower in the harness, to measure what the gate catches"),
+    ("--perf-against", None, "REV: also time each impl but the reference against REV's library (a git revision "
+                             "of this repository: HEAD, HEAD~1, a branch, a SHA; or a folder holding another "
+                             "copy), in worker processes interleaved pair by pair, and fail a row this tree runs "
+                             "more than --perf-against-tolerance slower than REV"),
+    ("--perf-against-workers", 2, "worker processes a side for --perf-against, each block on one chosen at random "
+                                  "(default 2, at least 2)"),
+    ("--perf-against-tolerance", 0.05, "with --perf-against: fail a row whose time is more than this fraction "
+                                       "over REV's, the whole interval beyond it (default 0.05)"),
     ("--perf-require-floors", False, "fail the session when a speedup or memory floor declared for this device "
                                      "class and size was not checked because its row was not measured (its impl, "
                                      "its reference or its peer deselected, skipped, failed, errored or not run); "
                                      "without it such floors are listed, not failed"),
 ]
 _TYPES = {"--perf-tolerance": float, "--perf-threads": int, "--perf-visits": int, "--perf-extend": float,
-          "--perf-slowdown": float, "--perf-contended": float}
+          "--perf-slowdown": float, "--perf-contended": float, "--perf-against-workers": int,
+          "--perf-against-tolerance": float}
 _CHOICES = {"--perf-size": SIZES, "--perf-malloc": ("cache", "default")}
 
 # torch's own thread count, read before any session in this process (pytester) sets it: CPU
@@ -77,6 +87,9 @@ _DEFAULT_THREADS: list[int | None] = []
 
 
 def add_options(parser: pytest.Parser) -> None:
+    parser.addini("perfgate_against_library", type="linelist", default=[],
+                  help="the top-level packages --perf-against imports from REV (default: every package under the "
+                       "rootdir that holds no test file)")
     group = parser.getgroup("perfgate", "perfgate: speedup gate over a reference")
     for flag, default, text in OPTIONS:
         if isinstance(default, bool):  # a switch
@@ -128,6 +141,18 @@ class PerfSession:
         if self.gated_only and self.saving:
             raise pytest.UsageError("--perf-gated-only leaves out the rows nothing judges today, and a saved run "
                                     "is the baseline of every row: drop one of the two")
+        self.against: Against | None = None
+        if opt["--perf-against"] is not None:
+            from .against import Against
+
+            if self.shard is not None:
+                raise pytest.UsageError("--perf-against compares the whole session with REV; run it without "
+                                        "--perf-shard")
+            if not _benchmarks_on(config):
+                raise pytest.UsageError("--perf-against times the perf tests against REV: benchmarks are off "
+                                        "(--benchmark-disable or --benchmark-skip)")
+            self.against = Against(config, opt["--perf-against"], opt["--perf-against-workers"],
+                                   opt["--perf-against-tolerance"])
         self.state: GateState | None = None
         self._deselected: list[pytest.Item] = []  # perf tests -k, -m, --deselect or a shard left out
         self._shard_dropped: set[str] = set()  # node ids --perf-shard left to other shards
@@ -222,6 +247,8 @@ class PerfSession:
                 return
             state = self.activate()
             self._list_floors(items, state)
+            if self.against is not None:
+                self.against.prepare(items)
         elif self._held_compare is not None:
             compare, self._held_compare = self._held_compare, None
             compat.load_compare(self.config, compare, storage=None)
@@ -308,6 +335,8 @@ class PerfSession:
         """Give torch back the thread count (and current GPU) it had, so a session inside a process
         (pytester) does not leave the outer one at its --perf-threads (torch's, and the BLAS and
         OpenMP pools') or its --perf-device."""
+        if self.against is not None:
+            self.against.close()
         if self.state is not None:
             self.state.unpin_threads()
         if self._prev_threads is not None:
@@ -377,6 +406,8 @@ class PerfSession:
             # declared floors whose rows were not measured (deselected, skipped, failed, ...), and why
             "unmeasured_floors": [u.as_dict() for u in self.floors_unmeasured],
         }
+        if self.against is not None:
+            output_json[JSON_KEY]["against"] = self.against.json()
 
     # -- the session's end --------------------------------------------------------------------------
 
@@ -392,6 +423,8 @@ class PerfSession:
                 state.interrupted = True
             state.tests_failed = session.testsfailed
             state.compute_rows()
+            if self.against is not None and not state.interrupted:
+                self.against.run(state)  # after the rows: compute_rows freed the session's callables
             if state.interrupted and self.saving:  # a partial run must not become the newest baseline
                 compat.withhold_save(self.config)
         if self.ledger is not None:
@@ -410,8 +443,12 @@ class PerfSession:
         if state is None:
             return
         if state.results and session.exitstatus == pytest.ExitCode.OK:
-            if any(r.failures for r in state.compute_rows()):
+            against = self.against
+            slower = against is not None and bool(against.failed() or against.problem)
+            if any(r.failures for r in state.compute_rows()) or slower:
                 session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            elif against is not None and against.interrupted:
+                session.exitstatus = pytest.ExitCode.INTERRUPTED
             elif state.interrupted:
                 session.exitstatus = pytest.ExitCode.INTERRUPTED
         passing = (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)  # all deselected: 5, not a pass
@@ -435,6 +472,10 @@ class PerfSession:
         self._unmeasured_floors(tr)
         if state.results or self.floors_unmeasured:
             self._verdict(tr, rows)
+        if self.against is not None and self.against.rows:
+            tr.section("perfgate against REV")
+            for style, text in self.against.lines():
+                tr.write_line(text, **STYLES[style])
         missed = [u for u in self.floors_unmeasured if u.required]
         if missed and not self.require_floors:
             tr.write_line(f"perfgate: {len(missed)} declared floor(s) not checked (NOT MEASURED above): the "

@@ -1,0 +1,218 @@
+"""One row of ``--perf-against``: the working tree's callable and REV's, timed in interleaved
+pairs of blocks (ABBA order, each block on a worker of its side chosen at random), and the rule
+that judges their ratio.
+
+ratio = median(REV's blocks) / median(this tree's blocks), with a paired bootstrap interval:
+under 1, this tree is slower. A row FAILs when the whole interval is under 1 / (1 + tolerance)
+(this tree more than ``tolerance`` slower), on a quiet host, and a second stretch of pairs does
+not disagree; a straddling interval is measured further within the row's budget and may end
+``unresolved``; a contended host gives no verdict. A row either side cannot rebuild is ``not
+comparable``, with the reason."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .stats import CONTENDED, speedup_interval
+from .workers import Pool, WorkerGone
+
+MIN_PAIRS = 7  # as the floors' rule: a verdict needs this many pairs
+MAX_PAIRS = 400
+EARLY = 0.99  # a row whose 99% interval is clear of the line needs no more pairs
+BLOCK_S = 0.02  # a block lasts at least this long (up to 8 calls), as in the session's own pairs
+WARM_S = 0.1  # a call shorter than this gets an untimed warming call before each block
+
+
+@dataclass
+class ABRow:
+    """One row compared: times are block medians in seconds, ``ratio`` REV / this tree."""
+
+    kernel: str
+    impl: str
+    size: str
+    nodeid: str
+    label: str = ""
+    rev_times: list[float] = field(default_factory=list)
+    this_times: list[float] = field(default_factory=list)
+    ratio: float | None = None
+    low: float | None = None
+    high: float | None = None
+    contention: float | None = None
+    confirmed: int = 0
+    confirm_ratio: float | None = None
+    confirm_high: float | None = None
+    used: dict[str, list[int]] = field(default_factory=dict)  # blocks timed on each worker of a side
+    reason: str = ""  # why the row is not comparable ("" when it is)
+    outcome: str = ""  # FAIL, unresolved, not comparable, faster or ok (judge)
+    message: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def interval(rev: list[float], this: list[float], confidence: float) -> tuple[float, float, float]:
+    """(REV / this, low, high) over paired blocks."""
+    return speedup_interval(rev, this, confidence, paired=True)
+
+
+def judge(row: ABRow, tolerance: float, contended: float = CONTENDED) -> str:
+    """Set and return ``row.outcome`` and ``row.message`` by the rule above."""
+    where = f"{row.kernel} [{row.impl}, {row.label or row.size}]"
+    line = 1.0 / (1.0 + tolerance)
+    if row.reason:
+        row.outcome, row.message = "not comparable", f"{where}: not comparable: {row.reason}"
+        return row.outcome
+    assert row.ratio is not None and row.low is not None and row.high is not None
+    slower = 1.0 / row.ratio
+    measured = (f"REV/this {row.ratio:.3f}x (95% CI {row.low:.3f}-{row.high:.3f}x, {len(row.rev_times)} "
+                f"interleaved pairs)")
+    if row.high < line:
+        busy = row.contention is not None and row.contention >= contended
+        again = (row.confirm_ratio is not None and row.confirm_high is not None
+                 and row.confirm_ratio > row.high and row.confirm_high >= line)
+        if busy:
+            row.outcome = "unresolved"
+            row.message = (f"{where}: this tree read {slower:.2f}x slower ({measured}), but the host withheld "
+                           f"{row.contention:.0%} of the CPU time: no verdict on the code")
+        elif again:
+            row.outcome = "unresolved"
+            row.message = (f"{where}: this tree read {slower:.2f}x slower ({measured}), but {row.confirmed} pairs "
+                           f"timed again read {row.confirm_ratio:.3f}x (up to {row.confirm_high:.3f}x): the host "
+                           "changed between the two")
+        else:
+            row.outcome = "FAIL"
+            row.message = (f"{where}: this tree is {slower:.2f}x slower than REV ({measured}; the line is "
+                           f"{tolerance:.0%} slower, {line:.3f}x)")
+    elif row.low < line:
+        row.outcome = "unresolved"
+        row.message = f"{where}: {measured} straddles {line:.3f}x ({tolerance:.0%} slower): neither"
+    elif row.low > 1.0 + tolerance:
+        row.outcome, row.message = "faster", f"{where}: this tree is {row.ratio:.2f}x faster ({measured})"
+    else:
+        row.outcome, row.message = "ok", f"{where}: {measured}"
+    return row.outcome
+
+
+@dataclass
+class Budget:
+    """How many pairs a row gets: enough blocks to fill ``seconds`` (at least MIN_PAIRS), extended
+    by doubling within ``extend_s`` while it straddles the line."""
+
+    seconds: float = 1.0
+    extend_s: float = 10.0
+    all_pairs: bool = False  # the stopping rule off (perfgate.fidelity's comparison)
+
+
+def _calls(seconds: float) -> tuple[int, int]:
+    """(timed calls, warming calls) of a block of a call lasting ``seconds``."""
+    return max(1, min(8, math.ceil(BLOCK_S / max(seconds, 1e-9)))), int(seconds < WARM_S)
+
+
+class Comparer:
+    """Times the rows of one session against REV on a started ``pool``."""
+
+    def __init__(self, pool: Pool, tolerance: float, budget: Budget, seed: int = 0,
+                 timeout_s: Callable[[float], float] = lambda block_s: max(60.0, 50.0 * block_s)) -> None:
+        self.pool, self.tolerance, self.budget = pool, tolerance, budget
+        self.rng = random.Random(seed)
+        self.timeout_s = timeout_s
+        self.blocks: dict[str, tuple[int, int]] = {}  # side -> (calls, warm) for the row being timed
+
+    def build(self, row: ABRow, request: dict[str, Any]) -> bool:
+        """Rebuild ``row`` on every worker; False (and ``row.reason``) when a side cannot."""
+        warm: dict[str, list[float]] = {"rev": [], "this": []}
+        for worker in list(self.pool.workers):
+            try:
+                reply = self.pool.ask(worker, "build", 600.0, **request)
+            except WorkerGone as exc:
+                reply = {"ok": False, "reason": str(exc)}
+            if not reply.get("ok"):
+                who = "REV" if worker.side == "rev" else "this tree's worker"
+                row.reason = f"{who} cannot run it: {reply.get('reason')}"
+                return False
+            warm[worker.side].append(reply["warm_s"])
+            row.label = row.label or reply.get("label", "")
+        for side in ("rev", "this"):
+            if not warm[side]:
+                row.reason = f"no {side} worker is left"
+                return False
+            self.blocks[side] = _calls(float(np.median(warm[side])))
+        return True
+
+    def _block(self, row: ABRow, side: str, loads: list[tuple[float, float]]) -> float:
+        workers = self.pool.side(side)
+        if not workers:
+            raise WorkerGone(f"no {side} worker is left")
+        worker = self.rng.choice(workers)
+        calls, warm = self.blocks[side]
+        reply = self.pool.ask(worker, "block", self.timeout_s(1.0), row=row.nodeid, calls=calls, warm=warm)
+        if not reply.get("ok"):
+            raise WorkerGone(f"{worker.name}: {reply.get('reason')}")
+        row.used.setdefault(side, [0] * self.pool.per_side)[worker.index] += 1
+        if reply["share"] is not None:
+            loads.append((reply["share"][0], reply["share"][1]))
+        return float(np.median(reply["times"]))
+
+    def pairs(self, row: ABRow, count: int, rev: list[float], this: list[float],
+              loads: list[tuple[float, float]]) -> None:
+        """Time ``count`` more pairs into ``rev`` and ``this``: REV first in even pairs."""
+        for _ in range(count):
+            if len(rev) % 2 == 0:
+                r = self._block(row, "rev", loads)
+                t = self._block(row, "this", loads)
+            else:
+                t = self._block(row, "this", loads)
+                r = self._block(row, "rev", loads)
+            rev.append(r)
+            this.append(t)
+
+    def time_row(self, row: ABRow) -> None:
+        """Pairs until the row is decided at EARLY, its planned pairs are spent, or (straddling) its
+        extension budget is; then ``row``'s ratio and interval."""
+        line = 1.0 / (1.0 + self.tolerance)
+        loads: list[tuple[float, float]] = []
+        t0 = time.perf_counter()
+        self.pairs(row, MIN_PAIRS, row.rev_times, row.this_times, loads)
+        pair_s = (time.perf_counter() - t0) / MIN_PAIRS
+        planned = max(MIN_PAIRS, min(MAX_PAIRS, math.ceil(self.budget.seconds / max(pair_s, 1e-6))))
+        step = max(1, planned // 4)
+        while len(row.rev_times) < planned:
+            if not self.budget.all_pairs:
+                _, low, high = interval(row.rev_times, row.this_times, EARLY)
+                if high < line or low >= line:
+                    break
+            self.pairs(row, min(step, planned - len(row.rev_times)), row.rev_times, row.this_times, loads)
+        extend_until = time.perf_counter() + self.budget.extend_s
+        while len(row.rev_times) < MAX_PAIRS and time.perf_counter() < extend_until:
+            _, low, high = interval(row.rev_times, row.this_times, 0.95)
+            if high < line or low >= line:
+                break
+            more = min(len(row.rev_times), MAX_PAIRS - len(row.rev_times))
+            more = min(more, max(1, int((extend_until - time.perf_counter()) / max(pair_s, 1e-6))))
+            self.pairs(row, more, row.rev_times, row.this_times, loads)
+        row.ratio, row.low, row.high = interval(row.rev_times, row.this_times, 0.95)
+        wall = sum(w for w, _ in loads)
+        row.contention = None if wall <= 0 else sum(w * s for w, s in loads) / wall
+
+    def confirm(self, row: ABRow) -> None:
+        """A failing row's second stretch: at least MIN_PAIRS more pairs, read on their own."""
+        rev: list[float] = []
+        this: list[float] = []
+        loads: list[tuple[float, float]] = []
+        self.pairs(row, max(MIN_PAIRS, len(row.rev_times) // 2), rev, this, loads)
+        row.confirmed = len(rev)
+        row.confirm_ratio, _, row.confirm_high = interval(rev, this, 0.95)
+
+    def drop(self, row: ABRow) -> None:
+        for worker in list(self.pool.workers):
+            try:
+                self.pool.ask(worker, "drop", 60.0, row=row.nodeid)
+            except WorkerGone:
+                continue

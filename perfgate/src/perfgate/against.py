@@ -1,0 +1,262 @@
+"""``--perf-against REV``: "is this tree slower than REV?", answered in the same session.
+
+After the session's own rows (its speedups and floors), every timed impl but the reference is
+rebuilt in worker processes, ``--perf-against-workers`` a side: the working tree's perf test
+bodies, with the library (``perfgate_against_library``: kernels/, reference/, workloads/ here)
+imported from the working tree on one side and from REV's copy on the other. Their blocks are
+interleaved pair by pair (``abrun``), so both sides see the same host, threads and allocator,
+and the row gets REV's time over this tree's with its interval. A peer row (another library's
+code, the same on both sides) and the reference (whose speed is not the question) are not timed.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .abrun import ABRow, Budget, Comparer, judge
+from .abworker import Hello
+from .checkout import CheckoutError, Revision, checked_out, resolve
+from .workers import Pool, WorkerGone
+
+REFERENCE = "reference"
+INI = "perfgate_against_library"
+# imports the library packages REV has, from REV's copy only (abworker.RootFinder), in a fresh process
+IMPORT_CHECK = ("import importlib, sys; from pathlib import Path; from perfgate.abworker import RootFinder; "
+                "sys.meta_path.insert(0, RootFinder(Path(sys.argv[1]), sys.argv[2:])); "
+                "[importlib.import_module(name) for name in sys.argv[2:]]")
+
+
+def default_library(rootdir: Path, test_paths: set[Path]) -> list[str]:
+    """The top-level packages under ``rootdir`` that hold no collected test file: the library."""
+    names = []
+    for package in sorted(p.parent for p in rootdir.glob("*/__init__.py")):
+        if not any(t.is_relative_to(package) for t in test_paths):
+            names.append(package.name)
+    return names
+
+
+def defines(path: Path, function: str) -> bool:
+    """Whether the Python file at ``path`` exists and defines ``function`` at its top level."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf8"))
+    except (OSError, SyntaxError, ValueError):
+        return False
+    return any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == function for n in tree.body)
+
+
+class Against:
+    """One session's comparison with REV: resolved at collection, run at the session's end."""
+
+    def __init__(self, config: pytest.Config, rev: str, per_side: int, tolerance: float) -> None:
+        if per_side < 2:
+            raise pytest.UsageError(f"--perf-against-workers must be >= 2 (process effects are averaged over "
+                                    f"several workers a side), got {per_side}")
+        if not 0.0 < tolerance < 1.0:
+            raise pytest.UsageError(f"--perf-against-tolerance must be in (0, 1), got {tolerance}")
+        self.config, self.rev, self.per_side, self.tolerance = config, rev, per_side, tolerance
+        self.revision: Revision | None = None
+        self.items: list[pytest.Item] = []
+        self.library: list[str] = []
+        self.rows: list[ABRow] = []
+        self.seconds = 0.0
+        self.interrupted = False
+        self.problem = ""  # why the comparison did not run (workers could not start), or ""
+        self.root: Path | None = None  # REV's copy of the project root, from collection to unconfigure
+        self._exit = contextlib.ExitStack()
+
+    def prepare(self, items: list[pytest.Item]) -> None:
+        """At collection: resolve REV (a bad one stops the session before anything is timed) and
+        keep the perf tests."""
+        rootdir = Path(self.config.rootpath)
+        try:
+            self.revision = resolve(self.rev, rootdir)
+        except CheckoutError as exc:
+            raise pytest.UsageError(str(exc)) from exc
+        self.items = [item for item in items if "perf" in getattr(item, "fixturenames", ())]
+        tests = {Path(item.path) for item in self.items}
+        self.library = list(self.config.getini(INI)) or default_library(rootdir, tests)
+        if not self.library:
+            raise pytest.UsageError(f"--perf-against: no library package found under {rootdir} (a folder with an "
+                                    f"__init__.py and no tests); name them in the {INI} ini option")
+        if not self.items:
+            return
+        try:
+            self.root = self._exit.enter_context(checked_out(self.revision))
+        except CheckoutError as exc:
+            raise pytest.UsageError(str(exc)) from exc
+        self._check_imports()
+
+    def _check_imports(self) -> None:
+        """REV's library packages import (from REV's copy), or the session stops here, naming the error."""
+        assert self.root is not None and self.revision is not None
+        present = [name for name in self.library if (self.root / name / "__init__.py").is_file()]
+        if not present:
+            self.close()
+            raise pytest.UsageError(f"--perf-against {self.revision.label}: REV has none of the library packages "
+                                    f"{self.library} (set the {INI} ini option to name them)")
+        done = subprocess.run([sys.executable, "-c", IMPORT_CHECK, str(self.root), *present], capture_output=True,
+                              text=True, check=False, timeout=600)
+        if done.returncode != 0:
+            self.close()
+            error = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise pytest.UsageError(f"--perf-against {self.revision.label}: REV's library does not import "
+                                    f"({', '.join(present)}): {error}")
+
+    def close(self) -> None:
+        """Remove REV's copy (idempotent): at unconfigure, and on a refusal."""
+        self._exit.close()
+        self.root = None
+
+    def _hello(self, side: str, root: Path, state: Any, scratch: str | None) -> Hello:
+        malloc = "cache" if state.fingerprint.get("malloc") == "cache" else "default"
+        return Hello(side=side, root=str(root), library=tuple(self.library), device=state.device, size=state.size,
+                     threads=state.threads, malloc=malloc, scratch=scratch,
+                     slowdown=state.slowdown if side == "this" else 1.0)
+
+    def _targets(self, state: Any) -> list[tuple[pytest.Item, str, str]]:
+        """(item, kernel, impl) of the rows to compare: what the session timed, but the reference
+        and peers."""
+        from .floors import kernel_name
+
+        targets = []
+        for item in self.items:
+            names = kernel_name(item)
+            if names is None or names[1] == REFERENCE:
+                continue
+            measured = state.results.get(names[0], {}).get(names[1])
+            if measured is not None and not measured.peer:
+                targets.append((item, *names))
+        return targets
+
+    def run(self, state: Any) -> None:
+        """Time every target row against REV; Ctrl-C ends the phase with what was compared."""
+        rootdir = Path(self.config.rootpath)
+        targets = self._targets(state)
+        if not targets or self.revision is None or self.root is None:
+            return
+        t0 = time.perf_counter()
+        budget = Budget(seconds=float(self.config.getoption("benchmark_max_time")), extend_s=state.extend_s,
+                        all_pairs=state.all_visits)
+        scratch = None if self.revision.folder is not None else str(self.root.parents[len(Path(
+            self.revision.prefix).parts)])  # the export's scratch folder: the tests' tmp_path go there
+        pool = Pool({"rev": self._hello("rev", self.root, state, scratch),
+                     "this": self._hello("this", rootdir, state, scratch)}, self.per_side)
+        try:
+            try:
+                pool.start()
+                self._compare(pool, targets, self.root, rootdir, state, budget)
+            finally:
+                pool.close()
+        except WorkerGone as exc:
+            self.problem = str(exc)
+        except KeyboardInterrupt:
+            self.interrupted = True
+        finally:
+            self.seconds = time.perf_counter() - t0
+        why = "interrupted" if self.interrupted else self.problem
+        for item, kernel, impl in targets[len(self.rows):]:
+            self.rows.append(ABRow(kernel, impl, state.size, item.nodeid, reason=why))
+        for row in self.rows:
+            if row.ratio is None and not row.reason:  # the row being timed when the phase stopped
+                row.reason = why
+            judge(row, self.tolerance, state.contended)
+
+    def _compare(self, pool: Pool, targets: list, rev_root: Path, rootdir: Path, state: Any,
+                 budget: Budget) -> None:
+        comparer = Comparer(pool, self.tolerance, budget)
+        failing = []
+        for item, kernel, impl in targets:
+            row = ABRow(kernel, impl, state.size, item.nodeid, label=state.results[kernel][impl].label)
+            self.rows.append(row)
+            relative = Path(item.path).relative_to(rootdir)
+            if not defines(rev_root / relative, item.originalname):
+                row.reason = f"new in this tree: {relative} has no {item.originalname} at REV"
+                continue
+            request = {"row": item.nodeid, "module": item.module.__name__, "path": str(item.path),
+                       "function": item.originalname, "params": dict(item.callspec.params),
+                       "kernel": kernel, "impl": impl}
+            try:
+                if comparer.build(row, request):
+                    comparer.time_row(row)
+                    if judge(row, self.tolerance, state.contended) == "FAIL":
+                        failing.append(row)
+                        continue  # kept built for its second stretch
+            except WorkerGone as exc:  # a worker died or hung on this row: the others go on
+                row.reason = str(exc)
+                _check_sides(pool)
+            comparer.drop(row)
+        for row in failing:  # a failure is timed again, after every other row, before it stands
+            try:
+                comparer.confirm(row)
+            except WorkerGone as exc:
+                row.reason = f"timed again: {exc}"
+                _check_sides(pool)
+            comparer.drop(row)
+
+    # -- the report -------------------------------------------------------------------------------
+
+    def failed(self) -> list[ABRow]:
+        return [r for r in self.rows if r.outcome == "FAIL"]
+
+    def json(self) -> dict[str, Any]:
+        rev = self.revision
+        return {"rev": self.rev, "sha": rev.sha if rev else None, "folder": str(rev.folder) if rev and rev.folder
+                else None, "tolerance": self.tolerance, "workers_per_side": self.per_side, "library": self.library,
+                "seconds": self.seconds, "interrupted": self.interrupted, "problem": self.problem,
+                "rows": [r.as_dict() for r in self.rows]}
+
+    def lines(self) -> list[tuple[str, str]]:
+        """(style, text) lines for the terminal: a table, then the verdict."""
+        label = self.revision.label if self.revision else self.rev
+        out = [("note", f"perfgate against {label}: REV's time / this tree's (under 1: this tree is slower), "
+                        f"{self.per_side} workers a side, {self.seconds:.0f} s")]
+        header = ("kernel", "impl", "size", "REV ms", "this ms", "REV/this", "95% CI", "pairs", "gate")
+        cells = [header]
+        for r in self.rows:
+            timed = r.ratio is not None
+            cells.append((r.kernel, r.impl, r.size,
+                          f"{1e3 * _median(r.rev_times):.3f}" if timed else "-",
+                          f"{1e3 * _median(r.this_times):.3f}" if timed else "-",
+                          f"{r.ratio:.3f}x" if timed else "-",
+                          f"{r.low:.3f}-{r.high:.3f}" if timed else "-",
+                          str(len(r.rev_times)) if timed else "-", r.outcome))
+        widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+        out += [("note", "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))) for row in cells]
+        for r in self.rows:
+            if r.outcome in ("FAIL", "unresolved", "not comparable"):
+                style = {"FAIL": "fail", "unresolved": "warn"}.get(r.outcome, "note")
+                prefix = {"FAIL": "AGAINST FAILED: ", "unresolved": "unresolved: "}.get(r.outcome, "")
+                out.append((style, prefix + r.message))
+        if self.problem:
+            out.append(("fail", f"perfgate against {label}: {self.problem}"))
+        failed = self.failed()
+        if failed:
+            out.append(("fail", f"against {label}: {len(failed)} row(s) slower than REV"))
+        else:
+            unresolved = sum(r.outcome == "unresolved" for r in self.rows)
+            faster = sum(r.outcome == "faster" for r in self.rows)
+            out.append(("pass" if not unresolved else "warn",
+                        f"against {label}: no row slower than REV by more than {self.tolerance:.0%} "
+                        f"({faster} faster, {unresolved} unresolved)"))
+        return out
+
+
+def _check_sides(pool: Pool) -> None:
+    """Stop the phase when a side has no worker left."""
+    for side in ("rev", "this"):
+        if not pool.side(side):
+            raise WorkerGone(f"every {side} worker is gone")
+
+
+def _median(times: list[float]) -> float:
+    import numpy as np
+
+    return float(np.median(times)) if times else float("nan")

@@ -1,0 +1,150 @@
+"""--perf-against REV on a scratch git repository whose library sleeps: a row this tree made slower
+fails and is named, one made faster is reported faster, unchanged code passes, a row REV cannot
+run or that is new is not comparable; a bad REV, or one whose library does not import, stops the
+session before anything is timed; nothing is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+LIBRARY = """
+import time
+
+def slow_work():
+    time.sleep({slow})
+
+def fast_work():
+    time.sleep({fast})
+"""
+
+SUITE = """
+import time
+import pytest
+import mylib
+
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_slow(perf, impl):
+    perf(lambda: time.sleep(0.008) if impl == "reference" else mylib.slow_work(), label="slow")
+
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_fast(perf, impl):
+    perf(lambda: time.sleep(0.008) if impl == "reference" else mylib.fast_work(), label="fast")
+"""
+
+NEW = """
+import time
+import pytest
+import mylib
+
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_{name}(perf, impl):
+    perf(lambda: time.sleep(0.008) if impl == "reference" else mylib.{call}(), label="{name}")
+"""
+
+# short rounds; --perf-contended=inf: the designed outcomes must not turn unresolved on a busy CI host
+FAST = ["-p", "no:cacheprovider", "--perf-device", "cpu", "--benchmark-max-time=0.1", "--perf-visits=1",
+        "--perf-contended=inf"]
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_SYSTEM": os.devnull}
+    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          capture_output=True, text=True, check=True, env=env).stdout.strip()
+
+
+@pytest.fixture
+def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """A committed project: mylib's two kernels sleep 4 ms, a perf suite times them; scratch
+    folders go to a folder of the test's own (checked empty by the tests)."""
+    pytester.mkpydir("mylib")
+    (pytester.path / "mylib" / "__init__.py").write_text(LIBRARY.format(slow=0.004, fast=0.004))
+    pytester.makepyfile(test_perf=SUITE)
+    _git(pytester.path, "init", "-q", "-b", "main")
+    _git(pytester.path, "add", "-A")
+    _git(pytester.path, "commit", "-q", "-m", "base")
+    scratch = pytester.path.parent / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    return pytester
+
+
+def _left(pytester: pytest.Pytester) -> list[Path]:
+    return list((pytester.path.parent / "scratch").iterdir())
+
+
+def _rows(pytester: pytest.Pytester) -> dict[str, dict]:
+    against = json.loads((pytester.path / "out.json").read_text())["perfgate"]["against"]
+    return {r["kernel"]: r for r in against["rows"]}
+
+
+@pytest.mark.timed
+def test_a_slower_row_fails_a_faster_one_is_reported_and_new_ones_are_not_comparable(
+        project: pytest.Pytester) -> None:
+    # HEAD gains a test of a function its library lacks; this tree, uncommitted: slow_work 1.3x
+    # slower, fast_work 2x faster, the function added, and a test HEAD does not have
+    project.makepyfile(test_more=NEW.format(name="added", call="added"))
+    _git(project.path, "add", "test_more.py")
+    _git(project.path, "commit", "-q", "-m", "a test of a function the library lacks")
+    (project.path / "mylib" / "__init__.py").write_text(LIBRARY.format(slow=0.0052, fast=0.002)
+                                                        + "\ndef added():\n    time.sleep(0.004)\n")
+    project.makepyfile(test_newer=NEW.format(name="newer", call="fast_work"))
+    result = project.runpytest(*FAST, "--perf-against", "HEAD", "--benchmark-json=out.json")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines_random([
+        "*AGAINST FAILED: slow [[]optimized, slow]: this tree is 1.*x slower than REV*",
+        "*against HEAD (*): 1 row(s) slower than REV*"])
+    rows = _rows(project)
+    assert set(rows) == {"slow", "fast", "added", "newer"}  # the reference rows are not compared
+    assert rows["slow"]["outcome"] == "FAIL" and 0.7 < rows["slow"]["ratio"] < 0.84, rows["slow"]
+    assert rows["fast"]["outcome"] == "faster" and 1.6 < rows["fast"]["ratio"] < 2.2, rows["fast"]
+    assert rows["slow"]["confirmed"] >= 7  # a failure is timed again before it stands
+    assert all(min(rows["slow"]["used"][side]) > 0 for side in ("rev", "this"))  # blocks on both workers a side
+    assert rows["added"]["outcome"] == "not comparable" and "added" in rows["added"]["reason"]
+    assert rows["newer"]["outcome"] == "not comparable" and "new in this tree" in rows["newer"]["reason"]
+    assert _left(project) == []
+
+
+@pytest.mark.timed
+def test_unchanged_code_passes_against_head(project: pytest.Pytester) -> None:
+    result = project.runpytest(*FAST, "--perf-against", "HEAD", "--benchmark-json=out.json")
+    assert result.ret == 0, result.stdout.str()
+    rows = _rows(project)
+    assert {r["outcome"] for r in rows.values()} <= {"ok", "unresolved"}, rows
+    result.stdout.fnmatch_lines(["*against HEAD (*): no row slower than REV by more than 5%*"])
+    assert _left(project) == []
+
+
+def test_a_revision_that_names_no_commit_stops_the_session(project: pytest.Pytester) -> None:
+    result = project.runpytest(*FAST, "--perf-against", "HEAD~3")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--perf-against HEAD~3: not a commit of*"])
+    assert _left(project) == []
+
+
+def test_a_revision_whose_library_does_not_import_stops_the_session(project: pytest.Pytester) -> None:
+    (project.path / "mylib" / "__init__.py").write_text("import no_such_module\n")
+    _git(project.path, "commit", "-q", "-am", "broken")
+    (project.path / "mylib" / "__init__.py").write_text(LIBRARY.format(slow=0.004, fast=0.004))
+    result = project.runpytest(*FAST, "--perf-against", "HEAD")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--perf-against HEAD (*): REV's library does not import (mylib): "
+                                 "ModuleNotFoundError: No module named 'no_such_module'*"])
+    assert _left(project) == []
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--perf-against-workers", "1"], "--perf-against-workers must be >= 2*"),
+    (["--perf-against-tolerance", "0"], "--perf-against-tolerance must be in (0, 1)*"),
+    (["--perf-shard", "1/2"], "--perf-against compares the whole session with REV; run it without --perf-shard"),
+    (["--benchmark-disable"], "--perf-against times the perf tests against REV: benchmarks are off*"),
+])
+def test_settings_that_cannot_work_are_refused(project: pytest.Pytester, args: list[str], message: str) -> None:
+    result = project.runpytest(*FAST, "--perf-against", "HEAD", *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{message}"])
