@@ -59,7 +59,8 @@ def _git(repo: Path, *args: str) -> str:
 
 
 @pytest.fixture
-def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+            tmp_path_factory: pytest.TempPathFactory) -> pytest.Pytester:
     """A committed project: mylib's two kernels sleep 4 ms, a perf suite times them; scratch
     folders go to a folder of the test's own (checked empty by the tests)."""
     pytester.mkpydir("mylib")
@@ -68,14 +69,14 @@ def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytes
     _git(pytester.path, "init", "-q", "-b", "main")
     _git(pytester.path, "add", "-A")
     _git(pytester.path, "commit", "-q", "-m", "base")
-    scratch = pytester.path.parent / "scratch"
-    scratch.mkdir()
+    scratch = tmp_path_factory.mktemp("scratch")
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    pytester.scratch = scratch
     return pytester
 
 
 def _left(pytester: pytest.Pytester) -> list[Path]:
-    return list((pytester.path.parent / "scratch").iterdir())
+    return list(pytester.scratch.iterdir())
 
 
 def _rows(pytester: pytest.Pytester) -> dict[str, dict]:
