@@ -1,5 +1,5 @@
-# kernelgate: `make test` passes the tests, `make bench` runs the perf suite and prints the
-# speedup table, `make baseline` saves this machine's baseline. Each creates .venv when missing.
+# kernelgate: `make test` passes the tests, `make bench` times the kernels against the last commit
+# (BASE) and prints the verdict, `make baseline` saves this machine's baseline. Each creates .venv when missing.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -41,22 +41,28 @@ correctness: $(STAMP)
 # shared CI host memory bandwidth moved 167-199 GB/s between runs and memory-bound ratios with
 # it (per-sample grads 4.2-6.7x), past the 20% baseline tolerance; `make bench` compares.
 # --perf-gated-only: what no floor judges (an ablation step, a peer with no floor over it) is
-# left to make bench.
+# left to `make bench BASE=`.
 perf: $(STAMP)
 	$(PYTEST) perf_tests -q --perf-size smoke --perf-require-floors --perf-gated-only $(PERF_ARGS)
 
 test: lint correctness perf
 
-# Main job: the perf suite gated against this machine's stored baseline (the hint to save one
-# when there is none). It runs at BENCH_THREADS torch threads: on the 2-vCPU hosts the baseline
-# rule's false alarms and detections were measured at 1 and 2 threads (docs/gate.md), and 1 is
-# the one that caught every 1.5x slowdown with the fewest false alarms. The CPU floors are set
-# at torch's default threads, so `make test` gates them; `make bench BENCH_THREADS=0` runs at
-# the default (floors and baseline both).
+# Main job: "did this change make a kernel slower?" Every kernel of ours timed in this tree and in
+# BASE's library (default HEAD: an uncommitted edit against the last commit; a clean tree is an A/A
+# check), pair by pair in worker processes of the same session (--perf-against, docs/perfgate.md);
+# --perf-gated-only times only what that comparison, a floor or this machine's stored baseline
+# judges. `make bench BASE=REV` compares with any revision; `make bench BASE=` times every row
+# against its reference instead (the full speedup table). It runs at BENCH_THREADS torch threads: on
+# the 2-vCPU hosts the baseline rule's false alarms and detections were measured at 1 and 2 threads
+# (docs/gate.md), and 1 caught every 1.5x slowdown with the fewest false alarms. The CPU floors are
+# set at torch's default threads, so `make test` gates them; `make bench BENCH_THREADS=0` runs at the
+# default (floors and baseline both).
 BENCH_THREADS ?= 1
 BENCH_ARGS = $(if $(filter 0,$(BENCH_THREADS)),,--perf-threads=$(BENCH_THREADS))
+BASE ?= HEAD
+AGAINST_ARGS = $(if $(BASE),--perf-gated-only --perf-against=$(BASE),)
 bench: $(STAMP)
-	$(PYTEST) perf_tests -q --benchmark-compare --benchmark-json=bench.json $(BENCH_ARGS) $(PERF_ARGS)
+	$(PYTEST) perf_tests -q --benchmark-compare --benchmark-json=bench.json $(BENCH_ARGS) $(AGAINST_ARGS) $(PERF_ARGS)
 	$(PY) -m perfgate.report $$(find .benchmarks -name "*.json" | sort) bench.json --png bench.png --quiet
 
 # Save a new baseline for this machine's fingerprint, named by commit: only from a clean tree,

@@ -55,11 +55,11 @@ def test_only_what_a_rule_judges_is_timed(pytester: pytest.Pytester) -> None:
     assert result.ret == 0, result.stdout.str()
     result.assert_outcomes(passed=5, skipped=4)
     result.stdout.fnmatch_lines(["*perfgate: --perf-gated-only: 4 impl(s) not timed, no floor or stored "
-                                 "baseline judges them here (make bench times them): sleepy [[]plain], "
+                                 "baseline judges them here (a session without it times them): sleepy [[]plain], "
                                  "sleepy [[]other peer], unfloored [[]reference], unfloored [[]optimized]",
                                  "*gate passed*"])
     result.stdout.fnmatch_lines(["SKIPPED*sleepy [[]plain]: no floor or stored baseline judges it here "
-                                 "(--perf-gated-only; make bench times it)"])
+                                 "(--perf-gated-only; a session without it times it)"])
     rows = _rows(pytester)
     assert set(rows) == {"sleepy [optimized]", "sleepy [keyed]", "sleepy [peer]", "sleepy [lean]",
                          "sleepy [optimized vs peer]"}

@@ -93,8 +93,12 @@ def judge(row: ABRow, tolerance: float, contended: float = CONTENDED) -> str:
     elif row.low < line:
         row.outcome = "unresolved"
         row.message = f"{where}: {measured} straddles {line:.3f}x ({tolerance:.0%} slower): neither"
-    elif row.low > 1.0 + tolerance:
+    elif row.low > 1.0 + tolerance and (row.confirm_ratio is None or row.confirm_ratio > 1.0 + tolerance):
         row.outcome, row.message = "faster", f"{where}: this tree is {row.ratio:.2f}x faster ({measured})"
+    elif row.low > 1.0 + tolerance:
+        row.outcome = "ok"
+        row.message = (f"{where}: {measured}, but {row.confirmed} pairs timed again on fresh workers read "
+                       f"{row.confirm_ratio:.3f}x: not shown faster")
     else:
         row.outcome, row.message = "ok", f"{where}: {measured}"
     return row.outcome
@@ -103,10 +107,11 @@ def judge(row: ABRow, tolerance: float, contended: float = CONTENDED) -> str:
 @dataclass
 class Budget:
     """How many pairs a row gets: enough blocks to fill ``seconds`` (at least MIN_PAIRS), extended
-    by doubling within ``extend_s`` while it straddles the line."""
+    by doubling while it straddles the line, within ``extend_s`` and its share of ``total_s``."""
 
     seconds: float = 1.0
-    extend_s: float = 10.0
+    extend_s: float = 10.0  # at most this much a row
+    total_s: float = 240.0  # shared by every row's extension: a row gets its share of what is left
     all_pairs: bool = False  # the stopping rule off (perfgate.fidelity's comparison)
 
 
@@ -124,6 +129,7 @@ class Comparer:
         self.rng = random.Random(seed)
         self.timeout_s = timeout_s
         self.blocks: dict[str, tuple[int, int]] = {}  # side -> (calls, warm) for the row being timed
+        self.deadline: float | None = None  # when budget.total_s is spent, from the first row timed
 
     def build(self, row: ABRow, request: dict[str, Any]) -> bool:
         """Rebuild ``row`` on every worker; False (and ``row.reason``) when a side cannot."""
@@ -173,12 +179,16 @@ class Comparer:
             rev.append(r)
             this.append(t)
 
-    def time_row(self, row: ABRow) -> None:
+    def time_row(self, row: ABRow, rows_left: int = 1) -> None:
         """Pairs until the row is decided at EARLY, its planned pairs are spent, or (straddling) its
-        extension budget is; then ``row``'s ratio and interval."""
+        extension is: at most ``budget.extend_s``, and its share of what is left of
+        ``budget.total_s`` with ``rows_left`` rows (this one included) still to time. Then
+        ``row``'s ratio and interval."""
         line = 1.0 / (1.0 + self.tolerance)
         loads: list[tuple[float, float]] = []
         t0 = time.perf_counter()
+        if self.deadline is None:
+            self.deadline = t0 + self.budget.total_s
         self.pairs(row, MIN_PAIRS, row.rev_times, row.this_times, loads)
         pair_s = (time.perf_counter() - t0) / MIN_PAIRS
         planned = max(MIN_PAIRS, min(MAX_PAIRS, math.ceil(self.budget.seconds / max(pair_s, 1e-6))))
@@ -189,7 +199,8 @@ class Comparer:
                 if high < line or low >= line:
                     break
             self.pairs(row, min(step, planned - len(row.rev_times)), row.rev_times, row.this_times, loads)
-        extend_until = time.perf_counter() + self.budget.extend_s
+        now = time.perf_counter()
+        extend_until = now + min(self.budget.extend_s, max(0.0, self.deadline - now) / max(1, rows_left))
         while len(row.rev_times) < MAX_PAIRS and time.perf_counter() < extend_until:
             _, low, high = interval(row.rev_times, row.this_times, 0.95)
             if high < line or low >= line:

@@ -16,6 +16,7 @@ import contextlib
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +56,16 @@ def defines(path: Path, function: str) -> bool:
 class Against:
     """One session's comparison with REV: resolved at collection, run at the session's end."""
 
-    def __init__(self, config: pytest.Config, rev: str, per_side: int, tolerance: float) -> None:
+    def __init__(self, config: pytest.Config, rev: str, per_side: int, tolerance: float, budget_s: float) -> None:
         if per_side < 2:
             raise pytest.UsageError(f"--perf-against-workers must be >= 2 (process effects are averaged over "
                                     f"several workers a side), got {per_side}")
         if not 0.0 < tolerance < 1.0:
             raise pytest.UsageError(f"--perf-against-tolerance must be in (0, 1), got {tolerance}")
+        if not budget_s >= 0.0:
+            raise pytest.UsageError(f"--perf-against-budget must be seconds >= 0, got {budget_s}")
         self.config, self.rev, self.per_side, self.tolerance = config, rev, per_side, tolerance
+        self.budget_s = budget_s
         self.revision: Revision | None = None
         self.items: list[pytest.Item] = []
         self.library: list[str] = []
@@ -122,17 +126,16 @@ class Against:
                      slowdown=state.slowdown if side == "this" else 1.0)
 
     def _targets(self, state: Any) -> list[tuple[pytest.Item, str, str]]:
-        """(item, kernel, impl) of the rows to compare: what the session timed, but the reference
-        and peers."""
+        """(item, kernel, impl) of the rows to compare: the impls the suite makes a claim about
+        (``case.claimed``: "optimized" and those a marker names) that this tree ran; not the
+        reference, peers or ablations."""
+        from .case import claimed
         from .floors import kernel_name
 
         targets = []
         for item in self.items:
             names = kernel_name(item)
-            if names is None or names[1] == REFERENCE:
-                continue
-            measured = state.results.get(names[0], {}).get(names[1])
-            if measured is not None and not measured.peer:
+            if names is not None and claimed(item, names[1]) and names[1] in state.results.get(names[0], {}):
                 targets.append((item, *names))
         return targets
 
@@ -144,17 +147,13 @@ class Against:
             return
         t0 = time.perf_counter()
         budget = Budget(seconds=float(self.config.getoption("benchmark_max_time")), extend_s=state.extend_s,
-                        all_pairs=state.all_visits)
+                        total_s=self.budget_s, all_pairs=state.all_visits)
         scratch = None if self.revision.folder is not None else str(self.root.parents[len(Path(
             self.revision.prefix).parts)])  # the export's scratch folder: the tests' tmp_path go there
-        pool = Pool({"rev": self._hello("rev", self.root, state, scratch),
-                     "this": self._hello("this", rootdir, state, scratch)}, self.per_side)
+        hellos = {"rev": self._hello("rev", self.root, state, scratch),
+                  "this": self._hello("this", rootdir, state, scratch)}
         try:
-            try:
-                pool.start()
-                self._compare(pool, targets, self.root, rootdir, state, budget)
-            finally:
-                pool.close()
+            self._compare(hellos, targets, self.root, rootdir, state, budget)
         except WorkerGone as exc:
             self.problem = str(exc)
         except KeyboardInterrupt:
@@ -169,37 +168,45 @@ class Against:
                 row.reason = why
             judge(row, self.tolerance, state.contended)
 
-    def _compare(self, pool: Pool, targets: list, rev_root: Path, rootdir: Path, state: Any,
+    def _compare(self, hellos: dict[str, Hello], targets: list, rev_root: Path, rootdir: Path, state: Any,
                  budget: Budget) -> None:
-        comparer = Comparer(pool, self.tolerance, budget)
-        failing = []
-        for item, kernel, impl in targets:
-            row = ABRow(kernel, impl, state.size, item.nodeid, label=state.results[kernel][impl].label)
-            self.rows.append(row)
-            relative = Path(item.path).relative_to(rootdir)
-            if not defines(rev_root / relative, item.originalname):
-                row.reason = f"new in this tree: {relative} has no {item.originalname} at REV"
-                continue
-            request = {"row": item.nodeid, "module": item.module.__name__, "path": str(item.path),
-                       "function": item.originalname, "params": dict(item.callspec.params),
-                       "kernel": kernel, "impl": impl}
-            try:
-                if comparer.build(row, request):
-                    comparer.time_row(row)
-                    if judge(row, self.tolerance, state.contended) == "FAIL":
-                        failing.append(row)
-                        continue  # kept built for its second stretch
-            except WorkerGone as exc:  # a worker died or hung on this row: the others go on
-                row.reason = str(exc)
-                _check_sides(pool)
-            comparer.drop(row)
-        for row in failing:  # a failure is timed again, after every other row, before it stands
-            try:
-                comparer.confirm(row)
-            except WorkerGone as exc:
-                row.reason = f"timed again: {exc}"
-                _check_sides(pool)
-            comparer.drop(row)
+        """Each row in turn on one pool of workers; then the rows that failed or read faster once
+        more, on fresh workers: a process-level effect (a worker's memory layout) does not follow
+        the code into new processes, a slower or faster kernel does."""
+        again: list[tuple[ABRow, dict]] = []
+        with _started(Pool(hellos, self.per_side)) as pool:
+            comparer = Comparer(pool, self.tolerance, budget)
+            for n, (item, kernel, impl) in enumerate(targets):
+                row = ABRow(kernel, impl, state.size, item.nodeid, label=state.results[kernel][impl].label)
+                self.rows.append(row)
+                relative = Path(item.path).relative_to(rootdir)
+                if not defines(rev_root / relative, item.originalname):
+                    row.reason = f"new in this tree: {relative} has no {item.originalname} at REV"
+                    continue
+                request = {"row": item.nodeid, "module": item.module.__name__, "path": str(item.path),
+                           "function": item.originalname, "params": dict(item.callspec.params),
+                           "kernel": kernel, "impl": impl}
+                try:
+                    if comparer.build(row, request):
+                        comparer.time_row(row, rows_left=len(targets) - n)
+                        if judge(row, self.tolerance, state.contended) in ("FAIL", "faster"):
+                            again.append((row, request))
+                except WorkerGone as exc:  # a worker died or hung on this row: the others go on
+                    row.reason = str(exc)
+                    _check_sides(pool)
+                comparer.drop(row)
+        if not again:
+            return
+        with _started(Pool(hellos, self.per_side)) as pool:
+            comparer.pool = pool
+            for row, request in again:  # timed again, after every other row, before the verdict stands
+                try:  # a rebuild that fails leaves the first verdict standing, unconfirmed
+                    if comparer.build(ABRow(row.kernel, row.impl, row.size, row.nodeid), request):
+                        comparer.confirm(row)
+                except WorkerGone as exc:
+                    row.reason = f"timed again: {exc}"
+                    _check_sides(pool)
+                comparer.drop(row)
 
     # -- the report -------------------------------------------------------------------------------
 
@@ -247,6 +254,16 @@ class Against:
                         f"against {label}: no row slower than REV by more than {self.tolerance:.0%} "
                         f"({faster} faster, {unresolved} unresolved)"))
         return out
+
+
+@contextlib.contextmanager
+def _started(pool: Pool) -> Iterator[Pool]:
+    """``pool`` started, and closed however the block ends."""
+    try:
+        pool.start()
+        yield pool
+    finally:
+        pool.close()
 
 
 def _check_sides(pool: Pool) -> None:

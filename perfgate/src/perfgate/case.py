@@ -104,14 +104,30 @@ def _judged(item: pytest.Item, state: GateState, impl: str, over: str | None, va
     return over is None and "speedup" in kinds and stored and not peer
 
 
-def _needed(item: pytest.Item, state: GateState, impl: str) -> bool:
-    """Whether ``impl`` must be timed under ``--perf-gated-only``, decided before it runs (so a
-    variant-keyed floor counts): a rule may judge its row or a comparison row it is a side of; the
-    reference, when any other impl of its test is needed."""
-    if impl == REFERENCE:
-        return any(_needed(item, state, other) for other in parametrized_impls(item) if other != REFERENCE)
+def claimed(item: pytest.Item, impl: str) -> bool:
+    """Whether ``impl`` is code of ours the suite makes a claim about, what ``--perf-against``
+    compares: "optimized", or an impl a speedup or memory marker names with ``impl=``; never the
+    reference nor a peer (another library's code, the same on both sides)."""
+    if impl == REFERENCE or any(over == impl for _, over in _comparisons(item, impl)):
+        return False
+    return impl == OPTIMIZED or any(m.kwargs.get("impl") == impl for kind in ("speedup", "memory")
+                                    for m in item.iter_markers(kind))
+
+
+def _ruled(item: pytest.Item, state: GateState, impl: str) -> bool:
+    """Whether a floor or baseline may judge ``impl``'s row or a comparison row it is a side of,
+    decided before it runs (so a variant-keyed floor counts)."""
     return _judged(item, state, impl, None, UNKNOWN) or any(
         _judged(item, state, side, over, UNKNOWN, ("speedup",)) for side, over in _comparisons(item, impl))
+
+
+def _needed(item: pytest.Item, state: GateState, impl: str) -> bool:
+    """Whether ``impl`` must be timed under ``--perf-gated-only``: a rule may judge it
+    (``_ruled``), or ``--perf-against`` compares it (``claimed``); the reference, when a rule
+    may judge another impl of its test (the comparison with REV does not time it)."""
+    if impl == REFERENCE:
+        return any(_ruled(item, state, other) for other in parametrized_impls(item) if other != REFERENCE)
+    return _ruled(item, state, impl) or (state.compared and claimed(item, impl))
 
 
 def _slowed(run: Callable[..., Any], factor: float) -> Callable[..., Any]:
@@ -179,7 +195,7 @@ class PerfCase:
         if state.gated_only and not _needed(node, state, self.impl):
             state.not_timed.append(f"{self.kernel} [{self.impl}]")
             pytest.skip(f"{self.kernel} [{self.impl}]: no floor or stored baseline judges it here "
-                        "(--perf-gated-only; make bench times it)")
+                        "(--perf-gated-only; a session without it times it)")
         state.pin_threads()  # a peer's BLAS pool loads at its first use: at the session's threads too
         # wall-clock calls (the first call, the sizing call) end with a synchronize
         run = synced(fn, self.device)

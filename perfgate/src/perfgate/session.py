@@ -46,11 +46,11 @@ OPTIONS: list[tuple[str, Any, str]] = [
                                  "clear of its floor and baseline, or nothing to gate): the sequential stopping "
                                  "rule off, e.g. to measure what it saves and costs"),
     ("--perf-gated-only", False, "time only what a rule judges in this session: an impl no speedup or memory "
-                                 "floor (for this device class and size) or stored baseline involves is skipped, "
-                                 "a row only memory judges gets no interleaved pairs, and an impl's own rounds "
-                                 "(pytest-benchmark's stats; no rule reads them) are 5, not sized to "
-                                 "--benchmark-max-time; for a CI gate (make "
-                                 "test), not for a report or a saved baseline (make bench, make baseline)"),
+                                 "floor (for this device class and size) or stored baseline involves, and "
+                                 "--perf-against does not compare, is skipped, a row only memory judges gets no "
+                                 "interleaved pairs, and an impl's own rounds (pytest-benchmark's stats; no rule "
+                                 "reads them) are 5, not sized to --benchmark-max-time; for a CI gate (make test) "
+                                 "or a comparison with REV (make bench), not for a report or a saved baseline"),
     ("--perf-extend", 60.0, "seconds of extra interleaved pairs a row may take when its interval straddles its "
                             "floor, before it is reported unresolved (default 60; 0: never extend)"),
     ("--perf-contended", 0.05, "share of the CPU time the host may withhold while a row's pairs run (CPU "
@@ -71,6 +71,9 @@ OPTIONS: list[tuple[str, Any, str]] = [
                                   "(default 2, at least 2)"),
     ("--perf-against-tolerance", 0.05, "with --perf-against: fail a row whose time is more than this fraction "
                                        "over REV's, the whole interval beyond it (default 0.05)"),
+    ("--perf-against-budget", 240.0, "with --perf-against: seconds of extra pairs shared by the rows whose "
+                                     "interval straddles the tolerance, each taking at most its share of what "
+                                     "is left and --perf-extend (default 240)"),
     ("--perf-require-floors", False, "fail the session when a speedup or memory floor declared for this device "
                                      "class and size was not checked because its row was not measured (its impl, "
                                      "its reference or its peer deselected, skipped, failed, errored or not run); "
@@ -78,7 +81,7 @@ OPTIONS: list[tuple[str, Any, str]] = [
 ]
 _TYPES = {"--perf-tolerance": float, "--perf-threads": int, "--perf-visits": int, "--perf-extend": float,
           "--perf-slowdown": float, "--perf-contended": float, "--perf-against-workers": int,
-          "--perf-against-tolerance": float}
+          "--perf-against-tolerance": float, "--perf-against-budget": float}
 _CHOICES = {"--perf-size": SIZES, "--perf-malloc": ("cache", "default")}
 
 # torch's own thread count, read before any session in this process (pytester) sets it: CPU
@@ -152,7 +155,7 @@ class PerfSession:
                 raise pytest.UsageError("--perf-against times the perf tests against REV: benchmarks are off "
                                         "(--benchmark-disable or --benchmark-skip)")
             self.against = Against(config, opt["--perf-against"], opt["--perf-against-workers"],
-                                   opt["--perf-against-tolerance"])
+                                   opt["--perf-against-tolerance"], opt["--perf-against-budget"])
         self.state: GateState | None = None
         self._deselected: list[pytest.Item] = []  # perf tests -k, -m, --deselect or a shard left out
         self._shard_dropped: set[str] = set()  # node ids --perf-shard left to other shards
@@ -311,6 +314,7 @@ class PerfSession:
                                contended=self.contended,
                                fingerprint=fp, slug=slug(fp), slowdown=self.slowdown, visits=self.visits,
                                extend_s=self.extend_s, all_visits=self.all_visits, gated_only=self.gated_only,
+                               compared=self.against is not None,
                                cpu_floors_off=_cpu_floors_off(device, threads, malloc),
                                timer=timer_for(device, l2_flush=self.l2_flush,
                                                host_timer=compat.host_timer(self.config),
@@ -516,7 +520,7 @@ class PerfSession:
         if state.not_timed:
             left = ", ".join(state.not_timed)
             tr.write_line(f"perfgate: --perf-gated-only: {len(state.not_timed)} impl(s) not timed, no floor or "
-                          f"stored baseline judges them here (make bench times them): {left}")
+                          f"stored baseline judges them here (a session without it times them): {left}")
         for row in state.memory_unmeasured():
             tr.write_line(f"{row}: a memory floor is declared but this platform gives no peak memory "
                           "(CUDA, or Linux /proc/self/clear_refs): memory not gated", yellow=True)

@@ -90,6 +90,7 @@ class GateState:
     skipped: dict[tuple[str, str], int] = field(default_factory=dict)  # later pairs a decided row did not need
     all_visits: bool = False  # --perf-all-visits: the stopping rule off
     gated_only: bool = False  # --perf-gated-only: time only the impls and pairs a floor or baseline judges
+    compared: bool = False  # --perf-against: the impls it compares count as judged under --perf-gated-only
     not_timed: list[str] = field(default_factory=list)  # "kernel [impl]" --perf-gated-only left untimed
 
     def pin_threads(self) -> None:
