@@ -161,13 +161,11 @@ class Worker:
         self.malloc = configure_malloc(hello.malloc) if hello.device == "cpu" else "n/a"  # before any allocation
         sys.dont_write_bytecode = True  # leave no __pycache__ in REV's copy or the working tree
         sys.meta_path.insert(0, RootFinder(Path(hello.root), hello.library))
-        from .timing import HostLoad, timer_for, torch_or_none
+        from .timing import HostLoad, timer_for
 
-        torch = torch_or_none()
-        if torch is not None and hello.threads is not None:
-            torch.set_num_threads(hello.threads)
-        if torch is not None and hello.device.startswith("cuda"):
-            torch.cuda.set_device(hello.device)
+        self.torch_set = False  # torch's settings are applied once a row's module has imported torch
+        if hello.device.startswith("cuda"):
+            self._torch()
         self.timer = timer_for(hello.device)
         self.host = HostLoad(hello.threads or 1)
         self.tmp = Path(tempfile.mkdtemp(prefix="perfgate-worker-", dir=hello.scratch))
@@ -177,6 +175,20 @@ class Worker:
 
             self.limits = threadpool_limits(limits=hello.threads)
 
+    def _torch(self) -> None:
+        """The session's torch threads and GPU, once: at the start on CUDA, else after the first
+        row's module imported torch (a library without torch never loads it, 2 s a worker)."""
+        if self.torch_set:
+            return
+        import torch
+
+        if self.hello.threads is not None:
+            torch.set_num_threads(self.hello.threads)
+        if self.hello.device.startswith("cuda"):
+            index = torch.device(self.hello.device).index  # plain "cuda": torch's current GPU
+            torch.cuda.set_device(torch.cuda.current_device() if index is None else index)
+        self.torch_set = True
+
     def build(self, row: str, module: str, path: str, function: str, params: dict[str, Any],
               kernel: str, impl: str) -> dict[str, Any]:
         """Rebuild ``row``'s timed callable, make its first and a warm call; report their seconds."""
@@ -185,8 +197,10 @@ class Worker:
 
         hello = self.hello
         tmp = Path(tempfile.mkdtemp(dir=self.tmp))
-        call = capture(load_module(module, Path(path)), function, params, CaptureCase(kernel, impl, hello.device,
-                                                                                        hello.size), tmp)
+        loaded = load_module(module, Path(path))
+        if "torch" in sys.modules:
+            self._torch()
+        call = capture(loaded, function, params, CaptureCase(kernel, impl, hello.device, hello.size), tmp)
         run = synced(call.fn, hello.device)
         slowed = hello.slowdown != 1.0 and impl == OPTIMIZED and hello.side == "this"
         if slowed:
