@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from perfgate.report import main as report_main
+
 LIBRARY = """
 import time
 
@@ -86,7 +88,7 @@ def _rows(pytester: pytest.Pytester) -> dict[str, dict]:
 
 @pytest.mark.timed
 def test_a_slower_row_fails_a_faster_one_is_reported_and_new_ones_are_not_comparable(
-        project: pytest.Pytester) -> None:
+        project: pytest.Pytester, capsys: pytest.CaptureFixture) -> None:
     # HEAD gains a test of a function its library lacks; this tree, uncommitted: slow_work 1.3x
     # slower, fast_work 2x faster, the function added, and a test HEAD does not have
     project.makepyfile(test_more=NEW.format(name="added", call="added"))
@@ -110,6 +112,13 @@ def test_a_slower_row_fails_a_faster_one_is_reported_and_new_ones_are_not_compar
     assert rows["added"]["outcome"] == "not comparable" and "added" in rows["added"]["reason"]
     assert rows["newer"]["outcome"] == "not comparable" and "new in this tree" in rows["newer"]["reason"]
     assert _left(project) == []
+    # perfgate.report prints the comparison from the JSON as the session did, and draws its panel
+    png = project.path / "bench.png"
+    assert report_main([str(project.path / "out.json"), "--png", str(png)]) == 0
+    printed = capsys.readouterr().out
+    assert "AGAINST FAILED: slow [optimized, slow]: this tree is 1." in printed
+    assert "against HEAD (" in printed and "1 row(s) slower than REV" in printed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.timed
@@ -141,6 +150,27 @@ def test_a_revision_whose_library_does_not_import_stops_the_session(project: pyt
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--perf-against HEAD (*): REV's library does not import (mylib): "
                                  "ModuleNotFoundError: No module named 'no_such_module'*"])
+    assert _left(project) == []
+
+
+@pytest.mark.timed
+def test_ctrl_c_in_the_comparison_leaves_nothing_behind(project: pytest.Pytester,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while the first row is compared (the in-process session's comparer raises it): the
+    session ends interrupted, saves no baseline, and leaves no worker process and no scratch folder."""
+    import multiprocessing
+
+    import perfgate.abrun
+
+    def interrupt(self: object, row: object, rows_left: int = 1) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(perfgate.abrun.Comparer, "time_row", interrupt)
+    result = project.runpytest(*FAST, "--perf-against", "HEAD", "--benchmark-save=partial")
+    assert result.ret == pytest.ExitCode.INTERRUPTED, result.stdout.str()
+    result.stdout.fnmatch_lines(["*interrupted: nothing saved as a baseline*"])
+    assert not list((project.path / ".benchmarks").rglob("*.json"))
+    assert multiprocessing.active_children() == []
     assert _left(project) == []
 
 

@@ -92,7 +92,8 @@ def judge(row: ABRow, tolerance: float, contended: float = CONTENDED) -> str:
                            f"{tolerance:.0%} slower, {line:.3f}x)")
     elif row.low < line:
         row.outcome = "unresolved"
-        row.message = f"{where}: {measured} straddles {line:.3f}x ({tolerance:.0%} slower): neither"
+        row.message = (f"{where}: {measured} straddles {line:.3f}x ({tolerance:.0%} slower): neither shown "
+                       "within it nor beyond it; rerun, or give it more --perf-against-budget")
     elif row.low > 1.0 + tolerance and (row.confirm_ratio is None or row.confirm_ratio > 1.0 + tolerance):
         row.outcome, row.message = "faster", f"{where}: this tree is {row.ratio:.2f}x faster ({measured})"
     elif row.low > 1.0 + tolerance:

@@ -223,37 +223,44 @@ class Against:
     def lines(self) -> list[tuple[str, str]]:
         """(style, text) lines for the terminal: a table, then the verdict."""
         label = self.revision.label if self.revision else self.rev
-        out = [("note", f"perfgate against {label}: REV's time / this tree's (under 1: this tree is slower), "
-                        f"{self.per_side} workers a side, {self.seconds:.0f} s")]
-        header = ("kernel", "impl", "size", "REV ms", "this ms", "REV/this", "95% CI", "pairs", "gate")
-        cells = [header]
-        for r in self.rows:
-            timed = r.ratio is not None
-            cells.append((r.kernel, r.impl, r.size,
-                          f"{1e3 * _median(r.rev_times):.3f}" if timed else "-",
-                          f"{1e3 * _median(r.this_times):.3f}" if timed else "-",
-                          f"{r.ratio:.3f}x" if timed else "-",
-                          f"{r.low:.3f}-{r.high:.3f}" if timed else "-",
-                          str(len(r.rev_times)) if timed else "-", r.outcome))
-        widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-        out += [("note", "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))) for row in cells]
-        for r in self.rows:
-            if r.outcome in ("FAIL", "unresolved", "not comparable"):
-                style = {"FAIL": "fail", "unresolved": "warn"}.get(r.outcome, "note")
-                prefix = {"FAIL": "AGAINST FAILED: ", "unresolved": "unresolved: "}.get(r.outcome, "")
-                out.append((style, prefix + r.message))
-        if self.problem:
-            out.append(("fail", f"perfgate against {label}: {self.problem}"))
-        failed = self.failed()
-        if failed:
-            out.append(("fail", f"against {label}: {len(failed)} row(s) slower than REV"))
-        else:
-            unresolved = sum(r.outcome == "unresolved" for r in self.rows)
-            faster = sum(r.outcome == "faster" for r in self.rows)
-            out.append(("pass" if not unresolved else "warn",
-                        f"against {label}: no row slower than REV by more than {self.tolerance:.0%} "
-                        f"({faster} faster, {unresolved} unresolved)"))
-        return out
+        return report_lines(self.rows, label, self.per_side, self.seconds, self.tolerance, self.problem)
+
+
+def report_lines(rows: list[ABRow], label: str, per_side: int, seconds: float, tolerance: float,
+                 problem: str = "") -> list[tuple[str, str]]:
+    """(style, text): the comparison's table and verdict, from the session or from its JSON
+    (``perfgate.against``, read back by ``perfgate.report``)."""
+    out = [("note", f"perfgate against {label}: REV's time / this tree's (under 1: this tree is slower), "
+                    f"{per_side} workers a side, {seconds:.0f} s")]
+    header = ("kernel", "impl", "size", "REV ms", "this ms", "REV/this", "95% CI", "pairs", "gate")
+    cells = [header]
+    for r in rows:
+        timed = r.ratio is not None
+        cells.append((r.kernel, r.impl, r.size,
+                      f"{1e3 * _median(r.rev_times):.3f}" if timed else "-",
+                      f"{1e3 * _median(r.this_times):.3f}" if timed else "-",
+                      f"{r.ratio:.3f}x" if timed else "-",
+                      f"{r.low:.3f}-{r.high:.3f}" if timed else "-",
+                      str(len(r.rev_times)) if timed else "-", r.outcome))
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    out += [("note", "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))) for row in cells]
+    for r in rows:
+        if r.outcome in ("FAIL", "unresolved", "not comparable"):
+            style = {"FAIL": "fail", "unresolved": "warn"}.get(r.outcome, "note")
+            prefix = {"FAIL": "AGAINST FAILED: ", "unresolved": "unresolved: "}.get(r.outcome, "")
+            out.append((style, prefix + r.message))
+    if problem:
+        out.append(("fail", f"perfgate against {label}: {problem}"))
+    failed = [r for r in rows if r.outcome == "FAIL"]
+    if failed:
+        out.append(("fail", f"against {label}: {len(failed)} row(s) slower than REV"))
+    else:
+        unresolved = sum(r.outcome == "unresolved" for r in rows)
+        faster = sum(r.outcome == "faster" for r in rows)
+        out.append(("pass" if not unresolved else "warn",
+                    f"against {label}: no row slower than REV by more than {tolerance:.0%} "
+                    f"({faster} faster, {unresolved} unresolved)"))
+    return out
 
 
 @contextlib.contextmanager

@@ -8,8 +8,9 @@ repeated); ``--output`` writes the merged run, a JSON like one unsharded run's.
 With no JSON given it reads every run saved under ``.benchmarks/`` (all fingerprints). It
 prints the table of the newest run of each fingerprint and size; ``--markdown`` writes the same
 tables as a markdown page (each headed by what it was measured on: device, threads, allocator,
-torch, and the commit); ``--png`` draws the newest run's speedups with their intervals and
-floors, and each kernel's speedup across the saved runs of that fingerprint and size.
+torch, and the commit); ``--png`` draws the newest run, a panel per kernel: its speedups with
+their intervals and floors, and with ``--perf-against`` REV's time over this tree's; under them
+each row's speedup across the saved runs of that fingerprint and size.
 """
 
 from __future__ import annotations
@@ -23,6 +24,16 @@ from .session import JSON_KEY
 from .shard import MergeError, merge
 from .stats import CONTENDED, TABLE_HEADER, format_table, gate, held_to, row_from_dict, table_cells, verdict
 from .stored import BadRun, read_run
+
+
+def against_lines(against: dict) -> list[tuple[str, str]]:
+    """A run's ``--perf-against`` table and verdict, as the session printed them."""
+    from .abrun import ABRow
+    from .against import report_lines
+
+    label = f"{against['rev']} ({against['sha'][:12]})" if against.get("sha") else str(against.get("folder"))
+    return report_lines([ABRow(**r) for r in against["rows"]], label, against["workers_per_side"],
+                        against["seconds"], against["tolerance"], against.get("problem", ""))
 
 
 def load_runs(paths: list[Path]) -> list[dict]:
@@ -47,42 +58,126 @@ def _label(run: dict) -> str:
     return f"{run.get('datetime', '?')[:16]} {commit[:7]}"
 
 
+COLORS = {"FAIL": "tab:red", "unresolved": "tab:orange", "faster": "tab:green"}  # else tab:blue
+
+
+def _kernels(rows: list[dict], ab: list[dict]) -> list[str]:
+    """Kernel names in the order the run measured them (speedup rows first, then A/B-only ones)."""
+    return list(dict.fromkeys([r["kernel"] for r in rows] + [r["kernel"] for r in ab]))
+
+
+def _outcome(row: dict) -> str:
+    """A stored row's outcome (runs saved before rows carried one: from its failures)."""
+    if row.get("outcome"):
+        return row["outcome"]
+    return "FAIL" if row.get("failures") else "unresolved" if row.get("unresolved") else "ok"
+
+
+def _dots(ax: object, rows: list[tuple[str, float, float, float, str]]) -> None:
+    """(name, point, low, high, outcome) as dots with their intervals, one line each, top down."""
+    for y, (_, x, lo, hi, outcome) in enumerate(rows):
+        ax.errorbar([x], [y], xerr=[[x - lo], [hi - x]], fmt="o", ms=4, capsize=2,
+                    color=COLORS.get(outcome, "tab:blue"))
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=7)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+
+
+class NothingToDraw(ValueError):
+    """The newest run has no row a chart could show."""
+
+
 def draw(runs: list[dict], png: Path) -> None:
-    """Left: newest run's speedups (95% CI, floor). Right: its fingerprint's runs over time."""
+    """The newest run, one panel per kernel: each row's speedup over its reference (dot, 95%
+    interval, floor as a red bar, 1x marked); with --perf-against, beside it REV's time over this
+    tree's (1 and the tolerance line marked). Red: FAIL, orange: unresolved, green: faster. Under
+    them, each row's speedup across the saved runs of that fingerprint and size, when there are
+    two or more."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = [r for r in runs if _where(r) == _where(runs[-1])]
-    latest = runs[-1][JSON_KEY]["speedups"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 0.5 * max(len(latest), 4) + 2))
-    names = [f"{r['kernel']} [{r['impl']}, {r['label'] or r['size']}]" for r in latest]
-    ys = range(len(latest))
-    err = [[r["speedup"] - r["low"] for r in latest], [r["high"] - r["speedup"] for r in latest]]
-    ax1.barh(ys, [r["speedup"] for r in latest], xerr=err, color="tab:blue", capsize=3)
-    for y, r in zip(ys, latest, strict=True):
-        if r["floor"] is not None:
-            ax1.plot([r["floor"]] * 2, [y - 0.4, y + 0.4], color="tab:red", lw=2)
-    ax1.set_yticks(list(ys), names, fontsize=8)
-    ax1.set_xscale("log")
-    ax1.axvline(1.0, color="gray", lw=0.8)
-    ax1.set_xlabel("speedup over reference (log; red: floor)")
-    ax1.set_title(f"{runs[-1][JSON_KEY]['slug']}, {runs[-1][JSON_KEY]['size']}\n{_label(runs[-1])}",
-                  fontsize=9)
-    history: dict[str, list[tuple[int, float]]] = {}
-    for i, run in enumerate(runs):
-        for r in run[JSON_KEY]["speedups"]:
-            history.setdefault(f"{r['kernel']} [{r['impl']}]", []).append((i, r["speedup"]))
-    for name, points in history.items():
-        ax2.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
-    ax2.set_xticks(range(len(runs)), [_label(r) for r in runs], rotation=30, ha="right", fontsize=7)
-    ax2.set_yscale("log")
-    ax2.set_ylabel("speedup")
-    ax2.set_title("speedup across saved runs", fontsize=9)
-    ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    section = runs[-1][JSON_KEY]
+    rows, against = section["speedups"], section.get("against") or {}
+    ab = [r for r in against.get("rows", []) if r.get("ratio") is not None]
+    kernels = _kernels(rows, ab)
+    if not kernels:
+        raise NothingToDraw(f"{runs[-1]['_path']}: no speedup and no row compared with REV: no chart drawn")
+    history = len(runs) > 1 and bool(rows)
+    heights = [max(sum(r["kernel"] == k for r in rows), sum(r["kernel"] == k for r in ab), 1) + 1.0
+               for k in kernels]
+    if history:  # a spacer row for the last panels' axis label, then the history
+        heights += [2.0, 0.4 * sum(heights)]
+    cols = 2 if ab else 1
+    tall = 0.25 * sum(heights) + 1.0
+    fig = plt.figure(figsize=(6.0 * cols + 1, tall))
+    grid = fig.add_gridspec(len(heights), cols, height_ratios=heights, hspace=1.0, wspace=0.45,
+                            top=1.0 - 0.9 / tall, bottom=0.6 / tall)
+    speed_ax = ab_ax = None
+    line = 1.0 / (1.0 + against.get("tolerance", 0.05))
+    for i, kernel in enumerate(kernels):
+        mine = [(r["impl"], r["speedup"], r["low"], r["high"], _outcome(r)) for r in rows if r["kernel"] == kernel]
+        ax = fig.add_subplot(grid[i, 0], sharex=speed_ax)
+        speed_ax = speed_ax or ax
+        ax.set_title(kernel, loc="left", fontsize=8)
+        ax.axvline(1.0, color="gray", lw=0.8)
+        if mine:
+            _dots(ax, mine)
+            for y, r in enumerate(r for r in rows if r["kernel"] == kernel):
+                if r["floor"] is not None:
+                    ax.plot([r["floor"]] * 2, [y - 0.35, y + 0.35], color="tab:red", lw=2)
+        else:  # compared with REV only (make bench's --perf-gated-only): no frame to read
+            ax.set_yticks([])
+            ax.set_frame_on(False)
+            ax.text(0.02, 0.5, "no speedup timed", transform=ax.transAxes, fontsize=7, va="center", color="gray")
+        ax.set_xscale("log")
+        if ab:
+            theirs = [(r["impl"], r["ratio"], r["low"], r["high"], r["outcome"])
+                      for r in ab if r["kernel"] == kernel]
+            bx = fig.add_subplot(grid[i, 1], sharex=ab_ax)
+            ab_ax = ab_ax or bx
+            bx.axvline(1.0, color="gray", lw=0.8)
+            bx.axvline(line, color="tab:red", lw=0.8, ls="--")
+            if theirs:
+                _dots(bx, theirs)
+            else:
+                bx.set_yticks([])
+                bx.text(0.02, 0.5, "not compared", transform=bx.transAxes, fontsize=7, va="center")
+    assert speed_ax is not None
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    panels = [a for a in fig.axes]
+    for a in panels:
+        a.tick_params(axis="x", labelsize=7, labelbottom=False)
+        a.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+        a.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    speed_ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    for a in panels[-cols:]:
+        a.tick_params(axis="x", labelbottom=True)
+    panels[-cols].set_xlabel("speedup over reference (log; red bar: floor)", fontsize=8)
+    if ab_ax is not None:
+        rev = against.get("sha") or against.get("rev")
+        panels[-1].set_xlabel(f"REV time / this tree's (under 1: slower; dashed: the {against['tolerance']:.0%} "
+                                "line)", fontsize=8)
+        ab_ax.figure.suptitle(f"{section['slug']}, {section['size']}, {_label(runs[-1])}; against "
+                              f"{against.get('rev')} ({str(rev)[:12]})", fontsize=9)
+    else:
+        fig.suptitle(f"{section['slug']}, {section['size']}, {_label(runs[-1])}", fontsize=9)
+    if history:
+        hx = fig.add_subplot(grid[-1, :])
+        series: dict[str, list[tuple[int, float]]] = {}
+        for i, run in enumerate(runs):
+            for r in run[JSON_KEY]["speedups"]:
+                series.setdefault(f"{r['kernel']} [{r['impl']}]", []).append((i, r["speedup"]))
+        for name, points in series.items():
+            hx.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, lw=1, label=name)
+        hx.set_xticks(range(len(runs)), [_label(r) for r in runs], rotation=30, ha="right", fontsize=6)
+        hx.set_yscale("log")
+        hx.set_ylabel("speedup", fontsize=8)
+        hx.set_title("speedup across saved runs", loc="left", fontsize=8)
+        hx.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 + len(series) // 20)
+    fig.savefig(png, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -172,13 +267,18 @@ def main(argv: list[str] | None = None) -> int:
             slug, size = _where(run)
             print(f"{slug}  size {size}  {_label(run)}  ({run['_path']})")
             print("\n".join(format_table(run[JSON_KEY]["speedups"])))
+            if run[JSON_KEY].get("against"):
+                print("\n".join(text for _, text in against_lines(run[JSON_KEY]["against"])))
             print()
     if args.markdown:
         args.markdown.write_text("\n".join(markdown(list(newest.values()))), encoding="utf8")
         print(f"wrote {args.markdown}")
     if args.png:
-        draw(runs, args.png)
-        print(f"wrote {args.png}")
+        try:
+            draw(runs, args.png)
+            print(f"wrote {args.png}")
+        except NothingToDraw as exc:
+            print(exc, file=sys.stderr)
     return 0
 
 
