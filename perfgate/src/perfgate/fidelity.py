@@ -22,6 +22,13 @@ Each optimized row of each run is one trial for every rule, all computed from th
   speedup more than ``tolerance`` under the baseline's, the whole interval under its point), or
   a floor's failure.
 
+With ``--against REV`` it measures ``--perf-against``'s rule instead, with no baseline: every
+run compares this tree with REV (on a clean tree against HEAD, an alarm in an unchanged run is
+false), and in a slowed run this tree's optimized impls are spun in their workers; each row is
+judged by perfgate's A/B verdict, by asv continuous's rule (this tree's median over 1.1 x REV's
+and a one-sided Mann-Whitney U test at p < 0.002, on the same blocks) and by the point estimate
+alone past the tolerance.
+
 The first two judge the optimized side against itself across runs, so anything that slows the
 whole host (a neighbour, a clock change) reads as a regression; the speedup rules compare
 reference and optimized measured side by side in one run. Runs are single-threaded by default
