@@ -433,14 +433,31 @@ def test_actions_are_pinned(name: str) -> None:
 
 
 def guard_problems(wf: dict) -> list[str]:
-    """gpu-perf's jobs, the hosted merge too, each run exactly where a self-hosted job may."""
-    return [f"job {n!r} {'runs' if ran else 'does not run'} on: {scenario}"
-            for scenario, (ctx, allowed) in scenarios(wf).items()
-            for n in wf["jobs"] if (ran := triggered(wf, ctx) and can_run(wf, n, ctx)) != allowed]
+    """No gpu-perf job, the hosted merge included, runs where a self-hosted job may not, and perf
+    (the suite) and its merge run wherever one may; a job may run on fewer events (against: pull
+    requests only)."""
+    problems = []
+    for scenario, (ctx, allowed) in scenarios(wf).items():
+        for n in wf["jobs"]:
+            ran = triggered(wf, ctx) and can_run(wf, n, ctx)
+            if ran != allowed and (ran or n in ("perf", "merge")):
+                problems.append(f"job {n!r} {'runs' if ran else 'does not run'} on: {scenario}")
+    return problems
 
 
 def test_gpu_perf_guard_on_every_job() -> None:
     assert guard_problems(load("gpu-perf.yml")) == []
+
+
+def test_against_runs_on_every_allowed_pull_request_and_nothing_else() -> None:
+    """The PR-against-base job: each pull request a self-hosted job may run, no push or dispatch;
+    the whole history checked out (the base commit is exported from it)."""
+    wf = load("gpu-perf.yml")
+    for scenario, (ctx, allowed) in scenarios(wf).items():
+        pr = ctx["github"]["event_name"] == "pull_request"
+        assert (triggered(wf, ctx) and can_run(wf, "against", ctx)) == (allowed and pr), scenario
+    checkout = wf["jobs"]["against"]["steps"][0]
+    assert checkout["uses"].startswith("actions/checkout@") and checkout["with"]["fetch-depth"] == 0
 
 
 def concurrency_problems(wf: dict) -> list[str]:
