@@ -14,20 +14,18 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
+from .state import EARLY, MIN_PAIRS
 from .stats import CONTENDED, speedup_interval
+from .timing import block_calls
 from .workers import Pool, WorkerGone
 
-MIN_PAIRS = 7  # as the floors' rule: a verdict needs this many pairs
-MAX_PAIRS = 400
-EARLY = 0.99  # a row whose 99% interval is clear of the line needs no more pairs
-BLOCK_S = 0.02  # a block lasts at least this long (up to 8 calls), as in the session's own pairs
-WARM_S = 0.1  # a call shorter than this gets an untimed warming call before each block
+MAX_PAIRS = 400  # a row's pairs in all (the session's own rows: state.MAX_PAIRS)
+BLOCK_TIMEOUT_S = 60.0  # a block's answer is awaited at least this long, and 20 x its expected time
 
 
 @dataclass
@@ -116,20 +114,14 @@ class Budget:
     all_pairs: bool = False  # the stopping rule off (perfgate.fidelity's comparison)
 
 
-def _calls(seconds: float) -> tuple[int, int]:
-    """(timed calls, warming calls) of a block of a call lasting ``seconds``."""
-    return max(1, min(8, math.ceil(BLOCK_S / max(seconds, 1e-9)))), int(seconds < WARM_S)
-
-
 class Comparer:
     """Times the rows of one session against REV on a started ``pool``."""
 
-    def __init__(self, pool: Pool, tolerance: float, budget: Budget, seed: int = 0,
-                 timeout_s: Callable[[float], float] = lambda block_s: max(60.0, 50.0 * block_s)) -> None:
+    def __init__(self, pool: Pool, tolerance: float, budget: Budget, seed: int = 0) -> None:
         self.pool, self.tolerance, self.budget = pool, tolerance, budget
         self.rng = random.Random(seed)
-        self.timeout_s = timeout_s
-        self.blocks: dict[str, tuple[int, int]] = {}  # side -> (calls, warm) for the row being timed
+        # side -> (timed calls, warming calls, a call's seconds) for the row being timed
+        self.blocks: dict[str, tuple[int, int, float]] = {}
         self.deadline: float | None = None  # when budget.total_s is spent, from the first row timed
 
     def build(self, row: ABRow, request: dict[str, Any]) -> bool:
@@ -150,7 +142,8 @@ class Comparer:
             if not warm[side]:
                 row.reason = f"no {side} worker is left"
                 return False
-            self.blocks[side] = _calls(float(np.median(warm[side])))
+            seconds = float(np.median(warm[side]))
+            self.blocks[side] = (*block_calls(seconds), seconds)
         return True
 
     def _block(self, row: ABRow, side: str, loads: list[tuple[float, float]]) -> float:
@@ -158,8 +151,9 @@ class Comparer:
         if not workers:
             raise WorkerGone(f"no {side} worker is left")
         worker = self.rng.choice(workers)
-        calls, warm = self.blocks[side]
-        reply = self.pool.ask(worker, "block", self.timeout_s(1.0), row=row.nodeid, calls=calls, warm=warm)
+        calls, warm, seconds = self.blocks[side]
+        timeout = max(BLOCK_TIMEOUT_S, 20.0 * (calls + warm) * seconds)
+        reply = self.pool.ask(worker, "block", timeout, row=row.nodeid, calls=calls, warm=warm)
         if not reply.get("ok"):
             raise WorkerGone(f"{worker.name}: {reply.get('reason')}")
         row.used.setdefault(side, [0] * self.pool.per_side)[worker.index] += 1

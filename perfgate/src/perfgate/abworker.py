@@ -25,7 +25,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-OPTIMIZED = "optimized"
+from .floors import OPTIMIZED
+
 # the fixtures a rebuilt perf test may take, besides its parameters
 FIXTURES = ("perf", "perf_device", "perf_size", "tmp_path")
 

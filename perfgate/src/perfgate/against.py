@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from .abrun import ABRow, Budget, Comparer, judge
@@ -27,7 +28,6 @@ from .abworker import Hello
 from .checkout import CheckoutError, Revision, checked_out, resolve
 from .workers import Pool, WorkerGone
 
-REFERENCE = "reference"
 INI = "perfgate_against_library"
 # imports the library packages REV has, from REV's copy only (abworker.RootFinder), in a fresh process
 IMPORT_CHECK = ("import importlib, sys; from pathlib import Path; from perfgate.abworker import RootFinder; "
@@ -237,8 +237,8 @@ def report_lines(rows: list[ABRow], label: str, per_side: int, seconds: float, t
     for r in rows:
         timed = r.ratio is not None
         cells.append((r.kernel, r.impl, r.size,
-                      f"{1e3 * _median(r.rev_times):.3f}" if timed else "-",
-                      f"{1e3 * _median(r.this_times):.3f}" if timed else "-",
+                      f"{1e3 * float(np.median(r.rev_times)):.3f}" if timed else "-",
+                      f"{1e3 * float(np.median(r.this_times)):.3f}" if timed else "-",
                       f"{r.ratio:.3f}x" if timed else "-",
                       f"{r.low:.3f}-{r.high:.3f}" if timed else "-",
                       str(len(r.rev_times)) if timed else "-", r.outcome))
@@ -278,9 +278,3 @@ def _check_sides(pool: Pool) -> None:
     for side in ("rev", "this"):
         if not pool.side(side):
             raise WorkerGone(f"every {side} worker is gone")
-
-
-def _median(times: list[float]) -> float:
-    import numpy as np
-
-    return float(np.median(times)) if times else float("nan")

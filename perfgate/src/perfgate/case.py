@@ -14,7 +14,7 @@ import pytest
 from . import compat
 from .floors import OPTIMIZED, comparison, floor_value, kernel_name, parametrized_impls
 from .state import MIN_PAIRS, REFERENCE, GateState, Measurement, Visits, baseline_key
-from .timing import PairLoad, interleaved, peak_memory, synced
+from .timing import PairLoad, block_calls, interleaved, peak_memory, synced
 
 MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the options say
 MAX_ROUNDS = 1000
@@ -22,10 +22,6 @@ MIN_VISIT_ROUNDS = 3  # interleaved pairs a visit times, at least
 # A slow row's first visit: its 7 pairs (MIN_PAIRS) are timed as 4 now and 3 at the session's end,
 # which a row its 4 pairs already decided in its favour does not need (GateState.revisit)
 FIRST_PAIRS = 4
-# A call this long is timed in its block without a warming call first: the caches a warming call
-# would refill (a 32 MiB L3 at 20 GB/s or more: under 2 ms) are within 2% of it, and the call
-# costs as much as the reading
-WARM_S = 0.1
 
 
 def _floor(item: pytest.Item, mark_name: str, impl: str, device: str, size: str,
@@ -144,13 +140,6 @@ def _slowed(run: Callable[..., Any], factor: float) -> Callable[..., Any]:
         return out
 
     return slowed
-
-
-BLOCK_S = 0.02  # a block lasts at least this long (up to 8 calls): short kernels repeat
-
-
-def _block_calls(seconds: float) -> int:
-    return max(1, min(8, math.ceil(BLOCK_S / max(seconds, 1e-9))))
 
 
 class PerfCase:
@@ -275,8 +264,8 @@ class PerfCase:
         (base_timed, base_median), (side_timed, side_median) = (state.runners[(self.kernel, i)]
                                                                 for i in (base, side))
         base_s, side_s = state.timer.cost(base_median), state.timer.cost(side_median)  # with the flush
-        calls = (_block_calls(base_s), _block_calls(side_s))
-        warm = (int(base_s < WARM_S), int(side_s < WARM_S))
+        (base_calls, base_warm), (side_calls, side_warm) = block_calls(base_s), block_calls(side_s)
+        calls, warm = (base_calls, side_calls), (base_warm, side_warm)
         block_s = (calls[0] + warm[0]) * base_s + (calls[1] + warm[1]) * side_s
         max_time = float(config.getoption("benchmark_max_time"))
         n = max(MIN_PAIRS, min(rounds, math.ceil(max_time / max(block_s, 1e-6))))

@@ -30,8 +30,9 @@ def against_lines(against: dict) -> list[tuple[str, str]]:
     """A run's ``--perf-against`` table and verdict, as the session printed them."""
     from .abrun import ABRow
     from .against import report_lines
+    from .checkout import Revision
 
-    label = f"{against['rev']} ({against['sha'][:12]})" if against.get("sha") else str(against.get("folder"))
+    label = Revision(against["rev"], sha=against.get("sha"), folder=against.get("folder")).label
     return report_lines([ABRow(**r) for r in against["rows"]], label, against["workers_per_side"],
                         against["seconds"], against["tolerance"], against.get("problem", ""))
 

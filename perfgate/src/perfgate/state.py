@@ -51,7 +51,7 @@ class Visits:
     timed: Timed
     calls: tuple[int, int]
     shares: list[int]
-    warm: tuple[int, int] = (1, 1)  # untimed calls before each side's block (case.WARM_S)
+    warm: tuple[int, int] = (1, 1)  # untimed calls before each side's block (timing.WARM_S)
 
 
 @dataclass

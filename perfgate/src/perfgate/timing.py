@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
+import math
 import mmap
 import os
 import time
@@ -287,6 +288,19 @@ def peak_memory(fn: Callable[[], Any], device: str) -> int | None:
     if before is None or after is None:
         return None
     return max(0, after - before)
+
+
+# A block lasts at least BLOCK_S (up to 8 calls): short kernels repeat. A call this long (WARM_S) is
+# timed in its block without a warming call first: the caches a warming call would refill (a 32 MiB
+# L3 at 20 GB/s or more: under 2 ms) are within 2% of it, and the call costs as much as the reading
+BLOCK_S = 0.02
+WARM_S = 0.1
+
+
+def block_calls(seconds: float) -> tuple[int, int]:
+    """(timed calls, untimed warming calls) of an interleaved block of a call lasting ``seconds``:
+    the session's pairs (case.py) and ``--perf-against``'s (abrun.py) size their blocks alike."""
+    return max(1, min(8, math.ceil(BLOCK_S / max(seconds, 1e-9)))), int(seconds < WARM_S)
 
 
 def _median(times: list[float]) -> float:
