@@ -17,6 +17,10 @@ from .state import MIN_PAIRS, REFERENCE, GateState, Measurement, Visits, baselin
 from .timing import PairLoad, block_calls, interleaved, peak_memory, synced
 
 MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the options say
+# --perf-gated-only: an impl's own rounds feed no rule, so a slow call gets fewer (what fits in
+# GATED_ROUNDS_S by its first call, at least 2 for a spread): the 2.6 s reference of a workload
+# step would spend 13 s on five
+GATED_ROUNDS_S = 1.0
 MAX_ROUNDS = 1000
 MIN_VISIT_ROUNDS = 3  # interleaved pairs a visit times, at least
 # A slow row's first visit: its 7 pairs (MIN_PAIRS) are timed as 4 now and 3 at the session's end,
@@ -171,7 +175,8 @@ class PerfCase:
         ``warmup_rounds``: untimed calls before the rounds, the first call and the sizing call
         among them (both always made, except the sizing call under ``--perf-gated-only``, whose
         rounds are not sized). Rounds default to what fits in ``--benchmark-max-time`` (at least
-        ``--benchmark-min-rounds``, never under 5, at most 1000; 5 under ``--perf-gated-only``).
+        ``--benchmark-min-rounds``, never under 5, at most 1000; under ``--perf-gated-only`` 5, or
+        for a call over 0.2 s what fits in ``GATED_ROUNDS_S``, at least 2).
         The first call is reported apart as ``first_call_ms`` (compile and warm-up live there),
         never in the timed rounds.
         ``work_bytes``: bytes one call moves; declared on both impls, the row's speedup becomes a
@@ -199,10 +204,11 @@ class PerfCase:
         t0 = time.perf_counter()
         call()
         first = time.perf_counter() - t0
-        if rounds is None and state.gated_only:
+        gated_rounds = rounds is None and state.gated_only
+        if gated_rounds:
             # rows are judged on their interleaved pairs: the impl's own rounds feed only its
             # pytest-benchmark stats and the pairs' block size, so they are not sized to max-time
-            rounds = MIN_ROUNDS
+            rounds = max(2, min(MIN_ROUNDS, math.ceil(GATED_ROUNDS_S / max(first, 1e-6))))
         elif rounds is None:
             t1 = time.perf_counter()
             call()  # a warm call sizes the rounds: the first may compile or build caches
@@ -210,7 +216,7 @@ class PerfCase:
             max_time = float(config.getoption("benchmark_max_time"))
             min_rounds = int(config.getoption("benchmark_min_rounds"))
             rounds = min(MAX_ROUNDS, max(min_rounds, math.ceil(max_time / max(warm, 1e-6))))
-        rounds = max(rounds, MIN_ROUNDS)
+        rounds = rounds if gated_rounds else max(rounds, MIN_ROUNDS)
         bench.group = self.kernel
         bench.extra_info.update(kernel=self.kernel, impl=self.impl, size=self.size, label=label,
                                 device=self.device, first_call_ms=1e3 * first)
