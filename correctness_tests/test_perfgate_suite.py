@@ -2,7 +2,8 @@
 and what the gate must catch, it catches.
 
 - Every CPU floor sits under every measured speedup of its row with a margin (noise on a new
-  machine does not trip it), above a quarter of the highest (a 4x slower kernel fails it), and at
+  machine does not trip it), above a quarter of the highest (a 4x slower kernel fails it; for a
+  row over a peer listed in PEER_SPREAD, its kernel's row over the reference does), and at
   or above LOST (a kernel replaced by its reference, ~1x, fails it) unless it is one of the
   floors listed in NO_REGRESSION with the reason no higher floor is true of every CPU.
 - A kernel replaced by its reference's algorithm fails the gate without a baseline, and so does
@@ -48,6 +49,13 @@ NO_REGRESSION = {
     ("rope_attention_s512", "optimized vs peer: rotary-embedding-torch + SDPA"): "both end in SDPA, "
     "which dominates at 512 tokens: 1.10-1.28x ahead",
     ("sgd_step", "optimized vs torch_foreach"): "fused SGD over torch's foreach SGD, memory-bound: 1.24-1.53x",
+}
+# Rows over a peer whose spread across runs is the peer's, wider than SLOWDOWN, so no floor under
+# their lowest can also sit above a quarter of their highest; their kernel's row over its reference
+# (held to both checks) is what catches a 4x slower kernel:
+PEER_SPREAD = {
+    ("topk_singular_values", "optimized vs peer: sklearn randomized_svd"): "randomized_svd runs on numpy's "
+    "OpenBLAS pool beside torch's OpenMP team: 16-96 ms a call in one Zen 4 session, the row 4.1-27x",
 }
 # (perf test file, test, rows that must fail) for the scratch-copy runs: fast kernels of three
 # kinds (memory-bound per-sample grads, LAPACK-bound SVD, reductions), each as its reference and
@@ -113,8 +121,13 @@ def test_cpu_floor_holds_on_every_measured_cpu(kernel: str, impl: str, size: str
     values = [v for vs in measured.values() for v in vs]
     assert floor <= MARGIN * min(values), f"{kernel} [{impl}] {size}: floor {floor} is not under " \
         f"{MARGIN} x the lowest measured {min(values)} ({measured})"
-    assert SLOWDOWN * floor > max(values), f"{kernel} [{impl}] {size}: a {SLOWDOWN:g}x slower kernel " \
-        f"({max(values) / SLOWDOWN:.2f}x) would still meet the floor {floor}"
+    if (kernel, impl) in PEER_SPREAD:  # the kernel's own row catches a 4x slower kernel instead
+        own = [(f, max(v for vs in speedups_measured(kernel, "optimized", size).values() for v in vs))
+               for k, i, z, f, _ in FLOORS if (k, i, z) == (kernel, "optimized", size)]
+        assert own and all(SLOWDOWN * f > top for f, top in own), (kernel, size, own)
+    else:
+        assert SLOWDOWN * floor > max(values), f"{kernel} [{impl}] {size}: a {SLOWDOWN:g}x slower kernel " \
+            f"({max(values) / SLOWDOWN:.2f}x) would still meet the floor {floor}"
     if floor < LOST:
         assert (kernel, impl) in NO_REGRESSION, f"{kernel} [{impl}]: floor {floor} < {LOST} cannot catch a " \
             "kernel replaced by its reference; raise it, or list it in NO_REGRESSION with the reason"
