@@ -1,10 +1,11 @@
-"""Launched by test_distributed.py: ``torchrun --nproc-per-node 2 ddp_worker.py OUT [fail|unwritable]``.
+"""Launched by test_distributed.py: ``torchrun --nproc-per-node 2 ddp_worker.py OUT [fail]``.
 
 Runs every case of ddp_cases.py data-parallel (gloo); each is saved by ``save_checkpoint`` (rank 0
 writes), and each rank writes its losses, all-reduce counts and whether rank 0's checkpoint
-reloads into a fresh wrapped model as its own replica to OUT/rank<r>.json. With ``fail``, rank 1
-raises in its second training step instead, to show the group ends without a hung rank; with
-``unwritable``, rank 0 cannot write a checkpoint, and every rank must raise.
+reloads into a fresh wrapped model as its own replica to OUT/rank<r>.json. Then rank 0 cannot
+write a checkpoint (a missing folder), and every rank must raise: each writes what it raised to
+OUT/unwritable<r>.txt. With ``fail``, rank 1 raises in its second training step instead, to show
+the group ends without a hung rank.
 """
 
 from __future__ import annotations
@@ -41,14 +42,6 @@ def main(out: Path, scenario: str) -> int:
             cases.F.cross_entropy = failing
             cases.case_sgd(dp)
             return dp.rank
-        if scenario == "unwritable":  # rank 0 cannot write: every rank raises, none waits for the file
-            model, _, _ = cases.case_sgd(dp)
-            try:
-                opt = torch.optim.SGD(model.parameters())
-                save_checkpoint(out / "missing-folder" / "x.safetensors", model, opt)
-            except (OSError, RuntimeError) as e:
-                (out / f"unwritable{dp.rank}.txt").write_text(f"{type(e).__name__}: {e}")
-            return dp.rank
         report = {}
         for name, case in cases.CASES.items():
             model, result, rounds = case(dp)
@@ -63,6 +56,11 @@ def main(out: Path, scenario: str) -> int:
         report["reloaded_equal"] = all(torch.equal(a, b) for a, b in
                                        zip(model.parameters(), fresh.parameters(), strict=True))
         (out / f"rank{dp.rank}.json").write_text(json.dumps(report))
+        # rank 0 cannot write: every rank raises, none waits for the file
+        try:
+            save_checkpoint(out / "missing-folder" / "x.safetensors", model, torch.optim.SGD(model.parameters()))
+        except (OSError, RuntimeError) as e:
+            (out / f"unwritable{dp.rank}.txt").write_text(f"{type(e).__name__}: {e}")
     return dp.rank
 
 
