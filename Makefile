@@ -8,6 +8,10 @@ PYTEST := $(PY) -m pytest
 # Extra pytest flags, e.g. `make bench BENCH_THREADS=0 PERF_ARGS="--perf-device cuda --perf-size full"`
 # (a GPU runner: at torch's default threads, as its baselines are saved).
 PERF_ARGS ?=
+# make test starts many Python processes (xdist workers, pytester sessions, torchrun ranks, the CLIs):
+# where the host sets PYTHONDONTWRITEBYTECODE, each compiled the project's modules and pytest's
+# assertion rewrites anew (2 s a pytest process). Empty, it lets the first cache them in __pycache__.
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: install test lint correctness perf bench baseline report clean
 
