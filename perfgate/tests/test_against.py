@@ -184,3 +184,28 @@ def test_settings_that_cannot_work_are_refused(project: pytest.Pytester, args: l
     result = project.runpytest(*FAST, "--perf-against", "HEAD", *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"*{message}"])
+
+
+def _judged(ratio: float, low: float, high: float, **confirm: float) -> tuple[str, str]:
+    from perfgate.abrun import ABRow, judge
+
+    row = ABRow("k", "optimized", "smoke", "t::k", rev_times=[1.0] * 7, this_times=[1.0] * 7, ratio=ratio,
+                low=low, high=high, contention=0.0, confirmed=7 if confirm else 0, **confirm)
+    return judge(row, 0.05), row.message
+
+
+@pytest.mark.parametrize(("measured", "confirm", "outcome"), [
+    ((1.144, 1.052, 1.438), {}, "faster"),  # not timed again (no budget left): the first stretch stands
+    ((1.144, 1.052, 1.438), {"confirm_ratio": 1.30, "confirm_low": 1.12, "confirm_high": 1.45}, "faster"),
+    # the H100 A/A: fresh workers read it over the line, but from under 1: not shown faster
+    ((1.144, 1.052, 1.438), {"confirm_ratio": 1.058, "confirm_low": 0.96, "confirm_high": 1.20}, "ok"),
+    ((1.144, 1.052, 1.438), {"confirm_ratio": 1.03, "confirm_low": 1.01, "confirm_high": 1.06}, "ok"),
+    ((0.80, 0.75, 0.85), {"confirm_ratio": 0.79, "confirm_low": 0.74, "confirm_high": 0.84}, "FAIL"),
+    ((0.80, 0.75, 0.85), {"confirm_ratio": 1.0, "confirm_low": 0.90, "confirm_high": 1.10}, "unresolved"),
+    ((0.97, 0.93, 1.01), {}, "unresolved"),
+])
+def test_the_rule_on_measured_intervals(measured: tuple, confirm: dict, outcome: str) -> None:
+    got, message = _judged(*measured, **confirm)
+    assert got == outcome, message
+    if confirm and outcome == "ok":
+        assert "not shown faster" in message and f"from {confirm['confirm_low']:.3f}x" in message

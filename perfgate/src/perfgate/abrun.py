@@ -6,8 +6,10 @@ ratio = median(REV's blocks) / median(this tree's blocks), with a paired bootstr
 under 1, this tree is slower. A row FAILs when the whole interval is under 1 / (1 + tolerance)
 (this tree more than ``tolerance`` slower), on a quiet host, and a second stretch of pairs does
 not disagree; a straddling interval is measured further within the row's budget and may end
-``unresolved``; a contended host gives no verdict. A row either side cannot rebuild is ``not
-comparable``, with the reason."""
+``unresolved``; a contended host gives no verdict. A row more than ``tolerance`` faster is
+``faster`` when its second stretch, on fresh workers, reads faster by the tolerance too and not
+slower at its interval's low end. A row either side cannot rebuild is ``not comparable``, with the
+reason."""
 
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class ABRow:
     contention: float | None = None
     confirmed: int = 0
     confirm_ratio: float | None = None
+    confirm_low: float | None = None
     confirm_high: float | None = None
     used: dict[str, list[int]] = field(default_factory=dict)  # blocks timed on each worker of a side
     reason: str = ""  # why the row is not comparable ("" when it is)
@@ -92,12 +95,14 @@ def judge(row: ABRow, tolerance: float, contended: float = CONTENDED) -> str:
         row.outcome = "unresolved"
         row.message = (f"{where}: {measured} straddles {line:.3f}x ({tolerance:.0%} slower): neither shown "
                        "within it nor beyond it; rerun, or give it more --perf-against-budget")
-    elif row.low > 1.0 + tolerance and (row.confirm_ratio is None or row.confirm_ratio > 1.0 + tolerance):
+    elif row.low > 1.0 + tolerance and (row.confirm_ratio is None or (
+            row.confirm_ratio > 1.0 + tolerance and (row.confirm_low is None or row.confirm_low > 1.0))):
         row.outcome, row.message = "faster", f"{where}: this tree is {row.ratio:.2f}x faster ({measured})"
     elif row.low > 1.0 + tolerance:
         row.outcome = "ok"
+        low = "" if row.confirm_low is None else f" (from {row.confirm_low:.3f}x)"
         row.message = (f"{where}: {measured}, but {row.confirmed} pairs timed again on fresh workers read "
-                       f"{row.confirm_ratio:.3f}x: not shown faster")
+                       f"{row.confirm_ratio:.3f}x{low}: not shown faster")
     else:
         row.outcome, row.message = "ok", f"{where}: {measured}"
     return row.outcome
@@ -214,7 +219,7 @@ class Comparer:
         loads: list[tuple[float, float]] = []
         self.pairs(row, max(MIN_PAIRS, len(row.rev_times) // 2), rev, this, loads)
         row.confirmed = len(rev)
-        row.confirm_ratio, _, row.confirm_high = interval(rev, this, 0.95)
+        row.confirm_ratio, row.confirm_low, row.confirm_high = interval(rev, this, 0.95)
 
     def drop(self, row: ABRow) -> None:
         for worker in list(self.pool.workers):
