@@ -1,5 +1,6 @@
 """The repository's layout holds: everything about X is found by its name, imports run one way
-(tests -> workloads -> reference -> kernels; perfgate stands apart), no import circle, and the
+(tests -> workloads -> reference -> kernels; perfgate stands apart), no import circle, reference/
+computes nothing with kernels/ code (it takes validators and the contract's types only), and the
 library warns when another distribution shares its import name."""
 
 from __future__ import annotations
@@ -151,6 +152,43 @@ def test_the_graph_sees_imports() -> None:
     assert "reference.workloads.ocs" in graph["workloads.ocs"]
     assert "perfgate.compat" in graph["perfgate.session"]  # relative import resolved
     assert "perfgate.timing" in graph["workloads.vit_rope"]
+
+
+# -- what reference/ may take from kernels/ ----------------------------------------------------------
+
+# The contract's types and constants; besides these only validators (kernels.checks, and a kernel
+# module's check_* functions: one set of checks), so no bug in a kernel's arithmetic is on both sides.
+CONTRACT = {"EPS", "LossClosure", "LossFn", "Memory", "Recipe", "TrainResult"}
+
+
+def borrowed(source: str) -> list[str]:
+    """What ``source`` (a module of reference/) imports from kernels/ beyond CONTRACT and validators."""
+    wrong = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            wrong += [a.name for a in node.names
+                      if a.name.split(".")[0] == "kernels" and a.name != "kernels.checks"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "kernels":
+            wrong += [f"{node.module}.{a.name}" for a in node.names
+                      if not (a.name in CONTRACT or a.name.lstrip("_").startswith("check")
+                              or node.module == "kernels.checks")]
+    return wrong
+
+
+def test_reference_computes_nothing_with_kernel_code() -> None:
+    wrong = {str(p.relative_to(ROOT)): borrowed(p.read_text(encoding="utf8"))
+             for p in sorted((ROOT / "reference").rglob("*.py"))}
+    assert not {k: v for k, v in wrong.items() if v}, f"reference/ computes with kernels/ code: {wrong}"
+
+
+def test_a_borrowed_computation_is_caught() -> None:
+    """The check above is not vacuous: an injected kernel import, of either form, is named."""
+    source = ("from kernels import checks\nfrom kernels.rope import check_rotate, rope_angles\n"
+              "import kernels.optim\n")
+    assert borrowed(source) == ["kernels.rope.rope_angles", "kernels.optim"]
+    injected = (ROOT / "reference" / "rope.py").read_text(encoding="utf8")
+    injected += "from kernels.rope import rope_angles\n"
+    assert borrowed(injected) == ["kernels.rope.rope_angles"]
 
 
 # -- the import name `kernels` ---------------------------------------------------------------------

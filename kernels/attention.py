@@ -106,6 +106,27 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, ca
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
+def check_module(dim: int, n_heads: int, n_kv_heads: int | None, causal: bool, bias: bool) -> int:
+    """Refuse settings no RopeSelfAttention can have; returns n_kv_heads (default n_heads)."""
+    checks.integer(dim, "dim", low=1)
+    checks.integer(n_heads, "n_heads", low=1)
+    n_kv_heads = n_heads if n_kv_heads is None else checks.integer(n_kv_heads, "n_kv_heads", low=1)
+    checks.flag(causal, "causal")
+    checks.flag(bias, "bias")
+    if dim % n_heads or n_heads % n_kv_heads:
+        raise ValueError(f"n_heads ({n_heads}) must divide dim ({dim}) and n_kv_heads ({n_kv_heads}) "
+                         "must divide n_heads")
+    return n_kv_heads
+
+
+def check_module_input(x: Tensor, dim: int, weight: Tensor) -> None:
+    """x must be (B, S, dim), floating, on the module's device."""
+    checks.tensor(x, "x", ndim=3, floating=True, shape=f"(B, S, dim={dim})")
+    if x.shape[-1] != dim:
+        raise ValueError(f"x has {x.shape[-1]} features, the module was built for dim={dim}")
+    checks.same_device({"x": x, "the module's weights": weight})
+
+
 class RopeSelfAttention(nn.Module):
     """x (B, S, dim) -> (B, S, dim): qkv projection, RoPE attention over heads, output projection.
 
@@ -120,25 +141,15 @@ class RopeSelfAttention(nn.Module):
                  base: float = 10000.0, interleaved: bool = False, causal: bool = False,
                  bias: bool = False) -> None:
         super().__init__()
-        checks.integer(dim, "dim", low=1)
-        checks.integer(n_heads, "n_heads", low=1)
-        n_kv_heads = n_heads if n_kv_heads is None else checks.integer(n_kv_heads, "n_kv_heads", low=1)
-        checks.flag(causal, "causal")
-        checks.flag(bias, "bias")
-        if dim % n_heads or n_heads % n_kv_heads:
-            raise ValueError(f"n_heads ({n_heads}) must divide dim ({dim}) and n_kv_heads ({n_kv_heads}) "
-                             "must divide n_heads")
+        n_kv_heads = check_module(dim, n_heads, n_kv_heads, causal, bias)
         self.n_heads, self.n_kv_heads, self.head_dim, self.causal = n_heads, n_kv_heads, dim // n_heads, causal
         self.qkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias)
         self.proj = nn.Linear(dim, dim, bias=bias)
         self.rope = self.rope_cls(self.head_dim, max_seq_len, base, interleaved)
 
     def forward(self, x: Tensor, attn_mask: Tensor | None = None) -> Tensor:
-        checks.tensor(x, "x", ndim=3, floating=True, shape=f"(B, S, dim={self.proj.in_features})")
+        check_module_input(x, self.proj.in_features, self.qkv.weight)
         b, s, dim = x.shape
-        if dim != self.proj.in_features:
-            raise ValueError(f"x has {dim} features, the module was built for dim={self.proj.in_features}")
-        checks.same_device({"x": x, "the module's weights": self.qkv.weight})
         heads = self.n_heads + 2 * self.n_kv_heads
         q, k, v = self.qkv(x).view(b, s, heads, self.head_dim).transpose(1, 2).split(
             [self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from kernels.attention import RopeSelfAttention as _KernelModule
-from kernels.attention import check_attention
+from kernels.attention import check_attention, check_module, check_module_input
 from reference.rope import RotaryEmbedding
 
 
@@ -39,8 +38,25 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, ca
     return softmax_attention(q, k, v, causal=causal, attn_mask=attn_mask)
 
 
-class RopeSelfAttention(_KernelModule):
-    """The kernel module's layers and state dict, with the reference attention and RoPE."""
+class RopeSelfAttention(nn.Module):
+    """x (B, S, dim) -> (B, S, dim): the kernel module's constructor, layers and state dict (qkv, proj),
+    with the reference RoPE and attention."""
 
-    attend = staticmethod(rope_attention)
-    rope_cls = RotaryEmbedding
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, *, max_seq_len: int = 2048,
+                 base: float = 10000.0, interleaved: bool = False, causal: bool = False,
+                 bias: bool = False) -> None:
+        super().__init__()
+        self.n_kv_heads = check_module(dim, n_heads, n_kv_heads, causal, bias)
+        self.n_heads, self.head_dim, self.causal = n_heads, dim // n_heads, causal
+        self.qkv = nn.Linear(dim, (n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=bias)
+        self.proj = nn.Linear(dim, dim, bias=bias)
+        self.rope = RotaryEmbedding(self.head_dim, max_seq_len, base, interleaved)
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+        check_module_input(x, self.proj.in_features, self.qkv.weight)
+        b, s, dim = x.shape
+        # one projection to every head's q, k and v, then (B, heads, S, head_dim) each
+        qkv = self.qkv(x).view(b, s, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
+        out = rope_attention(q, k, v, self.rope, causal=self.causal, attn_mask=attn_mask)
+        return self.proj(out.transpose(1, 2).reshape(b, s, dim))

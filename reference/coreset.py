@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from kernels.coreset import EPS, Memory, check_inputs, check_k, check_scores, top_k
+from kernels.coreset import EPS, Memory, check_inputs, check_k, check_scores
 from kernels.layer_capture import LossFn
 from reference.per_sample import per_sample_grads
 
@@ -48,6 +48,14 @@ def literal_scores(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: T
         ref_ng = torch.norm(ref_grads)
         coreset_aff = torch.matmul(ref_grads, eg.t()) / torch.maximum(ref_ng * neg, torch.ones_like(neg) * EPS)
     return check_scores(mean_sim - avg_div + tau * coreset_aff)
+
+
+def top_k(scores: Tensor, k: int) -> Tensor:
+    """Indices (k,) of the k largest scores, a tie to the lower index: the first k of all indices
+    ordered by (-score, index)."""
+    values = scores.tolist()
+    order = sorted(range(len(values)), key=lambda i: (-values[i], i))[:k]
+    return torch.tensor(order, dtype=torch.int64, device=scores.device)
 
 
 def ocs_select(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, k: int, *,

@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kernels.rope import check_rotate, check_settings, compute_dtype, rope_angles
+from kernels.rope import check_rotate, check_settings
+
+
+def angles(head_dim: int, positions: Tensor, base: float) -> Tensor:
+    """theta (..., D/2) in fp64: each position (...) times base^(-2i/D), i = 0 .. D/2 - 1."""
+    two_i = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
+    return positions.to(torch.float64)[..., None] * base ** -(two_i / head_dim)
 
 
 def rotate_half(x: Tensor, interleaved: bool) -> Tensor:
@@ -34,13 +40,13 @@ class RotaryEmbedding(nn.Module):
         if not self.grow and positions.numel() and int(positions.max()) >= self.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is beyond the cache of {self.max_seq_len} "
                              "positions (grow=False); build the embedding with a larger max_seq_len")
-        ct = compute_dtype(x)  # the kernel's: fp32, or fp64 for fp64 inputs
-        angles = rope_angles(self.head_dim, positions, self.base)  # fp64, (S, D/2) or (B, S, D/2)
-        if angles.ndim == 3:
-            angles = angles[:, None]
+        ct = torch.float64 if x.dtype == torch.float64 else torch.float32  # rotations in fp32, fp64 for fp64
+        theta = angles(self.head_dim, positions, self.base)  # (S, D/2) or (B, S, D/2)
+        if theta.ndim == 3:
+            theta = theta[:, None]
         if self.interleaved:
-            angles = angles.repeat_interleave(2, dim=-1)
+            theta = theta.repeat_interleave(2, dim=-1)
         else:
-            angles = torch.cat([angles, angles], dim=-1)
+            theta = torch.cat([theta, theta], dim=-1)
         xf = x.to(ct)
-        return (xf * angles.cos().to(ct) + rotate_half(xf, self.interleaved) * angles.sin().to(ct)).to(x.dtype)
+        return (xf * theta.cos().to(ct) + rotate_half(xf, self.interleaved) * theta.sin().to(ct)).to(x.dtype)

@@ -7,13 +7,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 import reference.training
-from kernels.hypergrad import reweighted_loss
 from reference.hypergrad import exact_hypergradient
 
 Batch = tuple[Tensor, Tensor]
+
+
+def reweighted_loss(losses: Tensor, weight_net: nn.Module) -> Tensor:
+    """mean_i W(l_i) l_i over per-sample losses (B,), W reading the detached losses (B, 1): no
+    gradient flows through W's input."""
+    return (weight_net(losses.detach()[:, None]).reshape(-1) * losses).mean()
 
 
 def reference_step(ln: Any, batch: Batch, meta: Batch, cfg: Any, reweight: bool = True) -> None:
