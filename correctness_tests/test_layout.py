@@ -191,6 +191,15 @@ def test_a_borrowed_computation_is_caught() -> None:
     assert borrowed(injected) == ["kernels.rope.rope_angles"]
 
 
+def test_perf_tests_time_public_names() -> None:
+    """A perf row times what a user can call: no private name of the library is imported."""
+    private = [f"{p.name}: {node.module}.{a.name}" for p in sorted((ROOT / "perf_tests").glob("*.py"))
+               for node in ast.walk(ast.parse(p.read_text(encoding="utf8")))
+               if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES
+               for a in node.names if a.name.startswith("_")]
+    assert not private, f"perf tests import private names: {private}"
+
+
 # -- the import name `kernels` ---------------------------------------------------------------------
 
 def test_conflicting_kernels_distribution_warns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
