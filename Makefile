@@ -9,8 +9,8 @@ PYTEST := $(PY) -m pytest
 # (a GPU runner: at torch's default threads, as its baselines are saved).
 PERF_ARGS ?=
 # make test starts many Python processes (xdist workers, pytester sessions, torchrun ranks, the CLIs):
-# where the host sets PYTHONDONTWRITEBYTECODE, each compiled the project's modules and pytest's
-# assertion rewrites anew (2 s a pytest process). Empty, it lets the first cache them in __pycache__.
+# where the host sets PYTHONDONTWRITEBYTECODE, each would compile the project's modules and pytest's
+# assertion rewrites anew. Empty, it lets the first process cache them in __pycache__.
 export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: install test lint correctness perf bench baseline report clean
@@ -41,9 +41,9 @@ correctness: $(STAMP)
 	OMP_NUM_THREADS=1 $(PYTEST) correctness_tests perfgate/tests -q -m "not timed" -n auto --dist worksteal
 	$(PYTEST) correctness_tests perfgate/tests -q -m timed
 
-# The perf suite at smoke size, gated by its speedup floors. No baseline compare here: on the
-# shared CI host memory bandwidth moved 167-199 GB/s between runs and memory-bound ratios with
-# it (per-sample grads 4.2-6.7x), past the 20% baseline tolerance; `make bench` compares.
+# The perf suite at smoke size, gated by its speedup floors. No baseline compare here: memory-bound
+# ratios move with a shared host's bandwidth past the baseline tolerance (docs/gate.md); `make bench`
+# compares.
 # --perf-gated-only: what no floor judges (an ablation step, a peer with no floor over it) is
 # left to `make bench BASE=`.
 perf: $(STAMP)

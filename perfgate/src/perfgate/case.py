@@ -18,8 +18,7 @@ from .timing import PairLoad, block_calls, interleaved, peak_memory, synced
 
 MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the options say
 # --perf-gated-only: an impl's own rounds feed no rule, so a slow call gets fewer (what fits in
-# GATED_ROUNDS_S by its first call, at least 2 for a spread): the 2.6 s reference of a workload
-# step would spend 13 s on five
+# GATED_ROUNDS_S by its first call, at least 2 for a spread)
 GATED_ROUNDS_S = 1.0
 MAX_ROUNDS = 1000
 MIN_VISIT_ROUNDS = 3  # interleaved pairs a visit times, at least
