@@ -433,14 +433,15 @@ def test_actions_are_pinned(name: str) -> None:
 
 
 def guard_problems(wf: dict) -> list[str]:
-    """No gpu-perf job, the hosted merge included, runs where a self-hosted job may not, and perf
-    (the suite) and its merge run wherever one may; a job may run on fewer events (against: pull
-    requests only)."""
+    """No gpu-perf job, the hosted merge included, runs where a self-hosted job may not; where one
+    may, perf (the suite against the stored baseline) and its merge run on pushes and dispatch, and
+    against on pull requests, each on all of its events and nothing else."""
     problems = []
     for scenario, (ctx, allowed) in scenarios(wf).items():
+        pr = ctx["github"]["event_name"] == "pull_request"
         for n in wf["jobs"]:
             ran = triggered(wf, ctx) and can_run(wf, n, ctx)
-            if ran != allowed and (ran or n in ("perf", "merge")):
+            if ran != (allowed and pr == (n == "against")):
                 problems.append(f"job {n!r} {'runs' if ran else 'does not run'} on: {scenario}")
     return problems
 
@@ -461,12 +462,12 @@ def test_against_runs_on_every_allowed_pull_request_and_nothing_else() -> None:
 
 
 def concurrency_problems(wf: dict) -> list[str]:
-    """The scenarios where the concurrency group's copy of the guard disagrees with perf's: a run
-    the guard skips must get `-skipped-<run_id>`, and only such a run."""
+    """The scenarios where the concurrency group's copy of the guard disagrees with the jobs': a run
+    in which no job runs must get `-skipped-<run_id>`, and only such a run."""
     problems = []
     for scenario, (ctx, _) in scenarios(wf).items():
         github = ctx["github"]
-        skipped = "" if can_run(wf, "perf", ctx) else f"-skipped-{github['run_id']}"
+        skipped = "" if any(can_run(wf, n, ctx) for n in wf["jobs"]) else f"-skipped-{github['run_id']}"
         if interpolate(wf["concurrency"]["group"], ctx) != f"gpu-perf-{github['ref']}{skipped}":
             problems.append(scenario)
     return problems
@@ -495,8 +496,8 @@ def _doctored(**jobs_if: str | None) -> dict:
 
 
 def test_guard_removed_is_reported() -> None:
-    problems = fork_problems(_doctored(perf=None))
-    assert "self-hosted job 'perf' runs on: fork PR synchronize, approval label on it" in problems
+    problems = fork_problems(_doctored(against=None))
+    assert "self-hosted job 'against' runs on: fork PR synchronize, approval label on it" in problems
     assert len(problems) == 7  # opened, synchronize, reopened (label on it or not), another label
 
 
@@ -504,17 +505,18 @@ def test_guard_on_the_label_present_is_reported() -> None:
     """A label left on the PR would approve every later push: the check refuses it (contains() is
     outside the evaluated subset, so it raises), and the evaluable variant fails the check."""
     with pytest.raises(ExpressionError, match="contains"):
-        fork_problems(_doctored(perf="github.event_name != 'pull_request' || "
-                                     f"contains(github.event.pull_request.labels.*.name, '{APPROVAL_LABEL}')"))
-    any_label = _doctored(perf="github.event_name != 'pull_request' || github.event.action == 'labeled'")
+        fork_problems(_doctored(against="github.event_name == 'pull_request' && "
+                                        f"contains(github.event.pull_request.labels.*.name, '{APPROVAL_LABEL}')"))
+    any_label = _doctored(against="github.event_name == 'pull_request' && github.event.action == 'labeled'")
     assert fork_problems(any_label) == [
-        "self-hosted job 'perf' runs on: fork PR labeled with another label, approval label on it"]
+        "self-hosted job 'against' runs on: fork PR labeled with another label, approval label on it"]
 
 
 def test_merge_without_the_guard_is_reported() -> None:
-    """!cancelled() alone runs the merge when the guard skipped perf."""
+    """!cancelled() alone runs the merge when perf was skipped: on every pull request."""
     assert guard_problems(_doctored(merge="${{ !cancelled() }}")) == [
-        f"job 'merge' runs on: {s}" for s, (_, allowed) in scenarios(load("gpu-perf.yml")).items() if not allowed]
+        f"job 'merge' runs on: {s}" for s, (ctx, _) in scenarios(load("gpu-perf.yml")).items()
+        if ctx["github"]["event_name"] == "pull_request"]
 
 
 @pytest.mark.parametrize(("runs_on", "hosted"), [
