@@ -438,10 +438,13 @@ def test_gate_rules() -> None:
     assert "fell more than 20%" in gate(row, 0.2)[0]
     row.baseline = 4.9  # the interval is under 4.9, but 4.0 is not 20% under it (3.92)
     assert gate(row, 0.2) == []
-    row.baseline, row.high = 5.1, 5.2  # 20% under (4.08), but the interval reaches 5.1: noise
-    assert gate(row, 0.2) == []
+    assert row.outcome == "ok"
+    row.baseline, row.high = 5.1, 5.2  # 20% under (4.08), but the interval reaches 5.1: straddled
+    assert gate(row, 0.2) == [] and row.outcome == "unresolved"
+    assert "more than 20% under the stored baseline's 5.10x, but its interval reaches" in row.unresolved[0]
     row.baseline, row.baseline_low, row.high = 5.7, 4.4, 4.5  # 20% under, but the baseline's interval
-    assert gate(row, 0.2) == []                                   # reaches this one: either run's noise
+    assert gate(row, 0.2) == [] and row.outcome == "unresolved"  # reaches this one: either run's noise
+    assert "reaches the baseline's (4.40x and up)" in row.unresolved[0]
     row.baseline_low = 4.6
     assert "under the baseline's, 4.60x and up" in gate(row, 0.2)[0]
     row.peer = True  # a row about a peer library: its baseline is reported, not gated
@@ -661,6 +664,52 @@ def test_straddled_floor_is_measured_further(pytester: pytest.Pytester, settled:
     result.stdout.fnmatch_lines([extended])
     result = _run(pytester, "--perf-extend=-1")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
+
+
+COIN = """
+import random
+import time
+from pathlib import Path
+import pytest
+
+RNG = random.Random(0)
+
+def optimized():  # sleeps ./sleep's seconds; "coin": 8x or 1x by a seeded coin until test_zz_settle
+    how = Path("sleep").read_text()
+    time.sleep(RNG.choice([0.005, 0.040]) if how == "coin" else float(how))
+
+@pytest.mark.speedup(cpu=0.5)
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_coin(perf, impl):
+    perf((lambda: time.sleep(0.040)) if impl == "reference" else optimized, rounds=8, label="coin")
+
+def test_zz_settle():
+    if Path("sleep").read_text() == "coin":
+        Path("sleep").write_text("{settled}")
+"""
+
+
+@pytest.mark.parametrize(("settled", "outcome"), [(0.010, "ok"), (0.020, "FAIL")])
+def test_straddled_baseline_is_measured_further(pytester: pytest.Pytester, settled: float, outcome: str) -> None:
+    """Saved at 4x, the row reads about 2.8x on pairs at 8x or 1x by a coin: more than 20% under
+    the baseline on its point, but with an interval that reaches the baseline's. With no budget to
+    extend it is unresolved; with one, the pairs timed after the host settled (at 4x, or at 2x)
+    resolve it: met, or missed."""
+    pytester.makepyfile(test_coin=COIN.format(settled=settled))
+    (pytester.path / "sleep").write_text("0.010")
+    assert _run(pytester, "--benchmark-save=base").ret == 0
+    args = ("--perf-visits=1", "--benchmark-json=out.json", "--benchmark-compare")
+    (pytester.path / "sleep").write_text("coin")
+    result = _run(pytester, "--perf-extend=0", *args)
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["*UNRESOLVED: coin [[]optimized*more than 20% under the stored baseline's*"])
+    row = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]
+    assert row["outcome"] == "unresolved" and row["extended"] == 0 and row["failures"] == [], row
+    (pytester.path / "sleep").write_text("coin")
+    result = _run(pytester, "--perf-extend=20", *args)
+    row = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]
+    assert row["outcome"] == outcome and row["extended"] > 0, row
+    assert result.ret == (0 if outcome == "ok" else pytest.ExitCode.TESTS_FAILED)
 
 
 VARIANT = """

@@ -86,7 +86,7 @@ def verdicts(base: dict, run: dict, p: float = 0.05) -> dict[str, dict[str, bool
             RULES[1]: ratio > 1.10,
             RULES[2]: ratio > 1.10 and mannwhitneyu(after, before, alternative="greater").pvalue < p,
             RULES[3]: row["speedup"] < 0.90 * base_speedup[kernel],
-            RULES[4]: row.get("outcome") == "unresolved",  # a floor straddled at its budget: not an alarm
+            RULES[4]: row.get("outcome") == "unresolved",  # a line straddled at its budget: not an alarm
             RULES[5]: any("under the floor" in f for f in row["failures"])
             or (row["speedup"] < (1.0 - tolerance) * base_speedup[kernel] and row["high"] < base_speedup[kernel]),
         }

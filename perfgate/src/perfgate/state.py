@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from .floors import REFERENCE
-from .stats import CONTENDED, SpeedupRow, decided, gate, misses, speedup_interval
+from .stats import CONTENDED, SpeedupRow, decided, gate, misses, speedup_interval, straddles
 from .timing import HostLoad, PairLoad, Timed, Timer, bandwidth_withheld, interleaved, withheld
 
 MAX_PAIRS = 1000  # a straddled row is extended up to this many interleaved pairs in all
@@ -80,7 +80,7 @@ class GateState:
     visits: int = 3  # --perf-visits: each impl's interleaved rounds are timed in this many visits
     pending: list[Visits] = field(default_factory=list)  # the later visits, timed by revisit()
     timers: dict[tuple[str, str], Visits] = field(default_factory=dict)  # kept to extend a row's pairs
-    extend_s: float = 60.0  # --perf-extend: seconds of extra pairs a row with a straddled floor may take
+    extend_s: float = 60.0  # --perf-extend: seconds of extra pairs a row straddling its floor or baseline may take
     floor_notes: dict[tuple[str, str], str] = field(default_factory=dict)  # why a declared floor is not applied
     interrupted: bool = False  # Ctrl-C: no later visits, no extensions
     limiters: list = field(default_factory=list)  # threadpoolctl limits set by pin_threads, to restore
@@ -136,9 +136,10 @@ class GateState:
 
     def compute_rows(self) -> list[SpeedupRow]:
         """Speedup rows for every impl measured beside its reference (computed once). A row whose
-        interval straddles its floor gets more interleaved pairs first (``resolve``); then every
-        kept callable is freed. Ctrl-C during that extra timing stops it, and the rows are made
-        from what was measured (the session then ends interrupted, plugin.py)."""
+        interval straddles its floor or its stored baseline's line gets more interleaved pairs
+        first (``resolve``); then every kept callable is freed. Ctrl-C during that extra timing
+        stops it, and the rows are made from what was measured (the session then ends
+        interrupted, plugin.py)."""
         if self.rows is not None:
             return self.rows
         try:
@@ -158,7 +159,7 @@ class GateState:
                         except KeyboardInterrupt:
                             self.interrupted = True
                             row = self._row(kernel, impl)
-                    if row.straddles_floor and not row.failures and not self.interrupted:
+                    if straddles(row, self.tolerance) and not row.failures and not self.interrupted:
                         try:
                             row = self.resolve(row)
                         except KeyboardInterrupt:
@@ -191,15 +192,16 @@ class GateState:
         return self._row(row.kernel, row.impl)
 
     def resolve(self, row: SpeedupRow) -> SpeedupRow:
-        """Time more interleaved pairs of ``row`` until its interval leaves the floor (above: met;
-        under: missed) or ``extend_s`` is spent: each step doubles the pairs, so the interval
-        narrows by about 1/sqrt(2) a step, and a step is taken only while the budget holds it."""
+        """Time more interleaved pairs of ``row`` until its interval leaves its floor and its stored
+        baseline's line (``stats.straddles``; above: met, under: missed) or ``extend_s`` is spent:
+        each step doubles the pairs, so the interval narrows by about 1/sqrt(2) a step, and a step
+        is taken only while the budget holds it."""
         timer = self.timers.get((row.kernel, row.impl))
         if timer is None:  # timed apart from its reference (e.g. under -k): nothing to extend
             return row
         m = self.results[row.kernel][row.impl]
         start, pairs = time.perf_counter(), len(m.paired)
-        while row.straddles_floor:
+        while straddles(row, self.tolerance):
             spent = time.perf_counter() - start
             per_pair = (spent / (len(m.paired) - pairs)) if len(m.paired) > pairs else \
                 _pair_seconds(m, timer, self.timer.cost)

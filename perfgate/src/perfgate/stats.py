@@ -15,7 +15,9 @@ reported ``unresolved``: neither failed nor silently passed (docs/gate.md has th
 fidelity). Against a stored baseline the gate fails a row when the speedup fell more than
 ``tolerance`` under the baseline's (the size of the drop: a practical threshold) and the whole
 interval is under the baseline's interval (the drop is real, not a noisy round of either run):
-asv's rule of a factor plus a significance test, on the speedup. Rows about a peer library (a
+asv's rule of a factor plus a significance test, on the speedup. A row whose speedup reads that
+far under but whose interval still reaches the baseline's is measured further like a straddled
+floor, and reported ``unresolved`` if it still does at its budget. Rows about a peer library (a
 ``speedup(over=)`` target, and ours timed against it) are reported beside the baseline but not
 gated by it: a peer that got faster is not our regression, and ours stays gated by its rows over
 the reference.
@@ -107,7 +109,7 @@ class SpeedupRow:
     memory_floor: float | None = None  # least fraction of the reference's peak memory saved
     memory_baseline: float | None = None  # the baseline's optimized/reference peak ratio
     floor_note: str = ""  # why no floor applies to this row where the test declares one
-    extended: int = 0  # interleaved pairs added at the session's end to resolve a straddled floor
+    extended: int = 0  # interleaved pairs added at the session's end to resolve a straddled floor or baseline
     skipped: int = 0  # later interleaved pairs not timed: the row was decided before them (GateState.revisit)
     contention: float | None = None  # share of CPU time the host withheld during its pairs (None: unread)
     bandwidth: float | None = None  # share of the streaming probe's bandwidth withheld during its pairs
@@ -120,7 +122,7 @@ class SpeedupRow:
     confirm_speedup: float | None = None
     confirm_high: float | None = None
     failures: list[str] = field(default_factory=list)
-    unresolved: list[str] = field(default_factory=list)  # floors the interval still straddles
+    unresolved: list[str] = field(default_factory=list)  # lines the interval still straddles, failures unjudged
 
     @property
     def outcome(self) -> str:
@@ -229,6 +231,10 @@ def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> lis
     elif row.straddles_floor and not row.unresolved:
         row.unresolved.append(f"{where}: {measured} straddles the floor {row.floor:.2f}x: neither met nor "
                               "missed on this evidence")
+    if straddles_baseline(row, tolerance):
+        row.unresolved.append(f"{where}: {measured} reads more than {tolerance:.0%} under the stored baseline's "
+                              f"{row.baseline:.2f}x, but its interval reaches the baseline's ({base_low:.2f}x and "
+                              "up): neither met nor missed on this evidence")
     if under_baseline:
         failures.append(
             f"{where}: {measured} fell more than {tolerance:.0%} under the stored baseline's "
@@ -250,6 +256,18 @@ def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> lis
                             f"{tolerance:.0%} under the stored baseline's {1.0 - row.memory_baseline:.1%}")
     row.failures = failures
     return failures
+
+
+def straddles_baseline(row: SpeedupRow, tolerance: float) -> bool:
+    """``row``'s speedup reads more than ``tolerance`` under its gated stored baseline, but its
+    interval still reaches the baseline's: a miss on its point that more pairs may confirm or clear."""
+    gated = row.baseline is not None and not row.peer
+    return gated and row.speedup < (1.0 - tolerance) * row.baseline and row.high >= _base_low(row)
+
+
+def straddles(row: SpeedupRow, tolerance: float) -> bool:
+    """``row``'s interval reaches both sides of a line it may fail: its floor or its stored baseline's."""
+    return row.straddles_floor or straddles_baseline(row, tolerance)
 
 
 def misses(row: SpeedupRow, tolerance: float) -> tuple[bool, bool]:
@@ -297,8 +315,10 @@ def verdict(rows: Sequence[SpeedupRow], what: str, budget: str,
                                   f"{r.low:.2f}-{r.high:.2f}x), {r.outcome}"))
         if r.extended:
             now = f"now {r.speedup:.2f}x (95% CI {r.low:.2f}-{r.high:.2f}x), {r.outcome}"
+            lines_of = ([f"the floor {r.floor:.2f}x"] if r.floor is not None else []) + \
+                ([f"the stored baseline's {r.baseline:.2f}x"] if r.baseline is not None and not r.peer else [])
             lines.append(("note", f"extended: {r.kernel} [{r.impl}] +{r.extended} interleaved pairs at the "
-                                  f"session's end, its interval straddled the floor {r.floor:.2f}x: {now}"))
+                                  f"session's end, its interval straddled {' or '.join(lines_of)}: {now}"))
     for r in rows:
         for u in r.unresolved:
             how = (f"after +{r.extended} pairs" if r.extended else "not extended") + f" ({budget})"
