@@ -27,11 +27,13 @@ $(STAMP): pyproject.toml perfgate/pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # ruff, and actionlint over the GitHub workflows (a broken workflow cannot land); zizmor audits
-# them for security (unpinned actions, credentials, injection), offline, at its default persona.
+# them for security (unpinned actions, credentials, injection), offline, at its default persona;
+# .github/tests evaluates their conditions against simulated events (no fork code on a GPU runner).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/actionlint
 	$(VENV)/bin/zizmor --offline --no-progress .github/workflows
+	$(PYTEST) .github/tests -q -p no:cacheprovider
 
 # The tests that time nothing on every core (pytest-xdist, one torch thread a worker: two 2-thread
 # OpenMP teams on 2 vCPUs spin against each other; worksteal: an idle worker takes queued tests from

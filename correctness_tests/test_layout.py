@@ -6,6 +6,7 @@ library warns when another distribution shares its import name."""
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -40,7 +41,6 @@ EXCEPTIONS: dict[str, str] = {
     "workloads/ocs_ablation.py": "the OCS ablation: tested in correctness_tests/test_ocs.py",
     "workloads/meta_reweight_ablation.py": "the Meta-Weight-Net ablation: tested in test_meta_reweight.py",
     "correctness_tests/test_perfgate_suite.py": "checks the perf suite's floors against their evidence",
-    "correctness_tests/test_workflows.py": "checks the GitHub workflows (fork guard, pinned actions)",
     "correctness_tests/test_layout.py": "this file: the layout itself",
 }
 
@@ -221,3 +221,63 @@ def test_no_warning_without_the_other_distribution() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         kernels._check_conflict()
+
+
+# -- the docs' links ---------------------------------------------------------------------------------
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _slugs(page: Path) -> set[str]:
+    """GitHub's anchors for ``page``'s headings (lower case, punctuation dropped, spaces as '-')."""
+    slugs = set()
+    for line in _prose(page):
+        if line.startswith("#"):
+            text = line.lstrip("#").strip().lower()
+            slugs.add(re.sub(r"[^\w\- ]", "", text).replace(" ", "-"))
+    return slugs
+
+
+def _prose(page: Path) -> list[str]:
+    """``page``'s lines outside fenced code blocks."""
+    lines, fenced = [], False
+    for line in page.read_text(encoding="utf8").splitlines():
+        fenced ^= line.lstrip().startswith("```")
+        if not fenced and not line.lstrip().startswith("```"):
+            lines.append(line)
+    return lines
+
+
+def broken_links(pages: list[Path]) -> list[str]:
+    """Each relative link of ``pages`` whose file, or heading anchor, does not exist."""
+    broken = []
+    for page in pages:
+        name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page.name
+        for target in (m.group(1) for line in _prose(page) for m in LINK.finditer(line)):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _slugs(dest):
+                broken.append(f"{name}: {target} (no such heading)")
+    return broken
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", ROOT / "perfgate" / "README.md",
+            *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "evidence").rglob("*.md"))]
+
+
+def test_docs_links_resolve() -> None:
+    broken = broken_links(_pages())
+    assert not broken, "\n".join(broken)
+
+
+def test_a_broken_link_is_caught(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("# A heading\n[ok](#a-heading) [gone](missing.md) [bad](#nowhere)\n"
+                    "```\n[in code](skipped.md)\n```\n", encoding="utf8")
+    assert [b.split(": ", 1)[1] for b in broken_links([page])] == ["missing.md (no such file)",
+                                                                    "#nowhere (no such heading)"]

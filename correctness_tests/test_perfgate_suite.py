@@ -29,7 +29,7 @@ from perfgate.case import comparison
 from perfgate.report import main as report_main
 
 ROOT = Path(__file__).resolve().parents[1]
-EVIDENCE = ROOT / "docs" / "measurements" / "floor-evidence.json"
+EVIDENCE = ROOT / "evidence" / "floor-evidence.json"
 MARGIN = 0.85  # a floor sits at most this fraction of the lowest speedup measured for its row
 LOST = 1.2  # a floor at or above this fails a row whose kernel became its reference (~1.0x)
 SLOWDOWN = 4.0  # a kernel this many times slower must fall under its floor on every CPU measured
@@ -117,7 +117,7 @@ def test_cpu_floor_holds_on_every_measured_cpu(kernel: str, impl: str, size: str
     measured = speedups_measured(kernel, impl, size, variant)
     models = 2 if size == "smoke" else 1  # full size: measured on one CPU model so far (floors.md)
     assert len(measured) >= models, f"{kernel} [{impl}] at {size}: measured on {sorted(measured)}, " \
-        f"a floor needs {models} CPU model(s): add runs with docs/measurements/floor_evidence.py"
+        f"a floor needs {models} CPU model(s): add runs with evidence/floor_evidence.py"
     values = [v for vs in measured.values() for v in vs]
     assert floor <= MARGIN * min(values), f"{kernel} [{impl}] {size}: floor {floor} is not under " \
         f"{MARGIN} x the lowest measured {min(values)} ({measured})"

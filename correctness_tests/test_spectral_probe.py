@@ -76,7 +76,7 @@ def test_sd15_shapes() -> None:
 
 
 def test_accuracy_claim_is_a_paired_non_inferiority_test() -> None:
-    better = [(0.75, 0.76), (0.79, 0.83), (0.77, 0.80), (0.76, 0.80), (0.735, 0.74)]  # docs/measurements
+    better = [(0.75, 0.76), (0.79, 0.83), (0.77, 0.80), (0.76, 0.80), (0.735, 0.74)]  # evidence
     assert "+2.5 points" in P.accuracy_claim(better) and "rejected at p = 0.0046" in P.accuracy_claim(better)
     worse = [(0.75, 0.74), (0.79, 0.77), (0.77, 0.78)]
     assert "not shown to be within 1 point" in P.accuracy_claim(worse)

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 import reference.training as ref
 from correctness_tests.tolerances import REDUCTION, assert_close
 from kernels.models import MLP
-from kernels.training import Recipe, native_bf16, train
+from kernels.training import Choice, Recipe, native_bf16, train
 
 
 def _setup(seed: int = 0, width: int = 16) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -319,11 +319,12 @@ def test_recipe_auto() -> None:
     assert (cuda.autocast_dtype, cuda.grad_scaler, cuda.accumulation) == (torch.float16, True, 2)
     model, _ = _setup()
     x, y = _data(1, 16)[0]
-    chosen = Recipe.auto("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y))
+    chosen = Recipe.choose("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y))
     # channels_last only for images; bf16 only where the CPU computes it (this one, or not)
-    assert set(chosen.measured_ms) == ({"fp32", "bfloat16"} if native_bf16("cpu") else {"fp32"})
+    assert set(chosen.step_ms) == ({"fp32", "bfloat16"} if native_bf16("cpu") else {"fp32"})
     assert native_bf16("cuda")  # a GPU's bf16 is its own hardware's
-    assert all(0 < ms < 1e4 for ms in chosen.measured_ms.values())
+    assert all(0 < ms < 1e4 for ms in chosen.step_ms.values()) and chosen.compile_s == {}
+    assert chosen.recipe.name in chosen.step_ms and Recipe.choose("cpu") == Choice(Recipe())
     assert _params(model).equal(_params(_setup()[0]))  # timed on a copy: the model is untouched
 
 
@@ -384,8 +385,9 @@ def test_recipe_auto_leaves_fp32_only_for_a_clear_win(monkeypatch, bf16_ms: floa
     monkeypatch.setattr(engine, "native_bf16", lambda device: True)  # a CPU with bf16 instructions
     model, _ = _setup()
     x, y = _data(1, 16)[0]
-    recipe = Recipe.auto("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y))
-    assert recipe.autocast_dtype is chosen and recipe.measured_ms == timed
+    choice = Recipe.choose("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y))
+    assert choice.recipe.autocast_dtype is chosen and choice.step_ms == timed
+    assert Recipe.auto("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y)) == choice.recipe
 
 
 def test_recipe_auto_times_no_emulated_bf16(monkeypatch) -> None:
@@ -399,12 +401,12 @@ def test_recipe_auto_times_no_emulated_bf16(monkeypatch) -> None:
     timed = {"fp32": 10.0, "fp32+channels_last": 8.5, "bfloat16": 1.0, "bfloat16+channels_last": 1.0}
     monkeypatch.setattr(engine, "_time_step", lambda recipe, *a, **k: timed[recipe.name])
     monkeypatch.setattr(engine, "native_bf16", lambda device: False)
-    recipe = Recipe.auto("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y))
-    assert recipe.measured_ms == {"fp32": 10.0, "fp32+channels_last": 8.5} and recipe.channels_last
-    assert recipe.autocast_dtype is None
+    choice = Recipe.choose("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y))
+    assert choice.step_ms == {"fp32": 10.0, "fp32+channels_last": 8.5} and choice.recipe.channels_last
+    assert choice.recipe.autocast_dtype is None
     monkeypatch.setattr(engine, "native_bf16", lambda device: True)
-    recipe = Recipe.auto("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y))
-    assert recipe.measured_ms == timed and recipe.autocast_dtype is torch.bfloat16
+    choice = Recipe.choose("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y))
+    assert choice.step_ms == timed and choice.recipe.autocast_dtype is torch.bfloat16
 
 
 @pytest.mark.parametrize(("compiled_ms", "kept"), [(9.5, None), (8.5, "max-autotune")])
@@ -423,11 +425,11 @@ def test_recipe_auto_keeps_a_compile_mode_only_when_it_measures_faster(monkeypat
     monkeypatch.setattr(engine, "native_bf16", lambda device: True)
     model, _ = _setup()
     x, y = _data(1, 16)[0]
-    recipe = Recipe.auto("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y),
-                         compile_modes=("default", "max-autotune"))
-    assert recipe.compile_mode == kept and recipe.autocast_dtype is None
-    assert recipe.measured_ms == timed
-    assert recipe.compile_s == {"fp32+compile": 30.0, "fp32+compile:max-autotune": 30.0}
+    choice = Recipe.choose("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y),
+                           compile_modes=("default", "max-autotune"))
+    assert choice.recipe.compile_mode == kept and choice.recipe.autocast_dtype is None
+    assert choice.step_ms == timed
+    assert choice.compile_s == {"fp32+compile": 30.0, "fp32+compile:max-autotune": 30.0}
     with pytest.raises(ValueError, match="compile_modes must be among"):
         Recipe.auto("cpu", compile_modes=("fast",))
 

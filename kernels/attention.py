@@ -8,7 +8,7 @@ one mask.
 
 Except on CPU in fp32 over at most ``CPU_MATH_MAX_SEQ`` = 192 positions, where one batched matmul,
 in-place scale and mask, softmax and a second matmul measured faster than torch's flash CPU kernel
-(docs/measurements/from-the-code.md): there grouped-query heads become extra query rows of their
+(evidence/from-the-code.md): there grouped-query heads become extra query rows of their
 kv head (no repeated k, v). Everything else goes to SDPA.
 """
 

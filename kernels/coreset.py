@@ -13,7 +13,7 @@ layer terms (g_W = sum_i b_i a_i^T / N, one product) and <g, E_i> = sum_t b_it^T
 forward-sized product, no E_i built. Two cheaper-looking shortcuts lose accuracy or time:
 <g, E_i> = mean_j G_ij with |g|^2 = mean_ij G_ij loses digits when g nearly cancels
 (|g| << |E_i|), which the reference's cosine of one vector g does not; and an N x M Gram block
-against the memory measured slower than building r (docs/measurements/from-the-code.md). The
+against the memory measured slower than building r (evidence/from-the-code.md). The
 stream and the memory share one captured forward and backward.
 
 The loss must reduce per-sample losses by their mean (the original's CrossEntropyLoss) or sum:

@@ -20,7 +20,7 @@ touched (Betty perturbs them in place and adds eps v back, which leaves rounding
 Truncation error O(eps^2) (central difference) on smooth networks, rounding O(u |grad_w L_in| /
 eps): alpha = 0.01 (Betty's default) balances them in fp32 (measured in
 correctness_tests/test_hypergrad.py). On ReLU networks theta +- eps v crosses kinks and the error
-falls only about as eps (docs/measurements/from-the-code.md). The difference of two nearly equal
+falls only about as eps (evidence/from-the-code.md). The difference of two nearly equal
 gradients is why the evaluations at theta +- eps v run in fp32 with autocast disabled, whatever
 ``autocast_dtype`` does to the v pass.
 """

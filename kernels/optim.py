@@ -3,7 +3,7 @@
 ``adamw`` and ``sgd`` return plain ``torch.optim.AdamW`` / ``torch.optim.SGD`` objects (with one
 step pre-hook that guards the fused step, see below; GradScaler, LR schedulers, hooks and
 ``state_dict`` work as usual) with the implementation chosen per device type: fused on CPU,
-where it measured fastest for AdamW and SGD in fp32 and bf16 (docs/measurements/from-the-code.md),
+where it measured fastest for AdamW and SGD in fp32 and bf16 (evidence/from-the-code.md),
 and on CUDA, torch's fastest documented path (not yet measured in this project). Other device
 types get torch's default.
 

@@ -13,7 +13,7 @@ batch of one, so the result does not depend on the loss's reduction.
 - Every other trainable parameter goes through ``torch.func.vmap(grad(...))`` with
   ``functional_call``, materialized (these are the only per-sample gradients a Gram builds).
   Conv2d included: its identity (unfold patches, batched matmul) measured slower than vmap on
-  3x32x32 inputs (docs/measurements/from-the-code.md).
+  3x32x32 inputs (evidence/from-the-code.md).
 - per_sample_grads uses the identity only when every trainable parameter has it: a model that
   mixes (identity pass + vmap pass) measured slower than one vmap pass. The Gram keeps the mix:
   ghost products spare it materializing the big Linear layers.
@@ -202,7 +202,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets:
         result = _from_terms(plan, terms, inputs.shape[0], out)
     # Checked where it is cheap: an identity layer's gradient is a product of its captured terms,
     # finite when they are (only fp16 can overflow), so the terms are read rather than the B x P
-    # result (a pass over it cost ~10% of the call on the OCS MLP); vmap's gradients are read.
+    # result (a pass over it is a measurable share of the call); vmap's gradients are read.
     checked = {f"the captured {k} of layer {m!r}": t for m, (a, g) in terms.items()
                for k, t in (("inputs", a), ("output gradients", g))}
     checked.update({f"the per-sample gradient of {n!r}": g for n, g in result.items() if g.dtype == torch.float16})

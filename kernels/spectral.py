@@ -12,7 +12,7 @@ where the fast path is indeed inexact.
 
 Defaults: q = 2k (at least 10 extra columns; Halko et al. advise 5-10) and 4 power iterations,
 the best time/error trade measured on CPU; the exact ``svdvals`` when min(m, n) <= ``EXACT_BELOW``
-= 96, where it measured faster, or q >= min(m, n) / 2 (docs/measurements/from-the-code.md).
+= 96, where it measured faster, or q >= min(m, n) / 2 (evidence/from-the-code.md).
 fp16/bf16 input is computed in fp32.
 """
 

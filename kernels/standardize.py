@@ -35,7 +35,7 @@ from torch import Tensor
 from kernels import checks
 
 # Bytes of a row block on the CPU: a few times the per-core L2, well inside the last-level cache
-# (docs/measurements/standardize-blocks-zen3.txt).
+# (evidence/standardize-blocks-zen3.txt).
 BLOCK_BYTES = 2 << 20
 
 _NOT_FINITE = ("this Standardizer refuses NaN and inf (scikit-learn's StandardScaler would skip NaN as missing "
@@ -180,7 +180,7 @@ def _moments(x: Tensor, shift: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor
     row block (its mean, then its squared deviations from it), the blocks merged by Chan et al.'s
     pairwise formula (exact in exact arithmetic; the tests draw the block size, down to a row).
     torch.var_mean over dim 0 is no substitute on the CPU: its reduction is strided
-    (docs/measurements/from-the-code.md)."""
+    (evidence/from-the-code.md)."""
     blocks = _blocks(x, acc)
     work = torch.empty((blocks[0].stop, x.shape[1]), dtype=acc, device=x.device)  # one block, reused
     means, m2s = [], []

@@ -32,7 +32,7 @@ loss the engine already reads once per optimizer step, and the scale the skip co
 
 ``Recipe.auto`` picks per device what measured faster. On CPU the answer differs between CPU
 kinds (bf16 and channels_last sped a ResNet-10 up on an AVX512-BF16 AMD EPYC and slowed
-resnet18 down on a Xeon; docs/measurements/from-the-code.md), so ``auto`` times the candidates
+resnet18 down on a Xeon; evidence/from-the-code.md), so ``auto`` times the candidates
 on the caller's model and batch when given them, and otherwise keeps plain fp32; it leaves fp32
 only for a candidate at least 10% faster (a smaller gain is timing noise, not a reason to lose
 precision and the reference's exact selections). bf16 is a candidate only on a CPU that computes
@@ -78,8 +78,6 @@ class Recipe:
     channels_last: bool = False
     compile_mode: str | None = None  # a torch.compile mode; None: eager
     min_grad_scale: float = 1.0  # a GradScaler skip leaving the scale below this raises (module note); 0: never
-    measured_ms: dict = field(default_factory=dict, compare=False)  # what auto timed: ms per step
-    compile_s: dict = field(default_factory=dict, compare=False)  # what auto compiled: seconds, apart
 
     def __post_init__(self) -> None:
         checks.choice(self.autocast_dtype, "autocast_dtype", (None, torch.float16, torch.bfloat16))
@@ -105,31 +103,40 @@ class Recipe:
     def auto(cls, device: str | torch.device, *, accumulation: int = 1, model: nn.Module | None = None,
              loss_fn: LossFn | None = None, batch: tuple[Tensor, Tensor] | None = None,
              compile_modes: tuple[str, ...] = ()) -> Recipe:
-        """The fastest recipe for ``device``; on CPU measured on ``model``/``batch`` (see module).
-        ``compile_modes`` (opt-in: each compiles the model, seconds to minutes): torch.compile
-        modes tried on top of the chosen recipe, one kept only when its steps measure at least
-        ``AUTO_MARGIN`` faster; compile time is kept apart in ``compile_s``."""
+        """The fastest recipe for ``device``: ``Recipe.choose(...).recipe``."""
+        return cls.choose(device, accumulation=accumulation, model=model, loss_fn=loss_fn, batch=batch,
+                          compile_modes=compile_modes).recipe
+
+    @classmethod
+    def choose(cls, device: str | torch.device, *, accumulation: int = 1, model: nn.Module | None = None,
+               loss_fn: LossFn | None = None, batch: tuple[Tensor, Tensor] | None = None,
+               compile_modes: tuple[str, ...] = ()) -> Choice:
+        """The fastest recipe for ``device`` and the timings it was chosen by; on CPU measured on
+        ``model``/``batch`` (see module). ``compile_modes`` (opt-in: each compiles the model,
+        seconds to minutes): torch.compile modes tried on top of the chosen recipe, one kept only
+        when its steps measure at least ``AUTO_MARGIN`` faster; compile time is kept apart."""
         for mode in compile_modes:
             if mode not in COMPILE_MODES[1:]:
                 raise ValueError(f"compile_modes must be among {COMPILE_MODES[1:]}, got {mode!r}")
-        kind = torch.device(device).type
-        if kind == "cuda":
-            best = cls(torch.float16, True, accumulation, channels_last=True)
-            if not compile_modes or model is None or loss_fn is None or batch is None:
-                return best
-            return _keep_faster_compile(best, compile_modes, model, loss_fn, batch, device)
-        base = cls(accumulation=accumulation)
-        if model is None or loss_fn is None or batch is None:
-            return base
-        layouts = [False, True] if batch[0].ndim == 4 else [False]  # channels_last is for images
-        dtypes = [None, torch.bfloat16] if native_bf16(device) else [None]
-        candidates = [replace(base, autocast_dtype=d, channels_last=c) for c in layouts for d in dtypes]
-        timings = {r.name: _time_step(r, model, loss_fn, batch, device) for r in candidates}
-        best = min(candidates, key=lambda r: timings[r.name])
-        if timings[best.name] > (1 - AUTO_MARGIN) * timings[base.name]:
-            best = base  # a win inside the timing noise does not pay for reduced precision
-        best = replace(best, measured_ms=timings)
-        return _keep_faster_compile(best, compile_modes, model, loss_fn, batch, device) if compile_modes else best
+        measured = model is not None and loss_fn is not None and batch is not None
+        if torch.device(device).type == "cuda":
+            best, step_ms = cls(torch.float16, True, accumulation, channels_last=True), {}
+        elif not measured:
+            best, step_ms = cls(accumulation=accumulation), {}
+        else:
+            best, step_ms = _fastest_eager(cls(accumulation=accumulation), model, loss_fn, batch, device)
+        if not compile_modes or not measured:
+            return Choice(best, step_ms)
+        return _keep_faster_compile(Choice(best, step_ms), compile_modes, model, loss_fn, batch, device)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``Recipe.choose`` picked, and what it timed to pick it."""
+
+    recipe: Recipe
+    step_ms: dict[str, float] = field(default_factory=dict)  # median ms a training step, by recipe name
+    compile_s: dict[str, float] = field(default_factory=dict)  # a compiled candidate's first step, seconds
 
 
 def native_bf16(device: str | torch.device) -> bool:
@@ -144,21 +151,35 @@ def native_bf16(device: str | torch.device) -> bool:
     return any(probe() for probe in probes)
 
 
-def _keep_faster_compile(best: Recipe, modes: tuple[str, ...], model: nn.Module, loss_fn: LossFn,
-                         batch: tuple[Tensor, Tensor], device: str | torch.device) -> Recipe:
-    """``best`` compiled in the fastest of ``modes`` when that is at least AUTO_MARGIN faster per
-    step than ``best`` eager (compile time aside), else ``best``; both timings recorded."""
-    timings, compile_s = dict(best.measured_ms), {}
-    if best.name not in timings:
-        timings[best.name] = _time_step(best, model, loss_fn, batch, device)
+def _fastest_eager(base: Recipe, model: nn.Module, loss_fn: LossFn, batch: tuple[Tensor, Tensor],
+                   device: str | torch.device) -> tuple[Recipe, dict[str, float]]:
+    """The fastest of ``base``'s CPU candidates (bf16 where native, channels_last for images),
+    ``base`` unless one is ``AUTO_MARGIN`` faster, and every candidate's ms a step."""
+    layouts = [False, True] if batch[0].ndim == 4 else [False]  # channels_last is for images
+    dtypes = [None, torch.bfloat16] if native_bf16(device) else [None]
+    candidates = [replace(base, autocast_dtype=d, channels_last=c) for c in layouts for d in dtypes]
+    step_ms = {r.name: _time_step(r, model, loss_fn, batch, device) for r in candidates}
+    best = min(candidates, key=lambda r: step_ms[r.name])
+    if step_ms[best.name] > (1 - AUTO_MARGIN) * step_ms[base.name]:
+        best = base  # a win inside the timing noise does not pay for reduced precision
+    return best, step_ms
+
+
+def _keep_faster_compile(eager: Choice, modes: tuple[str, ...], model: nn.Module, loss_fn: LossFn,
+                         batch: tuple[Tensor, Tensor], device: str | torch.device) -> Choice:
+    """``eager``'s recipe compiled in the fastest of ``modes`` when that is at least AUTO_MARGIN
+    faster per step than eager (compile time aside), else eager's; both timings recorded."""
+    best, step_ms, compile_s = eager.recipe, dict(eager.step_ms), {}
+    if best.name not in step_ms:
+        step_ms[best.name] = _time_step(best, model, loss_fn, batch, device)
     compiled = [replace(best, compile_mode=m) for m in modes]
     for r in compiled:
         first: list[float] = []
-        timings[r.name] = _time_step(r, model, loss_fn, batch, device, first_s=first)
+        step_ms[r.name] = _time_step(r, model, loss_fn, batch, device, first_s=first)
         compile_s[r.name] = first[0]
-    fastest = min(compiled, key=lambda r: timings[r.name])
-    keep = fastest if timings[fastest.name] <= (1 - AUTO_MARGIN) * timings[best.name] else best
-    return replace(keep, measured_ms=timings, compile_s=compile_s)
+    fastest = min(compiled, key=lambda r: step_ms[r.name])
+    keep = fastest if step_ms[fastest.name] <= (1 - AUTO_MARGIN) * step_ms[best.name] else best
+    return Choice(keep, step_ms, compile_s)
 
 
 def _time_step(recipe: Recipe, model: nn.Module, loss_fn: LossFn, batch: tuple[Tensor, Tensor],
@@ -241,6 +262,94 @@ def _to_device(t: Tensor, device: torch.device, channels_last: bool) -> Tensor:
     return t
 
 
+@dataclass
+class _Steps:
+    """One ``train`` call's optimizer steps: what each needs, and what they produced so far."""
+
+    recipe: Recipe
+    optimizer: torch.optim.Optimizer
+    params: list[Tensor]
+    scaler: torch.amp.GradScaler
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    max_grad_norm: float | None
+    data_parallel: bool  # losses (and a trailing window's gradients) are averaged over ranks
+    window: list[Tensor] = field(default_factory=list)  # the losses of the window's micro-batches
+    losses: list[float] = field(default_factory=list)  # one per optimizer step
+    norms: list[Tensor] = field(default_factory=list)  # each step's gradient norm before clipping
+    skipped: int = 0  # steps the GradScaler skipped
+    scale: float = math.nan  # the GradScaler's scale after the last step (nan without one)
+
+    def step(self) -> None:
+        """One optimizer step on the window's accumulated gradients; refuses non-finite ones."""
+        recipe, n = self.recipe, len(self.losses) + 1
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if len(self.window) < recipe.accumulation and grads:  # trailing window: the loss was divided by k
+            torch._foreach_mul_(grads, recipe.accumulation / len(self.window))
+        loss = torch.stack(self.window).mean()
+        loss = (all_mean_([loss])[0] if self.data_parallel else loss).item()  # every rank reports the global loss
+        if not math.isfinite(loss):  # the forward: no scale can fix it (module note)
+            raise _loss_not_finite(loss, n, recipe)
+        if not recipe.grad_scaler and checks.nonfinite({str(j): g for j, g in enumerate(grads)}):  # one sync
+            raise FloatingPointError(
+                f"the gradients of loss {loss:.4g} are not finite at optimizer step {n}; the step was not "
+                "applied. Lower the learning rate, or use grad_scaler=True to skip such steps")
+        if self.max_grad_norm is not None:
+            self.scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones (a no-op when disabled)
+            self.norms.append(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm).detach())
+        before = self.scale
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scale = self.scaler.get_scale() if recipe.grad_scaler else math.nan
+        if self.scale < before:  # the scaler backed off: step skipped
+            self.skipped += 1
+            if self.scale < recipe.min_grad_scale:
+                raise _scaler_gave_up(n, self.skipped, self.scale, recipe.min_grad_scale)
+        elif self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.losses.append(loss)
+        self.window.clear()
+
+
+def _loss_not_finite(loss: float, n: int, recipe: Recipe) -> FloatingPointError:
+    cause = ("a GradScaler cannot skip it: it scales gradients, and the loss is computed before any scaling, so "
+             "the forward itself is not finite" if recipe.grad_scaler else "the forward is not finite")
+    fp16 = "; fp16 activations overflow past 65504: try bf16" if recipe.autocast_dtype == torch.float16 else ""
+    return FloatingPointError(f"loss {loss:.4g} is not finite at optimizer step {n}; the step was not applied: "
+                              f"{cause}. Check the batch for NaN or inf; a model that diverged needs a lower "
+                              f"learning rate{fp16}")
+
+
+def _scaler_gave_up(n: int, skipped: int, scale: float, min_grad_scale: float) -> FloatingPointError:
+    return FloatingPointError(
+        f"the GradScaler skipped optimizer step {n} ({skipped} of {n} in this call) for inf/NaN gradients and has "
+        f"backed off to a scale of {scale:g}, below min_grad_scale={min_grad_scale:g}: these skips are not "
+        "transient. At a scale of 1 or less the scaled gradients are no larger than the true ones, so these "
+        "overflow or are NaN by themselves (an op such as sqrt, log or a division at 0, or a model that diverged: "
+        "lower the learning rate) and every later step would be skipped too. Recipe(min_grad_scale=0) turns this "
+        "check off")
+
+
+def _device(device: str | torch.device | None, params: list[Tensor]) -> torch.device:
+    """The device to train on: ``device``, else the parameters'; it must be theirs."""
+    device = torch.device(device) if device is not None else params[0].device
+    if device.type == "cuda" and device.index is None:  # "cuda" means the current device, cuda:N
+        device = torch.device("cuda", torch.cuda.current_device())
+    if params[0].device != device:
+        raise ValueError(f"the model's parameters are on {params[0].device} but device={str(device)!r}: move the "
+                         "model there first (model.to(device)), then build its optimizer")
+    return device
+
+
+def _batch(batch: object, i: int, device: torch.device, channels_last: bool) -> tuple[Tensor, Tensor]:
+    """Batch ``i``'s (inputs, targets), checked and moved to ``device``."""
+    if not (isinstance(batch, tuple | list) and len(batch) == 2):
+        raise TypeError(f"batches must yield (inputs, targets) pairs; batch {i} is a {type(batch).__name__}"
+                        f"{f' of {len(batch)}' if isinstance(batch, tuple | list) else ''}")
+    x, y = checks.tensor(batch[0], f"batch {i}'s inputs"), checks.tensor(batch[1], f"batch {i}'s targets")
+    return _to_device(x, device, channels_last), _to_device(y, device, False)
+
+
 def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
           batches: Iterable[tuple[Tensor, Tensor]], recipe: Recipe | None = None, *,
           device: str | torch.device | None = None,
@@ -268,101 +377,44 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
     max_grad_norm = check_max_grad_norm(max_grad_norm)
     checks.module(model, "model")
     params = check_parameters(model, loss_fn, optimizer)
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    if device.type == "cuda" and device.index is None:  # "cuda" means the current device, cuda:N
-        device = torch.device("cuda", torch.cuda.current_device())
-    if params[0].device != device:
-        raise ValueError(f"the model's parameters are on {params[0].device} but device={str(device)!r}: move the "
-                         "model there first (model.to(device)), then build its optimizer")
+    device = _device(device, params)
+    if scaler is not None and not recipe.grad_scaler:
+        raise ValueError("a scaler was passed but recipe.grad_scaler is False")
+    own_scaler = scaler is None
+    scaler = torch.amp.GradScaler(device.type, enabled=recipe.grad_scaler) if own_scaler else scaler
     if recipe.channels_last:
         model.to(memory_format=torch.channels_last)
     forward = torch.compile(model, mode=recipe.compile_mode) if recipe.compile_mode else model
-    own_scaler = scaler is None
-    if scaler is None:
-        scaler = torch.amp.GradScaler(device.type, enabled=recipe.grad_scaler)
-    elif not recipe.grad_scaler:
-        raise ValueError("a scaler was passed but recipe.grad_scaler is False")
-    data_parallel = isinstance(model, DistributedDataParallel) and active()
-    autocast = recipe.autocast_dtype is not None
-    k, losses, window, skipped, start = recipe.accumulation, [], [], 0, time.perf_counter()
-    norms: list[Tensor] = []
-    scale = scaler.get_scale() if recipe.grad_scaler else math.nan  # after each step: one read a step
+    steps = _Steps(recipe, optimizer, params, scaler, scheduler, max_grad_norm,
+                   data_parallel=isinstance(model, DistributedDataParallel) and active(),
+                   scale=scaler.get_scale() if recipe.grad_scaler else math.nan)  # read once a step from here on
+    k, autocast, start = recipe.accumulation, recipe.autocast_dtype is not None, time.perf_counter()
     model.train()
     optimizer.zero_grad(set_to_none=True)
-
-    def step() -> None:
-        nonlocal skipped, scale
-        n = len(losses) + 1
-        grads = [p.grad for p in params if p.grad is not None]
-        if len(window) < k and grads:  # trailing partial window: loss was divided by k, not its size
-            torch._foreach_mul_(grads, k / len(window))
-        loss = torch.stack(window).mean()
-        loss = (all_mean_([loss])[0] if data_parallel else loss).item()  # every rank reports the global loss
-        if not math.isfinite(loss):  # the forward: no scale can fix it (module note)
-            cause = ("a GradScaler cannot skip it: it scales gradients, and the loss is computed before any "
-                     "scaling, so the forward itself is not finite" if recipe.grad_scaler else
-                     "the forward is not finite")
-            fp16 = "; fp16 activations overflow past 65504: try bf16" if recipe.autocast_dtype == torch.float16 \
-                else ""
-            raise FloatingPointError(
-                f"loss {loss:.4g} is not finite at optimizer step {n}; the step was not applied: {cause}. Check "
-                f"the batch for NaN or inf; a model that diverged needs a lower learning rate{fp16}")
-        if not recipe.grad_scaler and checks.nonfinite({str(j): g for j, g in enumerate(grads)}):  # one sync
-            raise FloatingPointError(
-                f"the gradients of loss {loss:.4g} are not finite at optimizer step {n}; the step was not "
-                "applied. Lower the learning rate, or use grad_scaler=True to skip such steps")
-        if max_grad_norm is not None:
-            scaler.unscale_(optimizer)  # clip true gradients, not scaled ones (a no-op when disabled)
-            norms.append(torch.nn.utils.clip_grad_norm_(params, max_grad_norm).detach())
-        before = scale
-        scaler.step(optimizer)
-        scaler.update()
-        scale = scaler.get_scale() if recipe.grad_scaler else math.nan
-        if scale < before:  # the scaler backed off: step skipped
-            skipped += 1
-            if scale < recipe.min_grad_scale:
-                raise FloatingPointError(
-                    f"the GradScaler skipped optimizer step {n} ({skipped} of {n} in this call) for inf/NaN "
-                    f"gradients and has backed off to a scale of {scale:g}, below min_grad_scale="
-                    f"{recipe.min_grad_scale:g}: these skips are not transient. At a scale of 1 or less the "
-                    "scaled gradients are no larger than the true ones, so these overflow or are NaN by "
-                    "themselves (an op such as sqrt, log or a division at 0, or a model that diverged: lower the "
-                    "learning rate) and every later step would be skipped too. Recipe(min_grad_scale=0) turns "
-                    "this check off")
-        elif scheduler is not None:
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss)
-        window.clear()
-
     for i, batch in enumerate(batches):  # each batch is read after the previous step: a generator may depend on it
-        if not (isinstance(batch, tuple | list) and len(batch) == 2):
-            raise TypeError(f"batches must yield (inputs, targets) pairs; batch {i} is a {type(batch).__name__}"
-                            f"{f' of {len(batch)}' if isinstance(batch, tuple | list) else ''}")
-        x, y = checks.tensor(batch[0], f"batch {i}'s inputs"), checks.tensor(batch[1], f"batch {i}'s targets")
-        x, y = _to_device(x, device, recipe.channels_last), _to_device(y, device, False)
+        x, y = _batch(batch, i, device, recipe.channels_last)
         # DDP: gradients are all-reduced only on the window's last micro-batch (one all-reduce a step)
-        sync = not data_parallel or len(window) == k - 1
+        sync = not steps.data_parallel or len(steps.window) == k - 1
         with contextlib.nullcontext() if sync else model.no_sync():
             with torch.autocast(device.type, dtype=recipe.autocast_dtype, enabled=autocast):
                 loss = loss_fn(forward(x), y)
             if loss.ndim != 0:
                 raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
             scaler.scale(loss / k).backward()
-        window.append(loss.detach().float())
-        if len(window) == k:
-            step()
-    if window:  # a trailing partial window; under DDP its micro-batches ran under no_sync: all-reduce now
-        if data_parallel:
+        steps.window.append(loss.detach().float())
+        if len(steps.window) == k:
+            steps.step()
+    if steps.window:  # a trailing partial window; under DDP its micro-batches ran under no_sync: all-reduce now
+        if steps.data_parallel:
             all_mean_([p.grad for p in params if p.grad is not None])
-        step()
-    grad_norms = torch.stack(norms).tolist() if norms else []  # one sync for all steps
-    if skipped:
+        steps.step()
+    if steps.skipped:
         keep = "; pass the same scaler= to successive calls to keep the scale it found" if own_scaler else ""
-        warnings.warn(f"{skipped} of {len(losses)} optimizer steps were skipped: the GradScaler found inf/NaN "
-                      f"gradients and backed its scale off to {scale:g}{keep} (result.skipped_steps counts them)",
-                      RuntimeWarning, stacklevel=2)
-    return TrainResult(losses, len(losses), skipped, time.perf_counter() - start, grad_norms)
+        warnings.warn(f"{steps.skipped} of {len(steps.losses)} optimizer steps were skipped: the GradScaler found "
+                      f"inf/NaN gradients and backed its scale off to {steps.scale:g}{keep} (result.skipped_steps "
+                      "counts them)", RuntimeWarning, stacklevel=2)
+    grad_norms = torch.stack(steps.norms).tolist() if steps.norms else []  # one sync for all steps
+    return TrainResult(steps.losses, len(steps.losses), steps.skipped, time.perf_counter() - start, grad_norms)
 
 
 # Checkpoint and resume: one safetensors file (every tensor) whose metadata holds the rest as

@@ -3,7 +3,7 @@ against cached RoPE + SDPA (or, on CPU fp32 up to 192 positions, the measured ex
 kernels/attention.py). Forward only; the timed result must equal the reference's.
 
 The floors sit under the measured spread and above a kernel that lost its fast path (~1.0x)
-(docs/measurements/from-the-code.md).
+(evidence/from-the-code.md).
 
 Peer row: rotary-embedding-torch (interleaved pairs, its cached frequencies) then SDPA, what a
 user would write instead; checked against the reference with the same (interleaved) rotation.

@@ -4,7 +4,7 @@ Reference: fp32, per-parameter Python SGD (momentum 0.9), plain loop. Optimized:
 as kernels.sgd (fused) under Recipe.auto, which on CPU times fp32 / bf16 / channels_last /
 both on this model and batch before the timed rounds. The CPU floor is keyed to the recipe auto
 chose: its gain is bf16's, so where auto keeps fp32 (a CPU whose bf16 is slower) no CPU floor
-applies and the row says so. No CUDA floor yet (docs/measurements/floors.md).
+applies and the row says so. No CUDA floor yet (evidence/floors.md).
 
 Peer rows (perf_tests/peers.py): the step as PyTorch's AMP docs write it, with torch.optim.SGD
 at its defaults (foreach), in fp32 and under autocast bf16: the loop a user has without an engine.

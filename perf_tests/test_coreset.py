@@ -9,7 +9,7 @@ Peer row: Opacus's per-sample gradients (E materialized by hooks) and the origin
 (perf_tests/peers.py), what a user with a per-sample-gradient library would write.
 
 The floors sit under the measured speedups and far above a lost ghost path (materialized E:
-~1.2x) (docs/measurements/from-the-code.md, floors.md).
+~1.2x) (evidence/from-the-code.md, floors.md).
 """
 
 from __future__ import annotations

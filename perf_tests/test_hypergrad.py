@@ -1,7 +1,7 @@
 """The hypergradient of one unrolled step of the Meta-Weight-Net workload's ResNet-10: the
 reference differentiates through the step (a double backward through the classifier), the
 kernel takes v (one forward/backward) and two forward-only inner evaluations. The floor sits
-under the measured speedups (docs/measurements/from-the-code.md).
+under the measured speedups (evidence/from-the-code.md).
 
 Peer row: Betty's own DARTS hypergradient (betty-ml, perf_tests/peers.py), which takes the
 difference at theta' (ours' ``at=None``, the "optimized, at=None" row it is timed against); ours

@@ -6,7 +6,7 @@ Smoke runs batch 100: smaller micro-batches are slow convolutions on CPU. The "o
 the fixed recipe bf16 (a CPU with bf16 instructions) / fp32 (one without) / fp16 (CUDA) x 4
 micro-batches, so the gated row does not move with Recipe.auto's timing; the CLI's optimized run
 uses Recipe.auto. The floors sit under every
-measurement and above losing the DARTS kernel (1.0x) or bf16 (docs/measurements/from-the-code.md).
+measurement and above losing the DARTS kernel (1.0x) or bf16 (evidence/from-the-code.md).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ its "speedup" is the fraction of the streaming bandwidth AdamW reaches.
 
 The floors sit under every measurement and above losing fused (AdamW ~1.0x, bandwidth ~0.2); SGD's
 1.0x means "never slower than the Python loop", the baseline compare of `make bench` watches the
-rest (docs/measurements/from-the-code.md, floors.md).
+rest (evidence/from-the-code.md, floors.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Per-sample gradients of the OCS MLP (784-256-256-10): loop of backward passes vs identities.
 
 The floors sit under the measured spread (the grads row follows memory bandwidth) and above losing
-the kernel (~1x; the Gram's materialized row ~1.5x) (docs/measurements/from-the-code.md). The CUDA
-floors (full size) sit far under the committed H100 baseline (docs/measurements/floors.md).
+the kernel (~1x; the Gram's materialized row ~1.5x) (evidence/from-the-code.md). The CUDA
+floors (full size) sit far under the committed H100 baseline (evidence/floors.md).
 
 Peer rows (perf_tests/peers.py): Opacus's GradSampleModule (per-layer hooks; its norms as its
 clipping computes them; its E @ E.T for the Gram), the library a user would pick for per-sample
@@ -15,29 +15,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call, grad, vmap
 
 import kernels
 import reference
 from correctness_tests.tolerances import ELEMENTWISE, REDUCTION, assert_close, assert_dicts_close
 from kernels.models import MLP
 from perf_tests.peers import PEERS
+from workloads.common import vmap_grads
 
 BATCH = {"smoke": 64, "full": 256}
 IMPLS = {"reference": reference, "optimized": kernels}
-
-
-def _vmap_only(model, loss_fn, x, y):
-    """Ablation row: torch.func's recipe, vmap over samples of grad of a one-sample loss, for every
-    layer (no Linear identity)."""
-    trained = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    fixed = {**{n: p.detach() for n, p in model.named_parameters() if not p.requires_grad},
-             **dict(model.named_buffers())}
-
-    def sample_loss(params, xi, yi):
-        return loss_fn(functional_call(model, (params, fixed), (xi[None],)), yi[None])
-
-    return vmap(grad(sample_loss), in_dims=(None, 0, 0))(trained, x, y)
 
 
 def _time(perf, fn, ref_fn) -> None:
@@ -81,7 +68,7 @@ def _materialized_gram(model, loss_fn, x, y):
 @pytest.mark.speedup(cpu={"smoke": 1.4}, over="peer: opacus")
 @pytest.mark.parametrize("impl", ["reference", "vmap", "optimized", "optimized, out=", "peer: opacus"])
 def test_per_sample_grads(perf, impl: str) -> None:
-    fn = (PEERS[impl] if impl.startswith("peer") else _vmap_only if impl == "vmap" else
+    fn = (PEERS[impl] if impl.startswith("peer") else vmap_grads if impl == "vmap" else
           _into_buffers() if impl == "optimized, out=" else IMPLS[impl].per_sample_grads)
     _time(perf, fn, reference.per_sample_grads)
 

@@ -1,7 +1,7 @@
 """Top-10 singular values of one matrix with a decaying spectrum (0.9^i, a LoRA-like update's
 shape), smoke 512 x 512, full 1024 x 1024: full svdvals (the reference) against the randomized
 range finder (q = 20, 4 power iterations). The timed result must be within 1e-4 relative of the
-reference's values. Floors: docs/measurements/floors.md (measurements: docs/measurements/from-the-code.md).
+reference's values. Floors: evidence/floors.md (measurements: evidence/from-the-code.md).
 
 Peers, the libraries a user would call instead, timed in the same group at the same accuracy
 check: ``torch.svd_lowrank(A, q=20, niter=4)`` (the same range finder, without our per-value

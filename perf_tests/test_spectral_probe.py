@@ -2,8 +2,8 @@
 CI-sized scale (smoke: 100 samples x 2 layers of 256 x 256, 5 epochs at most). Reference:
 svdvals, sklearn, batch 64, fp32. Optimized: randomized top-k, Standardizer, batch 256, the
 engine, features computed into an empty FeatureCache each round; cached: the same, reading the
-features back from a filled cache. Floors: docs/measurements/floors.md (measurements:
-docs/measurements/from-the-code.md).
+features back from a filled cache. Floors: evidence/floors.md (measurements:
+evidence/from-the-code.md).
 """
 
 from __future__ import annotations

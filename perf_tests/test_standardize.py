@@ -1,7 +1,7 @@
 """Standardizer fit + transform of fp32 features, smoke 10000 x 512, full 50000 x 512: scikit-learn's
 StandardScaler (the reference) against kernels.Standardizer. The timed result must equal
 sklearn's transform within the fp32 tolerance. The floor sits under the measured speedups
-(docs/measurements/from-the-code.md).
+(evidence/from-the-code.md).
 """
 
 from __future__ import annotations

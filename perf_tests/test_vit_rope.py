@@ -5,7 +5,7 @@ micro-batches a step; auto picks bf16, so attention runs in SDPA).
 
 No CPU speedup floor: the step's gain is bf16 matmul's on the CPU at hand (the fp32 engine alone
 is ~1.03x), and that differs between CPU models with the same bf16 instructions, so no floor is
-true of every CPU (docs/measurements/floors.md). The row is gated against its machine's own
+true of every CPU (evidence/floors.md). The row is gated against its machine's own
 baseline (`make bench`); losing its kernels fails their own rows (attention, AdamW).
 """
 

@@ -1,5 +1,6 @@
-"""What the workloads share: their results as markdown tables (as in docs/measurements/), the
-checks of their configs, their progress bars, and the median of timed steps."""
+"""What the workloads share: their results as markdown tables (as in evidence/), the
+checks of their configs, their progress bars, the median of timed steps, and torch.func's
+per-sample-gradient recipe their ablations and the perf suite time ours against."""
 
 from __future__ import annotations
 
@@ -95,3 +96,18 @@ def median_step_ms(calls: Iterable[Callable[[], object]], warmup: int, device: s
         raise ValueError(f"no timed step: the calls must outnumber warmup={warmup}")
     return 1e3 * sorted(times)[len(times) // 2]
 
+
+def vmap_grads(model: Any, loss_fn: Callable, x: Any, y: Any) -> dict:
+    """torch.func's per-sample-gradient recipe for every layer: vmap over the samples of the grad
+    of a one-sample loss (no Linear identity). ``{name: Tensor(B, *param.shape)}`` of the
+    parameters that require grad; the others and the buffers held fixed."""
+    from torch.func import functional_call, grad, vmap
+
+    trained = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    fixed = {**{n: p.detach() for n, p in model.named_parameters() if not p.requires_grad},
+             **dict(model.named_buffers())}
+
+    def sample_loss(params: dict, xi: Any, yi: Any) -> Any:
+        return loss_fn(functional_call(model, (params, fixed), (xi[None],)), yi[None])
+
+    return vmap(grad(sample_loss), in_dims=(None, 0, 0))(trained, x, y)

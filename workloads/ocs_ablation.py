@@ -7,13 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from torch import Tensor, nn
-
 from kernels.coreset import ocs_scores
 from kernels.per_sample import per_sample_grads
 from kernels.training import Recipe
 from reference.coreset import literal_scores
-from workloads.common import amp_recipe, markdown, mib, progress
+from workloads.common import amp_recipe, markdown, mib, progress, vmap_grads
 from workloads.ocs import REFERENCE, Config, OCSReport, Scorer, optimized, run
 from workloads.rotated_digits import Split
 
@@ -22,19 +20,12 @@ def _materialized(grads_fn: Callable) -> Scorer:
     return lambda m, loss_fn, x, y, *, memory, tau: literal_scores(m, loss_fn, x, y, memory, tau, grads_fn)
 
 
-def _vmap_grads(model: nn.Module, loss_fn: Callable, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-    from kernels.per_sample import _vmap_grads as vmap_grads
-
-    return vmap_grads(model, loss_fn, x, y, [n for n, p in model.named_parameters() if p.requires_grad],
-                      "error", None)
-
-
 def ablation(cfg: Config, tasks: list[tuple[Split, Split]]) -> list[OCSReport]:
     """reference / vmap / einsum / ghost Gram / ghost + AMP, in one process on one device. The
     rows after the reference share the engine and fused SGD and differ in the scores."""
 
     amp = amp_recipe(cfg.device)
-    methods = [REFERENCE, optimized(Recipe(), _materialized(_vmap_grads), "vmap (materialized E)"),
+    methods = [REFERENCE, optimized(Recipe(), _materialized(vmap_grads), "vmap (materialized E)"),
                optimized(Recipe(), _materialized(per_sample_grads), "einsum (materialized E)"),
                optimized(Recipe(), ocs_scores, "ghost Gram"),
                optimized(amp, ocs_scores, f"ghost Gram + AMP ({amp.name})")]

@@ -276,7 +276,7 @@ class PerfCase:
         n = max(MIN_PAIRS, min(rounds, math.ceil(max_time / max(block_s, 1e-6))))
         # a share now, the rest in later visits at the session's end (GateState.revisit); a
         # visit times at least MIN_VISIT_ROUNDS pairs, so a slow kernel's few (and long) pairs
-        # stay in fewer visits: 5 pairs in 3 visits gave a 2-3x wide bootstrap interval
+        # stay in fewer visits (a visit of one or two pairs widens the bootstrap interval)
         visits = 1 if n <= MIN_PAIRS else max(1, min(state.visits, n // MIN_VISIT_ROUNDS))
         shares = [len(v) for v in np.array_split(range(n), visits)]
         if visits == 1 and state.visits > 1:

@@ -149,12 +149,9 @@ class SpeedupRow:
         return {**asdict(self), "memory_ratio": self.memory_ratio, "outcome": self.outcome}
 
 
-# The share of CPU time withheld from the session (timing.HostLoad) at which a row's speedup no
-# longer judges the kernel: the smoke suite's 59 rows on a quiet 2-vCPU host read 0.000-0.025, one
-# busy process beside the session 0.13-0.36 (docs/gate.md, "A contended host"). The share of the
-# streaming probe's bandwidth (timing.Bandwidth) under the session's quiet figure: a quiet smoke run
-# of the whole suite on the Zen 3 read 0.00-0.31 on its 28 floored rows (our own pools slow the
-# probe too), the probe beside a copy loop on the other vCPU 37% under its quiet figure.
+# The share of CPU time withheld from the session (timing.HostLoad), and of the streaming probe's
+# bandwidth (timing.Bandwidth) under the session's quiet figure, at which a row's speedup no longer
+# judges the kernel: each between what quiet and contended hosts read (docs/gate.md, "A contended host").
 CONTENDED = 0.05
 BANDWIDTH_CONTENDED = 0.4
 

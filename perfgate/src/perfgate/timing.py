@@ -237,7 +237,7 @@ def configure_malloc(mode: str) -> str:
     (trims only above 2 GiB free), so a fresh tensor reuses resident pages, as CUDA's caching
     allocator does. Without it a large tensor (a (B, P) per-sample gradient) is mmap-ed and
     page-faulted anew on every call, or not, depending on what ran before, which moved timings
-    several-fold (docs/measurements/from-the-code.md). Returns the mode in effect ("default"
+    several-fold (evidence/from-the-code.md). Returns the mode in effect ("default"
     where mallopt is absent)."""
     if mode != "cache":
         return "default"
@@ -291,8 +291,8 @@ def peak_memory(fn: Callable[[], Any], device: str) -> int | None:
 
 
 # A block lasts at least BLOCK_S (up to 8 calls): short kernels repeat. A call this long (WARM_S) is
-# timed in its block without a warming call first: the caches a warming call would refill (a 32 MiB
-# L3 at 20 GB/s or more: under 2 ms) are within 2% of it, and the call costs as much as the reading
+# timed in its block without a warming call first: refilling the caches is a small share of it, and
+# a warming call would cost as much as the reading (docs/gate.md, "Stop measuring what is decided")
 BLOCK_S = 0.02
 WARM_S = 0.1
 
@@ -439,7 +439,7 @@ def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls:
     move with it. A block is ``calls`` back-to-back calls after ``warm`` warming ones (which warm
     the caches the other side's block just used), read as the median call, so each side runs with
     its own data in cache, as in its separate rounds; alternating single calls measured small
-    kernels with the other's data in cache (docs/measurements/from-the-code.md). With ``host``,
+    kernels with the other's data in cache (evidence/from-the-code.md). With ``host``,
     each pair's ``PairLoad`` is appended to ``load``: the CPU time withheld read around each pair,
     the delay around the impl's timed calls alone, the bandwidth probed before and after the
     stretch."""

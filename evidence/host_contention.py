@@ -1,11 +1,11 @@
 """What the gate's host readings see, and what they do not (docs/gate.md, "A contended host").
 
-    python docs/measurements/host_contention.py probe            # the streaming probe, 100 readings
-    python docs/measurements/host_contention.py probe-streamed   # the same beside a copy loop on vCPU 1
-    python docs/measurements/host_contention.py pool             # the Standardizer after randomized_svd
-    python docs/measurements/host_contention.py sag 200          # the Standardizer's sag, in 200 windows
-    python docs/measurements/host_contention.py sag-probes 400   # beside probes that might see it
-    python docs/measurements/host_contention.py detect-streamed  # the gate's detection runs beside a copy loop
+    python evidence/host_contention.py probe            # the streaming probe, 100 readings
+    python evidence/host_contention.py probe-streamed   # the same beside a copy loop on vCPU 1
+    python evidence/host_contention.py pool             # the Standardizer after randomized_svd
+    python evidence/host_contention.py sag 200          # the Standardizer's sag, in 200 windows
+    python evidence/host_contention.py sag-probes 400   # beside probes that might see it
+    python evidence/host_contention.py detect-streamed  # the gate's detection runs beside a copy loop
 
 ``probe``: perfgate's ``timing.Bandwidth`` on vCPU 0, 20 ms apart. ``pool``: the Standardizer
 (10000 x 512 fp32, torch's default threads, cache malloc) alone, right after scikit-learn's
@@ -155,7 +155,7 @@ def sag_probes(windows: int) -> None:
 def detect_streamed(runs: int = 3) -> None:
     from correctness_tests.test_perfgate_suite import CAUGHT, CAUGHT_TESTS, LOST_CONFTEST
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     ids = [f"{f}::{t}[{impl}]" for f, t in zip(CAUGHT, CAUGHT_TESTS, strict=True)
            for impl in ("reference", "optimized")]
     conditions = {"unchanged": ("", []), "4x slower": ("", ["--perf-slowdown=4"]), "lost": (LOST_CONFTEST, [])}

@@ -1,8 +1,8 @@
 """Add one perf run's speedups to floor-evidence.json, the measurements the CPU floors are set
 from (correctness_tests/test_perfgate_suite.py checks every floor against them).
 
-    python docs/measurements/floor_evidence.py add bench.json --commit abc1234 [--source "make test, clean clone"]
-    python docs/measurements/floor_evidence.py table    # floors.md's table: each floor beside its evidence
+    python evidence/floor_evidence.py add bench.json --commit abc1234 [--source "make test, clean clone"]
+    python evidence/floor_evidence.py table    # floors.md's table: each floor beside its evidence
 
 The CPU model, thread count and size come from the run's own fingerprint.
 """
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 EVIDENCE = Path(__file__).with_name("floor-evidence.json")
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: the floors are read from its perf tests
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: the floors are read from its perf tests
 
 
 def run_entry(run: dict, commit: str, source: str) -> dict:
