@@ -674,9 +674,9 @@ import pytest
 
 RNG = random.Random(0)
 
-def optimized():  # sleeps ./sleep's seconds; "coin": 8x or 1x by a seeded coin until test_zz_settle
-    how = Path("sleep").read_text()
-    time.sleep(RNG.choice([0.005, 0.040]) if how == "coin" else float(how))
+def optimized():  # ./sleep: seconds, or "coin S": 8x or 1x by a seeded coin until test_zz_settle, then S
+    how = Path("sleep").read_text().split()
+    time.sleep(RNG.choice([0.005, 0.040]) if how[0] == "coin" else float(how[-1]))
 
 @pytest.mark.speedup(cpu=0.5)
 @pytest.mark.parametrize("impl", ["reference", "optimized"])
@@ -684,32 +684,34 @@ def test_coin(perf, impl):
     perf((lambda: time.sleep(0.040)) if impl == "reference" else optimized, rounds=8, label="coin")
 
 def test_zz_settle():
-    if Path("sleep").read_text() == "coin":
-        Path("sleep").write_text("{settled}")
+    Path("sleep").write_text(Path("sleep").read_text().split()[-1])
 """
 
 
-@pytest.mark.parametrize(("settled", "outcome"), [(0.010, "ok"), (0.020, "FAIL")])
-def test_straddled_baseline_is_measured_further(pytester: pytest.Pytester, settled: float, outcome: str) -> None:
+def test_straddled_baseline_is_measured_further(pytester: pytest.Pytester) -> None:
     """Saved at 4x, the row reads about 2.8x on pairs at 8x or 1x by a coin: more than 20% under
     the baseline on its point, but with an interval that reaches the baseline's. With no budget to
     extend it is unresolved; with one, the pairs timed after the host settled (at 4x, or at 2x)
     resolve it: met, or missed."""
-    pytester.makepyfile(test_coin=COIN.format(settled=settled))
-    (pytester.path / "sleep").write_text("0.010")
+    pytester.makepyfile(test_coin=COIN)
+    sleep = pytester.path / "sleep"
+    sleep.write_text("0.010")
     assert _run(pytester, "--benchmark-save=base").ret == 0
     args = ("--perf-visits=1", "--benchmark-json=out.json", "--benchmark-compare")
-    (pytester.path / "sleep").write_text("coin")
+    sleep.write_text("coin 0.010")
     result = _run(pytester, "--perf-extend=0", *args)
     assert result.ret == 0
     result.stdout.fnmatch_lines(["*UNRESOLVED: coin [[]optimized*more than 20% under the stored baseline's*"])
     row = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]
     assert row["outcome"] == "unresolved" and row["extended"] == 0 and row["failures"] == [], row
-    (pytester.path / "sleep").write_text("coin")
-    result = _run(pytester, "--perf-extend=20", *args)
-    row = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]
-    assert row["outcome"] == outcome and row["extended"] > 0, row
-    assert result.ret == (0 if outcome == "ok" else pytest.ExitCode.TESTS_FAILED)
+    for settled, outcome in (("0.010", "ok"), ("0.020", "FAIL")):
+        sleep.write_text(f"coin {settled}")
+        result = _run(pytester, "--perf-extend=20", *args)
+        row = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]
+        assert row["outcome"] == outcome and row["extended"] > 0, row
+        assert result.ret == (0 if outcome == "ok" else pytest.ExitCode.TESTS_FAILED)
+        result.stdout.fnmatch_lines([f"extended: coin [[]optimized[]] +* pairs*straddled the floor 0.50x or the "
+                                     f"stored baseline's*{outcome}"])
 
 
 VARIANT = """

@@ -4,10 +4,13 @@ Its own distribution (``pip install ./perfgate``, ``pytest-perfgate``), for any 
 reference/optimized pairs; torch is optional. Inert in a session that has no perf test.
 
 - ``plugin``: the pytest hooks and fixtures (entry point pytest11), each delegating to
-- ``session``: ``PerfSession``, the options, when the gate starts, the verdict and its report.
+- ``options``: the ``--perf-*`` options, and ``Options``, one session's values, checked.
+- ``session``: ``PerfSession``, when the gate starts, the verdict and its report.
 - ``compat``: every use of pytest-benchmark beyond its documented API.
 - ``case``: ``PerfCase``, what the ``perf`` fixture gives a test, and the timing call.
-- ``state``: what one session measured, its floors and the stored baseline's speedups.
+- ``state``: ``GateState``, one session's parts: its ``Settings``, ``Probes`` (clock, host
+  readings, thread pools), ``Floors``, ``Stored`` baseline, ``Later`` visits and ``Tally``, and
+  what it measured; the later visits, extensions and second looks are timed there.
 - ``timing``: device-correct timing helpers and peak-memory measurement.
 - ``stats``: the speedup statistic (ratio of medians, bootstrap interval) and the gate rules.
 - ``fingerprint``: what makes two machines comparable.

@@ -71,26 +71,10 @@ def judge(row: ABRow, tolerance: float, contended: float = CONTENDED) -> str:
         row.outcome, row.message = "not comparable", f"{where}: not comparable: {row.reason}"
         return row.outcome
     assert row.ratio is not None and row.low is not None and row.high is not None
-    slower = 1.0 / row.ratio
     measured = (f"REV/this {row.ratio:.3f}x (95% CI {row.low:.3f}-{row.high:.3f}x, {len(row.rev_times)} "
                 f"interleaved pairs)")
     if row.high < line:
-        busy = row.contention is not None and row.contention >= contended
-        again = (row.confirm_ratio is not None and row.confirm_high is not None
-                 and row.confirm_ratio > row.high and row.confirm_high >= line)
-        if busy:
-            row.outcome = "unresolved"
-            row.message = (f"{where}: this tree read {slower:.2f}x slower ({measured}), but the host withheld "
-                           f"{row.contention:.0%} of the CPU time: no verdict on the code")
-        elif again:
-            row.outcome = "unresolved"
-            row.message = (f"{where}: this tree read {slower:.2f}x slower ({measured}), but {row.confirmed} pairs "
-                           f"timed again read {row.confirm_ratio:.3f}x (up to {row.confirm_high:.3f}x): the host "
-                           "changed between the two")
-        else:
-            row.outcome = "FAIL"
-            row.message = (f"{where}: this tree is {slower:.2f}x slower than REV ({measured}; the line is "
-                           f"{tolerance:.0%} slower, {line:.3f}x)")
+        row.outcome, row.message = _slower(row, f"{where}: this tree", measured, tolerance, contended)
     elif row.low < line:
         row.outcome = "unresolved"
         row.message = (f"{where}: {measured} straddles {line:.3f}x ({tolerance:.0%} slower): neither shown "
@@ -106,6 +90,22 @@ def judge(row: ABRow, tolerance: float, contended: float = CONTENDED) -> str:
     else:
         row.outcome, row.message = "ok", f"{where}: {measured}"
     return row.outcome
+
+
+def _slower(row: ABRow, this: str, measured: str, tolerance: float, contended: float) -> tuple[str, str]:
+    """The outcome and message of a row whose whole interval is under the line: a failure, unless
+    the host withheld CPU time or a second stretch of pairs disagreed."""
+    line, slower = 1.0 / (1.0 + tolerance), 1.0 / row.ratio
+    if row.contention is not None and row.contention >= contended:
+        return "unresolved", (f"{this} read {slower:.2f}x slower ({measured}), but the host withheld "
+                              f"{row.contention:.0%} of the CPU time: no verdict on the code")
+    if (row.confirm_ratio is not None and row.confirm_high is not None
+            and row.confirm_ratio > row.high and row.confirm_high >= line):
+        return "unresolved", (f"{this} read {slower:.2f}x slower ({measured}), but {row.confirmed} pairs timed "
+                              f"again read {row.confirm_ratio:.3f}x (up to {row.confirm_high:.3f}x): the host "
+                              "changed between the two")
+    return "FAIL", (f"{this} is {slower:.2f}x slower than REV ({measured}; the line is {tolerance:.0%} slower, "
+                    f"{line:.3f}x)")
 
 
 @dataclass

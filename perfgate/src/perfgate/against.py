@@ -120,10 +120,11 @@ class Against:
         self.root = None
 
     def _hello(self, side: str, root: Path, state: Any, scratch: str | None) -> Hello:
-        malloc = "cache" if state.fingerprint.get("malloc") == "cache" else "default"
-        return Hello(side=side, root=str(root), library=tuple(self.library), device=state.device, size=state.size,
-                     threads=state.threads, malloc=malloc, scratch=scratch,
-                     slowdown=state.slowdown if side == "this" else 1.0)
+        s = state.settings
+        malloc = "cache" if s.fingerprint.get("malloc") == "cache" else "default"
+        return Hello(side=side, root=str(root), library=tuple(self.library), device=s.device, size=s.size,
+                     threads=s.threads, malloc=malloc, scratch=scratch,
+                     slowdown=state.settings.slowdown if side == "this" else 1.0)
 
     def _targets(self, state: Any) -> list[tuple[pytest.Item, str, str]]:
         """(item, kernel, impl) of the rows to compare: the impls the suite makes a claim about
@@ -146,8 +147,9 @@ class Against:
         if not targets or self.revision is None or self.root is None:
             return
         t0 = time.perf_counter()
-        budget = Budget(seconds=float(self.config.getoption("benchmark_max_time")), extend_s=state.extend_s,
-                        total_s=self.budget_s, all_pairs=state.all_visits)
+        max_time = float(self.config.getoption("benchmark_max_time"))
+        budget = Budget(seconds=max_time, extend_s=state.settings.extend_s, total_s=self.budget_s,
+                        all_pairs=state.settings.all_visits)
         scratch = None if self.revision.folder is not None else str(self.root.parents[len(Path(
             self.revision.prefix).parts)])  # the export's scratch folder: the tests' tmp_path go there
         hellos = {"rev": self._hello("rev", self.root, state, scratch),
@@ -162,11 +164,11 @@ class Against:
             self.seconds = time.perf_counter() - t0
         why = "interrupted" if self.interrupted else self.problem
         for item, kernel, impl in targets[len(self.rows):]:
-            self.rows.append(ABRow(kernel, impl, state.size, item.nodeid, reason=why))
+            self.rows.append(ABRow(kernel, impl, state.settings.size, item.nodeid, reason=why))
         for row in self.rows:
             if row.ratio is None and not row.reason:  # the row being timed when the phase stopped
                 row.reason = why
-            judge(row, self.tolerance, state.contended)
+            judge(row, self.tolerance, state.settings.contended)
 
     def _compare(self, hellos: dict[str, Hello], targets: list, rev_root: Path, rootdir: Path, state: Any,
                  budget: Budget) -> None:
@@ -177,7 +179,8 @@ class Against:
         with _started(Pool(hellos, self.per_side)) as pool:
             comparer = Comparer(pool, self.tolerance, budget)
             for n, (item, kernel, impl) in enumerate(targets):
-                row = ABRow(kernel, impl, state.size, item.nodeid, label=state.results[kernel][impl].label)
+                label = state.results[kernel][impl].label
+                row = ABRow(kernel, impl, state.settings.size, item.nodeid, label=label)
                 self.rows.append(row)
                 relative = Path(item.path).relative_to(rootdir)
                 if not defines(rev_root / relative, item.originalname):
@@ -189,7 +192,7 @@ class Against:
                 try:
                     if comparer.build(row, request):
                         comparer.time_row(row, rows_left=len(targets) - n)
-                        if judge(row, self.tolerance, state.contended) in ("FAIL", "faster"):
+                        if judge(row, self.tolerance, state.settings.contended) in ("FAIL", "faster"):
                             again.append((row, request))
                 except WorkerGone as exc:  # a worker died or hung on this row: the others go on
                     row.reason = str(exc)

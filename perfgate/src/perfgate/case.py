@@ -14,7 +14,7 @@ import pytest
 from . import compat
 from .floors import OPTIMIZED, comparison, floor_value, kernel_name, parametrized_impls
 from .state import MIN_PAIRS, REFERENCE, GateState, Measurement, Visits, baseline_key
-from .timing import PairLoad, block_calls, interleaved, peak_memory, synced
+from .timing import PairLoad, Timed, block_calls, interleaved, peak_memory, synced
 
 MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the options say
 # --perf-gated-only: an impl's own rounds feed no rule, so a slow call gets fewer (what fits in
@@ -91,15 +91,16 @@ def _judged(item: pytest.Item, state: GateState, impl: str, over: str | None, va
     ``UNKNOWN``: the impl has not run yet), or, for a row of ours over the reference, a stored
     baseline (a peer's row is reported beside it, not gated)."""
     for kind in kinds:
-        if kind == "speedup" and state.cpu_floors_off:
+        if kind == "speedup" and state.floors.cpu_off:
             continue
         # _floor's note is set only when a floor keyed to another variant exists
         known = None if variant is UNKNOWN else variant
-        floor, note = _floor(item, kind, impl, state.device, state.size, known, over)
+        floor, note = _floor(item, kind, impl, state.settings.device, state.settings.size, known, over)
         if floor is not None or (variant is UNKNOWN and note):
             return True
     peer = any(o == impl for _, o in _comparisons(item, impl))
-    stored = state.baseline is not None and baseline_key(kernel_name(item)[0], impl, state.size) in state.baseline
+    key = baseline_key(kernel_name(item)[0], impl, state.settings.size)
+    stored = state.stored.speedups is not None and key in state.stored.speedups
     return over is None and "speedup" in kinds and stored and not peer
 
 
@@ -126,7 +127,7 @@ def _needed(item: pytest.Item, state: GateState, impl: str) -> bool:
     may judge another impl of its test (the comparison with REV does not time it)."""
     if impl == REFERENCE:
         return any(_ruled(item, state, other) for other in parametrized_impls(item) if other != REFERENCE)
-    return _ruled(item, state, impl) or (state.compared and claimed(item, impl))
+    return _ruled(item, state, impl) or (state.settings.compared and claimed(item, impl))
 
 
 def _slowed(run: Callable[..., Any], factor: float) -> Callable[..., Any]:
@@ -146,7 +147,21 @@ def _slowed(run: Callable[..., Any], factor: float) -> Callable[..., Any]:
 
 
 class PerfCase:
-    """What the ``perf`` fixture gives a test: its device, size, impl and the timing call."""
+    """What the ``perf`` fixture gives a test: its device, size, impl and the timing call,
+    ``perf(fn, setup=, label=, rounds=, warmup_rounds=, work_bytes=, variant=)``.
+
+    ``warmup_rounds``: untimed calls before the rounds, the first call and the sizing call
+    among them (both always made, except the sizing call under ``--perf-gated-only``, whose
+    rounds are not sized). Rounds default to what fits in ``--benchmark-max-time`` (at least
+    ``--benchmark-min-rounds``, never under 5, at most 1000; under ``--perf-gated-only`` 5, or
+    for a call over 0.2 s what fits in ``GATED_ROUNDS_S``, at least 2).
+    The first call is reported apart as ``first_call_ms`` (compile and warm-up live there),
+    never in the timed rounds.
+    ``work_bytes``: bytes one call moves; declared on both impls, the row's speedup becomes a
+    throughput ratio and GB/s are reported. ``variant``: what this impl chose at run time that
+    its speedup depends on (e.g. ``Recipe.auto``'s recipe name); a ``speedup`` marker with
+    ``variant=`` applies only when it matches.
+    """
 
     def __init__(self, request: pytest.FixtureRequest, benchmark: Any, state: GateState) -> None:
         names = kernel_name(request.node)
@@ -154,113 +169,125 @@ class PerfCase:
             pytest.fail(f"{request.node.nodeid}: a perf test must be parametrized over 'impl' "
                         "(e.g. @pytest.mark.parametrize('impl', ['reference', 'optimized']))")
         self.kernel, self.impl = names
-        self.device: str = state.device
-        self.size: str = state.size
+        self.device: str = state.settings.device
+        self.size: str = state.settings.size
         self._request, self._benchmark, self._state = request, benchmark, state
 
-    def __call__(
-        self,
-        fn: Callable[..., Any],
-        *,
-        setup: Callable[[], Any] | None = None,
-        label: str = "",
-        rounds: int | None = None,
-        warmup_rounds: int = 2,
-        work_bytes: float | None = None,
-        variant: str | None = None,
-    ) -> Any:
-        """Time ``fn()`` (or ``fn(setup())`` with a fresh setup each round, untimed).
-
-        ``warmup_rounds``: untimed calls before the rounds, the first call and the sizing call
-        among them (both always made, except the sizing call under ``--perf-gated-only``, whose
-        rounds are not sized). Rounds default to what fits in ``--benchmark-max-time`` (at least
-        ``--benchmark-min-rounds``, never under 5, at most 1000; under ``--perf-gated-only`` 5, or
-        for a call over 0.2 s what fits in ``GATED_ROUNDS_S``, at least 2).
-        The first call is reported apart as ``first_call_ms`` (compile and warm-up live there),
-        never in the timed rounds.
-        ``work_bytes``: bytes one call moves; declared on both impls, the row's speedup becomes a
-        throughput ratio and GB/s are reported. ``variant``: what this impl chose at run time that
-        its speedup depends on (e.g. ``Recipe.auto``'s recipe name); a ``speedup`` marker with
-        ``variant=`` applies only when it matches.
-        """
-        config, state, bench = self._request.config, self._state, self._benchmark
-        node = self._request.node
-        if state.gated_only and not _needed(node, state, self.impl):
-            state.not_timed.append(f"{self.kernel} [{self.impl}]")
+    def __call__(self, fn: Callable[..., Any], *, setup: Callable[[], Any] | None = None, label: str = "",
+                 rounds: int | None = None, warmup_rounds: int = 2, work_bytes: float | None = None,
+                 variant: str | None = None) -> Any:
+        """Time ``fn()``, or ``fn(setup())`` with a fresh setup each round, untimed (the class's note)."""
+        state, bench, node = self._state, self._benchmark, self._request.node
+        if state.settings.gated_only and not _needed(node, state, self.impl):
+            state.tally.not_timed.append(f"{self.kernel} [{self.impl}]")
             pytest.skip(f"{self.kernel} [{self.impl}]: no floor or stored baseline judges it here "
                         "(--perf-gated-only; a session without it times it)")
-        state.pin_threads()  # a peer's BLAS pool loads at its first use: at the session's threads too
-        # wall-clock calls (the first call, the sizing call) end with a synchronize
-        run = synced(fn, self.device)
-        slowed = state.slowdown != 1.0 and self.impl == OPTIMIZED  # --perf-slowdown slows "optimized" only
-        if slowed:  # --perf-slowdown (CPU only): spun after the call, its rounds sized slowed
-            run = _slowed(run, state.slowdown)
-        setup_synced = None if setup is None else synced(setup, self.device)
-        call = run if setup_synced is None else lambda: run(setup_synced())
+        state.probes.pin_threads()  # a peer's BLAS pool loads at its first use: at the session's threads too
+        run, call = self._callables(fn, setup)
         if bench.disabled:  # --benchmark-disable or xdist: pytest-benchmark runs it once
-            state.unmeasured += 1
+            state.tally.unmeasured += 1
             return bench.pedantic(call, rounds=1, iterations=1)
-        t0 = time.perf_counter()
-        call()
-        first = time.perf_counter() - t0
-        gated_rounds = rounds is None and state.gated_only
-        if gated_rounds:
-            # rows are judged on their interleaved pairs: the impl's own rounds feed only its
-            # pytest-benchmark stats and the pairs' block size, so they are not sized to max-time
-            rounds = max(2, min(MIN_ROUNDS, math.ceil(GATED_ROUNDS_S / max(first, 1e-6))))
-        elif rounds is None:
-            t1 = time.perf_counter()
-            call()  # a warm call sizes the rounds: the first may compile or build caches
-            warm = state.timer.cost(time.perf_counter() - t1)
-            max_time = float(config.getoption("benchmark_max_time"))
-            min_rounds = int(config.getoption("benchmark_min_rounds"))
-            rounds = min(MAX_ROUNDS, max(min_rounds, math.ceil(max_time / max(warm, 1e-6))))
-        rounds = rounds if gated_rounds else max(rounds, MIN_ROUNDS)
+        first, rounds = self._size_rounds(call, rounds)
         bench.group = self.kernel
         bench.extra_info.update(kernel=self.kernel, impl=self.impl, size=self.size, label=label,
                                 device=self.device, first_call_ms=1e3 * first)
-        # the rounds are one block on the session's clock (CUDA events on a GPU), given to
-        # pytest-benchmark as its rounds
-        timed = (run if slowed else fn, setup)
-        times, result = compat.record_rounds(bench, lambda: state.timer.rounds(timed, rounds,
-                                                                                   warm=max(0, warmup_rounds - 2)),
-                                             timer=state.timer.clock.name)
-        # every impl's timed callable is kept for the impls of this kernel that follow it: the
-        # reference for all of them, a peer for the impls a speedup(over=) marker compares with it
-        paired, later, load = None, None, []
-        state.runners[(self.kernel, self.impl)] = (timed, float(np.median(times)))
+        times, result = self._time_rounds((run if self._slowed else fn, setup), rounds, warmup_rounds)
         # interleaved pairs for a speedup a rule judges (under --perf-gated-only; else for every row)
-        speedup_judged = not state.gated_only or _judged(node, state, self.impl, None, variant, ("speedup",))
+        paired, later, load = None, None, []
+        speedup_judged = (not state.settings.gated_only
+                          or _judged(node, state, self.impl, None, variant, ("speedup",)))
         if self.impl != REFERENCE and (self.kernel, REFERENCE) in state.runners and speedup_judged:
             paired, later, load = self._pair(REFERENCE, self.impl, rounds)
-        # rows gated on memory take the median of 3 peaks: CPU peaks move by a few stray pages;
-        # under --perf-gated-only a test without a memory marker reads none (no rule would)
-        memory_marked = any(self._request.node.iter_markers("memory"))
-        repeats = 3 if memory_marked else 0 if state.gated_only else 1
-        args = () if setup is None or not repeats else (setup(),)
-        peaks = [peak_memory(lambda: fn(*args), self.device) for _ in range(repeats)]
-        peak = None if not peaks or None in peaks else sorted(peaks)[len(peaks) // 2]
+        peak = self._peak(fn, setup)
         bench.extra_info.update(peak_memory_bytes=peak, work_bytes=work_bytes)
         if self.impl in state.results.get(self.kernel, {}):
             pytest.fail(f"two perf tests measure {self.kernel} [{self.impl}]: perf kernel names come "
                         "from the test name and its non-impl parameters; rename one")
-        state.results.setdefault(self.kernel, {})[self.impl] = Measurement(
+        self._record(self.impl, later, Measurement(
             times=times, size=self.size, label=label, peak_bytes=peak,
             work_bytes=work_bytes, paired=paired, visits=1 + len(later.shares) if later else 1, variant=variant,
             load=load, calls=later.calls[1] if later else 1,
-            peer=any(over == self.impl for _, over in _comparisons(self._request.node, self.impl)))
-        if later is not None:
-            state.timers[(self.kernel, self.impl)] = later  # kept to extend a straddled floor
-            if later.shares:
-                state.pending.append(later)
+            peer=any(over == self.impl for _, over in _comparisons(node, self.impl))))
         self._set_floors(self.impl, variant)
+        self._compare_with_peers(rounds)
+        return result
+
+    @property
+    def _slowed(self) -> bool:
+        """--perf-slowdown applies to this impl: it slows "optimized" only."""
+        return self._state.settings.slowdown != 1.0 and self.impl == OPTIMIZED
+
+    def _callables(self, fn: Callable[..., Any], setup: Callable[[], Any] | None) -> tuple[Callable, Callable]:
+        """``fn`` as it is timed (ending with a synchronize; slowed under --perf-slowdown, CPU
+        only: spun after the call, so its rounds are sized slowed), and one call of it with a
+        fresh ``setup`` (the first call and the sizing call: wall-clock)."""
+        run = synced(fn, self.device)
+        if self._slowed:
+            run = _slowed(run, self._state.settings.slowdown)
+        setup_synced = None if setup is None else synced(setup, self.device)
+        return run, (run if setup_synced is None else lambda: run(setup_synced()))
+
+    def _time_rounds(self, timed: Timed, rounds: int, warmup_rounds: int) -> tuple[list[float], Any]:
+        """``rounds`` of ``timed`` as one block on the session's clock (CUDA events on a GPU),
+        given to pytest-benchmark as its rounds: their seconds and the last call's result. The
+        callable is kept for the impls of this kernel that follow it: the reference for all of
+        them, a peer for the impls a speedup(over=) marker compares with it."""
+        state = self._state
+        times, result = compat.record_rounds(
+            self._benchmark, lambda: state.probes.timer.rounds(timed, rounds, warm=max(0, warmup_rounds - 2)),
+            timer=state.probes.timer.clock.name)
+        state.runners[(self.kernel, self.impl)] = (timed, float(np.median(times)))
+        return times, result
+
+    def _size_rounds(self, call: Callable[[], Any], rounds: int | None) -> tuple[float, int]:
+        """The first call's seconds, and the rounds to time (``__call__``'s docstring)."""
+        config, state = self._request.config, self._state
+        t0 = time.perf_counter()
+        call()
+        first = time.perf_counter() - t0
+        if rounds is None and state.settings.gated_only:
+            # rows are judged on their interleaved pairs: the impl's own rounds feed only its
+            # pytest-benchmark stats and the pairs' block size, so they are not sized to max-time
+            return first, max(2, min(MIN_ROUNDS, math.ceil(GATED_ROUNDS_S / max(first, 1e-6))))
+        if rounds is None:
+            t1 = time.perf_counter()
+            call()  # a warm call sizes the rounds: the first may compile or build caches
+            warm = state.probes.timer.cost(time.perf_counter() - t1)
+            max_time = float(config.getoption("benchmark_max_time"))
+            min_rounds = int(config.getoption("benchmark_min_rounds"))
+            rounds = min(MAX_ROUNDS, max(min_rounds, math.ceil(max_time / max(warm, 1e-6))))
+        return first, max(rounds, MIN_ROUNDS)
+
+    def _peak(self, fn: Callable[..., Any], setup: Callable[[], Any] | None) -> int | None:
+        """The impl's peak memory: on a row a memory floor gates the median of 3 readings (CPU
+        peaks move by a few stray pages); under --perf-gated-only none on a row no memory rule
+        reads; else one."""
+        memory_marked = any(self._request.node.iter_markers("memory"))
+        repeats = 3 if memory_marked else 0 if self._state.settings.gated_only else 1
+        args = () if setup is None or not repeats else (setup(),)
+        peaks = [peak_memory(lambda: fn(*args), self.device) for _ in range(repeats)]
+        return None if not peaks or None in peaks else sorted(peaks)[len(peaks) // 2]
+
+    def _record(self, name: str, later: Visits | None, measurement: Measurement) -> None:
+        """``measurement`` as row ``name``'s, with its later visits and the timer kept to extend
+        or confirm the row."""
+        state = self._state
+        state.results.setdefault(self.kernel, {})[name] = measurement
+        if later is not None:
+            state.later.timers[(self.kernel, name)] = later
+            if later.shares:
+                state.later.pending.append(later)
+
+    def _compare_with_peers(self, rounds: int) -> None:
+        """The speedup(over=) rows this impl completes: each side timed against the peer it names
+        once both are measured (under --perf-gated-only, where a rule judges the row)."""
+        state, node = self._state, self._request.node
         for side, over in _comparisons(node, self.impl):
             if (self.kernel, side) not in state.runners or (self.kernel, over) not in state.runners:
                 continue
             side_variant = state.results[self.kernel][side].variant
-            if not state.gated_only or _judged(node, state, side, over, side_variant, ("speedup",)):
+            if not state.settings.gated_only or _judged(node, state, side, over, side_variant, ("speedup",)):
                 self._compare(side, over, rounds)
-        return result
 
     def _pair(self, base: str, side: str, rounds: int) -> tuple[list[tuple[float, float]], Visits, list[PairLoad]]:
         """Interleaved (base, side) pairs timed now, the later visits' share of them, and the CPU
@@ -268,7 +295,8 @@ class PerfCase:
         state, config = self._state, self._request.config
         (base_timed, base_median), (side_timed, side_median) = (state.runners[(self.kernel, i)]
                                                                 for i in (base, side))
-        base_s, side_s = state.timer.cost(base_median), state.timer.cost(side_median)  # with the flush
+        cost = state.probes.timer.cost  # the reading, with the flush
+        base_s, side_s = cost(base_median), cost(side_median)
         (base_calls, base_warm), (side_calls, side_warm) = block_calls(base_s), block_calls(side_s)
         calls, warm = (base_calls, side_calls), (base_warm, side_warm)
         block_s = (calls[0] + warm[0]) * base_s + (calls[1] + warm[1]) * side_s
@@ -277,14 +305,14 @@ class PerfCase:
         # a share now, the rest in later visits at the session's end (GateState.revisit); a
         # visit times at least MIN_VISIT_ROUNDS pairs, so a slow kernel's few (and long) pairs
         # stay in fewer visits (a visit of one or two pairs widens the bootstrap interval)
-        visits = 1 if n <= MIN_PAIRS else max(1, min(state.visits, n // MIN_VISIT_ROUNDS))
+        visits = 1 if n <= MIN_PAIRS else max(1, min(state.settings.visits, n // MIN_VISIT_ROUNDS))
         shares = [len(v) for v in np.array_split(range(n), visits)]
-        if visits == 1 and state.visits > 1:
+        if visits == 1 and state.settings.visits > 1:
             shares = [FIRST_PAIRS, n - FIRST_PAIRS]
         name = side if base == REFERENCE else comparison(side, base)
         load: list[PairLoad] = []
-        paired = interleaved(state.timer, base_timed, side_timed, shares[0], calls, host=state.host, load=load,
-                             warm=warm)
+        paired = interleaved(state.probes.timer, base_timed, side_timed, shares[0], calls, host=state.probes.host,
+                             load=load, warm=warm)
         return paired, Visits(self.kernel, name, base_timed, side_timed, calls, shares[1:], warm), load
 
     def _compare(self, side: str, over: str, rounds: int) -> None:
@@ -293,28 +321,24 @@ class PerfCase:
         state = self._state
         measured = state.results[self.kernel][side]
         paired, later, load = self._pair(over, side, rounds)
-        name = comparison(side, over)
-        state.results[self.kernel][name] = Measurement(
+        self._record(comparison(side, over), later, Measurement(
             times=measured.times, size=self.size, label=measured.label, peak_bytes=measured.peak_bytes,
             work_bytes=measured.work_bytes, paired=paired, visits=1 + len(later.shares),
-            variant=measured.variant, against=over, load=load, calls=later.calls[1])
-        state.timers[(self.kernel, name)] = later
-        if later.shares:
-            state.pending.append(later)
+            variant=measured.variant, against=over, load=load, calls=later.calls[1]))
         self._set_floors(side, measured.variant, over)
 
     def _set_floors(self, impl: str, variant: str | None, over: str | None = None) -> None:
         """Record the floors that apply to ``impl``'s row (over ``over`` when given)."""
         state = self._state
         key = (self.kernel, impl if over is None else comparison(impl, over))
-        for mark_name, floors in (("speedup", state.floors), ("memory", state.memory_floors)):
+        for mark_name, floors in (("speedup", state.floors.speed), ("memory", state.floors.memory)):
             if mark_name == "memory" and over is not None:
                 continue
             floor, note = _floor(self._request.node, mark_name, impl, self.device, self.size, variant, over)
-            if mark_name == "speedup" and floor is not None and state.cpu_floors_off:
+            if mark_name == "speedup" and floor is not None and state.floors.cpu_off:
                 # CPU floors were measured at torch's default threads, malloc cache (session.py)
-                floor, note = None, f"not applied {state.cpu_floors_off}"
+                floor, note = None, f"not applied {state.floors.cpu_off}"
             if floor is not None:
                 floors[key] = floor
             elif note and mark_name == "speedup":
-                state.floor_notes[key] = note
+                state.floors.notes[key] = note

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .session import SESSION, PerfSession, add_options
+from .options import add_options
+from .session import SESSION, PerfSession
 
 if TYPE_CHECKING:
     from .case import PerfCase
@@ -113,13 +114,13 @@ def perf(request: pytest.FixtureRequest, benchmark: Any) -> PerfCase:
 @pytest.fixture
 def perf_device(request: pytest.FixtureRequest) -> str:
     """The device the perf session runs on (``--perf-device``)."""
-    return request.config.stash[SESSION].activate().device
+    return request.config.stash[SESSION].activate().settings.device
 
 
 @pytest.fixture
 def perf_size(request: pytest.FixtureRequest) -> str:
     """``smoke`` or ``full`` (``--perf-size``)."""
-    return request.config.stash[SESSION].activate().size
+    return request.config.stash[SESSION].activate().settings.size
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

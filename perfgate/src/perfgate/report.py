@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from .session import JSON_KEY
 from .shard import MergeError, merge
@@ -116,39 +117,56 @@ def draw(runs: list[dict], png: Path) -> None:
     grid = fig.add_gridspec(len(heights), cols, height_ratios=heights, hspace=1.0, wspace=0.45,
                             top=1.0 - 0.9 / tall, bottom=0.6 / tall)
     speed_ax = ab_ax = None
-    line = 1.0 / (1.0 + against.get("tolerance", 0.05))
     for i, kernel in enumerate(kernels):
-        mine = [(r["impl"], r["speedup"], r["low"], r["high"], _outcome(r)) for r in rows if r["kernel"] == kernel]
-        ax = fig.add_subplot(grid[i, 0], sharex=speed_ax)
+        ax = _speedup_panel(fig.add_subplot(grid[i, 0], sharex=speed_ax), kernel, rows)
         speed_ax = speed_ax or ax
-        ax.set_title(kernel, loc="left", fontsize=8)
-        ax.axvline(1.0, color="gray", lw=0.8)
-        if mine:
-            _dots(ax, mine)
-            for y, r in enumerate(r for r in rows if r["kernel"] == kernel):
-                if r["floor"] is not None:
-                    ax.plot([r["floor"]] * 2, [y - 0.35, y + 0.35], color="tab:red", lw=2)
-        else:  # compared with REV only (make bench's --perf-gated-only): no frame to read
-            ax.set_yticks([])
-            ax.set_frame_on(False)
-            ax.text(0.02, 0.5, "no speedup timed", transform=ax.transAxes, fontsize=7, va="center", color="gray")
-        ax.set_xscale("log")
         if ab:
-            theirs = [(r["impl"], r["ratio"], r["low"], r["high"], r["outcome"])
-                      for r in ab if r["kernel"] == kernel]
-            bx = fig.add_subplot(grid[i, 1], sharex=ab_ax)
+            bx = _ab_panel(fig.add_subplot(grid[i, 1], sharex=ab_ax), kernel, ab, against.get("tolerance", 0.05))
             ab_ax = ab_ax or bx
-            bx.axvline(1.0, color="gray", lw=0.8)
-            bx.axvline(line, color="tab:red", lw=0.8, ls="--")
-            if theirs:
-                _dots(bx, theirs)
-            else:
-                bx.set_yticks([])
-                bx.text(0.02, 0.5, "not compared", transform=bx.transAxes, fontsize=7, va="center")
-    assert speed_ax is not None
+    _label_axes(fig, speed_ax, cols, against if ab_ax is not None else None, runs)
+    if history:
+        _history_panel(fig.add_subplot(grid[-1, :]), runs)
+    fig.savefig(png, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _speedup_panel(ax: Any, kernel: str, rows: list[dict]) -> Any:
+    """``kernel``'s rows on ``ax``: each speedup with its interval, its floor as a red bar."""
+    mine = [r for r in rows if r["kernel"] == kernel]
+    ax.set_title(kernel, loc="left", fontsize=8)
+    ax.axvline(1.0, color="gray", lw=0.8)
+    if mine:
+        _dots(ax, [(r["impl"], r["speedup"], r["low"], r["high"], _outcome(r)) for r in mine])
+        for y, r in enumerate(mine):
+            if r["floor"] is not None:
+                ax.plot([r["floor"]] * 2, [y - 0.35, y + 0.35], color="tab:red", lw=2)
+    else:  # compared with REV only (make bench's --perf-gated-only): no frame to read
+        ax.set_yticks([])
+        ax.set_frame_on(False)
+        ax.text(0.02, 0.5, "no speedup timed", transform=ax.transAxes, fontsize=7, va="center", color="gray")
+    ax.set_xscale("log")
+    return ax
+
+
+def _ab_panel(bx: Any, kernel: str, ab: list[dict], tolerance: float) -> Any:
+    """``kernel``'s rows compared with REV on ``bx``: REV's time over this tree's, the tolerance
+    line dashed."""
+    theirs = [(r["impl"], r["ratio"], r["low"], r["high"], r["outcome"]) for r in ab if r["kernel"] == kernel]
+    bx.axvline(1.0, color="gray", lw=0.8)
+    bx.axvline(1.0 / (1.0 + tolerance), color="tab:red", lw=0.8, ls="--")
+    if theirs:
+        _dots(bx, theirs)
+    else:
+        bx.set_yticks([])
+        bx.text(0.02, 0.5, "not compared", transform=bx.transAxes, fontsize=7, va="center")
+    return bx
+
+
+def _label_axes(fig: Any, speed_ax: Any, cols: int, against: dict | None, runs: list[dict]) -> None:
+    """x ticks as "2x" on every panel, labels under the last row of panels, and the title."""
     from matplotlib.ticker import FuncFormatter, LogLocator
 
-    panels = [a for a in fig.axes]
+    panels = list(fig.axes)
     for a in panels:
         a.tick_params(axis="x", labelsize=7, labelbottom=False)
         a.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
@@ -157,29 +175,29 @@ def draw(runs: list[dict], png: Path) -> None:
     for a in panels[-cols:]:
         a.tick_params(axis="x", labelbottom=True)
     panels[-cols].set_xlabel("speedup over reference (log; red bar: floor)", fontsize=8)
-    if ab_ax is not None:
+    section = runs[-1][JSON_KEY]
+    title = f"{section['slug']}, {section['size']}, {_label(runs[-1])}"
+    if against is not None:
         rev = against.get("sha") or against.get("rev")
         panels[-1].set_xlabel(f"REV time / this tree's (under 1: slower; dashed: the {against['tolerance']:.0%} "
-                                "line)", fontsize=8)
-        ab_ax.figure.suptitle(f"{section['slug']}, {section['size']}, {_label(runs[-1])}; against "
-                              f"{against.get('rev')} ({str(rev)[:12]})", fontsize=9)
-    else:
-        fig.suptitle(f"{section['slug']}, {section['size']}, {_label(runs[-1])}", fontsize=9)
-    if history:
-        hx = fig.add_subplot(grid[-1, :])
-        series: dict[str, list[tuple[int, float]]] = {}
-        for i, run in enumerate(runs):
-            for r in run[JSON_KEY]["speedups"]:
-                series.setdefault(f"{r['kernel']} [{r['impl']}]", []).append((i, r["speedup"]))
-        for name, points in series.items():
-            hx.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, lw=1, label=name)
-        hx.set_xticks(range(len(runs)), [_label(r) for r in runs], rotation=30, ha="right", fontsize=6)
-        hx.set_yscale("log")
-        hx.set_ylabel("speedup", fontsize=8)
-        hx.set_title("speedup across saved runs", loc="left", fontsize=8)
-        hx.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 + len(series) // 20)
-    fig.savefig(png, dpi=100, bbox_inches="tight")
-    plt.close(fig)
+                              "line)", fontsize=8)
+        title += f"; against {against.get('rev')} ({str(rev)[:12]})"
+    fig.suptitle(title, fontsize=9)
+
+
+def _history_panel(hx: Any, runs: list[dict]) -> None:
+    """Each row's speedup across the saved ``runs``."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for i, run in enumerate(runs):
+        for r in run[JSON_KEY]["speedups"]:
+            series.setdefault(f"{r['kernel']} [{r['impl']}]", []).append((i, r["speedup"]))
+    for name, points in series.items():
+        hx.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, lw=1, label=name)
+    hx.set_xticks(range(len(runs)), [_label(r) for r in runs], rotation=30, ha="right", fontsize=6)
+    hx.set_yscale("log")
+    hx.set_ylabel("speedup", fontsize=8)
+    hx.set_title("speedup across saved runs", loc="left", fontsize=8)
+    hx.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 + len(series) // 20)
 
 
 def markdown(runs: list[dict], title: str = "Speedups") -> list[str]:
@@ -226,7 +244,7 @@ def merged_verdict(runs: list[dict], output: Path | None) -> int:
     return 1 if any(style == "fail" for style, _ in lines) else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m perfgate.report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("json", nargs="*", type=Path, help="benchmark JSON files (default: .benchmarks/**)")
@@ -238,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the JSON files are the shards of one --perf-shard run: print one table and gate it "
                              "(exit 1 on failure)")
     parser.add_argument("--output", type=Path, help="with --merge: write the merged run to this JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.output and not args.merge:
         parser.error("--output writes a merged run: give it with --merge")
@@ -260,9 +283,14 @@ def main(argv: list[str] | None = None) -> int:
         print("no perfgate runs found: save one with `pytest --benchmark-save=NAME` (or --benchmark-json=FILE)",
               file=sys.stderr)
         return 1
-    newest: dict[tuple[str, str], dict] = {}
-    for run in runs:
-        newest[_where(run)] = run
+    _report(runs, args)
+    return 0
+
+
+def _report(runs: list[dict], args: argparse.Namespace) -> None:
+    """The newest run of each fingerprint and size as a table (unless --quiet), a markdown page
+    and the charts, as asked."""
+    newest = {_where(run): run for run in runs}
     if not args.quiet:
         for run in newest.values():
             slug, size = _where(run)
@@ -280,7 +308,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.png}")
         except NothingToDraw as exc:
             print(exc, file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

@@ -16,154 +16,47 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from . import compat
+from .options import Options
 from .stored import JSON_KEY
 
 if TYPE_CHECKING:  # the rest of perfgate (numpy, scipy) loads when a perf session starts
     from .against import Against
     from .floors import Ledger, Unmeasured
-    from .state import GateState
+    from .state import GateState, Settings
 
-
-SIZES = ("smoke", "full")
-# (flag, default, help). Every option perfgate adds is here, and any of them given on the
-# command line makes the session a perf session.
-OPTIONS: list[tuple[str, Any, str]] = [
-    ("--perf-device", "auto", "auto|cpu|cuda[:N] (auto: cuda when available)"),
-    ("--perf-size", None, "problem sizes: smoke or full (default: smoke on CPU, full on CUDA)"),
-    ("--perf-tolerance", 0.2, "with --benchmark-compare: fail when a speedup fell more than this fraction "
-                              "under the stored baseline's (default 0.2)"),
-    ("--perf-malloc", "cache", "CPU: 'cache' makes glibc keep freed memory for reuse, as CUDA's caching "
-                               "allocator does, so timings do not depend on page faults and test order "
-                               "(default); 'default' leaves malloc alone"),
-    ("--perf-threads", None, "torch CPU threads, fixed for the session (default: torch's default)"),
-    ("--perf-l2-flush", False, "CUDA: overwrite the GPU's L2 cache (zero a 256 MiB buffer) before each timed "
-                               "call, outside its timing, as triton.testing.do_bench does: every call starts "
-                               "cold (default: off, back-to-back calls keep their data in L2, as in a training "
-                               "loop)"),
-    ("--perf-visits", 3, "time each impl's interleaved rounds with its reference in this many visits: one "
-                         "during its test, the rest at the session's end (default 3)"),
-    ("--perf-all-visits", False, "time every visit of every row, even of a row already decided (its 99%% interval "
-                                 "clear of its floor and baseline, or nothing to gate): the sequential stopping "
-                                 "rule off, e.g. to measure what it saves and costs"),
-    ("--perf-gated-only", False, "time only what a rule judges in this session: an impl no speedup or memory "
-                                 "floor (for this device class and size) or stored baseline involves, and "
-                                 "--perf-against does not compare, is skipped, a row only memory judges gets no "
-                                 "interleaved pairs, and an impl's own rounds (pytest-benchmark's stats; no rule "
-                                 "reads them) are 5, not sized to --benchmark-max-time; for a CI gate (make test) "
-                                 "or a comparison with REV (make bench), not for a report or a saved baseline"),
-    ("--perf-extend", 60.0, "seconds of extra interleaved pairs a row may take when its interval straddles its "
-                            "floor or its stored baseline's line, before it is reported unresolved (default "
-                            "60; 0: never extend)"),
-    ("--perf-contended", 0.05, "share of the CPU time the host may withhold while a row's pairs run (CPU "
-                               "time other processes took from our threads, and the hypervisor's steal, read "
-                               "from Linux's /proc) "
-                               "before the row's floor or baseline failure is reported unresolved instead: "
-                               "evidence about the host, not the kernel (default 0.05; inf: never)"),
-    ("--perf-shard", None, "K/N: run shard K of N of the perf suite (each test function with all its impls in one "
-                           "shard, balanced by this fingerprint's stored run); merge the shards' --benchmark-json "
-                           "files with python -m perfgate.report --merge"),
-    ("--perf-slowdown", 1.0, "TEST ONLY, for python -m perfgate.fidelity: make every 'optimized' impl this many "
-                             "times slower in the harness, to measure what the gate catches"),
-    ("--perf-against", None, "REV: also time each impl but the reference against REV's library (a git revision "
-                             "of this repository: HEAD, HEAD~1, a branch, a SHA; or a folder holding another "
-                             "copy), in worker processes interleaved pair by pair, and fail a row this tree runs "
-                             "more than --perf-against-tolerance slower than REV"),
-    ("--perf-against-workers", 2, "worker processes a side for --perf-against, each block on one chosen at random "
-                                  "(default 2, at least 2)"),
-    ("--perf-against-tolerance", 0.05, "with --perf-against: fail a row whose time is more than this fraction "
-                                       "over REV's, the whole interval beyond it (default 0.05)"),
-    ("--perf-against-budget", 240.0, "with --perf-against: seconds of extra pairs shared by the rows whose "
-                                     "interval straddles the tolerance, each taking at most its share of what "
-                                     "is left and --perf-extend (default 240)"),
-    ("--perf-require-floors", False, "fail the session when a speedup or memory floor declared for this device "
-                                     "class and size was not checked because its row was not measured (its impl, "
-                                     "its reference or its peer deselected, skipped, failed, errored or not run); "
-                                     "without it such floors are listed, not failed"),
-]
-_TYPES = {"--perf-tolerance": float, "--perf-threads": int, "--perf-visits": int, "--perf-extend": float,
-          "--perf-slowdown": float, "--perf-contended": float, "--perf-against-workers": int,
-          "--perf-against-tolerance": float, "--perf-against-budget": float}
-_CHOICES = {"--perf-size": SIZES, "--perf-malloc": ("cache", "default")}
 
 # torch's own thread count, read before any session in this process (pytester) sets it: CPU
 # floors are claims at the default threads, not applied at another --perf-threads.
 _DEFAULT_THREADS: list[int | None] = []
 
 
-def add_options(parser: pytest.Parser) -> None:
-    parser.addini("perfgate_against_library", type="linelist", default=[],
-                  help="the top-level packages --perf-against imports from REV (default: every package under the "
-                       "rootdir that holds no test file)")
-    group = parser.getgroup("perfgate", "perfgate: speedup gate over a reference")
-    for flag, default, text in OPTIONS:
-        if isinstance(default, bool):  # a switch
-            group.addoption(flag, default=default, action="store_true", help=text)
-        else:
-            group.addoption(flag, default=default, type=_TYPES.get(flag), choices=_CHOICES.get(flag), help=text)
-
-
-def _dest(flag: str) -> str:
-    return flag.removeprefix("--").replace("-", "_")
-
-
 class PerfSession:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
-        opt = {flag: config.getoption(_dest(flag)) for flag, _, _ in OPTIONS}
-        self.asked = any(opt[flag] != default for flag, default, _ in OPTIONS)
-        self.requested_device, self.requested_size = opt["--perf-device"], opt["--perf-size"]
-        self.tolerance, self.malloc = opt["--perf-tolerance"], opt["--perf-malloc"]
-        self.threads_option, self.visits = opt["--perf-threads"], opt["--perf-visits"]
-        self.extend_s, self.slowdown = opt["--perf-extend"], opt["--perf-slowdown"]
-        self.l2_flush: bool = opt["--perf-l2-flush"]
-        self.all_visits: bool = opt["--perf-all-visits"]
-        self.gated_only: bool = opt["--perf-gated-only"]
-        self.require_floors: bool = opt["--perf-require-floors"]
-        self.contended: float = opt["--perf-contended"]
-        if not 0.0 <= self.tolerance < 1.0:
-            raise pytest.UsageError(f"--perf-tolerance must be in [0, 1), got {self.tolerance}")
-        if self.threads_option is not None and self.threads_option < 1:
-            raise pytest.UsageError(f"--perf-threads must be >= 1, got {self.threads_option}")
-        if self.visits < 1:
-            raise pytest.UsageError(f"--perf-visits must be >= 1, got {self.visits}")
-        if not self.extend_s >= 0.0:
-            raise pytest.UsageError(f"--perf-extend must be seconds >= 0, got {self.extend_s}")
-        if not self.contended > 0.0:
-            raise pytest.UsageError(f"--perf-contended must be a share > 0 (inf: never), got {self.contended}")
-        if self.slowdown < 1.0:
-            raise pytest.UsageError(f"--perf-slowdown must be >= 1, got {self.slowdown}")
-        self.shard: tuple[int, int] | None = None
-        if opt["--perf-shard"] is not None:
-            from .shard import parse
-
-            try:
-                self.shard = parse(opt["--perf-shard"])
-            except ValueError as exc:
-                raise pytest.UsageError(str(exc)) from exc
-        if self.slowdown != 1.0 and self.saving:
+        self.options = o = Options.read(config)
+        if o.slowdown != 1.0 and self.saving:
             raise pytest.UsageError("--perf-slowdown is for measuring the gate; a slowed run cannot be a baseline")
-        if self.gated_only and self.saving:
+        if o.gated_only and self.saving:
             raise pytest.UsageError("--perf-gated-only leaves out the rows nothing judges today, and a saved run "
                                     "is the baseline of every row: drop one of the two")
         self.against: Against | None = None
-        if opt["--perf-against"] is not None:
+        if o.against is not None:
             from .against import Against
 
-            if self.shard is not None:
+            if o.shard is not None:
                 raise pytest.UsageError("--perf-against compares the whole session with REV; run it without "
                                         "--perf-shard")
             if not _benchmarks_on(config):
                 raise pytest.UsageError("--perf-against times the perf tests against REV: benchmarks are off "
                                         "(--benchmark-disable or --benchmark-skip)")
-            self.against = Against(config, opt["--perf-against"], opt["--perf-against-workers"],
-                                   opt["--perf-against-tolerance"], opt["--perf-against-budget"])
+            self.against = Against(config, o.against, o.against_workers, o.against_tolerance, o.against_budget)
         self.state: GateState | None = None
         self._deselected: list[pytest.Item] = []  # perf tests -k, -m, --deselect or a shard left out
         self._shard_dropped: set[str] = set()  # node ids --perf-shard left to other shards
         self.ledger: Ledger | None = None  # the declared floors and what became of each perf test
         self.floors_unmeasured: list[Unmeasured] = []  # set at the session's end
         why = self._xdist_refusal()
-        if self.asked and why:  # a --perf-* option asks for the gate: refused before any worker starts
+        if self.options.asked and why:  # a --perf-* option asks for the gate: refused before any worker starts
             raise pytest.UsageError(why)
         self._held_compare: Any = None
         self._prev_threads: int | None = None
@@ -180,9 +73,9 @@ class PerfSession:
         which workers may share out; but not under --perf-require-floors, a check of the whole
         session that no worker sees."""
         role = _xdist(self.config)
-        if not role or (not _benchmarks_on(self.config) and not self.require_floors):
+        if not role or (not _benchmarks_on(self.config) and not self.options.require_floors):
             return None
-        floors = " (nor could one worker check the whole session's floors)" if self.require_floors else ""
+        floors = " (nor could one worker check the whole session's floors)" if self.options.require_floors else ""
         return (f"perfgate: timing needs one process, and this is a pytest-xdist {role}: parallel workers share "
                 "the machine's cores and skew each other's timings; pytest-benchmark turns itself off under "
                 f"xdist, so no speedup would be measured or gated{floors}. Run the perf tests in one process: "
@@ -200,13 +93,13 @@ class PerfSession:
     def select_shard(self, items: list[pytest.Item]) -> None:
         """Under ``--perf-shard K/N``: keep shard K's test functions of ``items`` (after every other
         selection), deselect the rest, and record the plan for the merge (shard.py)."""
-        if self.shard is None:
+        if self.options.shard is None:
             return
         from .shard import digest, plan, stored_weights, unit
 
-        state, (index, count) = self.activate(), self.shard
+        state, (index, count) = self.activate(), self.options.shard
         path = compat.storage_url(self.config)
-        folder = None if path is None else Path(path) / state.slug / state.size
+        folder = None if path is None else Path(path) / state.settings.slug / state.settings.size
         _check_stored(folder)
         weights, source = stored_weights(folder, JSON_KEY)
         units = sorted({unit(item.nodeid) for item in items})
@@ -230,7 +123,7 @@ class PerfSession:
             from .shard import unit
 
             name = unit(nodeid)
-            self.state.durations[name] = self.state.durations.get(name, 0.0) + seconds
+            self.state.tally.durations[name] = self.state.tally.durations.get(name, 0.0) + seconds
 
     def deselected(self, items: list[pytest.Item]) -> None:
         """Tests left out of the run: a floor declared on a perf test among them goes unmeasured."""
@@ -244,7 +137,7 @@ class PerfSession:
     def collected(self, items: list[pytest.Item]) -> None:
         """After collection: a perf test among ``items`` (or a --perf-* option) starts the gate, and
         the floors the perf tests declare, run or deselected, are listed to be checked at the end."""
-        if self.asked or any("perf" in getattr(item, "fixturenames", ()) for item in items):
+        if self.options.asked or any("perf" in getattr(item, "fixturenames", ()) for item in items):
             if _xdist(self.config) == "worker" and self._xdist_refusal():
                 # refused by the perf fixture, test by test (activate): xdist reports a test's error
                 # to the controller, while a worker stopped at collection is a crashed worker it restarts
@@ -263,7 +156,7 @@ class PerfSession:
         from .floors import Ledger, declared
 
         left_out = [item for item in self._deselected if item.nodeid not in self._shard_dropped]
-        floors, nodeids = declared([*items, *left_out], state.device, state.size)
+        floors, nodeids = declared([*items, *left_out], state.settings.device, state.settings.size)
         self.ledger = Ledger(floors, nodeids, deselected={item.nodeid for item in left_out})
         self._deselected = []
 
@@ -277,64 +170,83 @@ class PerfSession:
         if why:
             raise pytest.UsageError(why)
         from .fingerprint import fingerprint, slug
-        from .state import GateState
-        from .timing import Bandwidth, HostLoad, configure_malloc, resolve_device, timer_for, torch_or_none
+        from .state import Floors, GateState, Probes, Settings
+        from .timing import Bandwidth, HostLoad, configure_malloc, timer_for
+
+        o = self.options
+        device = self._device()
+        threads = self._threads()
+        size = o.size or ("full" if device.startswith("cuda") else "smoke")
+        malloc = configure_malloc(o.malloc) if device == "cpu" else "n/a"
+        fp = fingerprint(device, threads, malloc, l2_flush=o.l2_flush)
+        settings = Settings(device=device, size=size, threads=threads, tolerance=o.tolerance, fingerprint=fp,
+                            slug=slug(fp), visits=o.visits, extend_s=o.extend_s, contended=o.contended,
+                            all_visits=o.all_visits, gated_only=o.gated_only, compared=self.against is not None,
+                            slowdown=o.slowdown)
+        timer = timer_for(device, l2_flush=o.l2_flush, host_timer=compat.host_timer(self.config),
+                          disable_gc=bool(self.config.getoption("benchmark_disable_gc")))
+        host = HostLoad(threads or 1, probe=Bandwidth.shared() if device == "cpu" else None)
+        self.state = GateState(settings, Probes(timer, host, threads),
+                               floors=Floors(cpu_off=_cpu_floors_off(device, threads, malloc)))
+        self._load_compare(settings)
+        if self.config.get_verbosity() >= 0:
+            reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(f"perfgate: device={device} size={size} threads={threads} "
+                                    f"fingerprint={settings.slug}")
+        return self.state
+
+    def _device(self) -> str:
+        """The session's device (--perf-device), made torch's current GPU when it is one."""
+        from .timing import resolve_device
 
         try:
-            device = resolve_device(self.requested_device)
+            device = resolve_device(self.options.device)
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from exc
-        if self.slowdown != 1.0 and device.startswith("cuda"):
+        if self.options.slowdown != 1.0 and device.startswith("cuda"):
             raise pytest.UsageError("--perf-slowdown spins the host after each call, which slows a CPU kernel by "
                                     "the factor but not a CUDA kernel timed by events: measure the gate's "
                                     "fidelity with --perf-device cpu")
+        if self.options.l2_flush and not device.startswith("cuda"):
+            raise pytest.UsageError(f"--perf-l2-flush overwrites a GPU's L2 cache before each timed call; this "
+                                    f"session runs on {device}: drop it, or run with --perf-device cuda")
         if device.startswith("cuda"):  # the session's GPU is current: streams, events and graphs default to it
             import torch
 
             self._prev_cuda = torch.cuda.current_device()
             index = torch.device(device).index  # plain "cuda" has none: torch's current GPU
             torch.cuda.set_device(self._prev_cuda if index is None else index)
-        if self.l2_flush and not device.startswith("cuda"):
-            raise pytest.UsageError(f"--perf-l2-flush overwrites a GPU's L2 cache before each timed call; this "
-                                    f"session runs on {device}: drop it, or run with --perf-device cuda")
+        return device
+
+    def _threads(self) -> int | None:
+        """torch's thread count for the session (--perf-threads, else torch's default); None
+        without torch."""
+        from .timing import torch_or_none
+
         torch = torch_or_none()
-        if torch is None and self.threads_option is not None:
+        if torch is None and self.options.threads is not None:
             raise pytest.UsageError("--perf-threads sets torch's thread count: torch is not installed")
-        if torch is not None:
-            if not _DEFAULT_THREADS:
-                _DEFAULT_THREADS.append(torch.get_num_threads())
-            self._prev_threads = torch.get_num_threads()  # put back at unconfigure (pytester runs)
-            threads = self.threads_option or _DEFAULT_THREADS[0]
-            torch.set_num_threads(threads)
-        else:
-            threads = None
-        size = self.requested_size or ("full" if device.startswith("cuda") else "smoke")
-        malloc = configure_malloc(self.malloc) if device == "cpu" else "n/a"
-        fp = fingerprint(device, threads, malloc, l2_flush=self.l2_flush)
-        self.state = GateState(device=device, size=size, threads=threads, tolerance=self.tolerance,
-                               contended=self.contended,
-                               fingerprint=fp, slug=slug(fp), slowdown=self.slowdown, visits=self.visits,
-                               extend_s=self.extend_s, all_visits=self.all_visits, gated_only=self.gated_only,
-                               compared=self.against is not None,
-                               cpu_floors_off=_cpu_floors_off(device, threads, malloc),
-                               timer=timer_for(device, l2_flush=self.l2_flush,
-                                               host_timer=compat.host_timer(self.config),
-                                               disable_gc=bool(self.config.getoption("benchmark_disable_gc"))),
-                               host=HostLoad(threads or 1, probe=Bandwidth.shared() if device == "cpu" else None))
+        if torch is None:
+            return None
+        if not _DEFAULT_THREADS:
+            _DEFAULT_THREADS.append(torch.get_num_threads())
+        self._prev_threads = torch.get_num_threads()  # put back at unconfigure (pytester runs)
+        threads = self.options.threads or _DEFAULT_THREADS[0]
+        torch.set_num_threads(threads)
+        return threads
+
+    def _load_compare(self, settings: Settings) -> None:
+        """pytest-benchmark's storage moved to this fingerprint's folder, and the baseline it held
+        (--benchmark-compare) loaded from there, each stored run checked first."""
         path = compat.storage_url(self.config)
-        storage = None if path is None else f"file://{path}/{self.state.slug}/{size}"
+        storage = None if path is None else f"file://{path}/{settings.slug}/{settings.size}"
         compare, self._held_compare = self._held_compare, None
         if compare is not None and path is not None:
-            _check_stored(Path(path) / self.state.slug / size)
+            _check_stored(Path(path) / settings.slug / settings.size)
         if isinstance(compare, str) and Path(compare).is_file():  # --benchmark-compare=PATH
             _check_stored(None, [Path(compare)])
         compat.load_compare(self.config, compare, storage=storage)
-        if self.config.get_verbosity() >= 0:
-            reporter = self.config.pluginmanager.get_plugin("terminalreporter")
-            if reporter is not None:
-                reporter.write_line(f"perfgate: device={device} size={size} threads={threads} "
-                                    f"fingerprint={self.state.slug}")
-        return self.state
 
     def unconfigure(self) -> None:
         """Give torch back the thread count (and current GPU) it had, so a session inside a process
@@ -343,7 +255,7 @@ class PerfSession:
         if self.against is not None:
             self.against.close()
         if self.state is not None:
-            self.state.unpin_threads()
+            self.state.probes.unpin_threads()
         if self._prev_threads is not None:
             import torch
 
@@ -357,7 +269,7 @@ class PerfSession:
 
     def machine_info(self, machine_info: dict) -> None:
         if self.state is not None:
-            machine_info[JSON_KEY] = self.state.fingerprint
+            machine_info[JSON_KEY] = self.state.settings.fingerprint
 
     def compare_machine_info(self, benchmarksession: Any, compared_benchmark: dict) -> None:
         from .state import baseline_key
@@ -373,21 +285,21 @@ class PerfSession:
                                     f"{(info or {}).get('id')}): {why}. Compare against a run perfgate saved "
                                     "whole.")
         theirs = compared_benchmark.get("machine_info", {}).get(JSON_KEY)
-        if theirs != state.fingerprint:
+        if theirs != state.settings.fingerprint:
             raise pytest.UsageError(
                 "perfgate refuses to compare against a baseline from another machine fingerprint:\n"
-                f"  this machine: {state.fingerprint}\n  baseline:     {theirs}\n"
+                f"  this machine: {state.settings.fingerprint}\n  baseline:     {theirs}\n"
                 "Speedups are only comparable on the same device, threads and torch build. Save a "
                 "baseline on this machine (--benchmark-save=NAME), or compare against one saved on "
                 "this fingerprint.")
         rows = compared_benchmark.get(JSON_KEY, {}).get("speedups", [])
-        state.baseline = {baseline_key(r["kernel"], r["impl"], r["size"]):
+        state.stored.speedups = {baseline_key(r["kernel"], r["impl"], r["size"]):
                           (r["speedup"], r.get("low", r["speedup"])) for r in rows}
-        state.memory_baseline = {baseline_key(r["kernel"], r["impl"], r["size"]): r["memory_ratio"]
+        state.stored.memory = {baseline_key(r["kernel"], r["impl"], r["size"]): r["memory_ratio"]
                                  for r in rows if r.get("memory_ratio") is not None}
-        state.baseline_path = str(benchmarksession.storage)
+        state.stored.path = str(benchmarksession.storage)
         info = compared_benchmark.get("commit_info") or {}
-        state.baseline_id = f"{info.get('id')} {compared_benchmark.get('datetime')}"
+        state.stored.run_id = f"{info.get('id')} {compared_benchmark.get('datetime')}"
 
     def update_json(self, output_json: dict) -> None:
         """The rows computed in ``finish`` (no timing happens here)."""
@@ -395,18 +307,18 @@ class PerfSession:
         if state is None or state.rows is None:
             return
         output_json[JSON_KEY] = {
-            "fingerprint": state.fingerprint,
-            "slug": state.slug,
-            "size": state.size,
-            "tolerance": state.tolerance,
-            "contended": state.contended,  # the withheld CPU share at which a failing row is unresolved
-            "floors_applied": not state.cpu_floors_off,  # False: CPU floors not applied (threads, malloc)
-            "floors_off": state.cpu_floors_off,  # why not, e.g. "at --perf-threads 1"; "" when applied
-            "baseline": state.baseline_id,  # the stored run the rows were compared with (commit, time), or None
+            "fingerprint": state.settings.fingerprint,
+            "slug": state.settings.slug,
+            "size": state.settings.size,
+            "tolerance": state.settings.tolerance,
+            "contended": state.settings.contended,  # the withheld CPU share at which a failing row is unresolved
+            "floors_applied": not state.floors.cpu_off,  # False: CPU floors not applied (threads, malloc)
+            "floors_off": state.floors.cpu_off,  # why not, e.g. "at --perf-threads 1"; "" when applied
+            "baseline": state.stored.run_id,  # the stored run the rows were compared with (commit, time), or None
             "shard": state.shard,  # under --perf-shard: index, count, plan digest, its test functions
-            "tests_failed": state.tests_failed,  # a merge of shards fails when any shard's tests failed
+            "tests_failed": state.tally.tests_failed,  # a merge of shards fails when any shard's tests failed
             "interrupted": state.interrupted,  # Ctrl-C: partial rows; never saved, refused as a baseline
-            "durations": state.durations,  # seconds per test function, setup to teardown: --perf-shard's weights
+            "durations": state.tally.durations,  # seconds per test function, setup to teardown: shards' weights
             "speedups": [r.as_dict() for r in state.rows],
             # declared floors whose rows were not measured (deselected, skipped, failed, ...), and why
             "unmeasured_floors": [u.as_dict() for u in self.floors_unmeasured],
@@ -426,7 +338,7 @@ class PerfSession:
         if state.results:
             if session.exitstatus == pytest.ExitCode.INTERRUPTED:
                 state.interrupted = True
-            state.tests_failed = session.testsfailed
+            state.tally.tests_failed = session.testsfailed
             state.compute_rows()
             if self.against is not None and not state.interrupted:
                 self.against.run(state)  # after the rows: compute_rows freed the session's callables
@@ -438,7 +350,7 @@ class PerfSession:
                         for impl, m in impls.items()}
             rows = {(r.kernel, r.impl) for r in state.rows or []}
             self.floors_unmeasured = self.ledger.unmeasured(rows, measured,
-                                                            speedup_floors_off=bool(state.cpu_floors_off),
+                                                            speedup_floors_off=bool(state.floors.cpu_off),
                                                             benchmarks_off=not _benchmarks_on(self.config))
 
     def exit_status(self, session: pytest.Session) -> None:
@@ -464,15 +376,15 @@ class PerfSession:
     def _floors_failed(self) -> list[Unmeasured]:
         """The unmeasured floors that fail the session: under --perf-require-floors, those that
         apply here for certain."""
-        return [u for u in self.floors_unmeasured if u.required] if self.require_floors else []
+        return [u for u in self.floors_unmeasured if u.required] if self.options.require_floors else []
 
     def summary(self, tr: Any) -> None:
         """The table, the declared floors no row checked, the verdict."""
         state = self.state
         if state is None:
             return
-        if state.unmeasured:
-            tr.write_line(f"perfgate: {state.unmeasured} perf call(s) ran once with benchmarks disabled "
+        if state.tally.unmeasured:
+            tr.write_line(f"perfgate: {state.tally.unmeasured} perf call(s) ran once with benchmarks disabled "
                           "(--benchmark-disable): no speedup measured, the gate did not run", yellow=True)
         rows = self._table(tr) if state.results else []
         self._unmeasured_floors(tr)
@@ -483,7 +395,7 @@ class PerfSession:
             for style, text in self.against.lines():
                 tr.write_line(text, **STYLES[style])
         missed = [u for u in self.floors_unmeasured if u.required]
-        if missed and not self.require_floors:
+        if missed and not self.options.require_floors:
             tr.write_line(f"perfgate: {len(missed)} declared floor(s) not checked (NOT MEASURED above): the "
                           "verdict covers the rows measured only; --perf-require-floors fails a session on them",
                           yellow=True, bold=True)
@@ -495,7 +407,7 @@ class PerfSession:
         for u in self.floors_unmeasured:
             if not u.required:
                 tr.write_line(f"perfgate: {u.line()}")
-            elif not self.require_floors:
+            elif not self.options.require_floors:
                 tr.write_line(f"NOT MEASURED: {u.line()}", yellow=True, bold=True)
 
     def _table(self, tr: Any) -> list:
@@ -503,9 +415,9 @@ class PerfSession:
         from .stats import format_table
 
         state = self.state
-        if state.cpu_floors_off:
+        if state.floors.cpu_off:
             tr.write_line(f"perfgate: CPU speedup floors are set at torch's default {_DEFAULT_THREADS[0]} "
-                          f"thread(s) under --perf-malloc cache; {state.cpu_floors_off} they are not applied: "
+                          f"thread(s) under --perf-malloc cache; {state.floors.cpu_off} they are not applied: "
                           "only a stored baseline (--benchmark-compare) gates the speedups", yellow=True)
         rows = state.compute_rows()
         if state.shard:
@@ -514,38 +426,44 @@ class PerfSession:
             tr.write_line(f"perfgate: shard {sh['index']}/{sh['count']} ran {len(sh['units'])} test function(s), "
                           f"plan {sh['plan']} (weights: {weights}); merge all shards' JSON with "
                           "python -m perfgate.report --merge")
-        tr.section(f"perfgate speedups ({state.device}, {state.size}, {state.slug})")
+        tr.section(f"perfgate speedups ({state.settings.device}, {state.settings.size}, {state.settings.slug})")
         for line in format_table([r.as_dict() for r in rows]):
             tr.write_line(line)
         for kernel in state.unpaired():
             tr.write_line(f"{kernel}: no reference/optimized pair measured, no speedup", yellow=True)
-        if state.not_timed:
-            left = ", ".join(state.not_timed)
-            tr.write_line(f"perfgate: --perf-gated-only: {len(state.not_timed)} impl(s) not timed, no floor or "
-                          f"stored baseline judges them here (a session without it times them): {left}")
+        if state.tally.not_timed:
+            left = ", ".join(state.tally.not_timed)
+            tr.write_line(f"perfgate: --perf-gated-only: {len(state.tally.not_timed)} impl(s) not timed, no floor "
+                          f"or stored baseline judges them here (a session without it times them): {left}")
         for row in state.memory_unmeasured():
             tr.write_line(f"{row}: a memory floor is declared but this platform gives no peak memory "
                           "(CUDA, or Linux /proc/self/clear_refs): memory not gated", yellow=True)
+        self._baseline_note(tr, rows)
+        return rows
+
+    def _baseline_note(self, tr: Any, rows: list) -> None:
+        """What became of the stored baseline: saved, not saved (interrupted), compared, or none."""
+        state = self.state
+        slug = state.settings.slug
         if self.saving and state.interrupted:
-            tr.write_line(f"interrupted: nothing saved as a baseline for {state.slug} (its rows are partial; "
+            tr.write_line(f"interrupted: nothing saved as a baseline for {slug} (its rows are partial; "
                           "--benchmark-json, if given, marks them interrupted)", yellow=True)
         elif self.saving:
-            tr.write_line(f"saved these speedups as a baseline for {state.slug}")
-        elif state.baseline is None:
-            tr.write_line(f"no stored baseline compared for {state.slug}: save one on this machine with "
+            tr.write_line(f"saved these speedups as a baseline for {slug}")
+        elif state.stored.speedups is None:
+            tr.write_line(f"no stored baseline compared for {slug}: save one on this machine with "
                           "--benchmark-save=NAME, then --benchmark-compare gates against it")
         else:
             matched = sum(r.baseline is not None for r in rows)
-            tr.write_line(f"compared against baseline in {state.baseline_path}: {matched} of {len(rows)} "
-                          f"row(s) have a stored speedup at size {state.size}")
-        return rows
+            tr.write_line(f"compared against baseline in {state.stored.path}: {matched} of {len(rows)} "
+                          f"row(s) have a stored speedup at size {state.settings.size}")
 
     def _verdict(self, tr: Any, rows: list) -> None:
         from .stats import held_to, verdict
 
         state = self.state
-        what = held_to(state.cpu_floors_off)
-        budget = f"--perf-extend {state.extend_s:g} s{', interrupted' if state.interrupted else ''}"
+        what = held_to(state.floors.cpu_off)
+        budget = f"--perf-extend {state.settings.extend_s:g} s{', interrupted' if state.interrupted else ''}"
         missed = [f"{u.line()} (--perf-require-floors)" for u in self._floors_failed()]
         for style, text in verdict(rows, what, budget, missed):
             tr.write_line(text, **STYLES[style])

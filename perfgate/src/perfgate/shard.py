@@ -97,6 +97,28 @@ def merge(runs: list[dict], section_key: str) -> dict:
     unsharded = [r["_path"] for r, s in zip(runs, sections, strict=True) if not s.get("shard")]
     if unsharded:
         raise MergeError(f"not written by a sharded run (--perf-shard K/N): {', '.join(unsharded)}")
+    _check_alike(runs, sections)
+    order = sorted(range(len(runs)), key=lambda i: sections[i]["shard"]["index"])
+    rows = [row for i in order for row in sections[i]["speedups"]]
+    keys = [(r["kernel"], r["impl"], r["size"]) for r in rows]
+    if len(set(keys)) != len(keys):
+        raise MergeError(f"a row was measured in two shards: {sorted({k for k in keys if keys.count(k) > 1})[:3]}")
+    first, merged = sections[0], dict(runs[order[0]])
+    merged.pop("_path", None)
+    merged["datetime"] = max(r.get("datetime", "") for r in runs)
+    merged["benchmarks"] = [b for i in order for b in runs[i].get("benchmarks", [])]
+    durations = {u: t for i in order for u, t in (sections[i].get("durations") or {}).items()}
+    merged[section_key] = {**{k: first.get(k) for k in ("slug", *SHARED)}, "speedups": rows,
+                           "tests_failed": sum(s.get("tests_failed", 0) for s in sections), "durations": durations,
+                           "merged_from": [{"shard": sections[i]["shard"]["index"], "path": runs[i]["_path"],
+                                            "tests_failed": sections[i].get("tests_failed", 0)} for i in order],
+                           "shard": None}
+    return merged
+
+
+def _check_alike(runs: list[dict], sections: list[dict]) -> None:
+    """Raise ``MergeError`` unless the shards were measured alike, from one commit and one plan,
+    and are each of 1..count once."""
     first = sections[0]
     for run, section in zip(runs[1:], sections[1:], strict=True):
         for key in SHARED:
@@ -117,22 +139,6 @@ def merge(runs: list[dict], section_key: str) -> dict:
         repeated = sorted({i for i in indices if indices.count(i) > 1})
         raise MergeError(f"a merge of {count} shards needs each of 1..{count} once: missing {missing or 'none'}, "
                          f"repeated {repeated or 'none'}")
-    order = sorted(range(len(runs)), key=lambda i: sections[i]["shard"]["index"])
-    rows = [row for i in order for row in sections[i]["speedups"]]
-    keys = [(r["kernel"], r["impl"], r["size"]) for r in rows]
-    if len(set(keys)) != len(keys):
-        raise MergeError(f"a row was measured in two shards: {sorted({k for k in keys if keys.count(k) > 1})[:3]}")
-    merged = dict(runs[order[0]])
-    merged.pop("_path", None)
-    merged["datetime"] = max(r.get("datetime", "") for r in runs)
-    merged["benchmarks"] = [b for i in order for b in runs[i].get("benchmarks", [])]
-    durations = {u: t for i in order for u, t in (sections[i].get("durations") or {}).items()}
-    merged[section_key] = {**{k: first.get(k) for k in ("slug", *SHARED)}, "speedups": rows,
-                           "tests_failed": sum(s.get("tests_failed", 0) for s in sections), "durations": durations,
-                           "merged_from": [{"shard": sections[i]["shard"]["index"], "path": runs[i]["_path"],
-                                            "tests_failed": sections[i].get("tests_failed", 0)} for i in order],
-                           "shard": None}
-    return merged
 
 
 def _commit(run: dict) -> str:

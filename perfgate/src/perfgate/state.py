@@ -54,44 +54,53 @@ class Visits:
     warm: tuple[int, int] = (1, 1)  # untimed calls before each side's block (timing.WARM_S)
 
 
-@dataclass
-class GateState:
+@dataclass(frozen=True)
+class Settings:
+    """What the session measures and judges with, fixed when it starts (session.activate)."""
+
     device: str
     size: str
-    threads: int
+    threads: int | None
     tolerance: float
     fingerprint: dict
     slug: str
-    results: dict[str, dict[str, Measurement]] = field(default_factory=dict)
-    floors: dict[tuple[str, str], float] = field(default_factory=dict)
-    memory_floors: dict[tuple[str, str], float] = field(default_factory=dict)  # least fraction saved
-    baseline: dict[str, tuple[float, float]] | None = None  # stored (speedup, low) by baseline_key
-    memory_baseline: dict[str, float] = field(default_factory=dict)  # optimized/reference peak ratios
-    baseline_path: str | None = None
-    baseline_id: str | None = None  # the compared run's commit and time: shards merge only when alike
-    shard: dict | None = None  # --perf-shard: index, count, plan digest, this shard's test functions
-    durations: dict[str, float] = field(default_factory=dict)  # seconds per test function, setup to teardown
-    tests_failed: int = 0  # tests of the session that failed (an assertion, not the gate)
-    rows: list[SpeedupRow] | None = None
-    unmeasured: int = 0  # perf calls that ran with benchmarks disabled
-    slowdown: float = 1.0  # TEST ONLY: --perf-slowdown, the optimized impls made this much slower
-    runners: dict = field(default_factory=dict)  # (kernel, impl) -> (timed callable, its median s)
-    cpu_floors_off: str = ""  # why CPU floors are not applied (another thread count, malloc mode), or ""
     visits: int = 3  # --perf-visits: each impl's interleaved rounds are timed in this many visits
-    pending: list[Visits] = field(default_factory=list)  # the later visits, timed by revisit()
-    timers: dict[tuple[str, str], Visits] = field(default_factory=dict)  # kept to extend a row's pairs
     extend_s: float = 60.0  # --perf-extend: seconds of extra pairs a row straddling its floor or baseline may take
-    floor_notes: dict[tuple[str, str], str] = field(default_factory=dict)  # why a declared floor is not applied
-    interrupted: bool = False  # Ctrl-C: no later visits, no extensions
-    limiters: list = field(default_factory=list)  # threadpoolctl limits set by pin_threads, to restore
-    timer: Timer | None = None  # the device's clock (CUDA events, or the host timer) and the L2 flush
     contended: float = CONTENDED  # --perf-contended: the withheld CPU share that leaves a failure unjudged
-    host: HostLoad | None = None  # reads the CPU time (and bandwidth) the host withheld while pairs were timed
-    skipped: dict[tuple[str, str], int] = field(default_factory=dict)  # later pairs a decided row did not need
     all_visits: bool = False  # --perf-all-visits: the stopping rule off
     gated_only: bool = False  # --perf-gated-only: time only the impls and pairs a floor or baseline judges
     compared: bool = False  # --perf-against: the impls it compares count as judged under --perf-gated-only
-    not_timed: list[str] = field(default_factory=list)  # "kernel [impl]" --perf-gated-only left untimed
+    slowdown: float = 1.0  # TEST ONLY: --perf-slowdown, the optimized impls made this much slower
+
+
+@dataclass
+class Stored:
+    """The stored run compared against (--benchmark-compare), by ``baseline_key``."""
+
+    speedups: dict[str, tuple[float, float]] | None = None  # (speedup, its interval's low); None: no compare
+    memory: dict[str, float] = field(default_factory=dict)  # optimized/reference peak ratios
+    path: str | None = None
+    run_id: str | None = None  # the compared run's commit and time: shards merge only when alike
+
+
+@dataclass
+class Floors:
+    """The floors that apply to this session's rows, by (kernel, impl)."""
+
+    speed: dict[tuple[str, str], float] = field(default_factory=dict)
+    memory: dict[tuple[str, str], float] = field(default_factory=dict)  # least fraction saved
+    notes: dict[tuple[str, str], str] = field(default_factory=dict)  # why a declared floor is not applied
+    cpu_off: str = ""  # why CPU floors are not applied (another thread count, malloc mode), or ""
+
+
+@dataclass
+class Probes:
+    """The session's clock, its reader of what the host withheld, and the thread pools it pinned."""
+
+    timer: Timer | None  # the device's clock (CUDA events, or the host timer) and the L2 flush
+    host: HostLoad | None  # reads the CPU time (and bandwidth) the host withheld while pairs were timed
+    threads: int | None
+    limiters: list = field(default_factory=list)  # threadpoolctl limits set by pin_threads, to restore
 
     def pin_threads(self) -> None:
         """Every BLAS and OpenMP pool loaded in the process (numpy's and scipy's OpenBLAS, a
@@ -108,31 +117,69 @@ class GateState:
         while self.limiters:
             self.limiters.pop().restore_original_limits()
 
+
+
+@dataclass
+class Later:
+    """What is timed after the tests: the later visits, and the timers kept to extend or confirm a row."""
+
+    pending: list[Visits] = field(default_factory=list)  # the later visits, timed by GateState.revisit
+    timers: dict[tuple[str, str], Visits] = field(default_factory=dict)
+    skipped: dict[tuple[str, str], int] = field(default_factory=dict)  # later pairs a decided row did not need
+
+
+@dataclass
+class Tally:
+    """What the session's end reports beside the rows."""
+
+    durations: dict[str, float] = field(default_factory=dict)  # seconds per test function, setup to teardown
+    tests_failed: int = 0  # tests of the session that failed (an assertion, not the gate)
+    unmeasured: int = 0  # perf calls that ran with benchmarks disabled
+    not_timed: list[str] = field(default_factory=list)  # "kernel [impl]" --perf-gated-only left untimed
+
+
+@dataclass
+class GateState:
+    """One perf session: its settings, what it measured, the floors and stored run it judges by."""
+
+    settings: Settings
+    probes: Probes
+    floors: Floors = field(default_factory=Floors)
+    stored: Stored = field(default_factory=Stored)
+    later: Later = field(default_factory=Later)
+    tally: Tally = field(default_factory=Tally)
+    results: dict[str, dict[str, Measurement]] = field(default_factory=dict)
+    runners: dict = field(default_factory=dict)  # (kernel, impl) -> (timed callable, its median s)
+    rows: list[SpeedupRow] | None = None
+    shard: dict | None = None  # --perf-shard: index, count, plan digest, this shard's test functions
+    interrupted: bool = False  # Ctrl-C: no later visits, no extensions
+
     def revisit(self) -> None:
         """Time every impl's later visits, in passes over all impls (visit 2 of each, then visit 3
         of each, ...), so each row's interleaved rounds sample host states apart in time, not only
         the one it happened to meet during its test. A row already decided (``decided`` on its
         ``EARLY`` interval: every rule that applies to it cleared, or none applies) is not visited
         again: its remaining pairs are counted in ``skipped``."""
-        pending = [] if self.interrupted else self.pending
+        pending = [] if self.interrupted else self.later.pending
         for v in range(max((len(p.shares) for p in pending), default=0)):
             for p in pending:
                 if v >= len(p.shares):
                     continue
                 m = self.results[p.kernel][p.impl]
-                if not self.all_visits and decided(self._row(p.kernel, p.impl, EARLY), self.tolerance,
-                                                   may_fail=len(m.paired) >= MIN_PAIRS):
-                    self.skipped[(p.kernel, p.impl)] = sum(p.shares[v:])
+                early = self._row(p.kernel, p.impl, EARLY)
+                if not self.settings.all_visits and decided(early, self.settings.tolerance,
+                                                            may_fail=len(m.paired) >= MIN_PAIRS):
+                    self.later.skipped[(p.kernel, p.impl)] = sum(p.shares[v:])
                     m.visits -= len(p.shares) - v
                     p.shares = p.shares[:v]
                 else:
                     self._time_pairs(p, p.shares[v])
-        self.pending.clear()
+        self.later.pending.clear()
 
     def _time_pairs(self, later: Visits, pairs: int) -> None:
         m = self.results[later.kernel][later.impl]
-        m.paired += interleaved(self.timer, later.reference, later.timed, pairs, later.calls,
-                                first_round=len(m.paired), host=self.host, load=m.load, warm=later.warm)
+        m.paired += interleaved(self.probes.timer, later.reference, later.timed, pairs, later.calls,
+                                first_round=len(m.paired), host=self.probes.host, load=m.load, warm=later.warm)
 
     def compute_rows(self) -> list[SpeedupRow]:
         """Speedup rows for every impl measured beside its reference (computed once). A row whose
@@ -153,20 +200,20 @@ class GateState:
             for impl in impls:
                 if impl != REFERENCE:
                     row = self._row(kernel, impl)
-                    if row.failures and any(misses(row, self.tolerance)) and not self.interrupted:
+                    if row.failures and any(misses(row, self.settings.tolerance)) and not self.interrupted:
                         try:
                             row = self.confirm(row)
                         except KeyboardInterrupt:
                             self.interrupted = True
                             row = self._row(kernel, impl)
-                    if straddles(row, self.tolerance) and not row.failures and not self.interrupted:
+                    if straddles(row, self.settings.tolerance) and not row.failures and not self.interrupted:
                         try:
                             row = self.resolve(row)
                         except KeyboardInterrupt:
                             self.interrupted = True
                             row = self._row(kernel, impl)
                     rows.append(row)
-        self.timers.clear()
+        self.later.timers.clear()
         self.runners.clear()
         self.rows = rows
         return rows
@@ -176,13 +223,13 @@ class GateState:
         (those timed and those the stopping rule skipped, at least ``MIN_PAIRS``), within
         ``extend_s``. The row then fails only if these pairs alone miss too (``stats.gate``); a
         kernel that got slower misses in both stretches."""
-        timer = self.timers.get((row.kernel, row.impl))
+        timer = self.later.timers.get((row.kernel, row.impl))
         m = self.results[row.kernel][row.impl]
         if timer is None or m.again is not None:
             return row
-        per_pair = max(_pair_seconds(m, timer, self.timer.cost), 1e-9)
-        given = len(m.paired) + self.skipped.get((row.kernel, row.impl), 0)
-        pairs = min(max(MIN_PAIRS, given), int(self.extend_s / per_pair), MAX_PAIRS - len(m.paired))
+        per_pair = max(_pair_seconds(m, timer, self.probes.timer.cost), 1e-9)
+        given = len(m.paired) + self.later.skipped.get((row.kernel, row.impl), 0)
+        pairs = min(max(MIN_PAIRS, given), int(self.settings.extend_s / per_pair), MAX_PAIRS - len(m.paired))
         if pairs < MIN_PAIRS:  # --perf-extend too short for a stretch that could fail: the row stands
             return row
         start = len(m.paired)
@@ -196,16 +243,16 @@ class GateState:
         baseline's line (``stats.straddles``; above: met, under: missed) or ``extend_s`` is spent:
         each step doubles the pairs, so the interval narrows by about 1/sqrt(2) a step, and a step
         is taken only while the budget holds it."""
-        timer = self.timers.get((row.kernel, row.impl))
+        timer = self.later.timers.get((row.kernel, row.impl))
         if timer is None:  # timed apart from its reference (e.g. under -k): nothing to extend
             return row
         m = self.results[row.kernel][row.impl]
         start, pairs = time.perf_counter(), len(m.paired)
-        while straddles(row, self.tolerance):
+        while straddles(row, self.settings.tolerance):
             spent = time.perf_counter() - start
             per_pair = (spent / (len(m.paired) - pairs)) if len(m.paired) > pairs else \
-                _pair_seconds(m, timer, self.timer.cost)
-            fits = int((self.extend_s - spent) / max(per_pair, 1e-9))
+                _pair_seconds(m, timer, self.probes.timer.cost)
+            fits = int((self.settings.extend_s - spent) / max(per_pair, 1e-9))
             step = min(len(m.paired), MAX_PAIRS - len(m.paired), fits)
             if step < 1:
                 break
@@ -231,25 +278,25 @@ class GateState:
         if m.again is not None:
             again = [scale * v for v in speedup_interval(*zip(*m.paired[m.again], strict=True),
                                                           confidence, paired=True)]
-        stored = (self.baseline or {}).get(baseline_key(kernel, impl, m.size))
+        stored = (self.stored.speedups or {}).get(baseline_key(kernel, impl, m.size))
         row = SpeedupRow(
-            kernel=kernel, impl=impl, size=m.size, label=m.label, device=self.device,
+            kernel=kernel, impl=impl, size=m.size, label=m.label, device=self.settings.device,
             reference_ms=1e3 * median(ref_t), optimized_ms=1e3 * median(opt_t),
             speedup=point, low=low, high=high, rounds=(len(ref_t), len(opt_t)), interleaved=bool(m.paired),
-            visits=m.visits, variant=m.variant, skipped=self.skipped.get((kernel, impl), 0),
-            floor=self.floors.get((kernel, impl)), floor_note=self.floor_notes.get((kernel, impl), ""),
+            visits=m.visits, variant=m.variant, skipped=self.later.skipped.get((kernel, impl), 0),
+            floor=self.floors.speed.get((kernel, impl)), floor_note=self.floors.notes.get((kernel, impl), ""),
             baseline=None if stored is None else stored[0], baseline_low=None if stored is None else stored[1],
             peer=m.peer or m.against != REFERENCE, contention=withheld(m.load) if whole else None,
             bandwidth=bandwidth_withheld(m.load, self.quiet_gbps) if whole else None,
             bound=scale * _bound(m, ref_t, opt_t, self.quiet_gbps, confidence) if whole else None,
             reference_peak_bytes=ref.peak_bytes, optimized_peak_bytes=m.peak_bytes,
             reference_gbps=_gbps(ref.work_bytes, ref_t), optimized_gbps=_gbps(m.work_bytes, opt_t),
-            memory_floor=self.memory_floors.get((kernel, impl)),
-            memory_baseline=self.memory_baseline.get(baseline_key(kernel, impl, m.size)),
+            memory_floor=self.floors.memory.get((kernel, impl)),
+            memory_baseline=self.stored.memory.get(baseline_key(kernel, impl, m.size)),
             confirmed=0 if again is None else m.again.stop - m.again.start,
             confirm_speedup=None if again is None else again[0], confirm_high=None if again is None else again[2],
         )
-        gate(row, self.tolerance, self.contended)
+        gate(row, self.settings.tolerance, self.settings.contended)
         return row
 
     @property

@@ -175,53 +175,16 @@ def _host_busy(row: SpeedupRow, contended: float) -> str:
 
 def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> list[str]:
     """The reasons ``row`` fails the gate (empty when it passes); also stored on the row, with
-    ``row.unresolved`` saying which floor its interval still straddles, or which failure the
+    ``row.unresolved`` saying which line its interval still straddles, or which failure the
     host's contention (``row.contention`` at or above ``contended``, or ``row.bandwidth`` at or
-    above ``BANDWIDTH_CONTENDED``, scaled alike) left unjudged. Contention excuses only what it can
-    explain: a failure that stands even at ``row.bound`` (every withheld second and the probe's
-    shortfall charged to the impl) fails, contended or not."""
-    where = f"{row.kernel} [{row.impl}, {row.label or row.size}] on {row.device}"
+    above ``BANDWIDTH_CONTENDED``, scaled alike) or a second stretch of pairs left unjudged."""
     pairs = f"{row.rounds[0]} interleaved pairs" if row.interleaved else f"{row.rounds[0]}/{row.rounds[1]} rounds"
-    measured = f"speedup {row.speedup:.2f}x (95% CI {row.low:.2f}-{row.high:.2f}x, {pairs})"
-    failures = []
+    said = (f"{row.kernel} [{row.impl}, {row.label or row.size}] on {row.device}",
+            f"speedup {row.speedup:.2f}x (95% CI {row.low:.2f}-{row.high:.2f}x, {pairs})")
+    where, measured = said
     row.unresolved = []
-    # a speedup measured while the host withheld CPU time or bandwidth is evidence about the host,
-    # not the kernel, up to what the withheld time could explain (row.bound)
-    busy = _host_busy(row, contended)
-    bound = float("inf") if row.bound is None else row.bound
-    at_most = "any speedup" if bound == float("inf") else f"{bound:.2f}x at most"
-    gated = row.baseline is not None and not row.peer
-    base_low = _base_low(row) if gated else None
-    threshold = None if not gated else min((1.0 - tolerance) * row.baseline, base_low)
-    under_floor, under_baseline = misses(row, tolerance)
-    excused_floor = busy and under_floor and bound >= row.floor
-    excused_baseline = busy and under_baseline and bound >= threshold
-    if excused_floor or excused_baseline:
-        row.unresolved.append(f"{where}: {measured} is under its "
-                              f"{'floor' if excused_floor else 'stored baseline'}: {busy}, so this is no "
-                              f"verdict on the kernel (charged all to it: {at_most})")
-        under_floor = under_floor and not excused_floor
-        under_baseline = under_baseline and not excused_baseline
-    # a failure stands unless the pairs timed again at the session's end reach the line and read
-    # above the interval of all the pairs (the two stretches disagree): a host state that slowed
-    # one stretch and not the other is no verdict on the kernel; one noisy pair in a stretch that
-    # reads as the rest did is no such disagreement
-    again = ""
-    if row.confirm_high is not None and (under_floor or under_baseline):
-        again = f"{row.confirmed} pairs timed again at the session's end read {row.confirm_speedup:.2f}x " \
-                f"(up to {row.confirm_high:.2f}x)"
-        changed = row.confirm_speedup > row.high
-        if under_floor and changed and row.confirm_high >= row.floor:
-            row.unresolved.append(f"{where}: {measured} is under its floor {row.floor:.2f}x, but {again}: the "
-                                  "host changed between the two, so this is no verdict on the kernel")
-            under_floor = False
-        if under_baseline and changed and (row.confirm_high >= base_low
-                                           or row.confirm_speedup >= (1.0 - tolerance) * row.baseline):
-            row.unresolved.append(f"{where}: {measured} is under its stored baseline, but {again}: the host "
-                                  "changed between the two, so this is no verdict on the kernel")
-            under_baseline = False
-    explained = (f", even had all the host withheld ({busy}) been its time: {at_most}"
-                 if busy else "") + (f"; {again}" if again else "")
+    under_floor, under_baseline, explained = _judged_misses(row, tolerance, contended, said)
+    failures = []
     if under_floor:
         failures.append(f"{where}: {measured} is under the floor {row.floor:.2f}x (the whole interval is)"
                         f"{explained}")
@@ -229,29 +192,77 @@ def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> lis
         row.unresolved.append(f"{where}: {measured} straddles the floor {row.floor:.2f}x: neither met nor "
                               "missed on this evidence")
     if straddles_baseline(row, tolerance):
-        row.unresolved.append(f"{where}: {measured} reads more than {tolerance:.0%} under the stored baseline's "
-                              f"{row.baseline:.2f}x, but its interval reaches the baseline's ({base_low:.2f}x and "
-                              "up): neither met nor missed on this evidence")
+        row.unresolved.append(f"{where}: {measured} reads more than {tolerance:.0%} under the stored "
+                              f"baseline's {row.baseline:.2f}x, but its interval reaches the baseline's "
+                              f"({_base_low(row):.2f}x and up): neither met nor missed on this evidence")
     if under_baseline:
         failures.append(
             f"{where}: {measured} fell more than {tolerance:.0%} under the stored baseline's "
             f"{row.baseline:.2f}x (under {(1.0 - tolerance) * row.baseline:.2f}x, and the whole interval under "
-            f"the baseline's, {base_low:.2f}x and up){explained}"
+            f"the baseline's, {_base_low(row):.2f}x and up){explained}"
         )
+    row.failures = failures + _memory_failures(row, tolerance, where)
+    return row.failures
+
+
+def _judged_misses(row: SpeedupRow, tolerance: float, contended: float,
+                   said: tuple[str, str]) -> tuple[bool, bool, str]:
+    """Whether ``row``'s miss of its floor and of its stored baseline stand, and what to add to
+    their failures. A miss measured while the host withheld CPU time or bandwidth is evidence about
+    the host, not the kernel, up to what the withheld time could explain: one that stands even at
+    ``row.bound`` (every withheld second and the probe's shortfall charged to the impl) stands. A
+    miss also stands unless the pairs timed again at the session's end reach the line and read
+    above the interval of all the pairs (the two stretches disagree: a host state that slowed one
+    and not the other); one noisy pair in a stretch that reads as the rest did is no such
+    disagreement. A miss left unjudged is noted in ``row.unresolved``."""
+    (where, measured), no_verdict = said, "so this is no verdict on the kernel"
+    busy = _host_busy(row, contended)
+    bound = float("inf") if row.bound is None else row.bound
+    at_most = "any speedup" if bound == float("inf") else f"{bound:.2f}x at most"
+    line = None if row.baseline is None else min((1.0 - tolerance) * row.baseline, _base_low(row))
+    under_floor, under_baseline = misses(row, tolerance)
+    excused_floor = busy and under_floor and bound >= row.floor
+    excused_baseline = busy and under_baseline and bound >= line
+    if excused_floor or excused_baseline:
+        what = "floor" if excused_floor else "stored baseline"
+        row.unresolved.append(f"{where}: {measured} is under its {what}: {busy}, {no_verdict} (charged all to "
+                              f"it: {at_most})")
+        under_floor, under_baseline = under_floor and not excused_floor, under_baseline and not excused_baseline
+    again = ""
+    if row.confirm_high is not None and (under_floor or under_baseline):
+        again = f"{row.confirmed} pairs timed again at the session's end read {row.confirm_speedup:.2f}x " \
+                f"(up to {row.confirm_high:.2f}x)"
+        changed = row.confirm_speedup > row.high
+        if under_floor and changed and row.confirm_high >= row.floor:
+            row.unresolved.append(f"{where}: {measured} is under its floor {row.floor:.2f}x, but {again}: the "
+                                  f"host changed between the two, {no_verdict}")
+            under_floor = False
+        if under_baseline and changed and (row.confirm_high >= _base_low(row)
+                                           or row.confirm_speedup >= (1.0 - tolerance) * row.baseline):
+            row.unresolved.append(f"{where}: {measured} is under its stored baseline, but {again}: the host "
+                                  f"changed between the two, {no_verdict}")
+            under_baseline = False
+    explained = (f", even had all the host withheld ({busy}) been its time: {at_most}"
+                 if busy else "") + (f"; {again}" if again else "")
+    return under_floor, under_baseline, explained
+
+
+def _memory_failures(row: SpeedupRow, tolerance: float, where: str) -> list[str]:
+    """Why ``row`` fails its memory floor or its stored baseline's memory saving (none: passes)."""
     ratio = row.memory_ratio
     if row.memory_floor is not None and row.reference_peak_bytes == 0:
-        failures.append(f"{where}: the reference's peak memory measured 0 bytes: nothing to save, check the test")
-    elif row.memory_floor is not None and ratio is not None:
-        saved = 1.0 - ratio
-        if saved < row.memory_floor:
-            failures.append(f"{where}: saved {saved:.1%} of the reference's peak memory "
-                            f"({_mem(row.reference_peak_bytes)} -> {_mem(row.optimized_peak_bytes)} MiB), "
-                            f"under the floor {row.memory_floor:.0%}")
-        if (row.memory_baseline is not None and not row.peer
-                and saved < (1.0 - tolerance) * (1.0 - row.memory_baseline)):
-            failures.append(f"{where}: saved {saved:.1%} of the reference's peak memory, more than "
-                            f"{tolerance:.0%} under the stored baseline's {1.0 - row.memory_baseline:.1%}")
-    row.failures = failures
+        return [f"{where}: the reference's peak memory measured 0 bytes: nothing to save, check the test"]
+    if row.memory_floor is None or ratio is None:
+        return []
+    saved, failures = 1.0 - ratio, []
+    if saved < row.memory_floor:
+        failures.append(f"{where}: saved {saved:.1%} of the reference's peak memory "
+                        f"({_mem(row.reference_peak_bytes)} -> {_mem(row.optimized_peak_bytes)} MiB), "
+                        f"under the floor {row.memory_floor:.0%}")
+    stored = None if row.memory_baseline is None or row.peer else 1.0 - row.memory_baseline
+    if stored is not None and saved < (1.0 - tolerance) * stored:
+        failures.append(f"{where}: saved {saved:.1%} of the reference's peak memory, more than "
+                        f"{tolerance:.0%} under the stored baseline's {stored:.1%}")
     return failures
 
 

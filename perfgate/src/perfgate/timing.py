@@ -433,16 +433,12 @@ def bandwidth_withheld(load: Sequence[PairLoad], quiet_gbps: float | None) -> fl
 def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls: tuple[int, int],
                 first_round: int = 0, host: HostLoad | None = None,
                 load: list[PairLoad] | None = None, warm: tuple[int, int] = (1, 1)) -> list[tuple[float, float]]:
-    """(reference s, impl s) pairs from blocks timed alternately in ABBA order (reference first in
-    even rounds, the impl first in odd ones; rounds count from ``first_round``): both blocks of a
-    pair see the same host state (memory bandwidth, clocks, neighbours), so their ratio does not
-    move with it. A block is ``calls`` back-to-back calls after ``warm`` warming ones (which warm
-    the caches the other side's block just used), read as the median call, so each side runs with
-    its own data in cache, as in its separate rounds; alternating single calls measured small
-    kernels with the other's data in cache (evidence/from-the-code.md). With ``host``,
-    each pair's ``PairLoad`` is appended to ``load``: the CPU time withheld read around each pair,
-    the delay around the impl's timed calls alone, the bandwidth probed before and after the
-    stretch."""
+    """(reference s, impl s) pairs from blocks timed in ABBA order (rounds count from
+    ``first_round``): both blocks of a pair see the same host state, so their ratio does not move
+    with it. A block is ``calls`` back-to-back calls after ``warm`` warming ones, read as the median
+    call: each side runs with its own data in cache (evidence/from-the-code.md). With ``host``,
+    each pair's ``PairLoad`` is appended to ``load``: the CPU time withheld around the pair, the
+    delay around the impl's timed calls alone, the bandwidth probed around the stretch."""
     pairs, loads = [], []
     gbps = [host.probe.read()] if host is not None and host.probe is not None else []
     timed: list[tuple[float, ...] | None] = []  # host readings around the impl's timed calls
@@ -454,16 +450,17 @@ def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls:
             timed.append(host.read())
         return _median(times)
 
+    def reference_block() -> float:
+        return _median(timer.block(reference, calls[0], warm[0]))
+
     for i in range(first_round, first_round + rounds):
         before = host.read() if host is not None else None
         timed.clear()
-        if i % 2 == 0:
-            r = _median(timer.block(reference, calls[0], warm[0]))
-            o = impl_block()
+        if i % 2 == 0:  # ABBA: the reference first in even rounds
+            pairs.append((reference_block(), impl_block()))
         else:
             o = impl_block()
-            r = _median(timer.block(reference, calls[0], warm[0]))
-        pairs.append((r, o))
+            pairs.append((reference_block(), o))
         if host is not None:
             pair, own = host.share(before, host.read()), host.share(*timed) if len(timed) == 2 else None
             loads.append(None if pair is None or own is None else (pair[0], pair[1], own[2]))
