@@ -266,7 +266,7 @@ def broken_links(pages: list[Path]) -> list[str]:
 
 
 def _pages() -> list[Path]:
-    return [ROOT / "README.md", ROOT / "perfgate" / "README.md",
+    return [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "perfgate" / "README.md",
             *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "evidence").rglob("*.md"))]
 
 
