@@ -241,11 +241,15 @@ def test_memory_grown_over_baseline_fails(pytester: pytest.Pytester) -> None:
                                  "under the stored baseline's 8?.?%*"])
 
 
-def test_memory_floor_must_be_a_fraction(pytester: pytest.Pytester) -> None:
+@pytest.mark.parametrize("select", [(), ("-k", "reference")])
+def test_memory_floor_must_be_a_fraction(pytester: pytest.Pytester, select: tuple[str, ...]) -> None:
+    """A malformed marker is a usage error at collection, before anything is timed, also where
+    -k leaves the impl it is about out."""
     pytester.makepyfile(test_mem=MEMORY.format(opt_mib=12, floor=70))
-    result = _run(pytester)
-    assert result.ret != 0
-    result.stdout.fnmatch_lines(["*a memory floor is a fraction saved in [[]0, 1), got 70*"])
+    result = _run(pytester, *select)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*test_hungry*: a memory floor is a fraction saved in [[]0, 1), got 70*"])
+    assert "perfgate speedups" not in result.stdout.str()
 
 
 def test_first_run_without_baseline_passes_with_hint(pytester: pytest.Pytester) -> None:

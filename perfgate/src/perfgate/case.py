@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from . import compat
-from .floors import OPTIMIZED, comparison, floor_value, kernel_name, parametrized_impls
+from .floors import OPTIMIZED, checked_value, comparison, kernel_name, parametrized_impls
 from .state import MIN_PAIRS, REFERENCE, GateState, Measurement, Visits, baseline_key
 from .timing import PairLoad, Timed, block_calls, interleaved, peak_memory, synced
 
@@ -38,22 +38,13 @@ def _floor(item: pytest.Item, mark_name: str, impl: str, device: str, size: str,
     device_class = "cuda" if device.startswith("cuda") else "cpu"
     note, found = "", []
     for mark in item.iter_markers(mark_name):
-        if mark.args:
-            raise pytest.UsageError(f"{item.nodeid}: {mark_name} marker takes keywords "
-                                    "cpu=, cuda=, impl=, variant=, over=")
-        if mark_name == "memory" and "over" in mark.kwargs:
-            raise pytest.UsageError(f"{item.nodeid}: a memory floor is over the reference; over= is for speedups")
-        if mark.kwargs.get("impl", "optimized") != impl or mark.kwargs.get("over") != over:
-            continue
-        value = floor_value(mark, device, size)
-        if value is None:
+        value = checked_value(item, mark, mark_name, device, size)
+        if mark.kwargs.get("impl", "optimized") != impl or mark.kwargs.get("over") != over or value is None:
             continue
         pattern = mark.kwargs.get("variant")
         if pattern is not None and not fnmatch.fnmatchcase(variant or "", pattern):
             note = note or f"set for {pattern}, ran {variant or 'no variant'}"
             continue
-        if mark_name == "memory" and not 0.0 <= value < 1.0:
-            raise pytest.UsageError(f"{item.nodeid}: a memory floor is a fraction saved in [0, 1), got {value}")
         found.append(value)
     if len(found) > 1:
         raise pytest.UsageError(f"{item.nodeid}: {len(found)} {mark_name} markers apply to impl {impl!r} on "

@@ -83,16 +83,28 @@ class Floor:
         return f"{self.kernel} [{self.row}]: {what}{keyed}"
 
 
-def _floor(mark: pytest.Mark, kind: str, kernel: str, impls: tuple[str, ...], device: str,
-           size: str) -> Floor | None:
-    """The floor ``mark`` declares here, or None. A malformed marker is skipped: its test refuses
-    it with a message when it runs (case.py)."""
-    if mark.args or (kind == "memory" and "over" in mark.kwargs):
-        return None
+def checked_value(item: pytest.Item, mark: pytest.Mark, kind: str, device: str, size: str) -> float | None:
+    """The floor a ``speedup`` or ``memory`` marker declares for ``device``'s class at ``size``
+    (None: none there); a malformed marker is a usage error naming the test. The one reading of
+    the markers: at collection (``declared``) and when a row's floors are set (case.py)."""
+    if mark.args:
+        raise pytest.UsageError(f"{item.nodeid}: {kind} marker takes keywords cpu=, cuda=, impl=, variant=, over=")
+    if kind == "memory" and "over" in mark.kwargs:
+        raise pytest.UsageError(f"{item.nodeid}: a memory floor is over the reference; over= is for speedups")
     try:
         value = floor_value(mark, device, size)
     except (TypeError, ValueError):
-        return None
+        raise pytest.UsageError(f"{item.nodeid}: a {kind} floor is a number, or {{size: number}} per size; got "
+                                f"{mark.kwargs}") from None
+    if kind == "memory" and value is not None and not 0.0 <= value < 1.0:
+        raise pytest.UsageError(f"{item.nodeid}: a memory floor is a fraction saved in [0, 1), got {value:g}")
+    return value
+
+
+def _floor(item: pytest.Item, mark: pytest.Mark, kind: str, kernel: str, impls: tuple[str, ...], device: str,
+           size: str) -> Floor | None:
+    """The floor ``mark`` declares here, or None."""
+    value = checked_value(item, mark, kind, device, size)
     if value is None:
         return None
     return Floor(kernel=kernel, impl=str(mark.kwargs.get("impl", OPTIMIZED)), over=mark.kwargs.get("over"),
@@ -114,7 +126,7 @@ def declared(items: Iterable[pytest.Item], device: str,
         impls = tuple(parametrized_impls(item))
         for kind in KINDS:
             for mark in item.iter_markers(kind):
-                floor = _floor(mark, kind, names[0], impls, device, size)
+                floor = _floor(item, mark, kind, names[0], impls, device, size)
                 if floor is not None:
                     floors.setdefault((floor.kernel, floor.row, kind, floor.value, floor.variant), floor)
     return list(floors.values()), nodeids
