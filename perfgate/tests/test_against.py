@@ -109,6 +109,8 @@ def test_a_slower_row_fails_a_faster_one_is_reported_and_new_ones_are_not_compar
     assert rows["slow"]["confirmed"] >= 7  # a failure, and a faster row, are timed again on fresh workers
     assert rows["fast"]["confirmed"] >= 7 and rows["fast"]["confirm_ratio"] > 1.05
     assert all(min(rows["slow"]["used"][side]) > 0 for side in ("rev", "this"))  # blocks on both workers a side
+    # each worker built 3 copies of the row, and the blocks ran on more units than workers
+    assert all(len(set(rows["slow"][f"{side}_units"])) > 2 for side in ("rev", "this")), rows["slow"]
     assert rows["added"]["outcome"] == "not comparable" and "added" in rows["added"]["reason"]
     assert rows["newer"]["outcome"] == "not comparable" and "new in this tree" in rows["newer"]["reason"]
     assert _left(project) == []
@@ -209,3 +211,51 @@ def test_the_rule_on_measured_intervals(measured: tuple, confirm: dict, outcome:
     assert got == outcome, message
     if confirm and outcome == "ok":
         assert "not shown faster" in message and f"from {confirm['confirm_low']:.3f}x" in message
+
+
+def _units_case(offset: float, slowdown: float, seed: int) -> tuple[tuple, tuple]:
+    """A row of 120 pairs on 6 units a side, block noise 10%, three of this tree's units (one
+    worker's copies) ``offset`` slower for their whole life, this tree's code ``slowdown`` slower:
+    (paired interval, unit-aware interval)."""
+    import numpy as np
+
+    from perfgate.stats import clustered_interval, speedup_interval
+
+    rng = np.random.default_rng(seed)
+    units_rev, units_this = rng.integers(0, 6, 120), rng.integers(0, 6, 120)
+    drift = rng.normal(0.0, 0.05, 120)  # the host's, shared by a pair
+    rev = np.exp(drift + rng.normal(0.0, 0.1, 120))
+    this = slowdown * np.exp(drift + rng.normal(0.0, 0.1, 120) + np.where(units_this < 3, np.log(offset), 0.0))
+    return (speedup_interval(rev, this, paired=True),
+            clustered_interval(rev, this, units_rev, units_this))
+
+
+def test_a_workers_lasting_offset_is_noise_not_a_slowdown() -> None:
+    """Unchanged code, one of this tree's two workers 30% slow (its process state), its three
+    copies with it, in 20 seeded rows: the pairs alone read this tree beyond the 5% line in most;
+    the unit-aware interval fails none, at the same point."""
+    line = 1 / 1.05
+    cases = [_units_case(offset=1.3, slowdown=1.0, seed=seed) for seed in range(20)]
+    assert sum(paired[2] < line for paired, _ in cases) >= 15
+    assert not [clustered for _, clustered in cases if clustered[2] < line]
+    assert all(clustered[0] == paired[0] for paired, clustered in cases)
+
+
+def test_units_that_agree_cost_little_and_a_real_slowdown_still_fails() -> None:
+    """No unit offsets, 20 seeded rows: the unit-aware interval holds the paired one, is at most
+    40% wider in the median row, and a 1.3x slowdown is wholly beyond the line in every row."""
+    import math
+
+    import numpy as np
+
+    cases = [_units_case(offset=1.0, slowdown=1.0, seed=seed) for seed in range(20)]
+    assert all(c[1] <= p[1] * (1 + 1e-12) and c[2] >= p[2] * (1 - 1e-12) for p, c in cases)
+    assert np.median([math.log(c[2] / c[1]) / math.log(p[2] / p[1]) for p, c in cases]) < 1.4
+    assert all(_units_case(offset=1.0, slowdown=1.3, seed=seed)[1][2] < 1 / 1.05 for seed in range(20))
+
+
+def test_unit_aware_intervals_need_matching_counts() -> None:
+    from perfgate.stats import clustered_interval
+
+    with pytest.raises(ValueError, match="equal counts"):
+        clustered_interval([1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0, 1], [0, 1, 2])

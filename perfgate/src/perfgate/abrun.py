@@ -22,11 +22,13 @@ from typing import Any
 import numpy as np
 
 from .state import EARLY, MIN_PAIRS
-from .stats import CONTENDED, speedup_interval
+from .stats import CONTENDED, clustered_interval
 from .timing import block_calls
 from .workers import Pool, WorkerGone
 
 MAX_PAIRS = 400  # a row's pairs in all (the session's own rows: state.MAX_PAIRS)
+COPIES = 3  # copies of a row's inputs each worker builds (units: a block times one at random) ...
+COPIES_S = 3.0  # ... while building them takes under this many seconds
 BLOCK_TIMEOUT_S = 60.0  # a block's answer is awaited at least this long, and 20 x its expected time
 
 
@@ -41,6 +43,8 @@ class ABRow:
     label: str = ""
     rev_times: list[float] = field(default_factory=list)
     this_times: list[float] = field(default_factory=list)
+    rev_units: list[int] = field(default_factory=list)  # the unit (worker, copy) each block ran on
+    this_units: list[int] = field(default_factory=list)
     ratio: float | None = None
     low: float | None = None
     high: float | None = None
@@ -58,9 +62,21 @@ class ABRow:
         return asdict(self)
 
 
-def interval(rev: list[float], this: list[float], confidence: float) -> tuple[float, float, float]:
-    """(REV / this, low, high) over paired blocks."""
-    return speedup_interval(rev, this, confidence, paired=True)
+@dataclass
+class Stretch:
+    """Pairs timed together: each side's block medians, and the unit each ran on."""
+
+    rev: list[float] = field(default_factory=list)
+    this: list[float] = field(default_factory=list)
+    rev_units: list[int] = field(default_factory=list)
+    this_units: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.rev)
+
+    def interval(self, confidence: float) -> tuple[float, float, float]:
+        """(REV / this, low, high): the paired interval, widened by the units' own offsets."""
+        return clustered_interval(self.rev, self.this, self.rev_units, self.this_units, confidence)
 
 
 def judge(row: ABRow, tolerance: float, contended: float = CONTENDED) -> str:
@@ -127,14 +143,21 @@ class Comparer:
         self.rng = random.Random(seed)
         # side -> (timed calls, warming calls, a call's seconds) for the row being timed
         self.blocks: dict[str, tuple[int, int, float]] = {}
+        self.copies: dict[tuple[str, int], int] = {}  # (side, worker index) -> copies of the row it built
+        self.generation = 0  # the pool's: a fresh pool's units are new ones
         self.deadline: float | None = None  # when budget.total_s is spent, from the first row timed
 
+    def use(self, pool: Pool) -> None:
+        """Time on ``pool`` from now on (fresh workers: new units)."""
+        self.pool, self.generation = pool, self.generation + 1
+
     def build(self, row: ABRow, request: dict[str, Any]) -> bool:
-        """Rebuild ``row`` on every worker; False (and ``row.reason``) when a side cannot."""
+        """Rebuild ``row`` on every worker, up to COPIES copies each; False (and ``row.reason``)
+        when a side cannot."""
         warm: dict[str, list[float]] = {"rev": [], "this": []}
         for worker in list(self.pool.workers):
             try:
-                reply = self.pool.ask(worker, "build", 600.0, **request)
+                reply = self.pool.ask(worker, "build", 600.0, builds=COPIES, build_s=COPIES_S, **request)
             except WorkerGone as exc:
                 reply = {"ok": False, "reason": str(exc)}
             if not reply.get("ok"):
@@ -142,6 +165,7 @@ class Comparer:
                 row.reason = f"{who} cannot run it: {reply.get('reason')}"
                 return False
             warm[worker.side].append(reply["warm_s"])
+            self.copies[(worker.side, worker.index)] = int(reply.get("builds", 1))
             row.label = row.label or reply.get("label", "")
         for side in ("rev", "this"):
             if not warm[side]:
@@ -151,33 +175,36 @@ class Comparer:
             self.blocks[side] = (*block_calls(seconds), seconds)
         return True
 
-    def _block(self, row: ABRow, side: str, loads: list[tuple[float, float]]) -> float:
+    def _block(self, row: ABRow, side: str, loads: list[tuple[float, float]]) -> tuple[float, int]:
+        """A block of ``side`` on a worker and copy chosen at random: (its median, its unit)."""
         workers = self.pool.side(side)
         if not workers:
             raise WorkerGone(f"no {side} worker is left")
         worker = self.rng.choice(workers)
+        copy = self.rng.randrange(self.copies.get((side, worker.index), 1))
         calls, warm, seconds = self.blocks[side]
         timeout = max(BLOCK_TIMEOUT_S, 20.0 * (calls + warm) * seconds)
-        reply = self.pool.ask(worker, "block", timeout, row=row.nodeid, calls=calls, warm=warm)
+        reply = self.pool.ask(worker, "block", timeout, row=row.nodeid, calls=calls, warm=warm, build=copy)
         if not reply.get("ok"):
             raise WorkerGone(f"{worker.name}: {reply.get('reason')}")
         row.used.setdefault(side, [0] * self.pool.per_side)[worker.index] += 1
         if reply["share"] is not None:
             loads.append((reply["share"][0], reply["share"][1]))
-        return float(np.median(reply["times"]))
+        return float(np.median(reply["times"])), (self.generation * 100 + worker.index) * 100 + copy
 
-    def pairs(self, row: ABRow, count: int, rev: list[float], this: list[float],
-              loads: list[tuple[float, float]]) -> None:
-        """Time ``count`` more pairs into ``rev`` and ``this``: REV first in even pairs."""
+    def pairs(self, row: ABRow, count: int, into: Stretch, loads: list[tuple[float, float]]) -> None:
+        """Time ``count`` more pairs into ``into``: REV first in even pairs."""
         for _ in range(count):
-            if len(rev) % 2 == 0:
-                r = self._block(row, "rev", loads)
-                t = self._block(row, "this", loads)
+            if len(into) % 2 == 0:
+                r, ru = self._block(row, "rev", loads)
+                t, tu = self._block(row, "this", loads)
             else:
-                t = self._block(row, "this", loads)
-                r = self._block(row, "rev", loads)
-            rev.append(r)
-            this.append(t)
+                t, tu = self._block(row, "this", loads)
+                r, ru = self._block(row, "rev", loads)
+            into.rev.append(r)
+            into.this.append(t)
+            into.rev_units.append(ru)
+            into.this_units.append(tu)
 
     def time_row(self, row: ABRow, rows_left: int = 1) -> None:
         """Pairs until the row is decided at EARLY, its planned pairs are spent, or (straddling) its
@@ -186,40 +213,47 @@ class Comparer:
         ``row``'s ratio and interval."""
         line = 1.0 / (1.0 + self.tolerance)
         loads: list[tuple[float, float]] = []
+        got = Stretch(row.rev_times, row.this_times, row.rev_units, row.this_units)
         t0 = time.perf_counter()
         if self.deadline is None:
             self.deadline = t0 + self.budget.total_s
-        self.pairs(row, MIN_PAIRS, row.rev_times, row.this_times, loads)
+        self.pairs(row, MIN_PAIRS, got, loads)
         pair_s = (time.perf_counter() - t0) / MIN_PAIRS
         planned = max(MIN_PAIRS, min(MAX_PAIRS, math.ceil(self.budget.seconds / max(pair_s, 1e-6))))
         step = max(1, planned // 4)
-        while len(row.rev_times) < planned:
+        while len(got) < planned:
             if not self.budget.all_pairs:
-                _, low, high = interval(row.rev_times, row.this_times, EARLY)
+                _, low, high = got.interval(EARLY)
                 if high < line or low >= line:
                     break
-            self.pairs(row, min(step, planned - len(row.rev_times)), row.rev_times, row.this_times, loads)
+            self.pairs(row, min(step, planned - len(got)), got, loads)
         now = time.perf_counter()
         extend_until = now + min(self.budget.extend_s, max(0.0, self.deadline - now) / max(1, rows_left))
-        while len(row.rev_times) < MAX_PAIRS and time.perf_counter() < extend_until:
-            _, low, high = interval(row.rev_times, row.this_times, 0.95)
+        while len(got) < MAX_PAIRS and time.perf_counter() < extend_until:
+            _, low, high = got.interval(0.95)
             if high < line or low >= line:
                 break
-            more = min(len(row.rev_times), MAX_PAIRS - len(row.rev_times))
+            more = min(len(got), MAX_PAIRS - len(got))
             more = min(more, max(1, int((extend_until - time.perf_counter()) / max(pair_s, 1e-6))))
-            self.pairs(row, more, row.rev_times, row.this_times, loads)
-        row.ratio, row.low, row.high = interval(row.rev_times, row.this_times, 0.95)
+            self.pairs(row, more, got, loads)
+        row.ratio, row.low, row.high = got.interval(0.95)
         wall = sum(w for w, _ in loads)
         row.contention = None if wall <= 0 else sum(w * s for w, s in loads) / wall
 
     def confirm(self, row: ABRow) -> None:
-        """A failing row's second stretch: at least MIN_PAIRS more pairs, read on their own."""
-        rev: list[float] = []
-        this: list[float] = []
+        """A failing or faster row's second stretch, on fresh workers (new units): as many pairs
+        as the first, at least 2 x MIN_PAIRS. It is read on its own (``confirm_*``), and the row's
+        ratio and interval become those of both stretches, every unit of both pools counted."""
+        again = Stretch()
         loads: list[tuple[float, float]] = []
-        self.pairs(row, max(MIN_PAIRS, len(row.rev_times) // 2), rev, this, loads)
-        row.confirmed = len(rev)
-        row.confirm_ratio, row.confirm_low, row.confirm_high = interval(rev, this, 0.95)
+        self.pairs(row, max(2 * MIN_PAIRS, len(row.rev_times)), again, loads)
+        row.confirmed = len(again)
+        row.confirm_ratio, row.confirm_low, row.confirm_high = again.interval(0.95)
+        both = Stretch(row.rev_times, row.this_times, row.rev_units, row.this_units)
+        for mine, theirs in ((both.rev, again.rev), (both.this, again.this), (both.rev_units, again.rev_units),
+                             (both.this_units, again.this_units)):
+            mine.extend(theirs)
+        row.ratio, row.low, row.high = both.interval(0.95)
 
     def drop(self, row: ABRow) -> None:
         for worker in list(self.pool.workers):

@@ -191,8 +191,27 @@ class Worker:
         self.torch_set = True
 
     def build(self, row: str, module: str, path: str, function: str, params: dict[str, Any],
-              kernel: str, impl: str) -> dict[str, Any]:
-        """Rebuild ``row``'s timed callable, make its first and a warm call; report their seconds."""
+              kernel: str, impl: str, builds: int = 1, build_s: float = 0.0) -> dict[str, Any]:
+        """Rebuild ``row``'s timed callable (its inputs, model, buffers) up to ``builds`` times, each
+        kept: the blocks then pick one at random, so an allocation's layout varies within the
+        process as it does between processes. Another copy is made while the copies after the
+        first, and one more as long as the last, fit in ``build_s`` (the first pays the row's
+        one-time costs). Reports the first copy's first and warm call, and how many were made."""
+        load_module(module, Path(path))  # the test module's first import is no copy's cost
+        start = time.perf_counter()
+        made = [self._build_one(module, path, function, params, kernel, impl)]
+        took, spent = time.perf_counter() - start, 0.0
+        while len(made) < builds and spent + took <= build_s:
+            start = time.perf_counter()
+            made.append(self._build_one(module, path, function, params, kernel, impl))
+            took = time.perf_counter() - start
+            spent += took
+        self.rows[row] = [timed for timed, _ in made]
+        return {**made[0][1], "builds": len(made)}
+
+    def _build_one(self, module: str, path: str, function: str, params: dict[str, Any], kernel: str,
+                   impl: str) -> tuple[Any, dict[str, Any]]:
+        """One copy of a row: its timed callable, and its first and warm call's seconds."""
         from .case import _slowed
         from .timing import synced
 
@@ -217,13 +236,12 @@ class Worker:
         warm = self.timer.cost(time.perf_counter() - t1)
         for _ in range(max(0, call.warmup_rounds - 2)):
             once()
-        self.rows[row] = (timed, call)
-        return {"first_s": first, "warm_s": warm, "label": call.label, "variant": call.variant}
+        return timed, {"first_s": first, "warm_s": warm, "label": call.label, "variant": call.variant}
 
-    def block(self, row: str, calls: int, warm: int) -> dict[str, Any]:
-        """Seconds of ``calls`` timed calls of ``row`` after ``warm`` untimed ones, and the CPU time
-        the host withheld while the timed calls ran (``HostLoad.share``)."""
-        timed, _ = self.rows[row]
+    def block(self, row: str, calls: int, warm: int, build: int = 0) -> dict[str, Any]:
+        """Seconds of ``calls`` timed calls of copy ``build`` of ``row`` after ``warm`` untimed ones,
+        and the CPU time the host withheld while the timed calls ran (``HostLoad.share``)."""
+        timed = self.rows[row][build]
         start: list[Any] = []
         times = self.timer.block(timed, calls, warm, warmed=lambda: start.append(self.host.read()))
         share = self.host.share(start[0] if start else None, self.host.read())

@@ -201,7 +201,7 @@ class Against:
         if not again:
             return
         with _started(Pool(hellos, self.per_side)) as pool:
-            comparer.pool = pool
+            comparer.use(pool)
             for row, request in again:  # timed again, after every other row, before the verdict stands
                 try:  # a rebuild that fails leaves the first verdict standing, unconfirmed
                     if comparer.build(ABRow(row.kernel, row.impl, row.size, row.nodeid), request):

@@ -43,6 +43,7 @@ reported unmeasured, not failed (as an unpaired row is).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 
@@ -78,6 +79,46 @@ def speedup_interval(
     )
     low, high = res.confidence_interval
     return point, float(low), float(high)
+
+
+def _unit_variance(d: np.ndarray, units: np.ndarray) -> float:
+    """The variance that ``units``' own offsets add to the mean of ``d``: their one-way ANOVA
+    variance component (0 when the units differ no more than their pairs do), times sum(n_a^2) / N^2."""
+    _, index, counts = np.unique(units, return_inverse=True, return_counts=True)
+    if counts.size < 2:
+        return 0.0
+    n = d.size
+    means = np.bincount(index, weights=d) / counts
+    between = float(np.sum(counts * (means - d.mean()) ** 2) / (counts.size - 1))
+    within = float(np.sum((d - means[index]) ** 2) / max(1, n - counts.size))
+    n0 = (n - np.sum(counts ** 2) / n) / (counts.size - 1)
+    component = max(0.0, (between - within) / n0)
+    return component * float(np.sum(counts ** 2)) / n ** 2
+
+
+def clustered_interval(rev: Sequence[float], this: Sequence[float], rev_units: Sequence[int],
+                       this_units: Sequence[int], confidence: float = 0.95, n_resamples: int = 2000,
+                       seed: int = 0) -> tuple[float, float, float]:
+    """(ratio, low, high): median(rev) / median(this) over interleaved pairs, pair i's blocks timed
+    on units ``rev_units[i]`` and ``this_units[i]`` (a worker process and a copy of the row's inputs
+    in it). The paired bootstrap's interval counts the noise of pairs; each side's units add their
+    own offsets (a process's state, an allocation's layout), which it would read as signal. Their
+    variance components (log scale, one-way ANOVA on the pairs' log ratios by unit) widen the
+    interval on each side, at Student's t with (units - 1) degrees of freedom."""
+    from scipy import stats
+
+    r, t = np.asarray(rev, dtype=np.float64), np.asarray(this, dtype=np.float64)
+    u, v = np.asarray(rev_units), np.asarray(this_units)
+    if not r.size == t.size == u.size == v.size:
+        raise ValueError(f"clustered pairs need equal counts, got {r.size}, {t.size}, {u.size}, {v.size}")
+    point, low, high = speedup_interval(r, t, confidence, n_resamples, seed, paired=True)
+    d = np.log(r) - np.log(t)
+    units = min(np.unique(u).size, np.unique(v).size)
+    q = float(stats.t.ppf(0.5 + confidence / 2.0, max(1, units - 1)))
+    extra = q * q * (_unit_variance(d, u) + _unit_variance(d, v))
+    low = point * math.exp(-math.sqrt(math.log(point / low) ** 2 + extra))
+    high = point * math.exp(math.sqrt(math.log(high / point) ** 2 + extra))
+    return point, low, high
 
 
 @dataclass
