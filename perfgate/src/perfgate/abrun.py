@@ -228,31 +228,41 @@ class Comparer:
                     break
             self.pairs(row, min(step, planned - len(got)), got, loads)
         now = time.perf_counter()
-        extend_until = now + min(self.budget.extend_s, max(0.0, self.deadline - now) / max(1, rows_left))
-        while len(got) < MAX_PAIRS and time.perf_counter() < extend_until:
-            _, low, high = got.interval(0.95)
-            if high < line or low >= line:
-                break
-            more = min(len(got), MAX_PAIRS - len(got))
-            more = min(more, max(1, int((extend_until - time.perf_counter()) / max(pair_s, 1e-6))))
-            self.pairs(row, more, got, loads)
+        self._extend(row, got, loads, pair_s, MAX_PAIRS,
+                     now + min(self.budget.extend_s, max(0.0, self.deadline - now) / max(1, rows_left)))
         row.ratio, row.low, row.high = got.interval(0.95)
         wall = sum(w for w, _ in loads)
         row.contention = None if wall <= 0 else sum(w * s for w, s in loads) / wall
 
+    def _extend(self, row: ABRow, got: Stretch, loads: list[tuple[float, float]], pair_s: float, cap: int,
+                until: float) -> None:
+        """While ``got``'s interval straddles the line: pairs, doubling, up to ``cap`` in all and
+        until the clock reads ``until``."""
+        line = 1.0 / (1.0 + self.tolerance)
+        while len(got) < cap and time.perf_counter() < until:
+            _, low, high = got.interval(0.95)
+            if high < line or low >= line:
+                break
+            more = min(len(got), cap - len(got))
+            more = min(more, max(1, int((until - time.perf_counter()) / max(pair_s, 1e-6))))
+            self.pairs(row, more, got, loads)
+
     def confirm(self, row: ABRow) -> None:
         """A failing or faster row's second stretch, on fresh workers (new units): as many pairs
-        as the first, at least 2 x MIN_PAIRS. It is read on its own (``confirm_*``), and the row's
-        ratio and interval become those of both stretches, every unit of both pools counted."""
-        again = Stretch()
+        as the first, at least 2 x MIN_PAIRS, then more while both stretches' interval straddles
+        the line (at most ``budget.extend_s``). The second stretch is read on its own
+        (``confirm_*``), and the row's ratio and interval become those of both, every unit of
+        both pools counted."""
+        first = len(row.rev_times)
+        both = Stretch(row.rev_times, row.this_times, row.rev_units, row.this_units)
         loads: list[tuple[float, float]] = []
-        self.pairs(row, max(2 * MIN_PAIRS, len(row.rev_times)), again, loads)
+        t0 = time.perf_counter()
+        self.pairs(row, max(2 * MIN_PAIRS, first), both, loads)
+        pair_s = (time.perf_counter() - t0) / (len(both) - first)
+        self._extend(row, both, loads, pair_s, first + MAX_PAIRS, time.perf_counter() + self.budget.extend_s)
+        again = Stretch(both.rev[first:], both.this[first:], both.rev_units[first:], both.this_units[first:])
         row.confirmed = len(again)
         row.confirm_ratio, row.confirm_low, row.confirm_high = again.interval(0.95)
-        both = Stretch(row.rev_times, row.this_times, row.rev_units, row.this_units)
-        for mine, theirs in ((both.rev, again.rev), (both.this, again.this), (both.rev_units, again.rev_units),
-                             (both.this_units, again.this_units)):
-            mine.extend(theirs)
         row.ratio, row.low, row.high = both.interval(0.95)
 
     def drop(self, row: ABRow) -> None:
