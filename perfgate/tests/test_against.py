@@ -254,6 +254,20 @@ def test_units_that_agree_cost_little_and_a_real_slowdown_still_fails() -> None:
     assert all(_units_case(offset=1.0, slowdown=1.3, seed=seed)[1][2] < 1 / 1.05 for seed in range(20))
 
 
+def test_a_unit_per_pair_or_one_unit_is_the_paired_interval() -> None:
+    """With nothing to tell units from pairs (each pair its own unit, or one unit a side), the
+    unit-aware interval is the paired bootstrap's."""
+    import numpy as np
+
+    from perfgate.stats import clustered_interval, speedup_interval
+
+    rng = np.random.default_rng(0)
+    rev, this = np.exp(rng.normal(0.0, 0.1, 30)), np.exp(rng.normal(0.0, 0.1, 30))
+    paired = speedup_interval(rev, this, paired=True)
+    for units in (np.arange(30), np.zeros(30, dtype=int)):
+        assert clustered_interval(rev, this, units, units) == pytest.approx(paired, rel=1e-12)
+
+
 def test_unit_aware_intervals_need_matching_counts() -> None:
     from perfgate.stats import clustered_interval
 

@@ -83,9 +83,10 @@ def speedup_interval(
 
 def _unit_variance(d: np.ndarray, units: np.ndarray) -> float:
     """The variance that ``units``' own offsets add to the mean of ``d``: their one-way ANOVA
-    variance component (0 when the units differ no more than their pairs do), times sum(n_a^2) / N^2."""
+    variance component (0 when the units differ no more than their pairs do), times sum(n_a^2) / N^2.
+    One unit, or a unit per pair, leaves nothing to separate: the bootstrap over pairs counts it."""
     _, index, counts = np.unique(units, return_inverse=True, return_counts=True)
-    if counts.size < 2:
+    if counts.size < 2 or counts.size == d.size:
         return 0.0
     n = d.size
     means = np.bincount(index, weights=d) / counts
