@@ -105,7 +105,8 @@ def clustered_interval(rev: Sequence[float], this: Sequence[float], rev_units: S
     in it). The paired bootstrap's interval counts the noise of pairs; each side's units add their
     own offsets (a process's state, an allocation's layout), which it would read as signal. Their
     variance components (log scale, one-way ANOVA on the pairs' log ratios by unit) widen the
-    interval on each side, at Student's t with (units - 1) degrees of freedom."""
+    interval, at Student's t with their Welch-Satterthwaite degrees of freedom (each side's
+    units - 1, pooled by the size of its component)."""
     from scipy import stats
 
     r, t = np.asarray(rev, dtype=np.float64), np.asarray(this, dtype=np.float64)
@@ -114,9 +115,11 @@ def clustered_interval(rev: Sequence[float], this: Sequence[float], rev_units: S
         raise ValueError(f"clustered pairs need equal counts, got {r.size}, {t.size}, {u.size}, {v.size}")
     point, low, high = speedup_interval(r, t, confidence, n_resamples, seed, paired=True)
     d = np.log(r) - np.log(t)
-    units = min(np.unique(u).size, np.unique(v).size)
-    q = float(stats.t.ppf(0.5 + confidence / 2.0, max(1, units - 1)))
-    extra = q * q * (_unit_variance(d, u) + _unit_variance(d, v))
+    parts = [(_unit_variance(d, units), np.unique(units).size - 1) for units in (u, v)]
+    extra = sum(var for var, _ in parts)
+    if extra > 0.0:  # a nonzero component has at least 2 units, so df >= 1
+        df = extra ** 2 / sum(var ** 2 / k for var, k in parts if var > 0.0)
+        extra *= float(stats.t.ppf(0.5 + confidence / 2.0, df)) ** 2
     low = point * math.exp(-math.sqrt(math.log(point / low) ** 2 + extra))
     high = point * math.exp(math.sqrt(math.log(high / point) ** 2 + extra))
     return point, low, high
