@@ -7,7 +7,7 @@ and what the gate must catch, it catches.
   or above LOST (a kernel replaced by its reference, ~1x, fails it) unless it is one of the
   floors listed in NO_REGRESSION with the reason no higher floor is true of every CPU.
 - A kernel replaced by its reference's algorithm fails the gate without a baseline, and so does
-  a 4x slowdown (``--perf-slowdown``, the harness's test-only spin); a 1.5x slowdown fails it
+  a 4x slowdown (``--perf-slowdown``, the test-only plugin perfgate.slowdown's spin); a 1.5x slowdown fails it
   against a baseline saved on the same machine, at ``make bench``'s thread count.
 
 The last three run real perf tests in a scratch copy (pytester, a fresh process each).
@@ -211,6 +211,8 @@ def _perf(pytester: pytest.Pytester, *args: str, tests: tuple[int, ...] = (0, 1,
                                          "--perf-device", "cpu", "--perf-size", "smoke", *args)
 
 
+# The test-only plugin that spins after each optimized call (perfgate.slowdown).
+SLOWED = ("-p", "perfgate.slowdown")
 # Short rounds for the two floor cases: their rows fall 2.5x or more under the floors, far past noise.
 QUICK = "--benchmark-max-time=0.25"
 # The three detection tests judge every row however busy the host (--perf-contended): they test that
@@ -228,7 +230,7 @@ def test_a_kernel_replaced_by_its_reference_fails_without_a_baseline(scratch: py
 
 @pytest.mark.timed
 def test_a_4x_slower_kernel_fails_without_a_baseline(scratch: pytest.Pytester) -> None:
-    result = _perf(scratch, QUICK, JUDGED, f"--perf-slowdown={SLOWDOWN}")
+    result = _perf(scratch, QUICK, JUDGED, *SLOWED, f"--perf-slowdown={SLOWDOWN}")
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     result.stdout.fnmatch_lines_random([f"GATE FAILED: {row}*is under the floor*" for row in CAUGHT_ROWS])
 
@@ -244,7 +246,7 @@ def test_a_1_5x_slower_kernel_fails_against_this_machines_baseline(scratch: pyte
     storage = f"--benchmark-storage=file://{scratch.path / 'baselines'}"
     common = (storage, f"--perf-threads={threads}")
     assert _perf(scratch, *common, "--benchmark-save=base", tests=(1,)).ret == 0
-    result = _perf(scratch, *common, JUDGED, "--benchmark-compare", "--perf-slowdown=1.5", tests=(1,))
+    result = _perf(scratch, *common, JUDGED, "--benchmark-compare", *SLOWED, "--perf-slowdown=1.5", tests=(1,))
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     result.stdout.fnmatch_lines([f"GATE FAILED: {CAUGHT_ROWS[1]}*under the stored baseline's*"])
 

@@ -158,7 +158,8 @@ def detect_streamed(runs: int = 3) -> None:
     root = Path(__file__).resolve().parents[1]
     ids = [f"{f}::{t}[{impl}]" for f, t in zip(CAUGHT, CAUGHT_TESTS, strict=True)
            for impl in ("reference", "optimized")]
-    conditions = {"unchanged": ("", []), "4x slower": ("", ["--perf-slowdown=4"]), "lost": (LOST_CONFTEST, [])}
+    conditions = {"unchanged": ("", []), "4x slower": ("", ["-p", "perfgate.slowdown", "--perf-slowdown=4"]),
+                  "lost": (LOST_CONFTEST, [])}
     env = {**os.environ, "PYTHONPATH": str(root)}
     # the table rows of these kernels (test name less "test_") and the verdict lines
     keep = (*(f"{t.removeprefix('test_')} " for t in CAUGHT_TESTS), "GATE FAILED", "UNRESOLVED", "gate ",

@@ -475,17 +475,22 @@ def test_slug_is_a_safe_folder_name() -> None:
 
 
 def test_slowdown_hook_slows_only_the_optimized_side(pytester: pytest.Pytester) -> None:
-    """--perf-slowdown 2 turns the 4x pair into 2x; it is refused below 1 and for a baseline."""
+    """-p perfgate.slowdown --perf-slowdown 2 turns the 4x pair into 2x; it is refused below 1 and
+    for a baseline, and without the plugin perfgate has no such option."""
     _suite(pytester, floor=1.0)
-    assert _run(pytester, "--perf-slowdown=2", "--benchmark-json=out.json").ret == 0
+    slowdown = ("-p", "perfgate.slowdown")
+    assert _run(pytester, *slowdown, "--perf-slowdown=2", "--benchmark-json=out.json").ret == 0
     row = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]
     assert 1.7 < row["speedup"] < 2.2
-    result = _run(pytester, "--perf-slowdown=0.5")
+    result = _run(pytester, *slowdown, "--perf-slowdown=0.5")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--perf-slowdown must be >= 1*"])
-    result = _run(pytester, "--perf-slowdown=1.5", "--benchmark-save=slow")
+    result = _run(pytester, *slowdown, "--perf-slowdown=1.5", "--benchmark-save=slow")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*a slowed run cannot be a baseline*"])
+    result.stderr.fnmatch_lines(["*Slowed(factor=1.5)*cannot be a baseline*"])
+    result = _run(pytester, "--perf-slowdown=2")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*unrecognized arguments: --perf-slowdown=2*"])
 
 
 def _fake_run(opt_ms: list[float], speedup: float, failures: list[str]) -> dict:
@@ -508,11 +513,20 @@ def test_fidelity_rules() -> None:
     assert host == {"perfgate": False, "pytest-benchmark median:10%": True, "asv (x1.1 + Mann-Whitney)": True,
                     "10% of the speedup": False, "perfgate: unresolved": False,
                     "perfgate before: under the baseline's point": False}
-    lines = fidelity.table({fidelity.UNCHANGED: [{"k": same}], "caught at x1.5": [{"k": slow}, {"k": same}],
-                            fidelity.LOST: [{"k": slow}], "seconds": [10.0, 20.0, 30.0]})
+    about = {"fingerprint": {"device_type": "cpu"}, "commit": "abc", "dirty": False, "rev": None, "rev_sha": None}
+    results = {fidelity.UNCHANGED: [{"k": same}], "caught at x1.5": [{"k": slow}, {"k": same}],
+               fidelity.LOST: [{"k": slow}], "seconds": [10.0, 20.0, 30.0], "about": [about]}
+    lines = fidelity.table(results)
     assert lines[0] == "| rule | false alarms, unchanged | caught at x1.5 | caught, kernels lost |"
     assert lines[2].startswith("| perfgate | 0/1 (0%) | 1/2 (50%) | 1/1 (100%) |")
     assert lines[-1].endswith("seconds a run, median of 3: 20.0")
+    # the same study as data (--json): it round-trips through JSON, counts as the table does
+    data = json.loads(json.dumps(fidelity.summary(results, fidelity.RULES, ["t.py", "--runs", "1"])))
+    assert data["command"] == ["python", "-m", "perfgate.fidelity", "t.py", "--runs", "1"]
+    assert data["about"] == about
+    assert data["counts"]["perfgate"] == {fidelity.UNCHANGED: [0, 1], "caught at x1.5": [1, 2],
+                                          fidelity.LOST: [1, 1]}
+    assert data["runs"]["caught at x1.5"][0]["k"]["perfgate"] is True and data["seconds"] == [10.0, 20.0, 30.0]
     assert fidelity.conditions([1.5, 4.0], "my.plugin") == [
         (fidelity.UNCHANGED, []), ("caught at x1.5", ["--perf-slowdown=1.5"]),
         ("caught at x4", ["--perf-slowdown=4.0"]), (fidelity.LOST, ["-p", "my.plugin"])]

@@ -25,8 +25,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .floors import OPTIMIZED
-
 # the fixtures a rebuilt perf test may take, besides its parameters
 FIXTURES = ("perf", "perf_device", "perf_size", "tmp_path")
 
@@ -139,7 +137,7 @@ def capture(module: ModuleType, function: str, params: dict[str, Any], case: Cap
 
 @dataclass(frozen=True)
 class Hello:
-    """A worker's settings: the same for both sides, but ``side``, ``root`` and ``slowdown``."""
+    """A worker's settings: the same for both sides, but ``side``, ``root`` and ``wrap``."""
 
     side: str  # "rev" or "this"
     root: str  # where the library packages are imported from
@@ -149,7 +147,7 @@ class Hello:
     threads: int | None
     malloc: str
     scratch: str | None = None  # where the tests' tmp_path folders go (removed with it)
-    slowdown: float = 1.0  # the test-only --perf-slowdown, on the "this" side's optimized impls
+    wrap: Any = None  # hooks.pytest_perfgate_wrap_timed's wrapper: this tree's side only
 
 
 class Worker:
@@ -212,7 +210,6 @@ class Worker:
     def _build_one(self, module: str, path: str, function: str, params: dict[str, Any], kernel: str,
                    impl: str) -> tuple[Any, dict[str, Any]]:
         """One copy of a row: its timed callable, and its first and warm call's seconds."""
-        from .case import _slowed
         from .timing import synced
 
         hello = self.hello
@@ -222,10 +219,9 @@ class Worker:
             self._torch()
         call = capture(loaded, function, params, CaptureCase(kernel, impl, hello.device, hello.size), tmp)
         run = synced(call.fn, hello.device)
-        slowed = hello.slowdown != 1.0 and impl == OPTIMIZED and hello.side == "this"
-        if slowed:
-            run = _slowed(run, hello.slowdown)
-        timed = (run if slowed else call.fn, call.setup)
+        wrapped = run if hello.wrap is None else hello.wrap(impl, run)
+        timed = (call.fn if wrapped is run else wrapped, call.setup)
+        run = wrapped
         prepared = None if call.setup is None else synced(call.setup, hello.device)
         once = run if prepared is None else (lambda: run(prepared()))
         t0 = time.perf_counter()

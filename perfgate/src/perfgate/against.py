@@ -124,7 +124,7 @@ class Against:
         malloc = "cache" if s.fingerprint.get("malloc") == "cache" else "default"
         return Hello(side=side, root=str(root), library=tuple(self.library), device=s.device, size=s.size,
                      threads=s.threads, malloc=malloc, scratch=scratch,
-                     slowdown=state.settings.slowdown if side == "this" else 1.0)
+                     wrap=state.settings.wrap if side == "this" else None)
 
     def _targets(self, state: Any) -> list[tuple[pytest.Item, str, str]]:
         """(item, kernel, impl) of the rows to compare: the impls the suite makes a claim about

@@ -121,22 +121,6 @@ def _needed(item: pytest.Item, state: GateState, impl: str) -> bool:
     return _ruled(item, state, impl) or (state.settings.compared and claimed(item, impl))
 
 
-def _slowed(run: Callable[..., Any], factor: float) -> Callable[..., Any]:
-    """TEST ONLY (``--perf-slowdown``, for perfgate.fidelity): ``run`` made ``factor``
-    times slower by spinning after it for (factor - 1) x its own duration. The harness does it,
-    so no kernel carries a switch that could slow it in production."""
-
-    def slowed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        out = run(*args, **kwargs)
-        deadline = time.perf_counter() + (factor - 1.0) * (time.perf_counter() - t0)
-        while time.perf_counter() < deadline:  # spin: sleep overshoots by ~0.1 ms
-            pass
-        return out
-
-    return slowed
-
-
 class PerfCase:
     """What the ``perf`` fixture gives a test: its device, size, impl and the timing call,
     ``perf(fn, setup=, label=, rounds=, warmup_rounds=, work_bytes=, variant=)``.
@@ -174,7 +158,7 @@ class PerfCase:
             pytest.skip(f"{self.kernel} [{self.impl}]: no floor or stored baseline judges it here "
                         "(--perf-gated-only; a session without it times it)")
         state.probes.pin_threads()  # a peer's BLAS pool loads at its first use: at the session's threads too
-        run, call = self._callables(fn, setup)
+        timed, call = self._callables(fn, setup)
         if bench.disabled:  # --benchmark-disable or xdist: pytest-benchmark runs it once
             state.tally.unmeasured += 1
             return bench.pedantic(call, rounds=1, iterations=1)
@@ -182,7 +166,7 @@ class PerfCase:
         bench.group = self.kernel
         bench.extra_info.update(kernel=self.kernel, impl=self.impl, size=self.size, label=label,
                                 device=self.device, first_call_ms=1e3 * first)
-        times, result = self._time_rounds((run if self._slowed else fn, setup), rounds, warmup_rounds)
+        times, result = self._time_rounds((timed, setup), rounds, warmup_rounds)
         # interleaved pairs for a speedup a rule judges (under --perf-gated-only; else for every row)
         paired, later, load = None, None, []
         speedup_judged = (not state.settings.gated_only
@@ -203,20 +187,16 @@ class PerfCase:
         self._compare_with_peers(rounds)
         return result
 
-    @property
-    def _slowed(self) -> bool:
-        """--perf-slowdown applies to this impl: it slows "optimized" only."""
-        return self._state.settings.slowdown != 1.0 and self.impl == OPTIMIZED
-
     def _callables(self, fn: Callable[..., Any], setup: Callable[[], Any] | None) -> tuple[Callable, Callable]:
-        """``fn`` as it is timed (ending with a synchronize; slowed under --perf-slowdown, CPU
-        only: spun after the call, so its rounds are sized slowed), and one call of it with a
-        fresh ``setup`` (the first call and the sizing call: wall-clock)."""
+        """What the timer calls (``fn``, or what a plugin's ``pytest_perfgate_wrap_timed`` made of
+        it), and one call of it ending with a synchronize, with a fresh ``setup`` (the first call and
+        the sizing call: wall-clock; wrapped too, so the rounds are sized as timed)."""
         run = synced(fn, self.device)
-        if self._slowed:
-            run = _slowed(run, self._state.settings.slowdown)
+        wrap = self._state.settings.wrap
+        wrapped = run if wrap is None else wrap(self.impl, run)
+        timed = fn if wrapped is run else wrapped
         setup_synced = None if setup is None else synced(setup, self.device)
-        return run, (run if setup_synced is None else lambda: run(setup_synced()))
+        return timed, (wrapped if setup_synced is None else lambda: wrapped(setup_synced()))
 
     def _time_rounds(self, timed: Timed, rounds: int, warmup_rounds: int) -> tuple[list[float], Any]:
         """``rounds`` of ``timed`` as one block on the session's clock (CUDA events on a GPU),

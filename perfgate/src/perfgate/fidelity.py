@@ -54,7 +54,8 @@ RULES = ("perfgate", "pytest-benchmark median:10%", "asv (x1.1 + Mann-Whitney)",
 
 
 def _pytest(tests: list[str], storage: Path, out: Path, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider", "--perf-size", "smoke",
+    cmd = [sys.executable, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider", "-p", "perfgate.slowdown",
+           "--perf-size", "smoke",
            f"--benchmark-storage=file://{storage}", f"--benchmark-json={out}", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if not out.exists():
@@ -122,6 +123,7 @@ def measure(tests: list[str], runs: int, factors: list[float], extra: list[str],
                 run = _pytest(tests, storage, out, ["--benchmark-compare", *args, *extra])
                 results.setdefault(name, []).append(verdicts(base, run))
                 results.setdefault("seconds", []).append(time.perf_counter() - start)
+                results.setdefault("about", [about(run)])
                 print(f"{name} run {i + 1}/{runs}: " + ", ".join(
                     f"{k} {''.join('X' if v[r] else '.' for r in RULES)}" for k, v in results[name][-1].items()),
                     file=sys.stderr, flush=True)
@@ -177,22 +179,52 @@ def measure_against(tests: list[str], runs: int, factors: list[float], extra: li
                 if args:
                     results.setdefault(UNCHANGED, []).append({k: v for k, v in found.items() if k not in slowed})
                 results.setdefault("seconds", []).append(time.perf_counter() - start)
+                results.setdefault("about", [about(run)])
                 print(f"{name} run {i + 1}/{runs}: " + ", ".join(
                     f"{k} {''.join('X' if v[r] else '.' for r in AB_RULES)}" for k, v in found.items()),
                     file=sys.stderr, flush=True)
     return results
 
 
+# the keys of a measure's results that are not conditions: each run's seconds, what was measured
+META = ("seconds", "about")
+
+
+def about(run: dict) -> dict:
+    """What a run measured: the fingerprint, this tree's commit (and whether it was dirty), and
+    with --perf-against REV's name and commit."""
+    against = run[JSON_KEY].get("against") or {}
+    commit = run.get("commit_info") or {}
+    return {"fingerprint": run[JSON_KEY]["fingerprint"], "commit": commit.get("id"), "dirty": commit.get("dirty"),
+            "rev": against.get("rev"), "rev_sha": against.get("sha")}
+
+
+def counts(results: dict[str, list[dict]], rules: tuple[str, ...]) -> dict[str, dict[str, list[int]]]:
+    """{rule: {condition: [alarms, trials]}} over every row of every run."""
+    names = [name for name in results if name not in META]
+    return {rule: {name: [sum(map(bool, trials)), len(trials)]
+                   for name in names for trials in [[v[rule] for run in results[name] for v in run.values()]]}
+            for rule in rules}
+
+
+def summary(results: dict[str, list[dict]], rules: tuple[str, ...], argv: list[str]) -> dict:
+    """The study as data (``--json``): the command, what it measured, the counts per rule and
+    condition, each run's seconds and each run's per-row alarms."""
+    return {"command": ["python", "-m", "perfgate.fidelity", *argv],
+            "about": (results.get("about") or [None])[0], "rules": list(rules), "counts": counts(results, rules),
+            "seconds": results.get("seconds", []),
+            "runs": {name: [{row: {rule: bool(alarm) for rule, alarm in alarms.items()}
+                             for row, alarms in run.items()} for run in runs]
+                     for name, runs in results.items() if name not in META}}
+
+
 def table(results: dict[str, list[dict]], rules: tuple[str, ...] = RULES) -> list[str]:
     """Markdown: per rule, the false alarms (unchanged) and the detection rate of each condition,
     then the median seconds a run took."""
-    names = [name for name in results if name != "seconds"]
+    names = [name for name in results if name not in META]
     lines = ["| " + " | ".join(["rule", *names]) + " |", "|" + "---|" * (len(names) + 1)]
-    for rule in rules:
-        cells = [rule]
-        for name in names:
-            trials = [v[rule] for run in results[name] for v in run.values()]
-            cells.append(f"{sum(trials)}/{len(trials)} ({sum(trials) / max(len(trials), 1):.0%})")
+    for rule, by_name in counts(results, rules).items():
+        cells = [rule] + [f"{a}/{n} ({a / max(n, 1):.0%})" for a, n in (by_name[name] for name in names)]
         lines.append("| " + " | ".join(cells) + " |")
     if results.get("seconds"):
         lines.append(f"\nseconds a run, median of {len(results['seconds'])}: {median(results['seconds']):.1f}")
@@ -210,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                              "speedup moves with the other vCPU's neighbours)")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments, e.g. '--perf-device cuda'")
     parser.add_argument("--keep", type=Path, default=None, help="keep every run's JSON in this folder")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="also write the study as data to this file: the command, the fingerprint and "
+                             "commits, the counts per rule and condition, and every run's per-row alarms")
     parser.add_argument("--against", default=None, metavar="REV",
                         help="measure --perf-against REV's rule instead of the baseline's: unchanged runs (on a "
                              "clean tree against HEAD, every alarm is false) and runs with the optimized impls "
@@ -223,10 +258,14 @@ def main(argv: list[str] | None = None) -> int:
     extra = [f"--perf-threads={args.threads}", *args.pytest_args.split()]
     if args.against is not None:
         results = measure_against(args.tests, args.runs, args.factors, extra, args.against, args.keep)
-        print("\n".join(table(results, AB_RULES)))
-        return 0
-    results = measure(args.tests, args.runs, args.factors, extra, args.keep, args.lost)
-    print("\n".join(table(results)))
+        rules = AB_RULES
+    else:
+        results = measure(args.tests, args.runs, args.factors, extra, args.keep, args.lost)
+        rules = RULES
+    print("\n".join(table(results, rules)))
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary(results, rules, sys.argv[1:] if argv is None else argv), indent=1)
+                             + "\n", encoding="utf8")
     return 0
 
 

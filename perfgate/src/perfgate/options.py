@@ -46,8 +46,6 @@ OPTIONS: list[tuple[str, Any, str]] = [
     ("--perf-shard", None, "K/N: run shard K of N of the perf suite (each test function with all its impls in one "
                            "shard, balanced by this fingerprint's stored run); merge the shards' --benchmark-json "
                            "files with python -m perfgate.report --merge"),
-    ("--perf-slowdown", 1.0, "TEST ONLY, for python -m perfgate.fidelity: make every 'optimized' impl this many "
-                             "times slower in the harness, to measure what the gate catches"),
     ("--perf-against", None, "REV: also time each impl but the reference against REV's library (a git revision "
                              "of this repository: HEAD, HEAD~1, a branch, a SHA; or a folder holding another "
                              "copy), in worker processes interleaved pair by pair, and fail a row this tree runs "
@@ -65,7 +63,7 @@ OPTIONS: list[tuple[str, Any, str]] = [
                                      "without it such floors are listed, not failed"),
 ]
 _TYPES = {"--perf-tolerance": float, "--perf-threads": int, "--perf-visits": int, "--perf-extend": float,
-          "--perf-slowdown": float, "--perf-contended": float, "--perf-against-workers": int,
+          "--perf-contended": float, "--perf-against-workers": int,
           "--perf-against-tolerance": float, "--perf-against-budget": float}
 _CHOICES = {"--perf-size": SIZES, "--perf-malloc": ("cache", "default")}
 
@@ -100,7 +98,6 @@ class Options:
     extend_s: float
     contended: float
     shard: tuple[int, int] | None
-    slowdown: float  # TEST ONLY: the optimized impls made this much slower (perfgate.fidelity)
     l2_flush: bool
     against: str | None
     against_workers: int
@@ -116,8 +113,7 @@ class Options:
                   ("--perf-threads", opt["--perf-threads"] is None or opt["--perf-threads"] >= 1, "must be >= 1"),
                   ("--perf-visits", opt["--perf-visits"] >= 1, "must be >= 1"),
                   ("--perf-extend", opt["--perf-extend"] >= 0.0, "must be seconds >= 0"),
-                  ("--perf-contended", opt["--perf-contended"] > 0.0, "must be a share > 0 (inf: never)"),
-                  ("--perf-slowdown", opt["--perf-slowdown"] >= 1.0, "must be >= 1")]
+                  ("--perf-contended", opt["--perf-contended"] > 0.0, "must be a share > 0 (inf: never)")]
         for flag, ok, rule in checks:
             if not ok:
                 raise pytest.UsageError(f"{flag} {rule}, got {opt[flag]}")

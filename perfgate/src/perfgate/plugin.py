@@ -26,6 +26,12 @@ if TYPE_CHECKING:
     from .case import PerfCase
 
 
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from . import hooks
+
+    pluginmanager.add_hookspecs(hooks)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
 

@@ -34,8 +34,6 @@ class PerfSession:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.options = o = Options.read(config)
-        if o.slowdown != 1.0 and self.saving:
-            raise pytest.UsageError("--perf-slowdown is for measuring the gate; a slowed run cannot be a baseline")
         if o.gated_only and self.saving:
             raise pytest.UsageError("--perf-gated-only leaves out the rows nothing judges today, and a saved run "
                                     "is the baseline of every row: drop one of the two")
@@ -182,7 +180,7 @@ class PerfSession:
         settings = Settings(device=device, size=size, threads=threads, tolerance=o.tolerance, fingerprint=fp,
                             slug=slug(fp), visits=o.visits, extend_s=o.extend_s, contended=o.contended,
                             all_visits=o.all_visits, gated_only=o.gated_only, compared=self.against is not None,
-                            slowdown=o.slowdown)
+                            wrap=self._wrap(device))
         timer = timer_for(device, l2_flush=o.l2_flush, host_timer=compat.host_timer(self.config),
                           disable_gc=bool(self.config.getoption("benchmark_disable_gc")))
         host = HostLoad(threads or 1, probe=Bandwidth.shared() if device == "cpu" else None)
@@ -196,6 +194,14 @@ class PerfSession:
                                     f"fingerprint={settings.slug}")
         return self.state
 
+    def _wrap(self, device: str) -> Any:
+        """A plugin's wrapper of the timed callables (``hooks.pytest_perfgate_wrap_timed``), or None."""
+        wrap = self.config.hook.pytest_perfgate_wrap_timed(config=self.config, device=device)
+        if wrap is not None and self.saving:
+            raise pytest.UsageError(f"a plugin wraps the timed callables ({wrap!r}): the run measures the gate, "
+                                    f"not the kernels, and cannot be a baseline")
+        return wrap
+
     def _device(self) -> str:
         """The session's device (--perf-device), made torch's current GPU when it is one."""
         from .timing import resolve_device
@@ -204,10 +210,6 @@ class PerfSession:
             device = resolve_device(self.options.device)
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from exc
-        if self.options.slowdown != 1.0 and device.startswith("cuda"):
-            raise pytest.UsageError("--perf-slowdown spins the host after each call, which slows a CPU kernel by "
-                                    "the factor but not a CUDA kernel timed by events: measure the gate's "
-                                    "fidelity with --perf-device cpu")
         if self.options.l2_flush and not device.startswith("cuda"):
             raise pytest.UsageError(f"--perf-l2-flush overwrites a GPU's L2 cache before each timed call; this "
                                     f"session runs on {device}: drop it, or run with --perf-device cuda")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from .floors import REFERENCE
+from .hooks import Wrap
 from .stats import CONTENDED, SpeedupRow, decided, gate, misses, speedup_interval, straddles
 from .timing import HostLoad, PairLoad, Timed, Timer, bandwidth_withheld, interleaved, withheld
 
@@ -70,7 +71,7 @@ class Settings:
     all_visits: bool = False  # --perf-all-visits: the stopping rule off
     gated_only: bool = False  # --perf-gated-only: time only the impls and pairs a floor or baseline judges
     compared: bool = False  # --perf-against: the impls it compares count as judged under --perf-gated-only
-    slowdown: float = 1.0  # TEST ONLY: --perf-slowdown, the optimized impls made this much slower
+    wrap: Wrap | None = None  # a test plugin's wrapper of the timed callables (hooks.pytest_perfgate_wrap_timed)
 
 
 @dataclass
