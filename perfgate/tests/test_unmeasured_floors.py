@@ -169,3 +169,18 @@ def test_the_floors_of_other_shards_are_not_listed(pytester: pytest.Pytester) ->
         assert result.ret == 0, result.stdout.str()
         result.assert_outcomes(passed=2, deselected=2)
         assert "not measured" not in result.stdout.str()
+
+
+def test_the_floor_policy_applies_speedup_floors_only_where_they_were_set() -> None:
+    """CPU speedup floors hold at torch's default threads under the caching malloc; memory floors,
+    and every floor on a GPU, apply everywhere."""
+    from perfgate.floors import FloorPolicy
+
+    policy = FloorPolicy.for_session
+    assert policy("cpu", 2, 2, "cache").applied and policy("cpu", None, None, "cache").applied
+    assert policy("cuda", 1, 16, "n/a").applied
+    at_one = policy("cpu", 1, 2, "cache")
+    assert at_one.off == "at --perf-threads 1" and at_one.applies("memory") and not at_one.applies("speedup")
+    assert policy("cpu", 2, 2, "default").off == "under --perf-malloc default"
+    assert at_one.held_to() == "without speedup floors (not applied at --perf-threads 1)"
+    assert FloorPolicy().held_to() == "at or above their floors"

@@ -82,7 +82,7 @@ def _judged(item: pytest.Item, state: GateState, impl: str, over: str | None, va
     ``UNKNOWN``: the impl has not run yet), or, for a row of ours over the reference, a stored
     baseline (a peer's row is reported beside it, not gated)."""
     for kind in kinds:
-        if kind == "speedup" and state.floors.cpu_off:
+        if not state.floors.policy.applies(kind):
             continue
         # _floor's note is set only when a floor keyed to another variant exists
         known = None if variant is UNKNOWN else variant
@@ -306,9 +306,8 @@ class PerfCase:
             if mark_name == "memory" and over is not None:
                 continue
             floor, note = _floor(self._request.node, mark_name, impl, self.device, self.size, variant, over)
-            if mark_name == "speedup" and floor is not None and state.floors.cpu_off:
-                # CPU floors were measured at torch's default threads, malloc cache (session.py)
-                floor, note = None, f"not applied {state.floors.cpu_off}"
+            if floor is not None and not state.floors.policy.applies(mark_name):
+                floor, note = None, state.floors.policy.note
             if floor is not None:
                 floors[key] = floor
             elif note and mark_name == "speedup":

@@ -6,7 +6,9 @@ both timed in the session. A row can go unmeasured without anything failing: ``-
 deselects the reference, a peer library is missing and its impl skips, a reference errors. This
 module lists the floors the session's perf tests declare for its device class and size
 (``declared``), records what became of each perf test (``Ledger``), and at the session's end
-names every floor whose row was not measured, with why (``Ledger.unmeasured``).
+names every floor whose row was not measured, with why (``Ledger.unmeasured``). Whether the
+session applies its CPU speedup floors at all is ``FloorPolicy``, which the session, the case,
+the ledger, the merge and the report all consult.
 
 It imports pytest only: it runs at collection, before a perf session loads numpy and scipy.
 """
@@ -22,6 +24,42 @@ import pytest
 REFERENCE = "reference"  # what every other impl is compared with
 OPTIMIZED = "optimized"  # the impl a marker without impl= is about
 KINDS = ("speedup", "memory")
+
+
+@dataclass(frozen=True)
+class FloorPolicy:
+    """Whether a session applies its speedup floors: CPU floors are claims at torch's default
+    threads under the caching malloc, where they were measured. Under glibc's default malloc a
+    kernel returning a large fresh tensor page-faults it on every call, so a floor set under cache
+    says nothing there. Memory floors and CUDA floors always apply."""
+
+    off: str = ""  # why speedup floors are not applied ("at --perf-threads 1"), "" when they are
+
+    @classmethod
+    def for_session(cls, device: str, threads: int | None, default_threads: int | None,
+                    malloc: str) -> FloorPolicy:
+        if device != "cpu":
+            return cls()
+        if threads is not None and threads != default_threads:
+            return cls(f"at --perf-threads {threads}")
+        return cls(f"under --perf-malloc {malloc}" if malloc != "cache" else "")
+
+    @property
+    def applied(self) -> bool:
+        return not self.off
+
+    def applies(self, kind: str) -> bool:
+        """Whether floors of ``kind`` ("speedup" or "memory") are checked in this session."""
+        return kind != "speedup" or not self.off
+
+    @property
+    def note(self) -> str:
+        """What a row whose speedup floor is not applied says about it."""
+        return f"not applied {self.off}"
+
+    def held_to(self) -> str:
+        """What the passed rows were held to: their floors, or none and why."""
+        return "at or above their floors" if not self.off else f"without speedup floors ({self.note})"
 
 
 def comparison(impl: str, over: str) -> str:
@@ -183,15 +221,14 @@ class Ledger:
             self.outcomes[nodeid] = f"errored at {report.when}"
 
     def unmeasured(self, rows: set[tuple[str, str]], measured: Mapping[tuple[str, str], str | None], *,
-                   speedup_floors_off: bool, benchmarks_off: bool) -> list[Unmeasured]:
+                   policy: FloorPolicy, benchmarks_off: bool) -> list[Unmeasured]:
         """Every floor whose row is not among ``rows`` ((kernel, row name) measured) and that
-        applies here, with why. ``measured``: (kernel, impl) timed -> the variant it reported.
-        ``speedup_floors_off``: speedup floors are not applied in this session (CPU floors at
-        another thread count or malloc mode): theirs are not listed. ``benchmarks_off``:
-        --benchmark-disable, so a test that passed ran its impl once, untimed."""
+        applies here (``policy``), with why. ``measured``: (kernel, impl) timed -> the variant it
+        reported. ``benchmarks_off``: --benchmark-disable, so a test that passed ran its impl
+        once, untimed."""
         out = []
         for floor in self.floors:
-            if (floor.kernel, floor.row) in rows or (floor.kind == "speedup" and speedup_floors_off):
+            if (floor.kernel, floor.row) in rows or not policy.applies(floor.kind):
                 continue
             own = self._status(floor, floor.impl, measured, benchmarks_off)
             variant = measured.get((floor.kernel, floor.impl))

@@ -21,9 +21,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .floors import FloorPolicy
 from .session import JSON_KEY
 from .shard import MergeError, merge
-from .stats import CONTENDED, TABLE_HEADER, format_table, gate, held_to, row_from_dict, table_cells, verdict
+from .stats import CONTENDED, TABLE_HEADER, format_table, gate, row_from_dict, table_cells, verdict
 from .stored import BadRun, read_run
 
 
@@ -232,7 +233,7 @@ def merged_verdict(runs: list[dict], output: Path | None) -> int:
         print(f"compared against baseline {section['baseline']}: {matched} of {len(rows)} row(s) have a "
               "stored speedup")
     off = section.get("floors_off", "" if section["floors_applied"] else "(why: not recorded)")
-    lines = verdict(rows, held_to(off), "as measured in its shard")
+    lines = verdict(rows, FloorPolicy(off).held_to(), "as measured in its shard")
     for m in section["merged_from"]:
         if m["tests_failed"]:  # an assertion in a perf test: the rows alone would pass it
             lines.append(("fail", f"TESTS FAILED in shard {m['shard']} ({m['path']}): {m['tests_failed']} "

@@ -168,6 +168,7 @@ class PerfSession:
         if why:
             raise pytest.UsageError(why)
         from .fingerprint import fingerprint, slug
+        from .floors import FloorPolicy
         from .state import Floors, GateState, Probes, Settings
         from .timing import Bandwidth, HostLoad, configure_malloc, timer_for
 
@@ -184,8 +185,9 @@ class PerfSession:
         timer = timer_for(device, l2_flush=o.l2_flush, host_timer=compat.host_timer(self.config),
                           disable_gc=bool(self.config.getoption("benchmark_disable_gc")))
         host = HostLoad(threads or 1, probe=Bandwidth.shared() if device == "cpu" else None)
-        self.state = GateState(settings, Probes(timer, host, threads),
-                               floors=Floors(cpu_off=_cpu_floors_off(device, threads, malloc)))
+        default = _DEFAULT_THREADS[0] if _DEFAULT_THREADS else None  # None: no torch (threads is None too)
+        floors = Floors(policy=FloorPolicy.for_session(device, threads, default, malloc))
+        self.state = GateState(settings, Probes(timer, host, threads), floors=floors)
         self._load_compare(settings)
         if self.config.get_verbosity() >= 0:
             reporter = self.config.pluginmanager.get_plugin("terminalreporter")
@@ -314,8 +316,8 @@ class PerfSession:
             "size": state.settings.size,
             "tolerance": state.settings.tolerance,
             "contended": state.settings.contended,  # the withheld CPU share at which a failing row is unresolved
-            "floors_applied": not state.floors.cpu_off,  # False: CPU floors not applied (threads, malloc)
-            "floors_off": state.floors.cpu_off,  # why not, e.g. "at --perf-threads 1"; "" when applied
+            "floors_applied": state.floors.policy.applied,  # False: CPU floors not applied (threads, malloc)
+            "floors_off": state.floors.policy.off,  # why not, e.g. "at --perf-threads 1"; "" when applied
             "baseline": state.stored.run_id,  # the stored run the rows were compared with (commit, time), or None
             "shard": state.shard,  # under --perf-shard: index, count, plan digest, its test functions
             "tests_failed": state.tally.tests_failed,  # a merge of shards fails when any shard's tests failed
@@ -352,7 +354,7 @@ class PerfSession:
                         for impl, m in impls.items()}
             rows = {(r.kernel, r.impl) for r in state.rows or []}
             self.floors_unmeasured = self.ledger.unmeasured(rows, measured,
-                                                            speedup_floors_off=bool(state.floors.cpu_off),
+                                                            policy=state.floors.policy,
                                                             benchmarks_off=not _benchmarks_on(self.config))
 
     def exit_status(self, session: pytest.Session) -> None:
@@ -417,9 +419,9 @@ class PerfSession:
         from .stats import format_table
 
         state = self.state
-        if state.floors.cpu_off:
+        if not state.floors.policy.applied:
             tr.write_line(f"perfgate: CPU speedup floors are set at torch's default {_DEFAULT_THREADS[0]} "
-                          f"thread(s) under --perf-malloc cache; {state.floors.cpu_off} they are not applied: "
+                          f"thread(s) under --perf-malloc cache; {state.floors.policy.off} they are not applied: "
                           "only a stored baseline (--benchmark-compare) gates the speedups", yellow=True)
         rows = state.compute_rows()
         if state.shard:
@@ -461,10 +463,10 @@ class PerfSession:
                           f"row(s) have a stored speedup at size {state.settings.size}")
 
     def _verdict(self, tr: Any, rows: list) -> None:
-        from .stats import held_to, verdict
+        from .stats import verdict
 
         state = self.state
-        what = held_to(state.floors.cpu_off)
+        what = state.floors.policy.held_to()
         budget = f"--perf-extend {state.settings.extend_s:g} s{', interrupted' if state.interrupted else ''}"
         missed = [f"{u.line()} (--perf-require-floors)" for u in self._floors_failed()]
         for style, text in verdict(rows, what, budget, missed):
@@ -514,17 +516,3 @@ def _benchmarks_on(config: pytest.Config) -> bool:
     opt = config.getoption
     disabled = opt("benchmark_disable", False) and not opt("benchmark_enable", False)
     return not disabled and not (opt("benchmark_skip", False) and not opt("benchmark_only", False))
-
-
-def _cpu_floors_off(device: str, threads: int | None, malloc: str) -> str:
-    """Why CPU speedup floors are not applied in this session ("" when they are): they are claims
-    at torch's default threads under the caching malloc mode, where they were measured. Under
-    glibc's default malloc a kernel returning a large fresh tensor page-faults it on every call
-    (per-sample gradients: 4.5x over their reference under cache, 2.1x under default on one CPU)."""
-    if device != "cpu":
-        return ""
-    if threads is not None and threads != _DEFAULT_THREADS[0]:
-        return f"at --perf-threads {threads}"
-    if malloc != "cache":
-        return f"under --perf-malloc {malloc}"
-    return ""

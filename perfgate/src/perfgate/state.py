@@ -10,7 +10,7 @@ from statistics import median
 import numpy as np
 import pytest
 
-from .floors import REFERENCE
+from .floors import REFERENCE, FloorPolicy
 from .hooks import Wrap
 from .stats import CONTENDED, SpeedupRow, decided, gate, misses, speedup_interval, straddles
 from .timing import HostLoad, PairLoad, Timed, Timer, bandwidth_withheld, interleaved, withheld
@@ -91,7 +91,7 @@ class Floors:
     speed: dict[tuple[str, str], float] = field(default_factory=dict)
     memory: dict[tuple[str, str], float] = field(default_factory=dict)  # least fraction saved
     notes: dict[tuple[str, str], str] = field(default_factory=dict)  # why a declared floor is not applied
-    cpu_off: str = ""  # why CPU floors are not applied (another thread count, malloc mode), or ""
+    policy: FloorPolicy = field(default_factory=FloorPolicy)  # whether the speedup floors apply here
 
 
 @dataclass

@@ -346,12 +346,6 @@ def decided(row: SpeedupRow, tolerance: float, may_fail: bool = True) -> bool:
     return True
 
 
-def held_to(floors_off: str) -> str:
-    """What the passed rows were held to: their floors, or none and why (``floors_off``, e.g.
-    "at --perf-threads 1"; "" when the floors applied)."""
-    return "at or above their floors" if not floors_off else f"without speedup floors (not applied {floors_off})"
-
-
 def verdict(rows: Sequence[SpeedupRow], what: str, budget: str,
             missed: Sequence[str] = ()) -> list[tuple[str, str]]:
     """The session's closing lines as (style, text), style one of note, warn, fail, pass: each
