@@ -40,6 +40,22 @@ def test_write_results_gives_csv_json_and_png(tmp_path) -> None:
         write_results(tmp_path, "demo", header, cells, config=_Cfg(), device="cpu", time_column="ms")
 
 
+def test_the_png_shows_where_the_time_went_and_the_accuracy_kept(tmp_path) -> None:
+    """Time in parts (stacked) and a metric column (its own panel); a column that is not in the
+    table is refused by name."""
+    header = ["run", "features s", "train s", "test accuracy"]
+    cells = [["reference (sklearn, fp32 features)", "6.0", "1.0", "93.1%"], ["optimized", "1.0", "0.9", "93.4%"]]
+    png = write_results(tmp_path, "probe", header, cells, config=_Cfg(), device="cpu",
+                        time_column=["features s", "train s"], metric_column="test accuracy")[2]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    with pytest.raises(ValueError, match="metric_column 'accuracy' is not a column"):
+        write_results(tmp_path, "probe", header, cells, config=_Cfg(), device="cpu", time_column="train s",
+                      metric_column="accuracy")
+    with pytest.raises(ValueError, match="time_column 'total s' is not a column"):
+        write_results(tmp_path, "probe", header, cells, config=_Cfg(), device="cpu",
+                      time_column=["features s", "total s"])
+
+
 @pytest.mark.parametrize("cli", CLIS)
 @pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda:99"])
 def test_a_bad_device_is_a_one_line_usage_error(cli: str, device: str, capsys) -> None:

@@ -30,8 +30,8 @@ EXACT_BELOW = 96  # min(m, n) at or under this: svdvals directly (measured cross
 
 def _check(a: Tensor, k: int, oversample: int | None, niter: int | None, finite: bool = True) -> None:
     """Refuse what has no top-k singular values. ``finite=False`` leaves the NaN/inf check to the
-    caller: a pass over all of A costs the randomized path 18-21% of its time (512^2, 1024^2 on
-    a 2-vCPU Xeon), and its first product A @ G carries any NaN or inf of A (``_check_finite``)."""
+    caller: a pass over all of A would cost the randomized path a fifth of its time, and its first
+    product A @ G carries any NaN or inf of A (``_check_finite``)."""
     checks.tensor(a, "A", min_ndim=2, floating=True, shape="(..., m, n)")
     checks.integer(k, "k", low=1, high=min(a.shape[-2:]))
     for name, v in (("oversample", oversample), ("niter", niter)):

@@ -8,7 +8,7 @@ Files for a run named ``stem``, in ``output_dir`` (created if missing):
   ``{column: cell}``; ``machine`` is perfgate's fingerprint of this process (CPU model, torch
   threads, torch build, malloc mode) so a number says what it was measured on;
 - ``stem.png``: one panel per curve set (e.g. validation loss per epoch, reference against
-  optimized) and a bar chart of the table's time column per run.
+  optimized), where each run's time went, and the quality (e.g. accuracy) each run kept.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,14 +41,19 @@ def _number(cell: str) -> float:
 
 
 def write_results(output_dir: str | Path, stem: str, header: Sequence[str], cells: Sequence[Sequence[str]], *,
-                  config: object, device: str, time_column: str,
-                  curves: Mapping[str, Mapping[str, Sequence[float]]] | None = None) -> list[Path]:
+                  config: object, device: str, time_column: str | Sequence[str],
+                  curves: Mapping[str, Mapping[str, Sequence[float]]] | None = None,
+                  metric_column: str | None = None) -> list[Path]:
     """Write ``stem``.csv, .json and .png into ``output_dir``; returns their paths.
 
-    ``cells``: the table's rows (as printed), ``time_column`` one of ``header`` (plotted per run);
-    ``curves``: panel title -> {run name: values per step or epoch}."""
-    if time_column not in header:
-        raise ValueError(f"time_column {time_column!r} is not a column of {list(header)}")
+    ``cells``: the table's rows (as printed); ``time_column``: the column of ``header`` plotted per
+    run, or several that add up to a run's time (stacked: where it went); ``metric_column``: the
+    quality each run kept (its own panel, e.g. accuracy); ``curves``: panel title -> {run name:
+    values per step or epoch}."""
+    times = [time_column] if isinstance(time_column, str) else list(time_column)
+    for name, column in [*(("time_column", c) for c in times), ("metric_column", metric_column)]:
+        if column is not None and column not in header:
+            raise ValueError(f"{name} {column!r} is not a column of {list(header)}")
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     curves = curves or {}
@@ -60,33 +67,79 @@ def write_results(output_dir: str | Path, stem: str, header: Sequence[str], cell
               "header": list(header), "rows": [dict(zip(header, row, strict=True)) for row in cells],
               "curves": {title: {name: list(v) for name, v in runs.items()} for title, runs in curves.items()}}
     paths[1].write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf8")
-    _plot(paths[2], stem, header, cells, time_column, curves)
+    _plot(paths[2], stem, header, cells, times, metric_column, curves)
     return paths
 
 
-def _plot(path: Path, stem: str, header: Sequence[str], cells: Sequence[Sequence[str]], time_column: str,
-          curves: Mapping[str, Mapping[str, Sequence[float]]]) -> None:
+def _plot(path: Path, stem: str, header: Sequence[str], cells: Sequence[Sequence[str]], times: list[str],
+          metric_column: str | None, curves: Mapping[str, Mapping[str, Sequence[float]]]) -> None:
+    """One panel per curve set (its legend under it, off the curves), then where each run's time
+    went (a bar per run, stacked when ``times`` has parts, each labelled with its total), then the
+    metric each run kept (a dot per run against the first run's, on an axis that shows the
+    difference). Run names are wrapped so no label is cut off; four panels or more go two a row."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    panels = len(curves) + 1
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2), squeeze=False)
-    for ax, (title, runs) in zip(axes[0], curves.items(), strict=False):
+    names = [textwrap.fill(row[0], 28) for row in cells]
+    panels = len(curves) + 1 + (metric_column is not None)
+    cols = 2 if panels >= 4 else panels
+    rows = -(-panels // cols)
+    height = max(4.0, 1.5 + 0.3 * sum(n.count("\n") + 1 for n in names))  # every wrapped label line fits
+    fig, grid = plt.subplots(rows, cols, figsize=(6.0 * cols, height * rows), squeeze=False, layout="constrained")
+    axes = list(grid.flat)
+    for ax, (title, runs) in zip(axes, curves.items(), strict=False):
         for name, values in runs.items():
             ax.plot(range(1, len(values) + 1), values, label=name)
-        ax.set_title(title)
-        ax.set_xlabel("step" if "step" in title else "epoch")
-        ax.legend(fontsize=7, loc="best")
-    ax = axes[0][-1]
-    names = [row[0] for row in cells]
-    col = list(header).index(time_column)
-    ax.barh(range(len(names)), [_number(row[col]) for row in cells])
-    ax.set_yticks(range(len(names)), names, fontsize=7)
-    ax.invert_yaxis()  # the table's order, top to bottom
-    ax.set_xlabel(time_column)
-    ax.set_title(f"{stem}: {time_column} per run")
-    fig.tight_layout()
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(next((unit for unit in ("step", "task") if unit in title), "epoch"))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, frameon=False)
+    _bars(axes[len(curves)], names, [[_number(row[list(header).index(c)]) for c in times] for row in cells],
+          times, f"where the time went ({', '.join(times)})" if len(times) > 1 else f"{times[0]} per run")
+    if metric_column is not None:
+        col = list(header).index(metric_column)
+        _dots(axes[len(curves) + 1], names, [_number(row[col]) for row in cells], metric_column,
+              percent=cells[0][col].endswith("%"))
+    for ax in axes[panels:]:
+        ax.set_visible(False)
+    fig.suptitle(stem, fontsize=11)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _bars(ax: Any, names: list[str], values: list[list[float]], parts: list[str], title: str) -> None:
+    """Horizontal bars, one per run in the table's order, ``parts`` stacked, each run's total at its end."""
+    left = [0.0] * len(names)
+    for k, part in enumerate(parts):
+        widths = [row[k] for row in values]
+        ax.barh(range(len(names)), widths, left=left, label=part)
+        left = [a + (b if b == b else 0.0) for a, b in zip(left, widths, strict=True)]  # NaN ('-') adds nothing
+    for y, total in enumerate(left):
+        ax.annotate(f"{total:.3g}", (total, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7)
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.invert_yaxis()  # the table's order, top to bottom
+    ax.margins(x=0.18)  # room for the totals
+    ax.set_title(title, fontsize=10)
+    if len(parts) > 1:
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=len(parts), frameon=False)
+
+
+def _dots(ax: Any, names: list[str], values: list[float], column: str, percent: bool) -> None:
+    """A dot per run, its value beside it, the first run's value as a dashed line: what was kept."""
+    ax.scatter(values, range(len(names)), zorder=3)
+    for y, value in enumerate(values):
+        ax.annotate(f"{value:.1f}%" if percent else f"{value:.3g}", (value, y), xytext=(5, 0),
+                    textcoords="offset points", va="center", fontsize=7)
+    if values and values[0] == values[0]:
+        ax.axvline(values[0], color="grey", linestyle="--", linewidth=0.8)
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.set_ylim(len(names) - 0.5, -0.5)  # the table's order, top to bottom
+    known = [v for v in values if v == v]
+    if known:  # at least 1 point (percent) or 1% either side, so a small difference looks small
+        pad = max(0.3 * (max(known) - min(known)), 1.0 if percent else 0.01 * abs(sum(known) / len(known)), 1e-9)
+        ax.set_xlim(min(known) - pad, max(known) + 1.6 * pad)  # the right side holds the labels
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(f"{column} per run (dashed: the first run's)", fontsize=10)

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = ablation(cfg, compile_=not args.no_compile, emulated_bf16=not leaves_out_amp(args, cfg.device))
     print("\n".join(format_rows(rows)))
     save(args, "cifar_resnet", HEADER, table(rows), cfg, "ms/step",
-         {"training loss per step": {r.name: r.losses for r in rows}})
+         {"training loss per step": {r.name: r.losses for r in rows}}, metric_column="accuracy")
     return 0
 
 

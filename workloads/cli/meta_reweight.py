@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     memory = [[r.name, mib(r.peak_mib), "-" if not (base and r.peak_mib) else f"{1 - r.peak_mib / base:.1%}",
                f"{r.ms_per_step:.1f}"] for r in mem]
     print("\n".join(markdown(MEMORY, memory)))
-    save(args, "meta_reweight_accuracy", ACCURACY, accuracy, cfg, "ms / outer step")
+    save(args, "meta_reweight_accuracy", ACCURACY, accuracy, cfg, "ms / outer step",
+         metric_column="balanced test accuracy")
     save(args, "meta_reweight_memory", MEMORY, memory, cfg, "peak MiB")
     return 0
 

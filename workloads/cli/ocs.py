@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"reference and {rows[-1].name} selected the same samples at every step: {same}; "
           f"final parameters differ by at most {apart:.3g}")
     save(args, "ocs", HEADER, table(rows), cfg, "s/task",
-         {"average accuracy after each task": {r.name: [sum(a) / len(a) for a in r.accuracy] for r in rows}})
+         {"average accuracy after each task": {r.name: [sum(a) / len(a) for a in r.accuracy] for r in rows}},
+         metric_column="avg accuracy")
     return 0
 
 

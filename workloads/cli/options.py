@@ -56,11 +56,12 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 
 
 def save(args: argparse.Namespace, stem: str, header: Sequence[str], cells: Sequence[Sequence[str]], config: Any,
-         time_column: str, curves: Mapping[str, Mapping[str, Sequence[float]]] | None = None) -> None:
+         time_column: str | Sequence[str], curves: Mapping[str, Mapping[str, Sequence[float]]] | None = None,
+         metric_column: str | None = None) -> None:
     """With ``--output-dir``: write the run's results there (workloads.output) and say where."""
     if args.output_dir:
         paths = write_results(args.output_dir, stem, header, cells, config=config, device=config.device,
-                              time_column=time_column, curves=curves)
+                              time_column=time_column, curves=curves, metric_column=metric_column)
         print("wrote " + ", ".join(str(p) for p in paths))
 
 

@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         again = [replace(opt, name=opt.name + ", again")] if store else []
         rows = [run(m, cfg) for m in (reference_method(), opt, *again)]
     print("\n".join(format_rows(rows)))
-    save(args, "spectral_probe", HEADER, table(rows), cfg, "train s",
+    save(args, "spectral_probe", HEADER, table(rows), cfg, ["features s", "train s"],
          {"validation loss per epoch": {r.name: r.val_loss for r in rows},
-          "validation accuracy per epoch": {r.name: r.val_accuracy for r in rows}})
+          "validation accuracy per epoch": {r.name: r.val_accuracy for r in rows}}, metric_column="test accuracy")
     return 0
 
 

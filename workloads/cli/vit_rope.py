@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 desc="runs", unit="run")]
     print("\n".join(format_rows(rows)))
     save(args, "vit_rope", HEADER, table(rows), cfg, "ms/step",
-         {"training loss per step": {r.name: r.losses for r in rows}})
+         {"training loss per step": {r.name: r.losses for r in rows}}, metric_column="accuracy")
     return 0
 
 

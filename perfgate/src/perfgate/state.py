@@ -106,8 +106,8 @@ class Probes:
     def pin_threads(self) -> None:
         """Every BLAS and OpenMP pool loaded in the process (numpy's and scipy's OpenBLAS, a
         peer's OpenMP) at the session's thread count, as torch's own pool is. Called before each
-        impl is timed: a library may load its pool at first use. A pool left at its default
-        gave scikit-learn's randomized SVD 12-148 ms a call under --perf-threads 1."""
+        impl is timed: a library may load its pool at first use, and one left at its default
+        competes with torch's for the same CPUs."""
         if self.threads is not None:
             from threadpoolctl import threadpool_limits
 
@@ -302,9 +302,8 @@ class GateState:
 
     @property
     def quiet_gbps(self) -> float | None:
-        """The host's quiet bandwidth: the streaming probe's 90th percentile this session (on the quiet
-        Zen 3 its readings' median sat 11% under it, its 10th percentile 19%; beside a copy loop
-        on the other vCPU the median read 37% under)."""
+        """The host's quiet bandwidth: the streaming probe's 90th percentile this session (docs/gate.md,
+        "A contended host", has what quiet and contended hosts read against it)."""
         readings = [p.gbps for impls in self.results.values() for m in impls.values() for p in m.load
                     if p.gbps is not None]
         return float(np.percentile(readings, 90)) if readings else None

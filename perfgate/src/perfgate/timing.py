@@ -321,9 +321,8 @@ class Bandwidth:
     """A streaming probe: copies of a ``nbytes`` buffer (twice the 32 MiB L3 of the hosts measured,
     so it streams from memory) on one thread, read as GB/s moved (read + write). A neighbour that
     takes memory bandwidth, which /proc does not show (another VM on the same socket), slows it as
-    it slows a memory-bound kernel: on the Zen 3 (family 25 model 1) a numpy copy loop on the other
-    vCPU took the probe from 12.9 to 8.4 GB/s. Read beside each stretch of pairs and compared with
-    the session's quiet figure (``GateState.quiet_gbps``)."""
+    it slows a memory-bound kernel. Read beside each stretch of pairs and compared with the
+    session's quiet figure (``GateState.quiet_gbps``)."""
 
     def __init__(self, nbytes: int = 64 * 2**20, copies: int = 3) -> None:
         import numpy as np
