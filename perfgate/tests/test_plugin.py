@@ -493,6 +493,23 @@ def test_slowdown_hook_slows_only_the_optimized_side(pytester: pytest.Pytester) 
     result.stderr.fnmatch_lines(["*unrecognized arguments: --perf-slowdown=2*"])
 
 
+def test_a_baseline_drop_on_a_row_shown_no_slower_than_rev_is_not_a_failure() -> None:
+    """Under --perf-against, a row that fell under its stored baseline but that the same session's
+    A/B shows no slower than REV is unresolved (the host's between sessions, or before REV), not
+    failed; where the A/B did not compare it, or could not settle it, the baseline's drop fails."""
+    row = SpeedupRow(kernel="k", impl="optimized", size="smoke", label="", device="cpu", reference_ms=4.0,
+                     optimized_ms=1.0, speedup=4.0, low=3.5, high=4.5, rounds=(9, 9), baseline=5.7)
+    for against in (None, "unresolved", "FAIL"):
+        row.against = against
+        assert "fell more than 20%" in gate(row, 0.2)[0] and row.outcome == "FAIL"
+    for against in ("ok", "faster"):
+        row.against = against
+        assert gate(row, 0.2) == [] and row.outcome == "unresolved"
+        assert "no slower than REV" in row.unresolved[0]
+    row.floor = 4.6  # a floor's miss is not the baseline's: it stands whatever REV reads
+    assert "is under the floor 4.60x" in gate(row, 0.2)[0]
+
+
 def _fake_run(opt_ms: list[float], speedup: float, failures: list[str]) -> dict:
     return {"benchmarks": [{"extra_info": {"kernel": "k", "impl": "optimized"}, "stats": {"data": opt_ms}},
                            {"extra_info": {"kernel": "k", "impl": "reference"}, "stats": {"data": [4.0] * 9}}],

@@ -216,6 +216,10 @@ class Against:
     def failed(self) -> list[ABRow]:
         return [r for r in self.rows if r.outcome == "FAIL"]
 
+    def outcomes(self) -> dict[tuple[str, str], str]:
+        """Each compared row's outcome by (kernel, impl)."""
+        return {(r.kernel, r.impl): r.outcome for r in self.rows}
+
     def json(self) -> dict[str, Any]:
         rev = self.revision
         return {"rev": self.rev, "sha": rev.sha if rev else None, "folder": str(rev.folder) if rev and rev.folder

@@ -347,6 +347,7 @@ class PerfSession:
             if self.against is not None and not state.interrupted:
                 self.against.run(state)  # after the rows: compute_rows freed the session's callables
                 state.interrupted = self.against.interrupted  # Ctrl-C there: a partial run, never saved
+                state.judge_with(self.against.outcomes())
             if state.interrupted and self.saving:  # a partial run must not become the newest baseline
                 compat.withhold_save(self.config)
         if self.ledger is not None:

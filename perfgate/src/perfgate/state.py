@@ -182,6 +182,14 @@ class GateState:
         m.paired += interleaved(self.probes.timer, later.reference, later.timed, pairs, later.calls,
                                 first_round=len(m.paired), host=self.probes.host, load=m.load, warm=later.warm)
 
+    def judge_with(self, against: dict[tuple[str, str], str]) -> None:
+        """Judge the rows again with --perf-against's outcomes of the same session (``against``,
+        by (kernel, impl)): a stored baseline's drop on a row shown no slower than REV is not
+        this change's (``stats.gate``)."""
+        for row in self.rows or []:
+            row.against = against.get((row.kernel, row.impl))
+            gate(row, self.settings.tolerance, self.settings.contended)
+
     def compute_rows(self) -> list[SpeedupRow]:
         """Speedup rows for every impl measured beside its reference (computed once). A row whose
         interval straddles its floor or its stored baseline's line gets more interleaved pairs
