@@ -127,8 +127,8 @@ def test_a_slower_row_fails_a_faster_one_is_reported_and_new_ones_are_not_compar
 def test_a_baseline_drop_that_rev_shares_is_not_this_changes(project: pytest.Pytester) -> None:
     """A baseline saved when slow_work slept 4 ms (2x over its reference), HEAD's slow_work now
     8 ms, a clean tree against HEAD with --benchmark-compare: the stored baseline reads a 50% drop,
-    the same session's A/B the same code. A row the A/B shows no slower than REV is unresolved,
-    not failed (the drop came before REV); one the A/B could not settle keeps the failure."""
+    the same session's A/B the same code: the row is unresolved, not failed (the drop came before
+    REV), whether the A/B read it no slower than REV or could not settle it."""
     storage = f"--benchmark-storage=file://{project.path / 'baselines'}"
     assert project.runpytest(*FAST, storage, "--benchmark-save=base").ret == 0
     (project.path / "mylib" / "__init__.py").write_text(LIBRARY.format(slow=0.008, fast=0.004))
@@ -136,13 +136,9 @@ def test_a_baseline_drop_that_rev_shares_is_not_this_changes(project: pytest.Pyt
     result = project.runpytest(*FAST, storage, "--benchmark-compare", "--perf-against", "HEAD",
                                "--benchmark-json=out.json")
     slow = _rows(project)["slow"]
-    if slow["outcome"] == "ok":
-        assert result.ret == 0, result.stdout.str()
-        result.stdout.fnmatch_lines(["*slow [[]optimized, slow[]]*stored baseline's*no slower than REV*"])
-    else:
-        assert slow["outcome"] == "unresolved", slow
-        assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
-        result.stdout.fnmatch_lines(["*GATE FAILED: slow [[]optimized, slow[]]*under the stored baseline's*"])
+    assert slow["outcome"] in ("ok", "unresolved"), slow
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(["*slow [[]optimized, slow[]]*stored baseline's*REV: the drop is the host's*"])
     assert _left(project) == []
 
 

@@ -495,17 +495,19 @@ def test_slowdown_hook_slows_only_the_optimized_side(pytester: pytest.Pytester) 
 
 def test_a_baseline_drop_on_a_row_shown_no_slower_than_rev_is_not_a_failure() -> None:
     """Under --perf-against, a row that fell under its stored baseline but that the same session's
-    A/B shows no slower than REV is unresolved (the host's between sessions, or before REV), not
-    failed; where the A/B did not compare it, or could not settle it, the baseline's drop fails."""
+    A/B did not show slower than REV (ok, faster or unresolved) is unresolved (the host's between
+    sessions, or before REV), not failed: the A/B is the evidence about this change. Where the A/B
+    did not compare it (None, or REV cannot run it) or failed it, the baseline's drop fails."""
     row = SpeedupRow(kernel="k", impl="optimized", size="smoke", label="", device="cpu", reference_ms=4.0,
                      optimized_ms=1.0, speedup=4.0, low=3.5, high=4.5, rounds=(9, 9), baseline=5.7)
-    for against in (None, "unresolved", "FAIL"):
+    for against in (None, "not comparable", "FAIL"):
         row.against = against
         assert "fell more than 20%" in gate(row, 0.2)[0] and row.outcome == "FAIL"
-    for against in ("ok", "faster"):
+    for against, said in (("ok", "no slower than REV"), ("faster", "no slower than REV"),
+                          ("unresolved", "could not tell it slower than REV")):
         row.against = against
         assert gate(row, 0.2) == [] and row.outcome == "unresolved"
-        assert "no slower than REV" in row.unresolved[0]
+        assert said in row.unresolved[0]
     row.floor = 4.6  # a floor's miss is not the baseline's: it stands whatever REV reads
     assert "is under the floor 4.60x" in gate(row, 0.2)[0]
 

@@ -167,7 +167,7 @@ class SpeedupRow:
     confirm_speedup: float | None = None
     confirm_high: float | None = None
     # --perf-against's outcome for this impl in the same session ("ok", "faster", "FAIL", ...; None:
-    # not compared): a row shown no slower than REV there is not failed by a stored baseline's drop
+    # not compared): a row that comparison did not show slower is not failed by a stored baseline's drop
     against: str | None = None
     failures: list[str] = field(default_factory=list)
     unresolved: list[str] = field(default_factory=list)  # lines the interval still straddles, failures unjudged
@@ -243,11 +243,13 @@ def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> lis
         row.unresolved.append(f"{where}: {measured} reads more than {tolerance:.0%} under the stored "
                               f"baseline's {row.baseline:.2f}x, but its interval reaches the baseline's "
                               f"({_base_low(row):.2f}x and up): neither met nor missed on this evidence")
-    if under_baseline and row.against in ("ok", "faster"):
+    if under_baseline and row.against in ("ok", "faster", "unresolved"):
+        shown = ("shows it no slower than REV" if row.against != "unresolved"
+                 else "could not tell it slower than REV")
         row.unresolved.append(
             f"{where}: {measured} fell more than {tolerance:.0%} under the stored baseline's {row.baseline:.2f}x, "
-            "but this session's comparison with REV shows it no slower than REV: the drop is the host's "
-            "between the two sessions, or came before REV (--perf-against the baseline's commit tells which)")
+            f"but this session's comparison with REV {shown}: the drop is the host's between the two sessions, "
+            "or came before REV (--perf-against the baseline's commit tells which)")
     elif under_baseline:
         failures.append(
             f"{where}: {measured} fell more than {tolerance:.0%} under the stored baseline's "
