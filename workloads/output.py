@@ -118,7 +118,8 @@ def _bars(ax: Any, names: list[str], values: list[list[float]], parts: list[str]
         ax.barh(range(len(names)), widths, left=left, label=part)
         left = [a + (b if b == b else 0.0) for a, b in zip(left, widths, strict=True)]  # NaN ('-') adds nothing
     for y, total in enumerate(left):
-        ax.annotate(f"{total:.3g}", (total, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7)
+        label = f"{total:,.0f}" if abs(total) >= 100 else f"{total:.3g}"  # 1,230 not 1.23e+03
+        ax.annotate(label, (total, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7)
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.invert_yaxis()  # the table's order, top to bottom
     ax.margins(x=0.18)  # room for the totals
