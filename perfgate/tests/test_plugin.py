@@ -487,7 +487,7 @@ def test_slowdown_hook_slows_only_the_optimized_side(pytester: pytest.Pytester) 
     result.stderr.fnmatch_lines(["*--perf-slowdown must be >= 1*"])
     result = _run(pytester, *slowdown, "--perf-slowdown=1.5", "--benchmark-save=slow")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*Slowed(factor=1.5, device=*cpu*)*cannot be a baseline*"])
+    result.stderr.fnmatch_lines(["*Slowed(factor=1.5)*cannot be a baseline*"])
     result = _run(pytester, "--perf-slowdown=2")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*unrecognized arguments: --perf-slowdown=2*"])
