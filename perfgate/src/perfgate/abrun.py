@@ -79,6 +79,11 @@ class Stretch:
         return clustered_interval(self.rev, self.this, self.rev_units, self.this_units, confidence)
 
 
+def _after(both: Stretch, first: int) -> Stretch:
+    """The pairs of ``both`` after its ``first``: the second stretch alone."""
+    return Stretch(both.rev[first:], both.this[first:], both.rev_units[first:], both.this_units[first:])
+
+
 def judge(row: ABRow, tolerance: float, contended: float = CONTENDED) -> str:
     """Set and return ``row.outcome`` and ``row.message`` by the rule above."""
     where = f"{row.kernel} [{row.impl}, {row.label or row.size}]"
@@ -250,9 +255,9 @@ class Comparer:
     def confirm(self, row: ABRow) -> None:
         """A failing or faster row's second stretch, on fresh workers (new units): as many pairs
         as the first, at least 2 x MIN_PAIRS, then more while both stretches' interval straddles
-        the line (at most ``budget.extend_s``). The second stretch is read on its own
-        (``confirm_*``), and the row's ratio and interval become those of both, every unit of
-        both pools counted."""
+        the line, and more while the second reads above both's interval with its own straddling
+        (each at most ``budget.extend_s``). The second stretch is read on its own (``confirm_*``),
+        and the row's ratio and interval become those of both, every unit of both pools counted."""
         first = len(row.rev_times)
         both = Stretch(row.rev_times, row.this_times, row.rev_units, row.this_units)
         loads: list[tuple[float, float]] = []
@@ -260,10 +265,26 @@ class Comparer:
         self.pairs(row, max(2 * MIN_PAIRS, first), both, loads)
         pair_s = (time.perf_counter() - t0) / (len(both) - first)
         self._extend(row, both, loads, pair_s, first + MAX_PAIRS, time.perf_counter() + self.budget.extend_s)
-        again = Stretch(both.rev[first:], both.this[first:], both.rev_units[first:], both.this_units[first:])
+        self._settle(row, both, first, loads, pair_s, time.perf_counter() + self.budget.extend_s)
+        again = _after(both, first)
         row.confirmed = len(again)
         row.confirm_ratio, row.confirm_low, row.confirm_high = again.interval(0.95)
         row.ratio, row.low, row.high = both.interval(0.95)
+
+    def _settle(self, row: ABRow, both: Stretch, first: int, loads: list[tuple[float, float]], pair_s: float,
+                until: float) -> None:
+        """While both stretches' interval is under the line but the second (``both`` after
+        ``first``) reads above it, which would clear the row as "the host changed", yet its own
+        interval reaches under the line: more of it, doubling, until the clock reads ``until``.
+        A short second stretch on fresh workers otherwise turns a real slowdown ``unresolved``."""
+        line = 1.0 / (1.0 + self.tolerance)
+        while len(both) < first + MAX_PAIRS and time.perf_counter() < until:
+            ratio, low, high = _after(both, first).interval(0.95)
+            both_high = both.interval(0.95)[2]
+            if not (both_high < line and ratio > both_high and low < line <= high):
+                break
+            more = min(len(both) - first, first + MAX_PAIRS - len(both))
+            self.pairs(row, min(more, max(1, int((until - time.perf_counter()) / max(pair_s, 1e-6)))), both, loads)
 
     def drop(self, row: ABRow) -> None:
         for worker in list(self.pool.workers):
