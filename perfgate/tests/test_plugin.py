@@ -493,6 +493,22 @@ def test_slowdown_hook_slows_only_the_optimized_side(pytester: pytest.Pytester) 
     result.stderr.fnmatch_lines(["*unrecognized arguments: --perf-slowdown=2*"])
 
 
+def test_a_wrapper_is_handed_the_tests_own_callable(pytester: pytest.Pytester) -> None:
+    """pytest_perfgate_wrap_timed's wrapper gets the callable the test handed to ``perf``, not one
+    ending in a device synchronize: a wrapper of a GPU call would otherwise stretch a synchronized
+    call, which the unwrapped side never makes."""
+    pytester.makeconftest("""
+def pytest_perfgate_wrap_timed(config, device):
+    def wrap(impl, run):
+        assert run.__name__ == "body", f"the wrapper got {run.__name__}, not the test's callable"
+        return run
+    return wrap
+""")
+    _pair(pytester, "wrapped", 0.5, "def body(): time.sleep(0.002)\n    perf(body)")
+    result = _run(pytester)
+    result.assert_outcomes(passed=2)
+
+
 def test_a_baseline_drop_on_a_row_shown_no_slower_than_rev_is_not_a_failure() -> None:
     """Under --perf-against, a row that fell under its stored baseline but that the same session's
     A/B did not show slower than REV (ok, faster or unresolved) is unresolved (the host's between

@@ -210,6 +210,7 @@ class Worker:
     def _build_one(self, module: str, path: str, function: str, params: dict[str, Any], kernel: str,
                    impl: str) -> tuple[Any, dict[str, Any]]:
         """One copy of a row: its timed callable, and its first and warm call's seconds."""
+        from .hooks import wrapped
         from .timing import synced
 
         hello = self.hello
@@ -218,10 +219,9 @@ class Worker:
         if "torch" in sys.modules:
             self._torch()
         call = capture(loaded, function, params, CaptureCase(kernel, impl, hello.device, hello.size), tmp)
-        run = synced(call.fn, hello.device)
-        wrapped = run if hello.wrap is None else hello.wrap(impl, run)
-        timed = (call.fn if wrapped is run else wrapped, call.setup)
-        run = wrapped
+        fn = wrapped(hello.wrap, impl, call.fn)
+        timed = (fn, call.setup)
+        run = synced(fn, hello.device)
         prepared = None if call.setup is None else synced(call.setup, hello.device)
         once = run if prepared is None else (lambda: run(prepared()))
         t0 = time.perf_counter()

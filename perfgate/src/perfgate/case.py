@@ -13,6 +13,7 @@ import pytest
 
 from . import compat
 from .floors import OPTIMIZED, checked_value, comparison, kernel_name, parametrized_impls
+from .hooks import wrapped
 from .state import MIN_PAIRS, REFERENCE, GateState, Measurement, Visits, baseline_key
 from .timing import PairLoad, Timed, block_calls, interleaved, peak_memory, synced
 
@@ -191,12 +192,10 @@ class PerfCase:
         """What the timer calls (``fn``, or what a plugin's ``pytest_perfgate_wrap_timed`` made of
         it), and one call of it ending with a synchronize, with a fresh ``setup`` (the first call and
         the sizing call: wall-clock; wrapped too, so the rounds are sized as timed)."""
-        run = synced(fn, self.device)
-        wrap = self._state.settings.wrap
-        wrapped = run if wrap is None else wrap(self.impl, run)
-        timed = fn if wrapped is run else wrapped
+        timed = wrapped(self._state.settings.wrap, self.impl, fn)
+        run = synced(timed, self.device)
         setup_synced = None if setup is None else synced(setup, self.device)
-        return timed, (wrapped if setup_synced is None else lambda: wrapped(setup_synced()))
+        return timed, (run if setup_synced is None else lambda: run(setup_synced()))
 
     def _time_rounds(self, timed: Timed, rounds: int, warmup_rounds: int) -> tuple[list[float], Any]:
         """``rounds`` of ``timed`` as one block on the session's clock (CUDA events on a GPU),

@@ -19,3 +19,9 @@ def pytest_perfgate_wrap_timed(config: pytest.Config, device: str) -> Wrap | Non
     ``--perf-against``'s workers for this tree (never REV's), so it must pickle (a module-level
     class or function). A run with one cannot be saved as a baseline. For test plugins such as
     ``perfgate.slowdown``; raise ``pytest.UsageError`` for a session it cannot serve."""
+
+
+def wrapped(wrap: Wrap | None, impl: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as it is timed for ``impl``: what ``wrap`` makes of it, or ``fn`` itself. The
+    wrapper gets the bare callable; a synchronize for a wall-clock call goes around what it returns."""
+    return fn if wrap is None else wrap(impl, fn)
