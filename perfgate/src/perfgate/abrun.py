@@ -4,9 +4,10 @@ that judges their ratio.
 
 ratio = median(REV's blocks) / median(this tree's blocks), with a paired bootstrap interval:
 under 1, this tree is slower. A row FAILs when the whole interval is under 1 / (1 + tolerance)
-(this tree more than ``tolerance`` slower), on a quiet host, and a second stretch of pairs does
-not disagree; a straddling interval is measured further within the row's budget and may end
-``unresolved``; a contended host gives no verdict. A row more than ``tolerance`` faster is
+(this tree more than ``tolerance`` slower), or each of two stretches' interval is (the second on
+fresh workers: independent evidence), on a quiet host, and the second stretch does not disagree;
+a straddling interval is measured further within the row's budget and may end ``unresolved``; a
+contended host gives no verdict. A row more than ``tolerance`` faster is
 ``faster`` when its second stretch, on fresh workers, reads faster by the tolerance too and not
 slower at its interval's low end. A row either side cannot rebuild is ``not comparable``, with the
 reason."""
@@ -50,6 +51,7 @@ class ABRow:
     high: float | None = None
     contention: float | None = None
     confirmed: int = 0
+    first_high: float | None = None  # the first stretch's interval top, when it was timed again
     confirm_ratio: float | None = None
     confirm_low: float | None = None
     confirm_high: float | None = None
@@ -94,7 +96,9 @@ def judge(row: ABRow, tolerance: float, contended: float = CONTENDED) -> str:
     assert row.ratio is not None and row.low is not None and row.high is not None
     measured = (f"REV/this {row.ratio:.3f}x (95% CI {row.low:.3f}-{row.high:.3f}x, {len(row.rev_times)} "
                 f"interleaved pairs)")
-    if row.high < line:
+    apart = (row.first_high is not None and row.first_high < line
+             and row.confirm_high is not None and row.confirm_high < line)
+    if row.high < line or apart:  # all the pairs, or each stretch on its own workers
         row.outcome, row.message = _slower(row, f"{where}: this tree", measured, tolerance, contended)
     elif row.low < line:
         row.outcome = "unresolved"
@@ -114,8 +118,8 @@ def judge(row: ABRow, tolerance: float, contended: float = CONTENDED) -> str:
 
 
 def _slower(row: ABRow, this: str, measured: str, tolerance: float, contended: float) -> tuple[str, str]:
-    """The outcome and message of a row whose whole interval is under the line: a failure, unless
-    the host withheld CPU time or a second stretch of pairs disagreed."""
+    """The outcome and message of a row whose whole interval is under the line, or each of whose two
+    stretches' is: a failure, unless the host withheld CPU time or a second stretch disagreed."""
     line, slower = 1.0 / (1.0 + tolerance), 1.0 / row.ratio
     if row.contention is not None and row.contention >= contended:
         return "unresolved", (f"{this} read {slower:.2f}x slower ({measured}), but the host withheld "
@@ -125,8 +129,11 @@ def _slower(row: ABRow, this: str, measured: str, tolerance: float, contended: f
         return "unresolved", (f"{this} read {slower:.2f}x slower ({measured}), but {row.confirmed} pairs timed "
                               f"again read {row.confirm_ratio:.3f}x (up to {row.confirm_high:.3f}x): the host "
                               "changed between the two")
+    apart = "" if row.high < line else (
+        f"; each stretch alone is beyond it: the first up to {row.first_high:.3f}x, {row.confirmed} pairs on "
+        f"fresh workers {row.confirm_ratio:.3f}x (up to {row.confirm_high:.3f}x)")
     return "FAIL", (f"{this} is {slower:.2f}x slower than REV ({measured}; the line is {tolerance:.0%} slower, "
-                    f"{line:.3f}x)")
+                    f"{line:.3f}x{apart})")
 
 
 @dataclass
@@ -258,7 +265,7 @@ class Comparer:
         the line, and more while the second reads above both's interval with its own straddling
         (each at most ``budget.extend_s``). The second stretch is read on its own (``confirm_*``),
         and the row's ratio and interval become those of both, every unit of both pools counted."""
-        first = len(row.rev_times)
+        first, row.first_high = len(row.rev_times), row.high
         both = Stretch(row.rev_times, row.this_times, row.rev_units, row.this_units)
         loads: list[tuple[float, float]] = []
         t0 = time.perf_counter()
