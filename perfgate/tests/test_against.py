@@ -337,7 +337,7 @@ def _confirmed(first_slow: float, second: list[tuple[float, float]], noise: floa
     times slower at log noise ``second[k][1]`` (the last entry repeats), each side on 4 units."""
     import numpy as np
 
-    from perfgate.abrun import ABRow, Budget, Comparer, judge
+    from perfgate.abrun import ABRow, Budget, Comparer, Stretch, judge
 
     rng = np.random.default_rng(seed)
 
@@ -354,6 +354,8 @@ def _confirmed(first_slow: float, second: list[tuple[float, float]], noise: floa
     row = ABRow("k", "optimized", "smoke", "t::k", rev_times=list(np.exp(rng.normal(0, noise, 14))),
                 this_times=list(first_slow * np.exp(rng.normal(0, noise, 14))),
                 rev_units=[k % 4 for k in range(14)], this_units=[(k + 2) % 4 for k in range(14)], contention=0.0)
+    first = Stretch(row.rev_times, row.this_times, row.rev_units, row.this_units)
+    row.ratio, row.low, row.high = first.interval(0.95)  # as time_row leaves it
     comparer = Scripted(None, 0.05, Budget(extend_s=5.0))
     if not settle:
         comparer._settle = lambda *args: None

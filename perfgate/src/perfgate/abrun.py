@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -129,11 +130,11 @@ def _slower(row: ABRow, this: str, measured: str, tolerance: float, contended: f
         return "unresolved", (f"{this} read {slower:.2f}x slower ({measured}), but {row.confirmed} pairs timed "
                               f"again read {row.confirm_ratio:.3f}x (up to {row.confirm_high:.3f}x): the host "
                               "changed between the two")
-    apart = "" if row.high < line else (
+    alone = "" if row.high < line else (
         f"; each stretch alone is beyond it: the first up to {row.first_high:.3f}x, {row.confirmed} pairs on "
         f"fresh workers {row.confirm_ratio:.3f}x (up to {row.confirm_high:.3f}x)")
     return "FAIL", (f"{this} is {slower:.2f}x slower than REV ({measured}; the line is {tolerance:.0%} slower, "
-                    f"{line:.3f}x{apart})")
+                    f"{line:.3f}x{alone})")
 
 
 @dataclass
@@ -247,11 +248,11 @@ class Comparer:
         row.contention = None if wall <= 0 else sum(w * s for w, s in loads) / wall
 
     def _extend(self, row: ABRow, got: Stretch, loads: list[tuple[float, float]], pair_s: float, cap: int,
-                until: float) -> None:
-        """While ``got``'s interval straddles the line: pairs, doubling, up to ``cap`` in all and
-        until the clock reads ``until``."""
+                until: float, decided: Callable[[], bool] = lambda: False) -> None:
+        """While ``got``'s interval straddles the line and ``decided()`` is false: pairs, doubling,
+        up to ``cap`` in all and until the clock reads ``until``."""
         line = 1.0 / (1.0 + self.tolerance)
-        while len(got) < cap and time.perf_counter() < until:
+        while len(got) < cap and time.perf_counter() < until and not decided():
             _, low, high = got.interval(0.95)
             if high < line or low >= line:
                 break
@@ -265,13 +266,21 @@ class Comparer:
         the line, and more while the second reads above both's interval with its own straddling
         (each at most ``budget.extend_s``). The second stretch is read on its own (``confirm_*``),
         and the row's ratio and interval become those of both, every unit of both pools counted."""
-        first, row.first_high = len(row.rev_times), row.high
+        assert row.high is not None
+        first, first_high = len(row.rev_times), row.high
+        row.first_high = first_high
         both = Stretch(row.rev_times, row.this_times, row.rev_units, row.this_units)
         loads: list[tuple[float, float]] = []
         t0 = time.perf_counter()
         self.pairs(row, max(2 * MIN_PAIRS, first), both, loads)
         pair_s = (time.perf_counter() - t0) / (len(both) - first)
-        self._extend(row, both, loads, pair_s, first + MAX_PAIRS, time.perf_counter() + self.budget.extend_s)
+        line = 1.0 / (1.0 + self.tolerance)
+
+        def alone() -> bool:  # each stretch alone beyond the line fails the row (judge): no more pairs
+            return first_high < line and _after(both, first).interval(0.95)[2] < line
+
+        until = time.perf_counter() + self.budget.extend_s
+        self._extend(row, both, loads, pair_s, first + MAX_PAIRS, until, alone)
         self._settle(row, both, first, loads, pair_s, time.perf_counter() + self.budget.extend_s)
         again = _after(both, first)
         row.confirmed = len(again)
