@@ -14,11 +14,16 @@ import scipy.stats  # noqa: F401
 
 import perfgate.case  # noqa: F401
 import perfgate.floors  # noqa: F401
+import perfgate.roofline  # noqa: F401
 import perfgate.state  # noqa: F401
 import perfgate.timing  # noqa: F401
 
 with contextlib.suppress(ImportError):  # perfgate runs without torch; where it is installed, load it once
     import torch  # noqa: F401
+
+    # the roofline's count loads torch.utils.flop_counter and, through it, dynamo and inductor
+    # modules, one of which registers an op library: a second load fails. Count once here.
+    perfgate.roofline.count_work(lambda: torch.ones(2) @ torch.ones(2))
 
 # pytest-benchmark reads the CPU with py-cpuinfo, which runs CPUID in a fresh Python process (0.2 s)
 # in every session that saves a run or writes JSON: one reading serves this process's sessions.

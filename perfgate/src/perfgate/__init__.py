@@ -12,6 +12,8 @@ reference/optimized pairs; torch is optional. Inert in a session that has no per
   readings, thread pools), ``Floors``, ``Stored`` baseline, ``Later`` visits and ``Tally``, and
   what it measured; the later visits, extensions and second looks are timed there.
 - ``timing``: device-correct timing helpers and peak-memory measurement.
+- ``roofline``: the work one call is counted to do, the machine's measured limits, and each
+  impl's share of them (the roofline column).
 - ``stats``: the speedup statistic (ratio of medians, bootstrap interval) and the gate rules.
 - ``fingerprint``: what makes two machines comparable.
 - ``report``: ``python -m perfgate.report`` prints the table and draws the charts, and

@@ -14,8 +14,9 @@ import pytest
 from . import compat
 from .floors import OPTIMIZED, checked_value, comparison, kernel_name, parametrized_impls
 from .hooks import wrapped
+from .roofline import Work, count_work
 from .state import MIN_PAIRS, REFERENCE, GateState, Measurement, Visits, baseline_key
-from .timing import PairLoad, Timed, block_calls, interleaved, peak_memory, synced
+from .timing import PairLoad, Timed, block_calls, interleaved, peak_memory, synced, torch_or_none
 
 MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the options say
 # --perf-gated-only: an impl's own rounds feed no rule, so a slow call gets fewer (what fits in
@@ -175,14 +176,17 @@ class PerfCase:
         if self.impl != REFERENCE and (self.kernel, REFERENCE) in state.runners and speedup_judged:
             paired, later, load = self._pair(REFERENCE, self.impl, rounds)
         peak = self._peak(fn, setup)
-        bench.extra_info.update(peak_memory_bytes=peak, work_bytes=work_bytes)
+        work, work_note = self._work(fn, setup)
+        bench.extra_info.update(peak_memory_bytes=peak, work_bytes=work_bytes,
+                                counted_bytes=None if work is None else work.bytes,
+                                counted_flops=None if work is None else work.flops)
         if self.impl in state.results.get(self.kernel, {}):
             pytest.fail(f"two perf tests measure {self.kernel} [{self.impl}]: perf kernel names come "
                         "from the test name and its non-impl parameters; rename one")
         self._record(self.impl, later, Measurement(
             times=times, size=self.size, label=label, peak_bytes=peak,
             work_bytes=work_bytes, paired=paired, visits=1 + len(later.shares) if later else 1, variant=variant,
-            load=load, calls=later.calls[1] if later else 1,
+            load=load, calls=later.calls[1] if later else 1, work=work, work_note=work_note,
             peer=any(over == self.impl for _, over in _comparisons(node, self.impl))))
         self._set_floors(self.impl, variant)
         self._compare_with_peers(rounds)
@@ -237,6 +241,17 @@ class PerfCase:
         args = () if setup is None or not repeats else (setup(),)
         peaks = [peak_memory(lambda: fn(*args), self.device) for _ in range(repeats)]
         return None if not peaks or None in peaks else sorted(peaks)[len(peaks) // 2]
+
+    def _work(self, fn: Callable[..., Any], setup: Callable[[], Any] | None) -> tuple[Work | None, str]:
+        """One call's least bytes and FLOPs (``roofline.count_work``), for every impl but the
+        reference; with the reason where they could not be counted (an op the dispatch mode
+        cannot see through, say), reported in the roofline section."""
+        if self.impl == REFERENCE or torch_or_none() is None:  # no torch: no tensors to count
+            return None, ""
+        try:
+            return count_work(fn, setup), ""
+        except Exception as exc:  # noqa: BLE001 - the figure is reported missing with its reason
+            return None, f"{type(exc).__name__}: {exc}"[:200]
 
     def _record(self, name: str, later: Visits | None, measurement: Measurement) -> None:
         """``measurement`` as row ``name``'s, with its later visits and the timer kept to extend
@@ -293,7 +308,7 @@ class PerfCase:
         paired, later, load = self._pair(over, side, rounds)
         self._record(comparison(side, over), later, Measurement(
             times=measured.times, size=self.size, label=measured.label, peak_bytes=measured.peak_bytes,
-            work_bytes=measured.work_bytes, paired=paired, visits=1 + len(later.shares),
+            work_bytes=measured.work_bytes, work=measured.work, paired=paired, visits=1 + len(later.shares),
             variant=measured.variant, against=over, load=load, calls=later.calls[1]))
         self._set_floors(side, measured.variant, over)
 

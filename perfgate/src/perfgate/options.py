@@ -57,6 +57,9 @@ OPTIONS: list[tuple[str, Any, str]] = [
     ("--perf-against-budget", 240.0, "with --perf-against: seconds of extra pairs shared by the rows whose "
                                      "interval straddles the tolerance, each taking at most its share of what "
                                      "is left and --perf-extend (default 240)"),
+    ("--perf-remeasure-limits", False, "measure this machine's streaming bandwidth and GEMM peaks anew for the "
+                                       "roofline column, replacing the fingerprint's stored limits.json (default: "
+                                       "measured once per fingerprint, each the first time a row needs it)"),
     ("--perf-require-floors", False, "fail the session when a speedup or memory floor declared for this device "
                                      "class and size was not checked because its row was not measured (its impl, "
                                      "its reference or its peer deselected, skipped, failed, errored or not run); "
@@ -104,6 +107,7 @@ class Options:
     against_tolerance: float
     against_budget: float
     require_floors: bool
+    remeasure_limits: bool
     asked: bool  # some --perf-* option was given: the session is a perf session
 
     @classmethod

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .floors import FloorPolicy
+from .roofline import PLACED_HEADER, limits_line, placed_cells
 from .session import JSON_KEY
 from .shard import MergeError, merge
 from .stats import CONTENDED, TABLE_HEADER, format_table, gate, row_from_dict, table_cells, verdict
@@ -213,8 +214,20 @@ def markdown(runs: list[dict], title: str = "Speedups") -> list[str]:
                   f"Python {fp['python']}; {_label(run)} (`{run['_path']}`)", "",
                   "| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
         lines += ["| " + " | ".join(str(c) for c in cells) + " |" for cells in table_cells(section["speedups"])]
-        lines.append("")
+        lines += [""] + _roofline_markdown(section.get("roofline") or {})
     return lines
+
+
+def _roofline_markdown(roofline: dict) -> list[str]:
+    """A run's roofline table, headed by the limits it was measured against (none in older runs)."""
+    entries, limits = roofline.get("impls") or [], roofline.get("limits")
+    if not limits or not any(e["fraction"] is not None for e in entries):
+        return []
+    return [f"Roofline: this machine's {limits_line(limits)}; each impl's least time (bytes moved at the "
+            "stream bandwidth, FLOPs at the GEMM peak) over its median "
+            "([how to read it](perfgate.md#the-roofline-column)).",
+            "", "| " + " | ".join(PLACED_HEADER) + " |", "|" + "---|" * len(PLACED_HEADER),
+            *("| " + " | ".join(cells) + " |" for cells in placed_cells(entries)), ""]
 
 
 def merged_verdict(runs: list[dict], output: Path | None) -> int:

@@ -22,6 +22,7 @@ from .stored import JSON_KEY
 if TYPE_CHECKING:  # the rest of perfgate (numpy, scipy) loads when a perf session starts
     from .against import Against
     from .floors import Ledger, Unmeasured
+    from .roofline import Limits
     from .state import GateState, Settings
 
 
@@ -187,7 +188,8 @@ class PerfSession:
         host = HostLoad(threads or 1, probe=Bandwidth.shared() if device == "cpu" else None)
         default = _DEFAULT_THREADS[0] if _DEFAULT_THREADS else None  # None: no torch (threads is None too)
         floors = Floors(policy=FloorPolicy.for_session(device, threads, default, malloc))
-        self.state = GateState(settings, Probes(timer, host, threads), floors=floors)
+        self.state = GateState(settings, Probes(timer, host, threads), floors=floors,
+                               limits=self._limits(settings))
         self._load_compare(settings)
         if self.config.get_verbosity() >= 0:
             reporter = self.config.pluginmanager.get_plugin("terminalreporter")
@@ -195,6 +197,19 @@ class PerfSession:
                 reporter.write_line(f"perfgate: device={device} size={size} threads={threads} "
                                     f"fingerprint={settings.slug}")
         return self.state
+
+    def _limits(self, settings: Settings) -> Limits:
+        """This machine's roofline limits, read from the fingerprint's folder where stored (a file
+        that is not perfgate's is a usage error naming it), measured when a row first needs them."""
+        from .roofline import LIMITS_FILE, BadLimits, Limits
+
+        path = compat.storage_url(self.config)
+        where = None if path is None else Path(path) / settings.slug / LIMITS_FILE
+        try:
+            return Limits(settings.device, settings.slug, where, remeasure=self.options.remeasure_limits)
+        except BadLimits as exc:
+            raise pytest.UsageError(f"perfgate reads this fingerprint's stored roofline limits: {exc}. Measure "
+                                    "them anew with --perf-remeasure-limits (it replaces the file).") from exc
 
     def _wrap(self, device: str) -> Any:
         """A plugin's wrapper of the timed callables (``hooks.pytest_perfgate_wrap_timed``), or None."""
@@ -324,6 +339,8 @@ class PerfSession:
             "interrupted": state.interrupted,  # Ctrl-C: partial rows; never saved, refused as a baseline
             "durations": state.tally.durations,  # seconds per test function, setup to teardown: shards' weights
             "speedups": [r.as_dict() for r in state.rows],
+            # this machine's measured limits and each impl's place under them (roofline.py)
+            "roofline": {"limits": state.limits.values if state.limits else None, "impls": state.figures},
             # declared floors whose rows were not measured (deselected, skipped, failed, ...), and why
             "unmeasured_floors": [u.as_dict() for u in self.floors_unmeasured],
         }
@@ -344,6 +361,8 @@ class PerfSession:
                 state.interrupted = True
             state.tally.tests_failed = session.testsfailed
             state.compute_rows()
+            state.figures = state.placed()  # every limit a figure needs is measured here, then stored
+            state.limits.save()
             if self.against is not None and not state.interrupted:
                 self.against.run(state)  # after the rows: compute_rows freed the session's callables
                 state.interrupted = self.against.interrupted  # Ctrl-C there: a partial run, never saved
@@ -443,8 +462,23 @@ class PerfSession:
         for row in state.memory_unmeasured():
             tr.write_line(f"{row}: a memory floor is declared but this platform gives no peak memory "
                           "(CUDA, or Linux /proc/self/clear_refs): memory not gated", yellow=True)
+        self._roofline(tr)
         self._baseline_note(tr, rows)
         return rows
+
+    def _roofline(self, tr: Any) -> None:
+        """Each impl's place under this machine's roofline, with the limits it is measured against."""
+        from .roofline import format_placed
+
+        state = self.state
+        if state.limits is None or not any(e["fraction"] is not None or e["note"] for e in state.figures):
+            return
+        threads = state.settings.threads or "default"
+        tr.write_line(f"perfgate roofline at {threads} thread(s): {state.limits.line()} "
+                      f"({state.limits.path or 'not stored'}); roofline = max(bytes moved / stream, "
+                      "GFLOP / GEMM peak) over the impl's median, 100% the machine's limit (docs/perfgate.md)")
+        for line in format_placed(state.figures):
+            tr.write_line(line)
 
     def _baseline_note(self, tr: Any, rows: list) -> None:
         """What became of the stored baseline: saved, not saved (interrupted), compared, or none."""

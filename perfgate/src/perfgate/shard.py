@@ -112,7 +112,11 @@ def merge(runs: list[dict], section_key: str) -> dict:
                            "tests_failed": sum(s.get("tests_failed", 0) for s in sections), "durations": durations,
                            "merged_from": [{"shard": sections[i]["shard"]["index"], "path": runs[i]["_path"],
                                             "tests_failed": sections[i].get("tests_failed", 0)} for i in order],
-                           "shard": None}
+                           "shard": None,
+                           # each shard's impls placed under its own runner's limits; the first shard's named
+                           "roofline": {"limits": (first.get("roofline") or {}).get("limits"),
+                                        "impls": [e for i in order for e in (sections[i].get("roofline") or {})
+                                                  .get("impls", [])]}}
     return merged
 
 

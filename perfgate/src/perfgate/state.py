@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from statistics import median
 
 import numpy as np
@@ -12,6 +12,7 @@ import pytest
 
 from .floors import REFERENCE, FloorPolicy
 from .hooks import Wrap
+from .roofline import Figure, Limits, Work
 from .stats import CONTENDED, SpeedupRow, decided, gate, misses, speedup_interval, straddles
 from .timing import HostLoad, PairLoad, Timed, Timer, bandwidth_withheld, interleaved, withheld
 
@@ -40,6 +41,8 @@ class Measurement:
     load: list[PairLoad] = field(default_factory=list)  # what the host withheld, per pair of ``paired``
     calls: int = 1  # timed calls in each of this impl's blocks of ``paired`` (the block's median)
     again: slice | None = None  # the pairs of ``paired`` that timed a failure again (GateState.confirm)
+    work: Work | None = None  # one call's least bytes and FLOPs, counted (roofline.count_work); None: not counted
+    work_note: str = ""  # why ``work`` was not counted
 
 
 @dataclass
@@ -154,6 +157,8 @@ class GateState:
     rows: list[SpeedupRow] | None = None
     shard: dict | None = None  # --perf-shard: index, count, plan digest, this shard's test functions
     interrupted: bool = False  # Ctrl-C: no later visits, no extensions
+    limits: Limits | None = None  # this machine's bandwidth and GEMM peaks, for the roofline figures
+    figures: list[dict] = field(default_factory=list)  # GateState.placed at the session's end
 
     def revisit(self) -> None:
         """Time every impl's later visits, in passes over all impls (visit 2 of each, then visit 3
@@ -224,8 +229,41 @@ class GateState:
                     rows.append(row)
         self.later.timers.clear()
         self.runners.clear()
+        for row in rows:
+            self._place(row)
         self.rows = rows
         return rows
+
+    def _place(self, row: SpeedupRow) -> None:
+        """``row``'s roofline figure (its impl's counted work over its median time), and its GB/s
+        from that work where the test declared none."""
+        m = self.results[row.kernel][row.impl]
+        figure = self.figure(m, row.optimized_ms / 1e3)
+        if figure is not None:
+            row.roofline, row.roofline_bound, row.optimized_gflops = figure.fraction, figure.bound, figure.gflops
+            row.optimized_gbps = row.optimized_gbps or figure.gbps
+
+    def figure(self, m: Measurement, seconds: float) -> Figure | None:
+        """Where ``m``'s impl, taking ``seconds`` a call, sits under this machine's roofline."""
+        return None if m.work is None or self.limits is None else self.limits.figure(m.work, seconds)
+
+    def placed(self) -> list[dict]:
+        """The roofline section's entries: every impl but the references and the comparison rows
+        (so an impl timed without its reference too), at the median of its own rounds."""
+        entries = []
+        for kernel, impls in self.results.items():
+            for impl, m in impls.items():
+                if impl == REFERENCE or m.against != REFERENCE:
+                    continue
+                seconds = median(m.times)
+                figure = self.figure(m, seconds)
+                entries.append({
+                    "kernel": kernel, "impl": impl, "label": m.label, "ms": 1e3 * seconds,
+                    "bytes": None if m.work is None else m.work.bytes,
+                    "flops": None if m.work is None else m.work.flops,
+                    **({"fraction": None, "bound": None, "gbps": None, "gflops": None} if figure is None
+                       else asdict(figure)), "note": m.work_note})
+        return entries
 
     def confirm(self, row: SpeedupRow) -> SpeedupRow:
         """Time ``row``, which misses its floor or baseline, again: as many pairs as it was given

@@ -151,6 +151,11 @@ class SpeedupRow:
     optimized_peak_bytes: int | None = None
     reference_gbps: float | None = None
     optimized_gbps: float | None = None
+    optimized_gflops: float | None = None
+    # the impl's least time (roofline.Limits.figure: counted bytes at the stream bandwidth, FLOPs at
+    # the GEMM peak) over its median: 1.0 is the machine's limit; and which term bounds it
+    roofline: float | None = None
+    roofline_bound: str | None = None  # "memory" or "compute"
     memory_floor: float | None = None  # least fraction of the reference's peak memory saved
     memory_baseline: float | None = None  # the baseline's optimized/reference peak ratio
     floor_note: str = ""  # why no floor applies to this row where the test declares one
@@ -413,6 +418,11 @@ def _gb(ref: float | None, opt: float | None) -> str:
     return "-" if ref is None and opt is None else f"{ref or 0:.1f}/{opt or 0:.1f}"
 
 
+def roofline_cell(fraction: float | None, bound: str | None) -> str:
+    """"38% mem": the share of the machine's limit reached, and which limit ("flop": compute)."""
+    return "-" if fraction is None else f"{fraction:.0%} {'mem' if bound == 'memory' else 'flop'}"
+
+
 def _outcome(r: dict) -> str:
     cell = "FAIL" if r["failures"] else "unresolved" if r.get("unresolved") else "ok"
     return f"{cell} (+{r['extended']} pairs)" if r.get("extended") else cell
@@ -431,7 +441,8 @@ def _floor_cell(r: dict) -> str:
 
 
 TABLE_HEADER = ("kernel", "impl", "size", "device", "ref ms", "opt ms", "speedup", "95% CI",
-              "floor", "baseline", "peak MiB ref/opt", "mem saved", "GB/s ref/opt", "gate")
+              "floor", "baseline", "peak MiB ref/opt", "mem saved", "GB/s ref/opt", "GFLOP/s opt", "roofline opt",
+              "gate")
 
 
 def table_cells(rows: Sequence[dict]) -> list[tuple[str, ...]]:
@@ -447,6 +458,8 @@ def table_cells(rows: Sequence[dict]) -> list[tuple[str, ...]]:
             f"{_mem(r['reference_peak_bytes'])}/{_mem(r['optimized_peak_bytes'])}",
             _saved(r.get("memory_ratio"), r.get("memory_floor")),
             _gb(r.get("reference_gbps"), r.get("optimized_gbps")),
+            "-" if r.get("optimized_gflops") is None else f"{r['optimized_gflops']:.1f}",
+            roofline_cell(r.get("roofline"), r.get("roofline_bound")),
             _outcome(r),
         ))
     return body

@@ -1,0 +1,305 @@
+"""The roofline: what one call must move and compute (``Work``), what this machine can move and
+compute (``Limits``), and how close a row's time comes to the least the two allow (``Figure``).
+
+A call's least time is ``max(bytes / bandwidth, sum over dtypes of flops / that dtype's GEMM
+peak)``: every input read once and every output written once at the streaming bandwidth, every
+FLOP at the GEMM rate. A row's roofline percentage is that least time over its measured median.
+docs/perfgate.md, "The roofline column", says how to read it and where the model is low.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .stats import roofline_cell
+from .timing import timer_for
+
+LIMITS_FILE = "limits.json"  # in the fingerprint's storage folder, beside its sizes' baselines
+LIMITS_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Work:
+    """One call's least work: ``bytes`` (every tensor it reads that existed before it, once;
+    every tensor it returns or writes in place, once) and ``flops`` by dtype name, as
+    ``torch.utils.flop_counter`` counts them (matmuls, convolutions, attention)."""
+
+    bytes: float
+    flops: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_flops(self) -> float:
+        return float(sum(self.flops.values()))
+
+
+def _storage(t: Any) -> tuple[int, int] | None:
+    """(address, bytes) of a tensor's storage, None for one without (a meta or sparse tensor)."""
+    try:
+        s = t.untyped_storage()
+        return (s.data_ptr(), s.nbytes()) if s.data_ptr() else None
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _extra_flops() -> dict[Any, Callable[..., float]]:
+    """FLOP formulae for ops torch's flop counter lacks: the CPU flash attention forward and
+    backward count as the CUDA ones do (``sdpa_flop_count``, every score, causal or not)."""
+    import torch
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+    extra: dict[Any, Callable[..., float]] = {}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        extra[aten._scaled_dot_product_flash_attention_for_cpu] = (
+            lambda q, k, v, *a, out_val=None, **kw: fc.sdpa_flop_count(q.shape, k.shape, v.shape))
+        extra[aten._scaled_dot_product_flash_attention_for_cpu_backward] = (
+            lambda g, q, k, v, *a, out_val=None, **kw:
+            fc.sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape))
+    return extra
+
+
+def _counter() -> Any:
+    """A ``TorchDispatchMode`` that sees every op one call makes (made here: torch loads on use)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    from torch.utils.flop_counter import flop_registry
+
+    formulae = {**flop_registry, **_extra_flops()}
+    aten = torch.ops.aten
+    pure_writes = {aten.copy_, aten.fill_, aten.zero_}  # ops that overwrite their first argument unread
+
+    class Counter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.read: dict[int, int] = {}  # storages that existed before the call, bytes read
+            self.written: dict[int, int] = {}  # of those, bytes written in place
+            self.made: set[int] = set()  # storages the call made, or overwrote before reading
+            self.flops: dict[str, float] = {}
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            kwargs = kwargs or {}
+            # which arguments the op writes, and which of those it writes without reading (out=, copy_)
+            writes, pure = set(), set()
+            for i, arg in enumerate(func._schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                for t in value if isinstance(value, (list, tuple)) else [value]:  # a _foreach_ op's lists
+                    if isinstance(t, torch.Tensor):
+                        writes.add(id(t))
+                        if arg.is_out or (i == 0 and func._overloadpacket in pure_writes):
+                            pure.add(id(t))
+            flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            for t in flat:
+                where = _storage(t)
+                if where is None or where[0] in self.made:
+                    continue
+                nbytes = min(t.nbytes, where[1])
+                if id(t) in pure and where[0] not in self.read:  # first touched by an overwrite
+                    self.made.add(where[0])
+                    self.written[where[0]] = nbytes
+                    continue
+                self.read[where[0]] = max(self.read.get(where[0], 0), nbytes)
+                if id(t) in writes:
+                    self.written[where[0]] = max(self.written.get(where[0], 0), nbytes)
+            out = func(*args, **kwargs)
+            formula = formulae.get(func._overloadpacket)
+            if formula is not None:
+                floating = (str(t.dtype).removeprefix("torch.") for t in flat if t.is_floating_point())
+                dtype = next(floating, "float32")
+                self.flops[dtype] = self.flops.get(dtype, 0.0) + float(formula(*args, **kwargs, out_val=out))
+            for t in tree_flatten(out)[0]:
+                where = _storage(t) if isinstance(t, torch.Tensor) else None
+                if where is not None and where[0] not in self.read:
+                    self.made.add(where[0])
+            return out
+
+    return Counter()
+
+
+def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -> Work:
+    """``Work`` of one call of ``fn()`` (or ``fn(setup())``, the setup not counted): the call runs
+    once under a dispatch mode that sees each op's tensors. What it returns that it made counts as
+    written; a view of an input, or an input returned as is, does not."""
+    from torch.utils._pytree import tree_flatten
+
+    args = () if setup is None else (setup(),)
+    counter = _counter()
+    with counter:
+        result = fn(*args)
+    outputs: dict[int, int] = {}
+    for t in tree_flatten(result)[0]:
+        where = _storage(t) if hasattr(t, "untyped_storage") else None
+        if where is not None and where[0] in counter.made and where[0] not in counter.written:
+            outputs[where[0]] = max(outputs.get(where[0], 0), min(t.nbytes, where[1]))
+    moved = sum(counter.read.values()) + sum(counter.written.values()) + sum(outputs.values())
+    return Work(bytes=float(moved), flops=dict(counter.flops))
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A row's place under the roofline: ``fraction`` of the least time it could take,
+    ``bound`` ("memory" or "compute", the larger term), and what it achieved."""
+
+    fraction: float
+    bound: str
+    gbps: float
+    gflops: float
+
+
+class BadLimits(ValueError):
+    """A stored limits file that is not one perfgate wrote for this fingerprint."""
+
+
+class Limits:
+    """This machine's streaming bandwidth and GEMM peaks at the session's threads, each measured
+    the first time a row needs it and kept in ``path`` (JSON; re-measured with ``remeasure``)."""
+
+    def __init__(self, device: str, slug: str, path: Path | None, remeasure: bool = False) -> None:
+        self.device, self.slug, self.path = device, slug, path
+        self.values: dict[str, Any] = {"version": LIMITS_VERSION, "slug": slug, "device": device,
+                                       "stream_gbps": None, "scale_gbps": None, "copy_gbps": None,
+                                       "triad_gbps": None, "gemm_gflops": {}, "gemm_n": {}, "measured": {}}
+        self.dirty = False
+        if path is not None and path.is_file() and not remeasure:
+            self.values = read_limits(path, slug)
+
+    @property
+    def stream_gbps(self) -> float:
+        """The best of an in-place scale, a copy and a triad over arrays far beyond the caches,
+        GB/s, each array counted once read and once written, as STREAM counts them. A write to
+        another array also reads its lines in first (write-allocate), traffic STREAM does not
+        count: the in-place scale, which has none, is the one that reaches the memory's limit."""
+        if self.values["stream_gbps"] is None:
+            rates = _stream(self.device)
+            self.values.update(stream_gbps=max(rates.values()), **{f"{k}_gbps": v for k, v in rates.items()})
+            self.values["measured"]["stream"] = _now()
+            self.dirty = True
+        return float(self.values["stream_gbps"])
+
+    def peak(self, dtype: str) -> float:
+        """The best GEMM rate in ``dtype``, GFLOP/s (square matrices, grown until one product
+        takes 50 ms)."""
+        if dtype not in self.values["gemm_gflops"]:
+            gflops, n = _gemm(self.device, dtype)
+            self.values["gemm_gflops"][dtype], self.values["gemm_n"][dtype] = gflops, n
+            self.values["measured"][f"gemm {dtype}"] = _now()
+            self.dirty = True
+        return float(self.values["gemm_gflops"][dtype])
+
+    def figure(self, work: Work, seconds: float) -> Figure | None:
+        """Where a call of ``work`` taking ``seconds`` sits under this machine's roofline."""
+        if seconds <= 0 or (work.bytes <= 0 and not work.flops):
+            return None
+        memory = work.bytes / (self.stream_gbps * 1e9)
+        compute = sum(f / (self.peak(d) * 1e9) for d, f in work.flops.items() if f > 0)
+        return Figure(fraction=max(memory, compute) / seconds, bound="memory" if memory >= compute else "compute",
+                      gbps=work.bytes / seconds / 1e9, gflops=work.total_flops / seconds / 1e9)
+
+    def save(self) -> None:
+        """Write what was measured this session (nothing when nothing new was)."""
+        if self.dirty and self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.values, indent=1, sort_keys=True) + "\n", encoding="utf8")
+            self.dirty = False
+
+    def line(self) -> str:
+        """The limits measured so far, in words."""
+        return limits_line(self.values)
+
+
+def limits_line(values: dict[str, Any]) -> str:
+    """A limits file's figures in words: "stream 34.1 GB/s, float32 GEMM 134.4 GFLOP/s"."""
+    if values.get("stream_gbps") is None:
+        return "no limits measured"
+    peaks = ", ".join(f"{d} GEMM {g:.1f} GFLOP/s" for d, g in sorted(values.get("gemm_gflops", {}).items()))
+    return f"stream {values['stream_gbps']:.1f} GB/s" + (f", {peaks}" if peaks else "")
+
+
+def read_limits(path: Path, slug: str) -> dict[str, Any]:
+    """A stored limits file, checked: JSON perfgate wrote, for the fingerprint ``slug``."""
+    try:
+        values = json.loads(path.read_text(encoding="utf8"))
+    except (OSError, ValueError) as exc:
+        raise BadLimits(f"{path}: not readable JSON ({exc})") from exc
+    if not isinstance(values, dict) or values.get("version") != LIMITS_VERSION or values.get("slug") != slug:
+        raise BadLimits(f"{path}: not perfgate's limits (version {LIMITS_VERSION}) of fingerprint {slug}")
+    positive = [values.get("stream_gbps")] + list(values.get("gemm_gflops", {}).values())
+    if not all(v is None or (isinstance(v, (int, float)) and math.isfinite(v) and v > 0) for v in positive):
+        raise BadLimits(f"{path}: a limit is not a positive number: {positive}")
+    values.setdefault("gemm_n", {})
+    values.setdefault("measured", {})
+    return values
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _best(fn: Callable[[], Any], device: str, calls: int = 5) -> float:
+    """The fastest of ``calls`` timed calls after a warming one, with the session's timer."""
+    return min(timer_for(device).block((fn, None), calls))
+
+
+def _stream(device: str) -> dict[str, float]:
+    """GB/s of an in-place scale (a *= s), a copy (a = b) and a triad (a = b + s c) of 2**25
+    floats (128 MiB an array)."""
+    import torch
+
+    n = 2**25
+    a, b, c = (torch.ones(n, device=device) for _ in range(3))
+    seconds = {"scale": (2, lambda: a.mul_(1.0)), "copy": (2, lambda: a.copy_(b)),
+               "triad": (3, lambda: torch.add(b, c, alpha=1.5, out=a))}
+    return {name: arrays * 4 * n / _best(fn, device) / 1e9 for name, (arrays, fn) in seconds.items()}
+
+
+def _gemm(device: str, dtype: str) -> tuple[float, int]:
+    """The best GFLOP/s of ``n x n`` products in ``dtype``, n doubling from 256 until one product
+    takes 50 ms (or n reaches 4096 on a CPU, 16384 on a GPU); with that largest n."""
+    import torch
+
+    kind = getattr(torch, dtype, None)
+    if not isinstance(kind, torch.dtype) or not kind.is_floating_point:
+        raise ValueError(f"dtype {dtype!r}: a GEMM peak needs a floating-point torch dtype, e.g. 'float32'")
+    best, n, largest = 0.0, 256, 4096 if device == "cpu" else 16384
+    while True:
+        x, y = (torch.randn(n, n, device=device).to(kind) for _ in range(2))
+        seconds = _best(lambda x=x, y=y: x @ y, device, calls=3)
+        best = max(best, 2 * n**3 / seconds / 1e9)
+        if seconds >= 0.05 or n >= largest:
+            return best, n
+        n *= 2
+
+
+PLACED_HEADER = ("kernel", "impl", "size", "ms", "MB moved", "GFLOP", "GB/s", "GFLOP/s", "roofline")
+
+
+def placed_cells(entries: list[dict]) -> list[tuple[str, ...]]:
+    """``GateState.placed`` entries as the cells of ``PLACED_HEADER``: what each impl moves and
+    computes a call, what it achieves, and its share of the machine's limit (or why it has none)."""
+    def num(v: float | None, scale: float = 1.0, fmt: str = ".1f") -> str:
+        return "-" if v is None else format(v / scale, fmt)
+
+    body = []
+    for e in entries:
+        flops = sum(e["flops"].values()) if e["flops"] else None
+        share = roofline_cell(e["fraction"], e["bound"])
+        body.append((e["kernel"], e["impl"], e["label"], f"{e['ms']:.3f}", num(e["bytes"], 1e6),
+                     num(flops, 1e9, ".3f"), num(e["gbps"]), num(e["gflops"]),
+                     share if not e["note"] else f"- (not counted: {e['note']})"))
+    return body
+
+
+def format_placed(entries: list[dict]) -> list[str]:
+    """``placed_cells`` as fixed-width lines."""
+    body = placed_cells(entries)
+    widths = [max(len(str(c)) for c in col) for col in zip(PLACED_HEADER, *body, strict=True)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*PLACED_HEADER), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body]

@@ -1,0 +1,134 @@
+"""perfgate.roofline: the work a call is counted to do, the machine's limits, and a row's place
+under them; then the roofline section and JSON of a perf session."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from perfgate.roofline import LIMITS_FILE, BadLimits, Limits, Work, count_work, read_limits
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+
+def test_a_matmul_reads_its_inputs_writes_its_output_and_counts_2mnk() -> None:
+    a, b = torch.randn(32, 64), torch.randn(64, 16)
+    work = count_work(lambda: a @ b)
+    assert work.bytes == 4 * (32 * 64 + 64 * 16 + 32 * 16)
+    assert work.flops == {"float32": 2 * 32 * 64 * 16}
+
+
+def test_intermediates_are_not_counted_and_bf16_flops_are_bf16() -> None:
+    a = torch.randn(8, 8, dtype=torch.bfloat16)
+    work = count_work(lambda: ((a @ a) * 2 + 1).float())  # two temporaries, one fp32 output
+    assert work.bytes == 2 * 64 + 4 * 64
+    assert work.flops == {"bfloat16": 2 * 8**3}
+
+
+def test_in_place_updates_count_read_and_written_once() -> None:
+    p, g = torch.randn(1000), torch.randn(1000)
+    work = count_work(lambda: (p.add_(g, alpha=-0.1), p.mul_(0.9)))  # p read and written once
+    assert work.bytes == 4 * 1000 * 3
+
+
+def test_foreach_lists_and_out_buffers_are_seen() -> None:
+    ps, gs = [torch.randn(100) for _ in range(3)], [torch.randn(100) for _ in range(3)]
+    assert count_work(lambda: torch._foreach_add_(ps, gs)).bytes == 4 * 100 * 9  # read p, g; write p
+    x, out = torch.randn(500), torch.empty(500)
+    assert count_work(lambda: torch.mul(x, 2, out=out)).bytes == 4 * 500 * 2  # out= written, never read
+    assert count_work(lambda: out.copy_(x)).bytes == 4 * 500 * 2
+
+
+def test_a_view_or_an_input_returned_moves_nothing_more() -> None:
+    x = torch.randn(10, 10)
+    assert count_work(lambda: x.t()).bytes == 400  # read (seen by the view op), nothing written
+    assert count_work(lambda: x).bytes == 0  # no op ran
+
+
+def test_setup_is_not_counted_and_cpu_attention_has_flops() -> None:
+    q = torch.randn(1, 2, 16, 8)
+    work = count_work(lambda t: F.scaled_dot_product_attention(t, t, t), setup=lambda: q.clone())
+    assert work.bytes == 2 * q.nbytes  # the clone is setup's; q read once, the output written once
+    assert work.flops == {"float32": 4 * 2 * 16 * 16 * 8}  # QK^T and PV: 2 * 2 * B*H*S*S*D
+
+
+def _limits(stream: float = 10.0, peak: float = 100.0) -> Limits:
+    lim = Limits("cpu", "cpu-x", None)
+    lim.values.update(stream_gbps=stream, gemm_gflops={"float32": peak})
+    return lim
+
+
+def test_a_figure_is_the_least_time_over_the_measured() -> None:
+    lim = _limits()
+    memory = lim.figure(Work(bytes=1e9), seconds=0.2)  # least 0.1 s at 10 GB/s
+    assert memory.fraction == pytest.approx(0.5) and memory.bound == "memory" and memory.gbps == pytest.approx(5.0)
+    compute = lim.figure(Work(bytes=1e6, flops={"float32": 5e10}), seconds=1.0)  # least 0.5 s at 100 GFLOP/s
+    assert compute.fraction == pytest.approx(0.5) and compute.bound == "compute"
+    assert compute.gflops == pytest.approx(50.0)
+    assert lim.figure(Work(bytes=0.0), seconds=1.0) is None  # nothing counted: no figure
+
+
+def test_limits_are_stored_read_back_and_checked(tmp_path: Path) -> None:
+    path = tmp_path / LIMITS_FILE
+    lim = _limits()
+    lim.path, lim.dirty = path, True
+    lim.save()
+    again = Limits("cpu", "cpu-x", path)
+    assert again.stream_gbps == 10.0 and again.peak("float32") == 100.0 and not again.dirty  # nothing re-measured
+    with pytest.raises(BadLimits, match="of fingerprint cpu-y"):
+        Limits("cpu", "cpu-y", path)  # another machine's
+    for damage in ("{", json.dumps({**again.values, "stream_gbps": -1.0}), json.dumps([1])):
+        path.write_text(damage)
+        with pytest.raises(BadLimits, match=str(path)):
+            read_limits(path, "cpu-x")
+    assert Limits("cpu", "cpu-x", path, remeasure=True).values["stream_gbps"] is None  # the file is not read
+
+
+def test_a_gemm_peak_is_measured_once_and_needs_a_float_dtype() -> None:
+    lim = Limits("cpu", "cpu-x", None)
+    peak = lim.peak("float32")
+    assert peak > 0 and lim.values["gemm_n"]["float32"] >= 256 and lim.dirty
+    assert lim.peak("float32") == peak
+    with pytest.raises(ValueError, match="dtype 'int32'"):
+        lim.peak("int32")
+
+
+SUITE = """
+import pytest, torch
+
+A, B = torch.randn(256, 256), torch.randn(256, 256)
+
+@pytest.mark.speedup(cpu=0.01)
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_mm(perf, impl):
+    perf((lambda: A @ B) if impl == "optimized" else (lambda: (A.double() @ B.double()).float()), label="256^2")
+"""
+
+
+@pytest.mark.timed
+def test_a_session_prints_and_stores_each_impls_place(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_mm=SUITE)
+    args = ["--perf-device", "cpu", "--benchmark-max-time=0.05", "-p", "no:cacheprovider", "--perf-contended=inf"]
+    result = pytester.runpytest(*args, "--benchmark-json=out.json")
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.re_match_lines([r"perfgate roofline at .*stream [\d.]+ GB/s, float32 GEMM [\d.]+ GFLOP/s",
+                                  r"mm\s+optimized\s+256\^2\s+[\d.]+\s+0\.8\s+0\.034\s+.*\d+% flop"])
+    section = json.loads((pytester.path / "out.json").read_text())["perfgate"]
+    (entry,) = section["roofline"]["impls"]
+    assert entry["bytes"] == 3 * 4 * 256**2 and entry["flops"] == {"float32": 2 * 256**3}
+    least = 2 * 256**3 / (section["roofline"]["limits"]["gemm_gflops"]["float32"] * 1e9)
+    assert entry["fraction"] == pytest.approx(least / (entry["ms"] / 1e3))
+    (row,) = section["speedups"]
+    assert row["roofline_bound"] == "compute" and row["roofline"] > 0
+    # the limits are kept with the fingerprint; a damaged file is named, and replaced on request
+    (stored,) = (pytester.path / ".benchmarks").glob(f"*/{LIMITS_FILE}")
+    stored.write_text("{}")
+    refused = pytester.runpytest(*args)
+    assert refused.ret == pytest.ExitCode.USAGE_ERROR
+    refused.stderr.fnmatch_lines([f"*{stored}: not perfgate's limits*--perf-remeasure-limits*"])
+    again = pytester.runpytest(*args, "--perf-remeasure-limits")
+    assert again.ret == 0, again.stdout.str()
+    assert read_limits(stored, section["slug"])["gemm_gflops"]["float32"] > 0, again.stdout.str()
