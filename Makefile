@@ -69,7 +69,7 @@ BASE ?= HEAD
 AGAINST_ARGS = $(if $(BASE),--perf-gated-only --perf-against=$(BASE),)
 bench: $(STAMP)
 	$(PYTEST) perf_tests -q --benchmark-compare --benchmark-json=bench.json $(BENCH_ARGS) $(AGAINST_ARGS) $(PERF_ARGS)
-	$(PY) -m perfgate.report $$(find .benchmarks -name "*.json" | sort) bench.json --png bench.png --quiet
+	$(PY) -m perfgate.report $$(find .benchmarks -name "*.json" ! -name limits.json | sort) bench.json --png bench.png --quiet
 
 # Save a new baseline for this machine's fingerprint, named by commit: only from a clean tree,
 # so the name says exactly which code was measured.

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .floors import FloorPolicy
-from .roofline import PLACED_HEADER, limits_line, placed_cells
+from .roofline import LIMITS_FILE, PLACED_HEADER, limits_line, placed_cells
 from .session import JSON_KEY
 from .shard import MergeError, merge
 from .stats import CONTENDED, TABLE_HEADER, format_table, gate, row_from_dict, table_cells, verdict
@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--output writes a merged run: give it with --merge")
     if args.merge and not args.json:
         parser.error("--merge needs the shards' JSON files (each shard's --benchmark-json)")
-    paths = args.json or sorted(Path(".benchmarks").rglob("*.json"))
+    # every stored run; a fingerprint's roofline limits (roofline.LIMITS_FILE) are not a run
+    paths = args.json or sorted(p for p in Path(".benchmarks").rglob("*.json") if p.name != LIMITS_FILE)
     missing = [p for p in paths if not p.is_file()]
     if missing:
         parser.error(f"no such file: {', '.join(map(str, missing))}")

@@ -291,9 +291,12 @@ def placed_cells(entries: list[dict]) -> list[tuple[str, ...]]:
     for e in entries:
         flops = sum(e["flops"].values()) if e["flops"] else None
         share = roofline_cell(e["fraction"], e["bound"])
+        if e["note"]:
+            share = f"- (not counted: {e['note']})"
+        elif e["bytes"] == 0 and not flops:  # e.g. a CUDA graph's replay, which no dispatch mode sees
+            share = "- (no torch op seen)"
         body.append((e["kernel"], e["impl"], e["label"], f"{e['ms']:.3f}", num(e["bytes"], 1e6),
-                     num(flops, 1e9, ".3f"), num(e["gbps"]), num(e["gflops"]),
-                     share if not e["note"] else f"- (not counted: {e['note']})"))
+                     num(flops, 1e9, ".3f"), num(e["gbps"]), num(e["gflops"]), share))
     return body
 
 
