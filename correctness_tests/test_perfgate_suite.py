@@ -136,12 +136,18 @@ def test_cpu_floor_holds_on_every_measured_cpu(kernel: str, impl: str, size: str
 def test_every_committed_run_is_whole_and_of_todays_cpu_fingerprint_keys() -> None:
     """The committed baselines pass perfgate's check of a stored run (a damaged one would stop
     --benchmark-compare with a usage error), and a CPU fingerprint today has exactly their keys:
-    a fingerprint differing in any key is refused, so a new key would orphan every CPU baseline."""
+    a fingerprint differing in any key is refused, so a new key would orphan every CPU baseline.
+    Each fingerprint's roofline limits, where committed, are perfgate's and of that fingerprint."""
     from perfgate.fingerprint import fingerprint
+    from perfgate.roofline import LIMITS_FILE, read_limits
     from perfgate.stored import read_run
 
-    stored = sorted((ROOT / ".benchmarks").rglob("*.json"))
+    stored = sorted((ROOT / ".benchmarks").glob("*/*/*/*.json"))  # <fingerprint>/<size>/<machine>/<run>
     assert len(stored) >= 6, stored
+    assert sorted((ROOT / ".benchmarks").rglob("*.json")) == sorted([*stored, *(ROOT / ".benchmarks").glob(
+        f"*/{LIMITS_FILE}")]), "a JSON under .benchmarks that is neither a stored run nor a fingerprint's limits"
+    for path in (ROOT / ".benchmarks").glob(f"*/{LIMITS_FILE}"):
+        read_limits(path, path.parent.name)
     runs = [read_run(path) for path in stored]
     cpu_keys = {frozenset(r["machine_info"]["perfgate"]) for r in runs if r["perfgate"]["slug"].startswith("cpu-")}
     assert cpu_keys == {frozenset(fingerprint("cpu", 2, "cache"))}

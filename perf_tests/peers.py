@@ -59,6 +59,26 @@ def opacus_norms(model: nn.Module, loss_fn: Callable, x: Tensor, y: Tensor) -> T
     return torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], 1).norm(dim=1)
 
 
+_GHOST: dict[int, nn.Module] = {}
+
+
+def opacus_ghost_norms(model: nn.Module, loss_fn: Callable, x: Tensor, y: Tensor) -> Tensor:
+    """Per-sample gradient norms as Opacus's ghost clipping (fast gradient clipping) computes them:
+    one forward and backward through ``GradSampleModuleFastGradientClipping``, whose hooks take
+    each Linear layer's norms from its activations and backprops without the gradients; (B,).
+    (Its second backward, with the clipping coefficients, belongs to a DP step, not to the norms.)"""
+    opacus = need("opacus", "opacus", "peer: opacus ghost clipping")
+    if id(model) not in _GHOST:  # wrapped once, outside the timed calls after the first
+        _GHOST.clear()
+        _GHOST[id(model)] = opacus.grad_sample.GradSampleModuleFastGradientClipping(
+            copy.deepcopy(model), batch_first=True, loss_reduction="mean", use_ghost_clipping=True).train()
+    gsm = _GHOST[id(model)]
+    for p in gsm.parameters():
+        p.grad = None
+    loss_fn(gsm(x), y).backward()
+    return gsm.get_norm_sample()
+
+
 def opacus_gram(model: nn.Module, loss_fn: Callable, x: Tensor, y: Tensor) -> Tensor:
     """Opacus's per-sample gradients flattened into E (B, P), then E @ E.T: (B, B)."""
     flat = torch.cat([g.flatten(1) for g in opacus_grads(model, loss_fn, x, y).values()], 1)
@@ -147,6 +167,7 @@ def torch_step(model: nn.Module, loss_fn: Callable, opt: torch.optim.Optimizer, 
 PEERS: dict[str, Any] = {
     "peer: opacus": opacus_grads,
     "peer: opacus norms": opacus_norms,
+    "peer: opacus ghost clipping": opacus_ghost_norms,
     "peer: opacus Gram": opacus_gram,
     "peer: opacus + OCS formulas": opacus_ocs_select,
     "peer: torch.svd_lowrank": svd_lowrank,

@@ -5,8 +5,9 @@ the kernel (~1x; the Gram's materialized row ~1.5x) (evidence/from-the-code.md).
 floors (full size) sit far under the committed H100 baseline (evidence/floors.md).
 
 Peer rows (perf_tests/peers.py): Opacus's GradSampleModule (per-layer hooks; its norms as its
-clipping computes them; its E @ E.T for the Gram), the library a user would pick for per-sample
-gradients; skipped with the reason where opacus is not installed. The "vmap" row is torch.func's
+clipping computes them; its E @ E.T for the Gram) and its ghost clipping (fast gradient clipping,
+the norms from each Linear layer's activations and backprops), the library a user would pick for
+per-sample gradients; skipped with the reason where opacus is not installed. The "vmap" row is torch.func's
 vmap(grad) recipe for every layer; "optimized vs X" rows time ours against X directly.
 """
 
@@ -83,7 +84,8 @@ def test_per_sample_grad_gram(perf, impl: str) -> None:
 
 @pytest.mark.speedup(cpu={"smoke": 8.0, "full": 20.0}, cuda={"full": 10.0})
 @pytest.mark.speedup(cpu={"smoke": 3.0}, over="peer: opacus norms")
-@pytest.mark.parametrize("impl", [*IMPLS, "peer: opacus norms"])
+@pytest.mark.speedup(over="peer: opacus ghost clipping")
+@pytest.mark.parametrize("impl", [*IMPLS, "peer: opacus norms", "peer: opacus ghost clipping"])
 def test_per_sample_grad_norms(perf, impl: str) -> None:
     fn = PEERS.get(impl) or IMPLS[impl].per_sample_grad_norms
     _time(perf, fn, reference.per_sample_grad_norms)
