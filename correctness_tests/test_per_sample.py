@@ -651,3 +651,30 @@ def test_bad_out_is_refused_clearly() -> None:
     for message, out in cases.items():
         with pytest.raises((ValueError, TypeError), match=message):
             kernels.per_sample_grads(model, F.cross_entropy, x, y, out=out)
+
+
+@pytest.mark.parametrize("case", ["ce", "ce ignored", "nll", "mse", "mse (B,)", "l1"])
+def test_batched_per_sample_losses_equal_vmaps(case: str) -> None:
+    """torch's bare losses take a batched path in the capture (layer_capture.per_sample_losses):
+    the same (B,) as the generic vmap of each sample's own loss, and vmap's where it would differ
+    (an ignored target's sample is 0/0 alone)."""
+    from torch.func import vmap
+
+    from kernels.layer_capture import per_sample_losses
+
+    g = torch.Generator().manual_seed(0)
+    o = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    fn, t = {
+        "ce": (F.cross_entropy, torch.randint(0, 5, (6,), generator=g)),
+        "ce ignored": (F.cross_entropy, torch.tensor([0, -100, 2, 3, 4, 1])),
+        "nll": (F.nll_loss, torch.randint(0, 5, (6,), generator=g)),
+        "mse": (F.mse_loss, torch.randn(6, 5, generator=g, dtype=torch.float64)),
+        "mse (B,)": (F.mse_loss, None),
+        "l1": (F.l1_loss, torch.randn(6, 5, generator=g, dtype=torch.float64)),
+    }[case]
+    if case == "mse (B,)":
+        o, t = o[:, 0], torch.randn(6, generator=g, dtype=torch.float64)
+    want = vmap(lambda a, b: fn(a.unsqueeze(0), b.unsqueeze(0)))(o, t)
+    got = per_sample_losses(fn, o, t)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    assert bool(got[1].isnan()) == (case == "ce ignored")

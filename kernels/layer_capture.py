@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import vmap
 from torch.overrides import TorchFunctionMode
@@ -142,6 +143,31 @@ def _probe(model: nn.Module, inputs: Tensor, outputs: Tensor, layers: dict[str, 
                        "dim 0, samples mix, or the forward is random")
 
 
+def per_sample_losses(loss_fn: LossFn, outputs: Tensor, targets: Tensor) -> Tensor:
+    """(B,): ``loss_fn(outputs[i:i+1], targets[i:i+1])`` for every sample i, through vmap; for
+    torch's own mean-reduced losses called bare, their ``reduction="none"`` values averaged over
+    each sample's elements, which is the same number in one batched call (vmap runs the loss's
+    Python decomposition, forward and backward)."""
+    unreduced = _unreduced(loss_fn, outputs, targets)
+    if unreduced is not None:
+        return unreduced
+    return vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(outputs, targets)
+
+
+def _unreduced(loss_fn: LossFn, outputs: Tensor, targets: Tensor) -> Tensor | None:
+    """The batched per-sample losses of ``per_sample_losses`` where ``loss_fn`` allows them, else None."""
+    if loss_fn is F.cross_entropy or loss_fn is F.nll_loss:
+        # class indices (B,) against scores (B, C); a sample whose target is the default
+        # ignore_index has mean 0/0 (NaN) alone, not 0: left to vmap, which gives that
+        if (outputs.ndim == 2 and targets.ndim == 1 and not targets.is_floating_point()
+                and not bool((targets == -100).any())):
+            return loss_fn(outputs, targets, reduction="none")
+    elif loss_fn is F.mse_loss or loss_fn is F.l1_loss:
+        if outputs.shape == targets.shape and outputs.ndim >= 1:  # no broadcasting: each sample its own
+            return loss_fn(outputs, targets, reduction="none").reshape(outputs.shape[0], -1).mean(1)
+    return None
+
+
 def capture(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
             layers: dict[str, nn.Linear]) -> dict[str, tuple[Tensor, Tensor]]:
     """Per layer: A (B, T, in) inputs and G (B, T, out) gradients of the per-sample losses.
@@ -157,7 +183,7 @@ def capture(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
         raise Fallback("a watched weight is used outside its layer, or the output is not a Tensor")
     if batch > 1:
         _probe(model, inputs, outputs, layers, seen)
-    losses = vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(outputs, targets)
+    losses = per_sample_losses(loss_fn, outputs, targets)
     if losses.shape != (batch,):
         raise ValueError(f"loss_fn must return a scalar per sample, got shape {tuple(losses.shape[1:])}")
     used = {n: calls for n, calls in seen.items() if calls}
