@@ -7,7 +7,8 @@ The floors sit under the measured spread and above a kernel that lost its fast p
 
 Peer row: rotary-embedding-torch (interleaved pairs, its cached frequencies) then SDPA, what a
 user would write instead; checked against the reference with the same (interleaved) rotation.
-Skipped, with the reason, where rotary-embedding-torch is not installed.
+Skipped, with the reason, where rotary-embedding-torch is not installed. And torch.compile of the
+reference (perf_tests/peers.py), a user's first alternative to a hand-written kernel.
 
 Ablation row on CUDA: ``optimized+cudagraphs``, the optimized call replayed from a CUDA graph,
 what launches cost a forward of tens of microseconds (perf_tests/graphs.py; skipped elsewhere).
@@ -22,8 +23,8 @@ import kernels
 import reference
 from correctness_tests.tolerances import REDUCTION, assert_close
 from perf_tests.graphs import GRAPHED, cuda_graphed
+from perf_tests.peers import COMPILED, compiled, rotary_attention
 from perf_tests.peers import ROTARY as PEER
-from perf_tests.peers import rotary_attention
 
 IMPLS = {"reference": reference, "optimized": kernels}
 
@@ -36,6 +37,8 @@ def _time(perf, impl: str, seq: int, causal: bool) -> None:
         rotary = rotary_attention(64, perf.device)
         rope = kernels.RotaryEmbedding(64, interleaved=True).to(perf.device)
         fn = lambda: rotary(q, k, v, causal=causal)
+    elif impl == COMPILED:
+        fn = lambda: compiled(reference.rope_attention)(q, k, v, rope, causal=causal)
     elif impl == GRAPHED:
         fn = cuda_graphed(lambda: kernels.rope_attention(q, k, v, rope, causal=causal), perf.device)
     else:
@@ -47,7 +50,8 @@ def _time(perf, impl: str, seq: int, causal: bool) -> None:
 @pytest.mark.speedup(cpu=1.05, cuda={"full": 1.5})
 @pytest.mark.speedup(cpu={"smoke": 0.85}, over=PEER)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("impl", [*IMPLS, PEER, GRAPHED])
+@pytest.mark.speedup(over=COMPILED)
+@pytest.mark.parametrize("impl", [*IMPLS, PEER, COMPILED, GRAPHED])
 def test_rope_attention_s128(perf, impl: str, causal: bool) -> None:
     _time(perf, impl, 128, causal)
 
@@ -55,6 +59,7 @@ def test_rope_attention_s128(perf, impl: str, causal: bool) -> None:
 @pytest.mark.speedup(cpu=1.2, cuda={"full": 1.5})
 @pytest.mark.speedup(cpu={"smoke": 0.9}, over=PEER)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("impl", [*IMPLS, PEER, GRAPHED])
+@pytest.mark.speedup(over=COMPILED)
+@pytest.mark.parametrize("impl", [*IMPLS, PEER, COMPILED, GRAPHED])
 def test_rope_attention_s512(perf, impl: str, causal: bool) -> None:
     _time(perf, impl, 512, causal)
