@@ -114,7 +114,8 @@ def test_a_session_prints_and_stores_each_impls_place(pytester: pytest.Pytester)
     args = ["--perf-device", "cpu", "--benchmark-max-time=0.05", "-p", "no:cacheprovider", "--perf-contended=inf"]
     result = pytester.runpytest(*args, "--benchmark-json=out.json")
     assert result.ret == 0, result.stdout.str()
-    result.stdout.re_match_lines([r"perfgate roofline at .*stream [\d.]+ GB/s, float32 GEMM [\d.]+ GFLOP/s",
+    result.stdout.re_match_lines([r"perfgate roofline at .*stream [\d.]+ GB/s \(writes alone [\d.]+\), float32 GEMM "
+                                  r"[\d.]+ GFLOP/s",
                                   r"mm\s+optimized\s+256\^2\s+[\d.]+\s+0\.8\s+0\.034\s+.*\d+% flop"])
     section = json.loads((pytester.path / "out.json").read_text())["perfgate"]
     (entry,) = section["roofline"]["impls"]
@@ -131,4 +132,5 @@ def test_a_session_prints_and_stores_each_impls_place(pytester: pytest.Pytester)
     refused.stderr.fnmatch_lines([f"*{stored}: not perfgate's limits*--perf-remeasure-limits*"])
     again = pytester.runpytest(*args, "--perf-remeasure-limits")
     assert again.ret == 0, again.stdout.str()
-    assert read_limits(stored, section["slug"])["gemm_gflops"]["float32"] > 0, again.stdout.str()
+    remeasured = read_limits(stored, section["slug"])
+    assert remeasured["gemm_gflops"]["float32"] > 0 and 0 < remeasured["fill_gbps"], again.stdout.str()

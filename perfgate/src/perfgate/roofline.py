@@ -166,7 +166,8 @@ class Limits:
         self.device, self.slug, self.path = device, slug, path
         self.values: dict[str, Any] = {"version": LIMITS_VERSION, "slug": slug, "device": device,
                                        "stream_gbps": None, "scale_gbps": None, "copy_gbps": None,
-                                       "triad_gbps": None, "gemm_gflops": {}, "gemm_n": {}, "measured": {}}
+                                       "triad_gbps": None, "fill_gbps": None, "gemm_gflops": {}, "gemm_n": {},
+                                       "measured": {}}
         self.dirty = False
         if path is not None and path.is_file() and not remeasure:
             self.values = read_limits(path, slug)
@@ -179,7 +180,8 @@ class Limits:
         count: the in-place scale, which has none, is the one that reaches the memory's limit."""
         if self.values["stream_gbps"] is None:
             rates = _stream(self.device)
-            self.values.update(stream_gbps=max(rates.values()), **{f"{k}_gbps": v for k, v in rates.items()})
+            best = max(v for k, v in rates.items() if k != "fill")  # fill writes only: reported beside it
+            self.values.update(stream_gbps=best, **{f"{k}_gbps": v for k, v in rates.items()})
             self.values["measured"]["stream"] = _now()
             self.dirty = True
         return float(self.values["stream_gbps"])
@@ -220,7 +222,8 @@ def limits_line(values: dict[str, Any]) -> str:
     if values.get("stream_gbps") is None:
         return "no limits measured"
     peaks = ", ".join(f"{d} GEMM {g:.1f} GFLOP/s" for d, g in sorted(values.get("gemm_gflops", {}).items()))
-    return f"stream {values['stream_gbps']:.1f} GB/s" + (f", {peaks}" if peaks else "")
+    fill = f" (writes alone {values['fill_gbps']:.1f})" if values.get("fill_gbps") else ""
+    return f"stream {values['stream_gbps']:.1f} GB/s{fill}" + (f", {peaks}" if peaks else "")
 
 
 def read_limits(path: Path, slug: str) -> dict[str, Any]:
@@ -250,13 +253,14 @@ def _best(fn: Callable[[], Any], device: str, calls: int = 5) -> float:
 
 def _stream(device: str) -> dict[str, float]:
     """GB/s of an in-place scale (a *= s), a copy (a = b) and a triad (a = b + s c) of 2**25
-    floats (128 MiB an array)."""
+    floats (128 MiB an array), and of a fill (a = s): the write bandwidth a kernel whose output
+    dominates (a B x P per-sample gradient) is held to."""
     import torch
 
     n = 2**25
     a, b, c = (torch.ones(n, device=device) for _ in range(3))
     seconds = {"scale": (2, lambda: a.mul_(1.0)), "copy": (2, lambda: a.copy_(b)),
-               "triad": (3, lambda: torch.add(b, c, alpha=1.5, out=a))}
+               "triad": (3, lambda: torch.add(b, c, alpha=1.5, out=a)), "fill": (1, lambda: a.fill_(1.0))}
     return {name: arrays * 4 * n / _best(fn, device) / 1e9 for name, (arrays, fn) in seconds.items()}
 
 
