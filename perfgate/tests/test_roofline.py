@@ -114,8 +114,8 @@ def test_a_session_prints_and_stores_each_impls_place(pytester: pytest.Pytester)
     args = ["--perf-device", "cpu", "--benchmark-max-time=0.05", "-p", "no:cacheprovider", "--perf-contended=inf"]
     result = pytester.runpytest(*args, "--benchmark-json=out.json")
     assert result.ret == 0, result.stdout.str()
-    result.stdout.re_match_lines([r"perfgate roofline at .*stream [\d.]+ GB/s \(writes alone [\d.]+\), float32 GEMM "
-                                  r"[\d.]+ GFLOP/s",
+    result.stdout.re_match_lines([r"perfgate roofline at .*stream [\d.]+ GB/s \(writes alone [\d.]+\), "
+                                  r"float32 GEMM [\d.]+ GFLOP/s",
                                   r"mm\s+optimized\s+256\^2\s+[\d.]+\s+0\.8\s+0\.034\s+.*\d+% flop"])
     section = json.loads((pytester.path / "out.json").read_text())["perfgate"]
     (entry,) = section["roofline"]["impls"]
