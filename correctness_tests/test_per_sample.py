@@ -656,8 +656,8 @@ def test_bad_out_is_refused_clearly() -> None:
 @pytest.mark.parametrize("case", ["ce", "ce ignored", "nll", "mse", "mse (B,)", "l1"])
 def test_batched_per_sample_losses_equal_vmaps(case: str) -> None:
     """torch's bare losses take a batched path in the capture (layer_capture.per_sample_losses):
-    the same (B,) as the generic vmap of each sample's own loss, and vmap's where it would differ
-    (an ignored target's sample is 0/0 alone)."""
+    the same (B,) as the generic vmap of each sample's own loss, NaN included where vmap gives it
+    (an ignored target's sample is 0/0 alone, where reduction="none" gives 0)."""
     from torch.func import vmap
 
     from kernels.layer_capture import per_sample_losses

@@ -158,10 +158,10 @@ def _unreduced(loss_fn: LossFn, outputs: Tensor, targets: Tensor) -> Tensor | No
     """The batched per-sample losses of ``per_sample_losses`` where ``loss_fn`` allows them, else None."""
     if loss_fn is F.cross_entropy or loss_fn is F.nll_loss:
         # class indices (B,) against scores (B, C); a sample whose target is the default
-        # ignore_index has mean 0/0 (NaN) alone, not 0: left to vmap, which gives that
-        if (outputs.ndim == 2 and targets.ndim == 1 and not targets.is_floating_point()
-                and not bool((targets == -100).any())):
-            return loss_fn(outputs, targets, reduction="none")
+        # ignore_index has mean 0/0 (NaN) alone, as vmap gives it, where "none" gives 0
+        if outputs.ndim == 2 and targets.ndim == 1 and not targets.is_floating_point():
+            losses = loss_fn(outputs, targets, reduction="none")
+            return torch.where(targets == -100, float("nan"), losses)
     elif loss_fn is F.mse_loss or loss_fn is F.l1_loss:
         if outputs.shape == targets.shape and outputs.ndim >= 1:  # no broadcasting: each sample its own
             return loss_fn(outputs, targets, reduction="none").reshape(outputs.shape[0], -1).mean(1)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .stats import roofline_cell
+from .stats import fixed_width, roofline_cell
 from .timing import timer_for
 
 LIMITS_FILE = "limits.json"  # in the fingerprint's storage folder, beside its sizes' baselines
@@ -306,7 +306,4 @@ def placed_cells(entries: list[dict]) -> list[tuple[str, ...]]:
 
 def format_placed(entries: list[dict]) -> list[str]:
     """``placed_cells`` as fixed-width lines."""
-    body = placed_cells(entries)
-    widths = [max(len(str(c)) for c in col) for col in zip(PLACED_HEADER, *body, strict=True)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return [fmt.format(*PLACED_HEADER), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body]
+    return fixed_width(PLACED_HEADER, placed_cells(entries))

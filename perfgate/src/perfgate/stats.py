@@ -467,7 +467,11 @@ def table_cells(rows: Sequence[dict]) -> list[tuple[str, ...]]:
 
 def format_table(rows: Sequence[dict]) -> list[str]:
     """Rows (``SpeedupRow.as_dict()``) as fixed-width text lines."""
-    header, body = TABLE_HEADER, table_cells(rows)
+    return fixed_width(TABLE_HEADER, table_cells(rows))
+
+
+def fixed_width(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
+    """A header, a rule and the rows, each column as wide as its widest cell."""
     widths = [max(len(str(c)) for c in col) for col in zip(header, *body, strict=True)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [
