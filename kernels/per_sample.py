@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from kernels import checks
+from kernels import checks, hugepages
 from kernels.ghost import GhostTerms
 from kernels.ghost import Plan as _Plan
 from kernels.layer_capture import Fallback, LossFn, capture
@@ -187,7 +187,8 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets:
     ``randomness`` is torch.func's: 'error' refuses active dropout; 'different' or 'same'.
     ``out``: tensors to write the result into (the same dict is returned), e.g. the previous
     call's result: the B x P result is then not allocated afresh on every call, which under
-    glibc's default malloc page-faults every page of it (docs/kernels/per_sample.md).
+    glibc's default malloc page-faults every page of it (in huge pages where Linux offers them:
+    kernels.hugepages).
     """
     names = check_inputs(model, loss_fn, inputs, targets, randomness, chunk_size)
     if out is not None:
@@ -227,7 +228,10 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
             # One row per sample (T = 1): the outer product g_i a_i^T as a broadcast multiply, one
             # streaming write of (B, out, in), which a K=1 bmm is not on every CPU; rows (T > 1):
             # (B, out, T) @ (B, T, in) by bmm (measured in docs/kernels/per_sample.md).
+            # A fresh result in huge pages: writing it faults 2 MiB at a time (kernels.hugepages).
             w = into.get(prefix + "weight")
+            if w is None:
+                w = hugepages.empty((batch, *m.weight.shape), like=a)
             product = torch.mul if a.shape[1] == 1 else torch.bmm
             out[prefix + "weight"] = product(g.transpose(1, 2), a, out=w)
         if m.bias is not None and m.bias.requires_grad:

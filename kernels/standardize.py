@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import checks
+from kernels import checks, hugepages
 
 # Bytes of a row block on the CPU: a few times the per-core L2, well inside the last-level cache
 # (evidence/standardize-blocks-zen3.txt).
@@ -115,7 +115,8 @@ class Standardizer:
         then the small rest): mean_ rounded to fp32 at 1e6 is 0.06 off, which would be 6% of
         unit-variance data. ``out``: a tensor like X (fp32 or fp64) to write the result into
         and return, e.g. the previous call's result: a fresh (N, D) result page-faults on every
-        call under glibc's default malloc (docs/kernels/spectral.md); not with an X that
+        call under glibc's default malloc (in huge pages where Linux offers them:
+        kernels.hugepages); not with an X that
         requires grad (out= arguments carry no gradient)."""
         acc = self._fitted(X)
         if out is not None:
@@ -126,7 +127,8 @@ class Standardizer:
             return result
         # row blocks written into the result: each block's arithmetic and its column sum (the
         # finiteness check) run on a block still in cache, X is read and the result written once
-        result = torch.empty_like(X) if out is None else out
+        # a fresh result in huge pages: writing it faults 2 MiB at a time (kernels.hugepages)
+        result = hugepages.empty(tuple(X.shape), like=X) if out is None else out
         blocks = _blocks(X, acc)
         # fp16/bf16: each block is computed in fp32 in one reused buffer, then cast into the result
         work = None if X.dtype == acc else torch.empty((blocks[0].stop, X.shape[1]), dtype=acc, device=X.device)
