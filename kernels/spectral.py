@@ -26,6 +26,7 @@ from torch import Tensor
 from kernels import checks
 
 EXACT_BELOW = 96  # min(m, n) at or under this: svdvals directly (measured crossover, module note)
+NITER = 4  # subspace iterations by default (module note)
 
 
 def _check(a: Tensor, k: int, oversample: int | None, niter: int | None, finite: bool = True) -> None:
@@ -47,6 +48,16 @@ def _check_finite(t: Tensor, what: str = "A") -> None:
 
 def _orthonormal(y: Tensor) -> Tensor:
     return torch.linalg.qr(y).Q
+
+
+def _power_iterations(a: Tensor, basis: Tensor, k: int, niter: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``niter`` subspace iterations from ``basis`` (..., m, q). Returns the basis Q, Z = A^T Q =
+    B^T (..., n, q) and the top-k singular values of B: those of Z's R factor (q x q), which the
+    QR of the next half step yields anyway, in place of an SVD of B (q x n)."""
+    for _ in range(niter):
+        basis = _orthonormal(a @ torch.linalg.qr(a.mT @ basis).Q)  # Q <- orth(A orth(A^T Q))
+    z = a.mT @ basis
+    return basis, z, torch.linalg.svdvals(torch.linalg.qr(z).R)[..., :k]
 
 
 def topk_singular_values(A: Tensor, k: int, *, oversample: int | None = None, niter: int | None = None,
@@ -73,14 +84,10 @@ def topk_singular_values(A: Tensor, k: int, *, oversample: int | None = None, ni
         y = a @ g
         # every entry of A meets a nonzero Gaussian weight here: a NaN or inf in A makes y non-finite
         _check_finite(y, "A (or A @ G, overflowed)")
-        basis = _orthonormal(y)
-        for _ in range(4 if niter is None else niter):
-            basis = _orthonormal(a @ _orthonormal(a.mT @ basis))
-        b = basis.mT @ a  # (..., q, n)
-        s = torch.linalg.svdvals(b)[..., :k]
+        basis, z, s = _power_iterations(a, _orthonormal(y), k, NITER if niter is None else niter)
         if not return_error:
             return s.to(out_dtype)
-        tail = torch.linalg.matrix_norm(a - basis @ b).unsqueeze(-1)  # ||R||_F
+        tail = torch.linalg.matrix_norm(a - basis @ z.mT).unsqueeze(-1)  # ||R||_F, R = A - Q B
         err = torch.sqrt(s.square() + tail.square()) - s
     if out_dtype != a.dtype:  # rounding to fp16/bf16 may cross the truth: widen the bound by it
         rounded = s.to(out_dtype)
