@@ -13,7 +13,7 @@ PERF_ARGS ?=
 # assertion rewrites anew. Empty, it lets the first process cache them in __pycache__.
 export PYTHONDONTWRITEBYTECODE :=
 
-.PHONY: install test lint correctness perf bench baseline report clean
+.PHONY: install test lint correctness perf bench baseline report check-pytest-benchmark clean
 
 install: $(STAMP)
 
@@ -81,5 +81,11 @@ baseline: $(STAMP)
 report: $(STAMP)
 	$(PY) -m perfgate.report --markdown docs/results.md --png bench.png
 
+# perfgate leaves pytest-benchmark alone: pytest-benchmark's own test suite fails the same tests
+# with perfgate installed as without (-p no:perfgate), in its own venv. PB_SRC: a pytest-benchmark
+# checkout or sdist; by default pip fetches the installed version's sdist (before any test runs).
+check-pytest-benchmark: $(STAMP)
+	$(PY) perfgate/scripts/check_pytest_benchmark.py --venv .venv-pytest-benchmark $(if $(PB_SRC),--source $(PB_SRC))
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis bench.json bench.png
+	rm -rf $(VENV) .venv-pytest-benchmark .pytest_cache .hypothesis bench.json bench.png

@@ -83,6 +83,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     session.config.stash[SESSION].collected(session.items)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session) -> None:
+    """Before the first test, outside pytest's warning capture: a session without perf tests
+    gets pytest-benchmark's baseline back (``PerfSession.release_compare``)."""
+    session.config.stash[SESSION].release_compare()
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     if SESSION in config.stash:
         config.stash[SESSION].unconfigure()

@@ -85,7 +85,8 @@ class PerfSession:
 
     def configure(self) -> None:
         """Before pytest-benchmark configures: hold its baseline loading until collection says
-        whether this is a perf session (its storage moves then)."""
+        whether this is a perf session (its storage moves then). In a session without one it is
+        given back before the first test (``release_compare``)."""
         if self.config.getoption("benchmark_compare", None):
             self._held_compare = compat.hold_compare(self.config)
 
@@ -145,7 +146,14 @@ class PerfSession:
             self._list_floors(items, state)
             if self.against is not None:
                 self.against.prepare(items)
-        elif self._held_compare is not None:
+
+    def release_compare(self) -> None:
+        """A session without perf tests: pytest-benchmark's --benchmark-compare loaded as its own
+        configure would have, from its own storage. Called where pytest captures no warnings
+        (before the test loop, or at unconfigure when the session stopped before it), so its
+        "Can't compare" warning and its "Comparing against" line reach stderr as they do without
+        perfgate, not the warnings summary."""
+        if self.state is None and self._held_compare is not None:
             compare, self._held_compare = self._held_compare, None
             compat.load_compare(self.config, compare, storage=None)
 
@@ -271,6 +279,7 @@ class PerfSession:
         """Give torch back the thread count (and current GPU) it had, so a session inside a process
         (pytester) does not leave the outer one at its --perf-threads (torch's, and the BLAS and
         OpenMP pools') or its --perf-device."""
+        self.release_compare()
         if self.against is not None:
             self.against.close()
         if self.state is not None:
