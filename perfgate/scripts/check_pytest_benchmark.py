@@ -28,7 +28,8 @@ from pathlib import Path
 PERFGATE = Path(__file__).resolve().parents[1]
 # pytest-benchmark's tox environment: its extras and dev group (pyproject.toml, tox.ini)
 TEST_EXTRAS = "aspect,elasticsearch,histogram"
-TEST_DEPS = ["freezegun>=1.5.5", "nbmake>=1.5.5", "pygal==3.1.3", "pygaljs==1.0.2", "hunter"]
+# pytest-xdist besides: its xdist cases skip without it, and perfgate refuses perf tests under xdist
+TEST_DEPS = ["freezegun>=1.5.5", "nbmake>=1.5.5", "pygal==3.1.3", "pygaljs==1.0.2", "hunter", "pytest-xdist"]
 
 
 def _source(given: str | None, work: Path) -> Path:
