@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import re
 
 import pytest
 from pytest_benchmark import session as benchmark_session
@@ -92,52 +91,3 @@ def test_compare_held_and_given_back_in_a_session_without_perf_tests(pytester: p
     assert result.ret == 0
     result.stdout.fnmatch_lines(["*test_sum (0001_one)*"])
 
-
-# pytest-benchmark's own compare-warning cases (its tests/test_benchmark.py, 5.x: SIMPLE_TEST and
-# the test_compare_* runs): a session without perf tests prints what pytest-benchmark alone does.
-SIMPLE_TEST = '''
-"""
-    >>> print('Yay, doctests!')
-    Yay, doctests!
-"""
-import time
-
-def test_fast(benchmark):
-    benchmark(time.sleep, 0.000001)
-'''
-COMPARE_CASES = {
-    "no files": ["--benchmark-compare", "-rw"],
-    "no files, verbose": ["--benchmark-compare", "--benchmark-verbose"],
-    "no files match": ["--benchmark-compare=1", "-rw"],
-    "non-existing": ["--benchmark-compare=0002", "-rw"],
-    "existing": ["--benchmark-compare=0001", "--benchmark-compare-fail=min:1000%"],
-    "last": ["--benchmark-compare", "--benchmark-compare-fail=min:1000%"],
-}
-
-
-def _printed(pytester: pytest.Pytester, args: list[str], perfgate: bool) -> tuple[list[str], list[str]]:
-    """The lines about the compare or a warning, in order, on stderr and on stdout (the warnings
-    summary), of one run (--benchmark-verbose's calibration lines vary run to run)."""
-    plugins = [] if perfgate else ["-p", "no:perfgate"]
-    result = pytester.runpytest_subprocess(*plugins, "-p", "no:cacheprovider", "--benchmark-max-time=0.0000001",
-                                           "--doctest-modules", *args, "test_simple.py")
-    assert result.ret == 0, result.outlines + result.errlines
-    def about_compare(lines: list[str]) -> list[str]:
-        return [line for line in lines if re.search(r"compar|warn", line, re.IGNORECASE)]
-
-    return about_compare(result.errlines), about_compare(result.outlines)
-
-
-@pytest.mark.parametrize("case", COMPARE_CASES)
-def test_compare_prints_as_pytest_benchmark_alone(pytester: pytest.Pytester, case: str) -> None:
-    """Where and what pytest-benchmark prints about --benchmark-compare (its "Can't compare" warning
-    and "Comparing against" line on stderr, nothing in the warnings summary) is the same with
-    perfgate installed as with it disabled, in a session without perf tests."""
-    pytester.makepyfile(test_simple=SIMPLE_TEST)
-    if case in ("non-existing", "existing", "last"):
-        pytester.runpytest_subprocess("-p", "no:perfgate", "-p", "no:cacheprovider", "--benchmark-autosave",
-                                      "--benchmark-max-time=0.0000001", "test_simple.py")
-    alone = _printed(pytester, COMPARE_CASES[case], perfgate=False)
-    with_perfgate = _printed(pytester, COMPARE_CASES[case], perfgate=True)
-    assert with_perfgate == alone
-    assert any("Can't compare" in line or "Comparing against" in line for line in alone[0])  # the case prints
