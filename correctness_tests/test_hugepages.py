@@ -3,6 +3,8 @@ Linux takes the advice, and left alone where it would not help."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,18 +14,7 @@ import torch
 from correctness_tests.conftest import requires_cuda
 from kernels import hugepages
 
-
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping that holds ``address`` in this process (/proc/self/smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -42,21 +33,63 @@ def test_empty_is_torch_empty_of_like() -> None:
         assert t.shape == shape and t.dtype == like.dtype and t.device == like.device and t.is_contiguous()
 
 
-@pytest.mark.usefixtures("fresh_advice")
+# Run in a fresh process: in a test worker, earlier tests may have left glibc serving large blocks
+# from a heap that an advised tensor once occupied (its flag stays), or perfgate's malloc mode on.
+IN_A_FRESH_PROCESS = """
+import torch
+from pathlib import Path
+from kernels import hugepages
+
+def vm_flags(address):
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+
+def interior(t):
+    return -(-t.data_ptr() // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE
+
+if hugepages._madvise() is None:
+    print("no advice")
+else:
+    # 64 MiB: over glibc's largest mmap threshold, so each is a fresh mapping of its own
+    advised, plain = hugepages.empty((16 << 20,), like=torch.zeros(1)), torch.empty(16 << 20)
+    advised.fill_(1.0)
+    print("hg" in vm_flags(interior(advised)), "hg" in vm_flags(interior(plain)), bool((advised == 1).all()))
+"""
+
+
 def test_interior_pages_advised_huge() -> None:
-    if hugepages._madvise() is None:
+    """A tensor from ``empty`` has its 2 MiB pages advised huge (smaps' ``hg`` flag), a plain
+    torch.empty beside it not; writing it works."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("THP_MEM_ALLOC_ENABLE", None)
+    out = subprocess.run([sys.executable, "-c", IN_A_FRESH_PROCESS], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    if out == "no advice":
         mode = Path(hugepages.THP_MODE).read_text().strip() if Path(hugepages.THP_MODE).exists() else "absent"
         pytest.skip(f"no advice taken here: {sys.platform}, THP mode {mode!r}")
-    t = hugepages.empty((4 << 20,), like=torch.zeros(1))  # 16 MiB
-    start = t.data_ptr()
-    interior = -(-start // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE
-    assert "hg" in _vm_flags(interior)
-    # A plain allocation of the same size, for contrast, is not advised.
-    plain = torch.empty(4 << 20)
-    plain_interior = -(-plain.data_ptr() // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE
-    assert "hg" not in _vm_flags(plain_interior)
-    t.fill_(1.0)
-    assert bool((t == 1.0).all())
+    assert out == "True False True"
+
+
+def test_advice_covers_the_whole_huge_pages_inside_the_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The range advised: 2 MiB-aligned, inside the tensor, every whole huge page of it."""
+    calls = []
+    monkeypatch.setattr(hugepages, "_madvise", lambda: lambda start, length, advice: calls.append((start, length,
+                                                                                                  advice)) or 0)
+    t = hugepages.empty((3 << 20,), like=torch.zeros(1))  # 12 MiB
+    ((start, length, advice),) = calls
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * 4
+    huge = hugepages.HUGE_PAGE
+    assert advice == hugepages.MADV_HUGEPAGE and start % huge == 0 and length % huge == 0
+    assert lo <= start < lo + huge and hi - huge < start + length <= hi
+    calls.clear()
+    hugepages.empty((1000,), like=torch.zeros(1))  # no whole huge page inside: no call
+    assert calls == []
 
 
 @pytest.mark.usefixtures("fresh_advice")
