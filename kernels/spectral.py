@@ -52,10 +52,10 @@ def _orthonormal(y: Tensor) -> Tensor:
 
 def _power_iterations(a: Tensor, basis: Tensor, k: int, niter: int) -> tuple[Tensor, Tensor, Tensor]:
     """``niter`` subspace iterations from ``basis`` (..., m, q). Returns the basis Q, Z = A^T Q =
-    B^T (..., n, q) and the top-k singular values of B: those of Z's R factor (q x q), which the
-    QR of the next half step yields anyway, in place of an SVD of B (q x n)."""
+    B^T (..., n, q) and the top-k singular values of B: those of Z's R factor (q x q), a QR of
+    the tall Z in place of an SVD of the wide B (q x n)."""
     for _ in range(niter):
-        basis = _orthonormal(a @ torch.linalg.qr(a.mT @ basis).Q)  # Q <- orth(A orth(A^T Q))
+        basis = _orthonormal(a @ _orthonormal(a.mT @ basis))  # Q <- orth(A orth(A^T Q))
     z = a.mT @ basis
     return basis, z, torch.linalg.svdvals(torch.linalg.qr(z).R)[..., :k]
 
