@@ -50,16 +50,26 @@ def _forward_backward(side, p: dict, dtype: torch.dtype | None = None) -> tuple[
     return out, *grads
 
 
-@given(problems(), st.sampled_from([0, KA.CPU_MATH_MAX_SEQ]))
-def test_outputs_and_gradients_equal_reference(p: dict, math_max_seq: int) -> None:
-    """Both kernel paths: SDPA (math_max_seq 0) and, on CPU fp32 up to 192 positions, the explicit one."""
-    with mock.patch.object(KA, "CPU_MATH_MAX_SEQ", math_max_seq):
+@given(problems(), st.booleans())
+def test_outputs_and_gradients_equal_reference(p: dict, explicit: bool) -> None:
+    """Both kernel paths: SDPA, and the explicit one wherever it may be taken (not causal)."""
+    with mock.patch.object(KA, "_takes_explicit", lambda q, causal: explicit and not causal):
         got = _forward_backward(kernels, p)
     want = _forward_backward(RA, p)
     assert got[0].shape == want[0].shape and got[0].dtype == want[0].dtype
     assert_close(got[0], want[0], REDUCTION, msg="out")
     # gradients on one scale: dq is ~0 where softmax has one key, yet carries the backward's rounding
     assert_dicts_close(dict(zip("qkv", got[1:], strict=True)), dict(zip("qkv", want[1:], strict=True)), REDUCTION)
+
+
+def test_explicit_path_only_where_it_measured_faster() -> None:
+    """CPU fp32, not causal, up to CPU_MATH_MAX_SEQ positions (evidence/from-the-code.md)."""
+    def q(s: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(1, 1, s, 8, dtype=dtype)
+    assert KA._takes_explicit(q(KA.CPU_MATH_MAX_SEQ), causal=False)
+    assert not KA._takes_explicit(q(KA.CPU_MATH_MAX_SEQ), causal=True)
+    assert not KA._takes_explicit(q(KA.CPU_MATH_MAX_SEQ + 1), causal=False)
+    assert not KA._takes_explicit(q(8, torch.float64), causal=False)
 
 
 @given(problems(dtypes=(torch.float32,)))

@@ -536,6 +536,17 @@ def test_number_refuses_nonfinite_bools_and_out_of_range(value: Any, kw: dict) -
         checks.number(value, "x", **kw)
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 3, (torch.float32, torch.bfloat16, torch.float64)])
+def test_nonfinite_names_exactly_the_tensors_holding_nan_or_inf(bad: float, dtypes: tuple) -> None:
+    named = {f"t{i}": torch.randn(5, 3).to(d) for i, d in enumerate(dtypes)}
+    named["ids"] = torch.arange(4)  # integers: finite by type
+    assert checks.nonfinite(named) == []
+    for i in (2, 0):  # one, then two tensors spoiled, each at one element
+        named[f"t{i}"][4 - i, 1] = bad
+        assert checks.nonfinite(named) == [f"t{j}" for j in (0, 2) if j >= i]
+
+
 def test_number_takes_numpy_and_one_element_tensors() -> None:
     assert checks.number(np.float32(0.5), "x", low=0) == 0.5
     assert checks.number(torch.tensor(0.25), "x") == 0.25

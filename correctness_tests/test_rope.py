@@ -34,6 +34,26 @@ def test_rotation_and_its_gradient_equal_reference(b, h, s, half, interleaved, o
         assert rope.max_seq_len >= s + offset
 
 
+@given(b=st.integers(1, 3), h=st.integers(1, 4), s=st.integers(1, 40), half=st.integers(1, 32),
+       interleaved=st.booleans(), per_batch=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]),
+       odd_offset=st.booleans())
+def test_paired_is_the_rotation_with_each_pair_made_neighbours(b, h, s, half, interleaved, per_batch, dtype,
+                                                               odd_offset) -> None:
+    d = 2 * half
+    base = torch.randn(b * h * s * d + 1, dtype=dtype)
+    x = (base[1:] if odd_offset else base[:-1]).view(b, h, s, d).requires_grad_(True)  # odd: no complex view
+    positions = torch.randint(0, 70, (b, s) if per_batch else (s,))
+    rope = K.RotaryEmbedding(d, max_seq_len=8, interleaved=interleaved)
+    want = R.RotaryEmbedding(d, max_seq_len=8, interleaved=interleaved)(x, positions=positions)
+    if not interleaved:  # pair i is features (i, i + D/2): they become 2i, 2i + 1
+        want = torch.stack([want[..., :half], want[..., half:]], -1).flatten(-2)
+    got = rope.paired(x, positions=positions)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert_close(got, want, ELEMENTWISE)
+    grad = torch.randn_like(got)
+    assert_close(torch.autograd.grad(got, x, grad)[0], torch.autograd.grad(want, x, grad)[0], ELEMENTWISE)
+
+
 def test_any_strides_including_a_strided_last_dim() -> None:
     base = torch.randn(2, 9, 3, 32)
     for x in (base[..., ::2], base.transpose(1, 2), base[:, ::2]):  # last-dim stride 2, (B,S,H,D) view, gaps

@@ -1,15 +1,16 @@
 """Attention with cached RoPE on ``scaled_dot_product_attention``, and the module around it.
 
-``rope_attention`` rotates q and k with a ``RotaryEmbedding`` (one fused pass each, cos/sin from
-the cache) and calls SDPA, which picks a fused kernel (flash / memory-efficient on CUDA, the
-flash CPU kernel on CPU) instead of materializing the (S, S) score matrix. Grouped-query
-attention (kv heads dividing q heads) goes to SDPA's ``enable_gqa``; causal plus a mask becomes
-one mask.
+``rope_attention`` rotates q and k with a ``RotaryEmbedding`` (cos/sin from the cache; each
+pair's features made neighbours, ``RotaryEmbedding.paired``, which turns them in one complex
+multiply and leaves every score q . k unchanged) and calls SDPA, which picks a fused kernel
+(flash / memory-efficient on CUDA, the flash CPU kernel on CPU) instead of materializing the
+(S, S) score matrix. Grouped-query attention (kv heads dividing q heads) goes to SDPA's
+``enable_gqa``; causal plus a mask becomes one mask.
 
-Except on CPU in fp32 over at most ``CPU_MATH_MAX_SEQ`` = 192 positions, where one batched matmul,
-in-place scale and mask, softmax and a second matmul measured faster than torch's flash CPU kernel
-(evidence/from-the-code.md): there grouped-query heads become extra query rows of their
-kv head (no repeated k, v). Everything else goes to SDPA.
+Except on CPU in fp32, without the causal mask, over at most ``CPU_MATH_MAX_SEQ`` = 128
+positions, where one batched matmul, in-place scale and mask, softmax and a second matmul
+measured faster than torch's flash CPU kernel (evidence/from-the-code.md): there grouped-query
+heads become extra query rows of their kv head (no repeated k, v).
 """
 
 from __future__ import annotations
@@ -68,10 +69,15 @@ def combined_mask(attn_mask: Tensor | None, causal: bool, s: int, device: torch.
     return mask
 
 
-CPU_MATH_MAX_SEQ = 192  # measured crossover (module note)
+CPU_MATH_MAX_SEQ = 128  # measured crossover (module note)
 
 
-def _math_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None) -> Tensor:
+def _takes_explicit(q: Tensor, causal: bool) -> bool:
+    """Whether ``_math_attention`` measured faster than SDPA for q (B, H, S, D) (module note)."""
+    return q.device.type == "cpu" and q.dtype == torch.float32 and not causal and q.shape[2] <= CPU_MATH_MAX_SEQ
+
+
+def _math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """softmax(q k^T / sqrt(D) + mask) v with the (S, S) scores written once and scaled and masked in
     place; q heads of one kv head become rows of one matmul. ``mask``: combined_mask's."""
     b, h, s, d = q.shape
@@ -82,8 +88,6 @@ def _math_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor 
     if mask is not None:
         m = mask.expand(b, h, s, s).reshape(b, hk, g, s, s)
         grouped.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else grouped.add_(m)
-    elif causal:
-        grouped.masked_fill_(~torch.ones(s, s, dtype=torch.bool, device=q.device).tril(), float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), v).view(b, h, s, v.shape[-1])
 
 
@@ -99,9 +103,12 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, ca
                         f"got {type(rope).__name__}")
     checks.flag(causal, "causal")
     mask = combined_mask(attn_mask, causal, q.shape[2], q.device, q.dtype)
-    q, k = rope(q, offset=offset, positions=positions), rope(k, offset=offset, positions=positions)
-    if q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[2] <= CPU_MATH_MAX_SEQ:
-        return _math_attention(q, k, v, causal, mask)
+    # q and k rotated with their pairs made neighbours (the same permutation of both: the scores
+    # are unchanged), which rotates in one complex multiply; the reference's module rotates plainly
+    turn = rope.paired if isinstance(rope, RotaryEmbedding) else rope
+    q, k = turn(q, offset=offset, positions=positions), turn(k, offset=offset, positions=positions)
+    if _takes_explicit(q, causal):
+        return _math_attention(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                           enable_gqa=k.shape[1] != q.shape[1])
 

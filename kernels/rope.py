@@ -11,10 +11,12 @@ not grow memory without bound, so tables past it are computed per call, rounded 
 then need no host sync, explicit positions and masks are checked on the host).
 
 The rotation: the textbook form x cos + rotate_half(x) sin (the reference) makes five passes and
-a concatenated copy. Here each half is written once (x_a c - x_b s, x_b c + x_a s) from cos/sin
-of D/2 columns, and the backward, a rotation by -angle, reuses the same pass: an autograd
-Function that saves nothing but the cache slice. bf16/fp16 inputs are rotated in fp32 and cast
-back.
+a concatenated copy. Here interleaved pairs are complex numbers turned by one complex multiply;
+half-split pairs have each half written once (x_a c - x_b s, x_b c + x_a s), and where only dot
+products of rotated tensors matter (attention scores), ``paired`` makes them neighbours and turns
+them in one complex multiply too. The backward, a rotation by -angle, reuses the same pass: an
+autograd Function that saves nothing but the cache slice. bf16/fp16 inputs are rotated in fp32
+and cast back.
 """
 
 from __future__ import annotations
@@ -84,17 +86,48 @@ class _Rotate(torch.autograd.Function):
         return _rotate(grad, cos, -sin, ctx.interleaved), None, None, None
 
 
+class _RotatePaired(torch.autograd.Function):
+    """y = P R(angle) x for half-split pairs, P moving pair i's two features to 2i, 2i + 1;
+    dx = R(-angle) P^T dy."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        xf = x.to(cos.dtype)
+        h = x.shape[-1] // 2
+        turned = torch.complex(xf[..., :h], xf[..., h:]).mul_(torch.complex(cos, sin))  # one pass, in place
+        return torch.view_as_real(turned).flatten(-2).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        cos, sin = ctx.saved_tensors
+        turned = _as_pairs(grad.to(cos.dtype)) * torch.complex(cos, -sin)
+        return torch.cat([turned.real, turned.imag], -1).to(grad.dtype), None, None
+
+
+def _as_pairs(x: Tensor) -> Tensor:
+    """x (..., D) as complex (..., D/2), feature pairs (2i, 2i + 1) as real and imaginary parts: a
+    view where x's layout allows one, else a copy's."""
+    pairs = x.unflatten(-1, (-1, 2))
+    if pairs.stride(-1) != 1 or pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
+        pairs = pairs.clone(memory_format=torch.contiguous_format)  # own storage: offset 0
+    return torch.view_as_complex(pairs)
+
+
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-    """One pass: each output half written once. x (B, H, S, D); cos, sin broadcast to (B, H, S, D/2)."""
+    """One pass: x (B, H, S, D); cos, sin broadcast to (B, H, S, D/2). Interleaved pairs are the
+    real and imaginary parts of complex numbers, turned by one complex multiply, a single pass
+    over contiguous memory; half-split pairs are each half written once (x_a c - x_b s,
+    x_b c + x_a s), four ops over half rows."""
     ct = cos.dtype
     xf = x if x.dtype == ct else x.to(ct)
-    h = x.shape[-1] // 2
     if interleaved:
-        a, b = xf[..., 0::2], xf[..., 1::2]
-    else:
-        a, b = xf[..., :h], xf[..., h:]
+        out = torch.view_as_real(_as_pairs(xf) * torch.complex(cos, sin)).flatten(-2)
+        return out if x.dtype == ct else out.to(x.dtype)
+    h = x.shape[-1] // 2
+    a, b = xf[..., :h], xf[..., h:]
     out = torch.empty(xf.shape, dtype=ct, device=x.device)
-    oa, ob = (out[..., 0::2], out[..., 1::2]) if interleaved else (out[..., :h], out[..., h:])
+    oa, ob = out[..., :h], out[..., h:]
     torch.mul(a, cos, out=oa)
     oa.addcmul_(b, sin, value=-1.0)
     torch.mul(b, cos, out=ob)
@@ -181,6 +214,16 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: Tensor, *, offset: int = 0, positions: Tensor | None = None) -> Tensor:
         cos, sin = self.tables(x, offset, positions)
         return _Rotate.apply(x, cos, sin, self.interleaved)
+
+    def paired(self, x: Tensor, *, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        """P R(x): the rotation with each pair's two features made neighbours (2i, 2i + 1), for
+        dot products between two tensors rotated alike (attention scores): one permutation P of
+        both leaves every dot product unchanged, and adjacent pairs rotate in one complex multiply.
+        The same as ``forward`` for interleaved pairs."""
+        if self.interleaved:
+            return self(x, offset=offset, positions=positions)
+        cos, sin = self.tables(x, offset, positions)
+        return _RotatePaired.apply(x, cos, sin)
 
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, base={self.base}, "
