@@ -155,10 +155,7 @@ class PerfCase:
                  variant: str | None = None) -> Any:
         """Time ``fn()``, or ``fn(setup())`` with a fresh setup each round, untimed (the class's note)."""
         state, bench, node = self._state, self._benchmark, self._request.node
-        if state.settings.gated_only and not _needed(node, state, self.impl):
-            state.tally.not_timed.append(f"{self.kernel} [{self.impl}]")
-            pytest.skip(f"{self.kernel} [{self.impl}]: no floor or stored baseline judges it here "
-                        "(--perf-gated-only; a session without it times it)")
+        self._skip_unjudged()
         state.probes.pin_threads()  # a peer's BLAS pool loads at its first use: at the session's threads too
         timed, call = self._callables(fn, setup)
         if bench.disabled:  # --benchmark-disable or xdist: pytest-benchmark runs it once
@@ -169,12 +166,7 @@ class PerfCase:
         bench.extra_info.update(kernel=self.kernel, impl=self.impl, size=self.size, label=label,
                                 device=self.device, first_call_ms=1e3 * first)
         times, result = self._time_rounds((timed, setup), rounds, warmup_rounds)
-        # interleaved pairs for a speedup a rule judges (under --perf-gated-only; else for every row)
-        paired, later, load = None, None, []
-        speedup_judged = (not state.settings.gated_only
-                          or _judged(node, state, self.impl, None, variant, ("speedup",)))
-        if self.impl != REFERENCE and (self.kernel, REFERENCE) in state.runners and speedup_judged:
-            paired, later, load = self._pair(REFERENCE, self.impl, rounds)
+        paired, later, load = self._pair_with_reference(variant, rounds)
         peak = self._peak(fn, setup)
         work, work_note = self._work(fn, setup)
         bench.extra_info.update(peak_memory_bytes=peak, work_bytes=work_bytes,
@@ -191,6 +183,23 @@ class PerfCase:
         self._set_floors(self.impl, variant)
         self._compare_with_peers(rounds)
         return result
+
+    def _skip_unjudged(self) -> None:
+        """Under --perf-gated-only, skip an impl no floor or stored baseline judges."""
+        state, node = self._state, self._request.node
+        if state.settings.gated_only and not _needed(node, state, self.impl):
+            state.tally.not_timed.append(f"{self.kernel} [{self.impl}]")
+            pytest.skip(f"{self.kernel} [{self.impl}]: no floor or stored baseline judges it here "
+                        "(--perf-gated-only; a session without it times it)")
+
+    def _pair_with_reference(self, variant: str | None, rounds: int) -> tuple:
+        """Interleaved pairs against the reference for a speedup a rule judges (under
+        --perf-gated-only; else for every row): ``_pair``'s (paired, later, load), or no pairs."""
+        state, node = self._state, self._request.node
+        judged = not state.settings.gated_only or _judged(node, state, self.impl, None, variant, ("speedup",))
+        if self.impl != REFERENCE and (self.kernel, REFERENCE) in state.runners and judged:
+            return self._pair(REFERENCE, self.impl, rounds)
+        return None, None, []
 
     def _callables(self, fn: Callable[..., Any], setup: Callable[[], Any] | None) -> tuple[Callable, Callable]:
         """What the timer calls (``fn``, or what a plugin's ``pytest_perfgate_wrap_timed`` made of

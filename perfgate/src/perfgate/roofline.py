@@ -64,6 +64,55 @@ def _extra_flops() -> dict[Any, Callable[..., float]]:
     return extra
 
 
+def _written(func: Any, args: tuple, kwargs: dict) -> tuple[set[int], set[int]]:
+    """The ids of the tensors an op writes, and of those it writes without reading them first
+    (an ``out=`` argument, the first argument of copy_, fill_ or zero_)."""
+    import torch
+
+    overwrites = {torch.ops.aten.copy_, torch.ops.aten.fill_, torch.ops.aten.zero_}
+    writes, pure = set(), set()
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in value if isinstance(value, (list, tuple)) else [value]:  # a _foreach_ op's lists
+            if isinstance(t, torch.Tensor):
+                writes.add(id(t))
+                if arg.is_out or (i == 0 and func._overloadpacket in overwrites):
+                    pure.add(id(t))
+    return writes, pure
+
+
+class _Traffic:
+    """What one call's ops read, wrote and made, by storage, and their FLOPs by dtype."""
+
+    def __init__(self) -> None:
+        self.read: dict[int, int] = {}  # storages that existed before the call, bytes read
+        self.written: dict[int, int] = {}  # of those, bytes written in place
+        self.made: set[int] = set()  # storages the call made, or overwrote before reading
+        self.flops: dict[str, float] = {}
+
+    def note_inputs(self, tensors: list, writes: set[int], pure: set[int]) -> None:
+        for t in tensors:
+            where = _storage(t)
+            if where is None or where[0] in self.made:
+                continue
+            nbytes = min(t.nbytes, where[1])
+            if id(t) in pure and where[0] not in self.read:  # first touched by an overwrite
+                self.made.add(where[0])
+                self.written[where[0]] = nbytes
+                continue
+            self.read[where[0]] = max(self.read.get(where[0], 0), nbytes)
+            if id(t) in writes:
+                self.written[where[0]] = max(self.written.get(where[0], 0), nbytes)
+
+    def note_outputs(self, values: list) -> None:
+        for t in values:
+            where = _storage(t) if hasattr(t, "untyped_storage") else None
+            if where is not None and where[0] not in self.read:
+                self.made.add(where[0])
+
+
 def _counter() -> Any:
     """A ``TorchDispatchMode`` that sees every op one call makes (made here: torch loads on use)."""
     import torch
@@ -72,53 +121,23 @@ def _counter() -> Any:
     from torch.utils.flop_counter import flop_registry
 
     formulae = {**flop_registry, **_extra_flops()}
-    aten = torch.ops.aten
-    pure_writes = {aten.copy_, aten.fill_, aten.zero_}  # ops that overwrite their first argument unread
 
-    class Counter(TorchDispatchMode):
+    class Counter(TorchDispatchMode, _Traffic):
         def __init__(self) -> None:
-            super().__init__()
-            self.read: dict[int, int] = {}  # storages that existed before the call, bytes read
-            self.written: dict[int, int] = {}  # of those, bytes written in place
-            self.made: set[int] = set()  # storages the call made, or overwrote before reading
-            self.flops: dict[str, float] = {}
+            TorchDispatchMode.__init__(self)
+            _Traffic.__init__(self)
 
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
             kwargs = kwargs or {}
-            # which arguments the op writes, and which of those it writes without reading (out=, copy_)
-            writes, pure = set(), set()
-            for i, arg in enumerate(func._schema.arguments):
-                if arg.alias_info is None or not arg.alias_info.is_write:
-                    continue
-                value = args[i] if i < len(args) else kwargs.get(arg.name)
-                for t in value if isinstance(value, (list, tuple)) else [value]:  # a _foreach_ op's lists
-                    if isinstance(t, torch.Tensor):
-                        writes.add(id(t))
-                        if arg.is_out or (i == 0 and func._overloadpacket in pure_writes):
-                            pure.add(id(t))
             flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            for t in flat:
-                where = _storage(t)
-                if where is None or where[0] in self.made:
-                    continue
-                nbytes = min(t.nbytes, where[1])
-                if id(t) in pure and where[0] not in self.read:  # first touched by an overwrite
-                    self.made.add(where[0])
-                    self.written[where[0]] = nbytes
-                    continue
-                self.read[where[0]] = max(self.read.get(where[0], 0), nbytes)
-                if id(t) in writes:
-                    self.written[where[0]] = max(self.written.get(where[0], 0), nbytes)
+            self.note_inputs(flat, *_written(func, args, kwargs))
             out = func(*args, **kwargs)
             formula = formulae.get(func._overloadpacket)
             if formula is not None:
                 floating = (str(t.dtype).removeprefix("torch.") for t in flat if t.is_floating_point())
                 dtype = next(floating, "float32")
                 self.flops[dtype] = self.flops.get(dtype, 0.0) + float(formula(*args, **kwargs, out_val=out))
-            for t in tree_flatten(out)[0]:
-                where = _storage(t) if isinstance(t, torch.Tensor) else None
-                if where is not None and where[0] not in self.read:
-                    self.made.add(where[0])
+            self.note_outputs(tree_flatten(out)[0])
             return out
 
     return Counter()

@@ -349,7 +349,7 @@ class PerfSession:
             "durations": state.tally.durations,  # seconds per test function, setup to teardown: shards' weights
             "speedups": [r.as_dict() for r in state.rows],
             # this machine's measured limits and each impl's place under them (roofline.py)
-            "roofline": {"limits": state.limits.values if state.limits else None, "impls": state.figures},
+            "roofline": {"limits": state.limits.values if state.limits else None, "impls": state.tally.figures},
             # declared floors whose rows were not measured (deselected, skipped, failed, ...), and why
             "unmeasured_floors": [u.as_dict() for u in self.floors_unmeasured],
         }
@@ -370,7 +370,7 @@ class PerfSession:
                 state.interrupted = True
             state.tally.tests_failed = session.testsfailed
             state.compute_rows()
-            state.figures = state.placed()  # every limit a figure needs is measured here, then stored
+            state.tally.figures = state.placed()  # every limit a figure needs is measured here, then stored
             state.limits.save()
             if self.against is not None and not state.interrupted:
                 self.against.run(state)  # after the rows: compute_rows freed the session's callables
@@ -480,13 +480,13 @@ class PerfSession:
         from .roofline import format_placed
 
         state = self.state
-        if state.limits is None or not any(e["fraction"] is not None or e["note"] for e in state.figures):
+        if state.limits is None or not any(e["fraction"] is not None or e["note"] for e in state.tally.figures):
             return
         threads = state.settings.threads or "default"
         tr.write_line(f"perfgate roofline at {threads} thread(s): {state.limits.line()} "
                       f"({state.limits.path or 'not stored'}); roofline = max(bytes moved / stream, "
                       "GFLOP / GEMM peak) over the impl's median, 100% the machine's limit (docs/perfgate.md)")
-        for line in format_placed(state.figures):
+        for line in format_placed(state.tally.figures):
             tr.write_line(line)
 
     def _baseline_note(self, tr: Any, rows: list) -> None:

@@ -140,6 +140,7 @@ class Tally:
     tests_failed: int = 0  # tests of the session that failed (an assertion, not the gate)
     unmeasured: int = 0  # perf calls that ran with benchmarks disabled
     not_timed: list[str] = field(default_factory=list)  # "kernel [impl]" --perf-gated-only left untimed
+    figures: list[dict] = field(default_factory=list)  # the roofline figures, GateState.placed at the end
 
 
 @dataclass
@@ -158,7 +159,6 @@ class GateState:
     shard: dict | None = None  # --perf-shard: index, count, plan digest, this shard's test functions
     interrupted: bool = False  # Ctrl-C: no later visits, no extensions
     limits: Limits | None = None  # this machine's bandwidth and GEMM peaks, for the roofline figures
-    figures: list[dict] = field(default_factory=list)  # GateState.placed at the session's end
 
     def revisit(self) -> None:
         """Time every impl's later visits, in passes over all impls (visit 2 of each, then visit 3
