@@ -72,6 +72,17 @@ def test_explicit_path_only_where_it_measured_faster() -> None:
     assert not KA._takes_explicit(q(8, torch.float64), causal=False)
 
 
+def test_a_subclass_with_its_own_forward_rotates_through_it() -> None:
+    """The paired rotation stands in for RotaryEmbedding.forward only: an override is called."""
+    class Unrotated(kernels.RotaryEmbedding):
+        def forward(self, x, *, offset=0, positions=None):
+            return x
+
+    q, k, v = (torch.randn(2, 2, 6, 8) for _ in range(3))
+    want = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5, -1) @ v
+    assert_close(kernels.rope_attention(q, k, v, Unrotated(8)), want, REDUCTION)
+
+
 @given(problems(dtypes=(torch.float32,)))
 def test_bf16_against_fp64_oracle(p: dict) -> None:
     got = _forward_backward(kernels, p, torch.bfloat16)

@@ -104,8 +104,10 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, ca
     checks.flag(causal, "causal")
     mask = combined_mask(attn_mask, causal, q.shape[2], q.device, q.dtype)
     # q and k rotated with their pairs made neighbours (the same permutation of both: the scores
-    # are unchanged), which rotates in one complex multiply; the reference's module rotates plainly
-    turn = rope.paired if isinstance(rope, RotaryEmbedding) else rope
+    # are unchanged), which rotates in one complex multiply; a module with a forward of its own
+    # (the reference's, a subclass's) rotates through it
+    ours = isinstance(rope, RotaryEmbedding) and type(rope).forward is RotaryEmbedding.forward
+    turn = rope.paired if ours else rope
     q, k = turn(q, offset=offset, positions=positions), turn(k, offset=offset, positions=positions)
     if _takes_explicit(q, causal):
         return _math_attention(q, k, v, mask)
