@@ -26,7 +26,8 @@ def _matrix(m: int, n: int, values: torch.Tensor, seed: int, batch: tuple = ()) 
        batch=st.sampled_from([(), (3,)]), seed=st.integers(0, 2**16))
 def test_decaying_spectrum_each_value_within_1e4_relative(m, n, k, ratio, batch, seed) -> None:
     """sigma_i = ratio^i: with q = k + max(k, 10) and 4 power iterations the k-th value's error
-    scales like (sigma_q+1 / sigma_k)^9 <= (0.9^11)^9 ~ 3e-5 at worst here: 1e-4 relative."""
+    scales like (sigma_q+1 / sigma_k)^9 <= (0.9^11)^9 ~ 3e-5 at worst here: 1e-4 relative (the
+    iterations stop early only within SETTLED eps of that: the next test)."""
     values = ratio ** torch.arange(min(m, n), dtype=torch.float64)
     a = _matrix(m, n, values, seed, batch)
     got, err = KS.topk_singular_values(a, k, generator=torch.Generator().manual_seed(seed), return_error=True)
@@ -36,6 +37,40 @@ def test_decaying_spectrum_each_value_within_1e4_relative(m, n, k, ratio, batch,
     assert bool((want - got <= err + 1e-6 * want[..., :1]).all()), "the bound covers the truth"
     if ratio <= 0.7:  # a steep spectrum is certified: the bound is informative, not just valid
         assert bool((err <= 1e-2 * want).all()), (err / want).max()
+
+
+@given(m=st.integers(100, 260), n=st.integers(100, 260), k=st.integers(1, 12), ratio=st.floats(0.3, 0.97),
+       low_rank=st.booleans(), seed=st.integers(0, 2**16))
+def test_stopping_early_costs_at_most_settled_eps_an_iteration_skipped(m, n, k, ratio, low_rank, seed) -> None:
+    """With the same test matrix, the values where the iterations settle (niter=None) are those of
+    the iteration they stopped at (niter=j, bit for bit), and at most (4 - j) SETTLED eps (s_i +
+    FLOOR s_1) under the values all 4 iterations give: the
+    accuracy of the full run, which is torch.svd_lowrank's at niter=4. Low rank: a rank-6 matrix
+    with its values past the rank at the rounding floor."""
+    r = min(m, n, 6) if low_rank else min(m, n)
+    a = _matrix(m, n, ratio ** torch.arange(r, dtype=torch.float64), seed)
+    def run(niter: int | None) -> torch.Tensor:
+        return KS.topk_singular_values(a, k, niter=niter, generator=torch.Generator().manual_seed(seed))
+    got, full = run(None), run(KS.NITER)
+    stopped_at = next(j for j in range(KS.NITER + 1) if torch.equal(run(j), got))
+    eps = torch.finfo(torch.float32).eps
+    behind = ((full - got) / (full + KS.FLOOR * full[0])).max().item()
+    assert behind <= (KS.NITER - stopped_at) * KS.SETTLED * eps + 2 * eps, (stopped_at, behind)
+
+
+def test_iterations_stop_where_the_spectrum_decays_and_not_where_it_is_flat() -> None:
+    """512 x 512, top 10 (the perf test's matrix): 0.5^i settles after 1 iteration, 0.9^i after 3,
+    0.95^i and a flat 1..0.5 spectrum run all 4; an explicit niter runs exactly that many."""
+    def run(a: torch.Tensor, niter: int | None) -> torch.Tensor:
+        return KS.topk_singular_values(a, 10, niter=niter, generator=torch.Generator().manual_seed(1))
+
+    for ratio, stops in ((0.5, 1), (0.9, 3), (0.95, 4), (None, 4)):
+        values = (torch.linspace(1, 0.5, 512, dtype=torch.float64) if ratio is None
+                  else ratio ** torch.arange(512, dtype=torch.float64))
+        a = _matrix(512, 512, values, 0)
+        got = run(a, None)
+        assert torch.equal(got, run(a, stops)), ratio
+        assert all(not torch.equal(got, run(a, j)) for j in range(stops)), ratio
 
 
 @given(m=st.integers(100, 260), n=st.integers(100, 260), k=st.integers(1, 12), seed=st.integers(0, 2**16))

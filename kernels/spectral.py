@@ -10,9 +10,26 @@ discarded tail, and the power iterations make the values far more accurate than 
 so it certifies a steep spectrum (0.7^i: 4e-4 relative on the 10th value) and flags a flat one,
 where the fast path is indeed inexact.
 
-Defaults: q = 2k (at least 10 extra columns; Halko et al. advise 5-10) and 4 power iterations,
-the best time/error trade measured on CPU; the exact ``svdvals`` when min(m, n) <= ``EXACT_BELOW``
-= 96, where it measured faster, or q >= min(m, n) / 2 (evidence/from-the-code.md).
+Defaults: q = 2k (at least 10 extra columns; Halko et al. advise 5-10) and up to 4 power
+iterations, the best time/error trade measured on CPU; the exact ``svdvals`` when min(m, n) <=
+``EXACT_BELOW`` = 96, where it measured faster, or q >= min(m, n) / 2 (evidence/from-the-code.md).
+With ``niter`` left as None the iterations stop once the values have settled: each iteration's
+estimates are the singular values of the q x q R factor of the QR it takes anyway, they only rise
+(each is a lower bound), and the rises shrink geometrically. A rise is measured against s_i +
+``FLOOR`` s_1: relative for the leading values, while the values far under s_1, known only to the
+rounding of A itself (about eps s_1) that no iteration resolves, cannot keep the iterations going.
+It stops when the last rise is at most ``SETTLED`` eps, or from the third iteration when the
+geometric remainder rise c / (1 - c), c the ratio of the last two rises (under 1/2), is. While the
+rises shrink, stopping after j iterations leaves each value at most (4 - j) SETTLED eps (s_i +
+FLOOR s_1) under what 4 would give: a steep spectrum stops after 1-3 (0.9^i: 3), a flat one runs
+all 4, and an explicit ``niter`` runs exactly that many. The checks cost a q x q SVD
+each, so they stop where the spectrum (s_q / s_k from the same values) says the values cannot
+settle before the last iteration. This is a convergence test, not a certificate:
+``return_error``'s bound stays the rigorous one (it counts all of the discarded tail, so it
+cannot certify a value to 1e-6 on any but the steepest spectra).
+A^T Q for a row-major A is computed as (Q^T A)^T: the same product in the layout MKL runs
+1.4-1.5x faster for a tall-skinny Q, and its result is the column-major input the next QR takes
+without a copy (a wide A, transposed to tall, the other way round).
 fp16/bf16 input is computed in fp32.
 """
 
@@ -20,13 +37,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from kernels import checks
 
 EXACT_BELOW = 96  # min(m, n) at or under this: svdvals directly (measured crossover, module note)
-NITER = 4  # subspace iterations by default (module note)
+NITER = 4  # the most subspace iterations by default (module note)
+FLOOR = 1 / 16  # values under FLOOR s_1 have their rises measured against FLOOR s_1 (module note)
+SETTLED = 8  # x eps: the largest rise, relative, after which the iterations stop (module note)
 
 
 def _check(a: Tensor, k: int, oversample: int | None, niter: int | None, finite: bool = True) -> None:
@@ -50,14 +70,72 @@ def _orthonormal(y: Tensor) -> Tensor:
     return torch.linalg.qr(y).Q
 
 
-def _power_iterations(a: Tensor, basis: Tensor, k: int, niter: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``niter`` subspace iterations from ``basis`` (..., m, q). Returns the basis Q, Z = A^T Q =
+def _times(a: Tensor, x: Tensor) -> Tensor:
+    """a @ x for a tall-skinny x, in the layout MKL runs faster (module note): directly where a's
+    rows are contiguous, else as (x^T a^T)^T."""
+    return a @ x if a.stride(-1) == 1 else (x.mT @ a.mT).mT
+
+
+def _values(r: Tensor) -> Tensor:
+    """The singular values of Q^T A (..., q), descending, from the R factor (..., q, q) of A^T Q's QR."""
+    return torch.linalg.svdvals(r)
+
+
+class _Watch:
+    """Each iteration's values against the last's, to stop the iterations once they settle (module
+    note). The arithmetic on the few (..., q) values runs on the host in numpy: as torch ops it
+    would cost more than the q x q SVD."""
+
+    def __init__(self, values: Tensor, k: int, niter: int) -> None:
+        self.k, self.niter, self.rise = k, niter, np.inf
+        self.tol = SETTLED * torch.finfo(values.dtype).eps
+        self.tiny = torch.finfo(values.dtype).tiny  # a zero matrix: rise 0, not 0 / 0
+        self.on = self._can_settle(values.detach().cpu().numpy(), 0)
+
+    def settled(self, values: Tensor, i: int) -> bool:
+        """After iteration ``i`` (1-based): whether its rise ends the iterations."""
+        every = values.detach().cpu().numpy()
+        now, self.last = every[..., : self.k], self.last[..., : self.k]
+        rise = float(((now - self.last) / (now + FLOOR * now[..., :1] + self.tiny)).max())  # every value
+        # the ratio of the last two rises; the first iteration's rise is the random start's transient
+        c = rise / self.rise if i > 2 and self.rise > 0 else 1.0
+        self.rise = rise
+        if rise <= self.tol or (c < 0.5 and rise * c / (1 - c) <= self.tol):
+            return True
+        self.on = self._can_settle(every, i)
+        return False
+
+    def _can_settle(self, every: np.ndarray, i: int) -> bool:
+        """Whether the values can settle before the last iteration: the k-th value's error shrinks
+        about c = (s_q / s_k)^4 an iteration, so from the rise of iteration ``i`` the remainder after
+        iteration niter - 1 is about rise c^(niter - 1 - i) c / (1 - c). A flat spectrum (c >= 1/2)
+        runs all iterations without further checks."""
+        self.last = every
+        c = float((every[..., -1] / (every[..., self.k - 1] + self.tiny)).max()) ** 4
+        if c >= 0.5 or i >= self.niter - 1:
+            return False
+        if i == 0:  # no rise yet
+            return True
+        return self.rise * c ** (self.niter - 1 - i) * c / (1 - c) <= self.tol
+
+
+def _power_iterations(a: Tensor, basis: Tensor, k: int, niter: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Subspace iterations Q <- orth(A orth(A^T Q)) from ``basis`` (..., m, q): ``niter`` of
+    them, or up to ``NITER`` until the values settle when None. Returns the basis Q, Z = A^T Q =
     B^T (..., n, q) and the top-k singular values of B: those of Z's R factor (q x q), a QR of
     the tall Z in place of an SVD of the wide B (q x n)."""
-    for _ in range(niter):
-        basis = _orthonormal(a @ _orthonormal(a.mT @ basis))  # Q <- orth(A orth(A^T Q))
-    z = a.mT @ basis
-    return basis, z, torch.linalg.svdvals(torch.linalg.qr(z).R)[..., :k]
+    z = _times(a.mT, basis)  # Z = A^T Q
+    w, r = torch.linalg.qr(z)
+    watch = _Watch(_values(r), k, NITER) if niter is None else None
+    for i in range(1, (NITER if niter is None else niter) + 1):
+        basis = _orthonormal(_times(a, w))
+        z = _times(a.mT, basis)
+        w, r = torch.linalg.qr(z)
+        if watch is not None and watch.on:
+            values = _values(r)
+            if watch.settled(values, i):
+                return basis, z, values[..., :k]
+    return basis, z, _values(r)[..., :k]
 
 
 def topk_singular_values(A: Tensor, k: int, *, oversample: int | None = None, niter: int | None = None,
@@ -81,10 +159,10 @@ def topk_singular_values(A: Tensor, k: int, *, oversample: int | None = None, ni
         if m < n:  # work with the tall orientation: the range finder's cost is in n
             a = a.mT
         g = torch.randn(*a.shape[:-2], a.shape[-1], q, dtype=a.dtype, device=a.device, generator=generator)
-        y = a @ g
+        y = _times(a, g)
         # every entry of A meets a nonzero Gaussian weight here: a NaN or inf in A makes y non-finite
         _check_finite(y, "A (or A @ G, overflowed)")
-        basis, z, s = _power_iterations(a, _orthonormal(y), k, NITER if niter is None else niter)
+        basis, z, s = _power_iterations(a, _orthonormal(y), k, niter)
         if not return_error:
             return s.to(out_dtype)
         tail = torch.linalg.matrix_norm(a - basis @ z.mT).unsqueeze(-1)  # ||R||_F, R = A - Q B
