@@ -539,6 +539,31 @@ def test_bad_inputs_are_refused_clearly(side, name: str) -> None:
         fn(frozen, F.cross_entropy, x, y)
 
 
+@pytest.mark.parametrize("name", FUNCS)
+@pytest.mark.parametrize("arch", ["mlp", "conv"])
+def test_a_loss_that_uses_a_parameter_itself_is_refused(name: str, arch: str) -> None:
+    """Weight decay inside loss_fn: the reference's loop differentiates it, while the identity and
+    torch.func differentiate the loss through the model's output only (before this check the
+    kernel returned the first layer's gradients without the term, 0.35 off). Refused, naming the
+    parameter; the same term on a detached weight contributes no gradient and is computed."""
+    torch.manual_seed(0)
+    if arch == "mlp":
+        model, x = MLP([8, 16, 3]), torch.randn(5, 8)
+    else:
+        model, x = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(32, 3)), torch.randn(5, 1, 6, 6)
+    y = torch.randint(0, 3, (5,))
+    first = next(model.parameters())
+    fn = getattr(kernels, name)
+    with pytest.raises(ValueError, match=r"loss_fn uses model parameter\(s\) \['[^']*0\.weight'\] itself"):
+        fn(model, lambda o, t: F.cross_entropy(o, t) + 0.5 * first.pow(2).sum(), x, y)
+    detached = lambda o, t: F.cross_entropy(o, t) + 0.5 * first.detach().pow(2).sum()  # noqa: E731
+    got, want = fn(model, detached, x, y), getattr(reference, name)(model, detached, x, y)
+    if isinstance(want, dict):
+        assert_dicts_close(got, want, ELEMENTWISE)
+    else:
+        assert_close(got, want, REDUCTION)
+
+
 @pytest.mark.parametrize("side", [kernels, reference], ids=["kernels", "reference"])
 @pytest.mark.parametrize("randomness", ["different", "same"])
 def test_dropout_randomness_modes(side, randomness: str) -> None:

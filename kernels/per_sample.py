@@ -28,7 +28,7 @@ from torch.func import functional_call, grad, vmap
 from kernels import checks, hugepages
 from kernels.ghost import GhostTerms
 from kernels.ghost import Plan as _Plan
-from kernels.layer_capture import Fallback, LossFn, capture
+from kernels.layer_capture import BARE_LOSSES, Fallback, LossFn, capture, loss_parameters, refuse_loss_parameters
 
 RANDOMNESS = ("error", "different", "same")
 
@@ -130,7 +130,14 @@ def _terms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
 
 def _vmap_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
                 names: list[str], randomness: str, chunk_size: int | None) -> dict[str, Tensor]:
-    """Per-sample gradients of ``names`` by vmap(grad); other parameters held constant."""
+    """Per-sample gradients of ``names`` by vmap(grad); other parameters held constant. A loss_fn
+    of the user's own is first run on sample 0's output (RNG state kept), to refuse one that uses
+    a parameter itself, which functional_call would differentiate without that term."""
+    if loss_fn not in BARE_LOSSES:
+        with torch.random.fork_rng(devices=[inputs.device] if inputs.device.type == "cuda" else []):
+            out = model(inputs[:1])
+        if isinstance(out, Tensor) and out.requires_grad:
+            refuse_loss_parameters(loss_parameters(loss_fn(out, targets[:1]), out, model))
     params = dict(model.named_parameters())
     diff = {n: params[n].detach() for n in names}
     const = {n: p.detach() for n, p in params.items() if n not in diff}
