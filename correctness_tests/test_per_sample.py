@@ -703,3 +703,34 @@ def test_batched_per_sample_losses_equal_vmaps(case: str) -> None:
     got = per_sample_losses(fn, o, t)
     torch.testing.assert_close(got, want, equal_nan=True)
     assert bool(got[1].isnan()) == (case == "ce ignored")
+
+
+class _CalledTwice(nn.Module):
+    """One Linear called twice (legal: T = 2 rows per sample), or also read by F.linear outside it."""
+
+    def __init__(self, outside: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.outside = nn.Linear(6, 6), nn.Linear(6, 3), outside
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.b(torch.tanh(self.a(torch.tanh(self.a(x)))))
+        return out + F.linear(x, self.a.weight)[:, :3] if self.outside else out
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_weight_use_check_reads_the_graph_under_autocast(autocast: bool) -> None:
+    """Under autocast a weight's bf16 copy is cached and shared by its calls: repeated calls keep
+    the identity, and a use outside the layer that reads the same cached copy is still caught."""
+    from kernels.layer_capture import Fallback, capture
+
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    for outside in (False, True):
+        model = _CalledTwice(outside)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if outside:
+                with pytest.raises(Fallback, match="a: its weight is used outside"):
+                    capture(model, F.cross_entropy, x, y, {"a": model.a, "b": model.b})
+            else:
+                terms = capture(model, F.cross_entropy, x, y, {"a": model.a, "b": model.b})
+                assert terms["a"][0].shape == (5, 2, 6) and terms["b"][0].shape == (5, 1, 6)
