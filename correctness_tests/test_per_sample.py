@@ -554,7 +554,7 @@ def test_a_loss_that_uses_a_parameter_itself_is_refused(name: str, arch: str) ->
     y = torch.randint(0, 3, (5,))
     first = next(model.parameters())
     fn = getattr(kernels, name)
-    with pytest.raises(ValueError, match=r"loss_fn uses model parameter\(s\) \['[^']*0\.weight'\] itself"):
+    with pytest.raises(ValueError, match=r"loss_fn reaches model parameter\(s\) \['[^']*0\.weight'\] other than"):
         fn(model, lambda o, t: F.cross_entropy(o, t) + 0.5 * first.pow(2).sum(), x, y)
     detached = lambda o, t: F.cross_entropy(o, t) + 0.5 * first.detach().pow(2).sum()  # noqa: E731
     got, want = fn(model, detached, x, y), getattr(reference, name)(model, detached, x, y)
@@ -734,3 +734,51 @@ def test_weight_use_check_reads_the_graph_under_autocast(autocast: bool) -> None
             else:
                 terms = capture(model, F.cross_entropy, x, y, {"a": model.a, "b": model.b})
                 assert terms["a"][0].shape == (5, 2, 6) and terms["b"][0].shape == (5, 1, 6)
+
+
+class _NeverCalled(nn.Module):
+    """A Linear whose weight is only ever read by F.linear: the module itself is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(F.linear(x, self.fc.weight, self.fc.bias)))
+
+
+class _SharedInput(nn.Module):
+    """Two layers reading the same input (under autocast, one cached bf16 copy of a leaf x)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+def test_a_layer_never_called_owns_its_parameters() -> None:
+    """Its weight used by F.linear elsewhere: vmap, and the reference's gradients (the first graph
+    check gave it zero gradients, 3.83 off in sum)."""
+    from kernels.layer_capture import Fallback, capture
+
+    torch.manual_seed(0)
+    model, x, y = _NeverCalled(), torch.randn(5, 6), torch.randint(0, 3, (5,))
+    with pytest.raises(Fallback, match="fc: its weight is used outside"):
+        capture(model, F.cross_entropy, x, y, {"fc": model.fc, "out": model.out})
+    assert_dicts_close(kernels.per_sample_grads(model, F.cross_entropy, x, y),
+                       reference.per_sample_grads(model, F.cross_entropy, x, y), ELEMENTWISE)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_an_input_shared_by_two_layers_keeps_the_identity(autocast: bool) -> None:
+    """x a leaf that requires grad, read by two layers: autocast's cached copy of x belongs to
+    neither, so neither is flagged."""
+    from kernels.layer_capture import capture
+
+    model = _SharedInput()
+    x, y = torch.randn(5, 6, requires_grad=True), torch.randint(0, 3, (5,))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        terms = capture(model, F.cross_entropy, x, y, {"a": model.a, "b": model.b})
+    assert set(terms) == {"a", "b"}

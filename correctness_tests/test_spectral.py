@@ -95,6 +95,8 @@ def test_low_rank_zero_wide_tall_and_full_k() -> None:
     s, err = KS.topk_singular_values(zero, 5, return_error=True)
     assert torch.equal(s, torch.zeros(2, 5))
     assert torch.equal(err, torch.zeros(2, 5))
+    empty = torch.randn(0, 200, 200)  # an empty batch: (0, k), the iterations' checks skipped
+    assert KS.topk_singular_values(empty, 10).shape == (0, 10)
     for m, n in ((120, 400), (400, 120)):  # wide and tall, decaying spectra
         a = _matrix(m, n, 0.8 ** torch.arange(120, dtype=torch.float64), m)
         assert_close(KS.topk_singular_values(a, 10), RS.topk_singular_values(a, 10), REDUCTION)

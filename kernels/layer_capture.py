@@ -11,10 +11,11 @@ which needs none of them):
   that leaves both probed samples unchanged is not seen: samples must be independent;
 - the weight is used by its own module's calls only: in the autograd graph of the per-sample
   losses, every edge into a layer's parameters (or into the nodes its calls made, such as an
-  autocast copy of the weight) must come from one of its calls. This catches tied or
-  functionally reused weights in the forward and a loss that uses a weight itself (weight decay
-  inside ``loss_fn``); a use that no gradient flows through (no_grad, ``.detach()``) is not a
-  use the identity misses;
+  autocast copy of the weight) must come from one of its calls, and a layer never called owns
+  its parameters too. This catches tied or functionally reused weights; a use that no gradient
+  flows through (no_grad, ``.detach()``) is not a use the identity misses. A loss_fn that
+  reaches a parameter other than through the model's output (weight decay inside the loss) is
+  refused before this check (``loss_parameters``): vmap would miss that term too;
 - a captured input is not modified in place later (its version counter is compared);
 - in-place ops after the layer (``ReLU(inplace=True)``, ``out += x``) would rebase the layer
   output, so the hook hands the rest of the model a clone and keeps the original; it runs
@@ -23,7 +24,7 @@ which needs none of them):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 from torch.func import vmap
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
+Node = torch.autograd.graph.Node
 # torch's own losses, called bare: they see the output and the targets only
 BARE_LOSSES = (F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss)
 
@@ -39,46 +41,42 @@ class Fallback(Exception):
     """The identity's assumptions do not hold for this model and batch: use vmap."""
 
 
-def _tensors(obj: object) -> Iterator[Tensor]:
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
+def _layer_nodes(calls: list, params: set[int]) -> set[Node]:
+    """The autograd nodes of one layer's calls that lead to its own parameters (ids ``params``):
+    between each call's output node and (not into) the node that made its input, those from which
+    an AccumulateGrad of the layer's parameters is reached (the weight's transpose, autocast's
+    cached copy of it), and those AccumulateGrad nodes. A cached copy of an input is not one."""
+    leads: dict[Node, bool] = {}
 
+    def visit(node: Node | None, stop: Node | None) -> bool:
+        if node is None or node is stop:
+            return False
+        if node not in leads:
+            variable = getattr(node, "variable", None)
+            leads[node] = id(variable) in params if variable is not None else \
+                any([visit(n, stop) for n, _ in node.next_functions])  # a list: visit every branch
+        return leads[node]
 
-Node = torch.autograd.graph.Node
-
-
-def _layer_nodes(calls: list, params: set[Tensor]) -> set[Node]:
-    """The autograd nodes one layer's calls made: from each call's output node back to (not
-    into) the node that made its input, with the AccumulateGrad nodes of ``params`` (its own)."""
-    nodes: set[Node] = set()
-    for x_fn, out in ((c[3], c[2]) for c in calls):
-        stack = [out.grad_fn]
-        while stack:
-            node = stack.pop()
-            if node is None or node is x_fn or node in nodes:
-                continue
-            if hasattr(node, "variable") and not any(node.variable is p for p in params):
-                continue  # another leaf (an input that requires grad): not the layer's
-            nodes.add(node)
-            stack.extend(n for n, _ in node.next_functions)
-    return nodes
+    for call in calls:
+        visit(call[2].grad_fn, call[3])
+    return {node for node, yes in leads.items() if yes}
 
 
 def _used_outside(root: Tensor, layers: dict[str, nn.Module], seen: dict[str, list]) -> str | None:
-    """The first layer whose parameters, or nodes its calls made, the graph of ``root`` reaches
-    by an edge from outside its calls, or None (module note). The edge into a call's output node
-    comes from what consumes the output and is not counted."""
+    """The first layer whose parameters, or the nodes its calls made to reach them, the graph of
+    ``root`` reaches by an edge from outside its calls, or None (module note). A layer never
+    called owns its parameters too: any use of them is outside. The edge into a call's output
+    node comes from what consumes the output and is not counted."""
+    param_owner = {id(p): name for name, m in layers.items() for p in m.parameters(recurse=False)}
     owner: dict[Node, str] = {}
     for name, calls in seen.items():
-        params = {p for p in layers[name].parameters(recurse=False) if p.requires_grad}
-        for node in _layer_nodes(calls, params):
-            owner[node] = name
+        own = {id(p) for p in layers[name].parameters(recurse=False)}
+        owner.update(dict.fromkeys(_layer_nodes(calls, own), name))
+
+    def owner_of(node: Node) -> str | None:
+        variable = getattr(node, "variable", None)
+        return owner.get(node, param_owner.get(id(variable)) if variable is not None else None)
+
     entries = {c[2].grad_fn for calls in seen.values() for c in calls}
     stack, visited = [root.grad_fn], set()
     while stack:
@@ -87,18 +85,19 @@ def _used_outside(root: Tensor, layers: dict[str, nn.Module], seen: dict[str, li
             continue
         visited.add(node)
         for nxt, _ in node.next_functions:
-            if nxt is not None and nxt not in entries and owner.get(nxt, owner.get(node)) != owner.get(node):
-                return owner[nxt] if nxt in owner else owner[node]
+            used = owner_of(nxt) if nxt is not None and nxt not in entries else None
+            if used is not None and used != owner_of(node):
+                return used
             stack.append(nxt)
     return None
 
 
 def loss_parameters(losses: Tensor, outputs: Tensor, model: nn.Module) -> list[str]:
     """The model's parameters that ``losses`` reach other than through ``outputs``: a loss_fn that
-    uses a parameter itself (weight decay inside the loss). Per-sample gradients by the identity
-    or by torch.func differentiate the loss through the model's output only, so such a loss must
-    be refused, not computed without that term."""
-    names = {p: n for n, p in model.named_parameters() if p.requires_grad}
+    uses a parameter itself (weight decay inside the loss), or an activation the forward stored
+    on the model. Per-sample gradients by the identity or by torch.func differentiate the loss
+    through the model's output only, so such a loss must be refused, not computed without them."""
+    names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     found, stack, visited = [], [losses.grad_fn], {outputs.grad_fn}
     while stack:
         node = stack.pop()
@@ -106,18 +105,18 @@ def loss_parameters(losses: Tensor, outputs: Tensor, model: nn.Module) -> list[s
             continue
         visited.add(node)
         variable = getattr(node, "variable", None)
-        if variable is not None and any(variable is p for p in names):
-            found.append(next(n for p, n in names.items() if variable is p))
+        if variable is not None and id(variable) in names:
+            found.append(names[id(variable)])
         stack.extend(n for n, _ in node.next_functions)
     return found
 
 
 def refuse_loss_parameters(found: list[str]) -> None:
     if found:
-        raise ValueError(f"loss_fn uses model parameter(s) {found} itself, not only through the model's output "
-                         "(e.g. weight decay inside the loss): per-sample gradients here differentiate the loss "
-                         "through the output only; add that term's gradient separately, or compute it in the "
-                         "model's forward")
+        raise ValueError(f"loss_fn reaches model parameter(s) {found} other than through the model's output "
+                         "(weight decay inside the loss, or an activation the forward stored on the model): "
+                         "per-sample gradients here differentiate the loss through the output only; add such a "
+                         "term's gradient separately, or return what the loss needs from the forward")
 
 
 def _all_close(pairs: list[tuple[Tensor, Tensor]]) -> bool:
@@ -230,7 +229,7 @@ def capture(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
     refuse_loss_parameters(loss_parameters(losses, outputs, model))
     outside = _used_outside(losses, layers, seen)
     if outside is not None:
-        raise Fallback(f"{outside}: its weight is used outside its own calls (tied, reused, or in the loss)")
+        raise Fallback(f"{outside}: its weight is used outside its own calls (tied or functionally reused)")
     used = {n: calls for n, calls in seen.items() if calls}
     outs = [c[2] for calls in used.values() for c in calls]
     if not outs:  # no identity layer was called: nothing to capture

@@ -131,10 +131,12 @@ def _terms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
 def _vmap_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
                 names: list[str], randomness: str, chunk_size: int | None) -> dict[str, Tensor]:
     """Per-sample gradients of ``names`` by vmap(grad); other parameters held constant. A loss_fn
-    of the user's own is first run on sample 0's output (RNG state kept), to refuse one that uses
-    a parameter itself, which functional_call would differentiate without that term."""
+    of the user's own is first run on sample 0's output (one more forward of one sample, its RNG
+    state kept), to refuse one that reaches a parameter other than through the output, which
+    functional_call would differentiate without that term."""
     if loss_fn not in BARE_LOSSES:
-        with torch.random.fork_rng(devices=[inputs.device] if inputs.device.type == "cuda" else []):
+        on = inputs.device
+        with torch.random.fork_rng(devices=[] if on.type == "cpu" else [on], device_type=on.type):
             out = model(inputs[:1])
         if isinstance(out, Tensor) and out.requires_grad:
             refuse_loss_parameters(loss_parameters(loss_fn(out, targets[:1]), out, model))

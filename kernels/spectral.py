@@ -13,20 +13,25 @@ where the fast path is indeed inexact.
 Defaults: q = 2k (at least 10 extra columns; Halko et al. advise 5-10) and up to 4 power
 iterations, the best time/error trade measured on CPU; the exact ``svdvals`` when min(m, n) <=
 ``EXACT_BELOW`` = 96, where it measured faster, or q >= min(m, n) / 2 (evidence/from-the-code.md).
-With ``niter`` left as None the iterations stop once the values have settled: each iteration's
-estimates are the singular values of the q x q R factor of the QR it takes anyway, they only rise
-(each is a lower bound), and the rises shrink geometrically. A rise is measured against s_i +
-``FLOOR`` s_1: relative for the leading values, while the values far under s_1, known only to the
-rounding of A itself (about eps s_1) that no iteration resolves, cannot keep the iterations going.
-It stops when the last rise is at most ``SETTLED`` eps, or from the third iteration when the
-geometric remainder rise c / (1 - c), c the ratio of the last two rises (under 1/2), is. While the
-rises shrink, stopping after j iterations leaves each value at most (4 - j) SETTLED eps (s_i +
-FLOOR s_1) under what 4 would give: a steep spectrum stops after 1-3 (0.9^i: 3), a flat one runs
-all 4, and an explicit ``niter`` runs exactly that many. The checks cost a q x q SVD
-each, so they stop where the spectrum (s_q / s_k from the same values) says the values cannot
-settle before the last iteration. This is a convergence test, not a certificate:
-``return_error``'s bound stays the rigorous one (it counts all of the discarded tail, so it
-cannot certify a value to 1e-6 on any but the steepest spectra).
+With ``niter`` left as None the iterations stop once the values settle. Each iteration's
+estimates are the singular values of the q x q R factor of the QR it takes anyway; they only rise
+(each is a lower bound), and the rises shrink geometrically.
+
+- The rule: a rise is measured against s_i + ``FLOOR`` s_1 (relative for the leading values;
+  values far under s_1 are known only to the rounding of A, about eps s_1, which no iteration
+  resolves). The iterations stop when the last rise is at most ``SETTLED`` eps, or, from the
+  third iteration, when the geometric remainder rise c / (1 - c) is, c being the ratio of the
+  last two rises (under 1/2). In the fp32 runs measured, 0.5^i and rank-deficient matrices stop
+  after 1 iteration, 0.9^i after 3, and flat spectra run all 4; in fp64 (eps 2e-16) they mostly
+  run all 4. An explicit ``niter`` runs exactly that many.
+- The bound: while the rises shrink, stopping after j iterations leaves each value at most
+  (4 - j) SETTLED eps (s_i + FLOOR s_1) under what 4 would give. This is a convergence test, not
+  a certificate: ``return_error``'s bound stays the rigorous one (it counts all of the discarded
+  tail, so it cannot certify a value to 1e-6 on any but the steepest spectra).
+- The cost: a q x q SVD per check and its host arithmetic (on CUDA, a sync per iteration). The
+  checks stop where the spectrum (s_q / s_k from the same values) says the values cannot settle
+  before the last iteration, so a flat spectrum pays one.
+
 A^T Q for a row-major A is computed as (Q^T A)^T: the same product in the layout MKL runs
 1.4-1.5x faster for a tall-skinny Q, and its result is the column-major input the next QR takes
 without a copy (a wide A, transposed to tall, the other way round).
@@ -90,28 +95,29 @@ class _Watch:
         self.k, self.niter, self.rise = k, niter, np.inf
         self.tol = SETTLED * torch.finfo(values.dtype).eps
         self.tiny = torch.finfo(values.dtype).tiny  # a zero matrix: rise 0, not 0 / 0
-        self.on = self._can_settle(values.detach().cpu().numpy(), 0)
+        self.last = values.detach().cpu().numpy()  # (..., q), the last iteration's values
+        self.on = self._can_settle(0)
 
     def settled(self, values: Tensor, i: int) -> bool:
         """After iteration ``i`` (1-based): whether its rise ends the iterations."""
         every = values.detach().cpu().numpy()
-        now, self.last = every[..., : self.k], self.last[..., : self.k]
-        rise = float(((now - self.last) / (now + FLOOR * now[..., :1] + self.tiny)).max())  # every value
+        now, before = every[..., : self.k], self.last[..., : self.k]
+        self.last = every
+        rise = float(((now - before) / (now + FLOOR * now[..., :1] + self.tiny)).max())  # every value
         # the ratio of the last two rises; the first iteration's rise is the random start's transient
         c = rise / self.rise if i > 2 and self.rise > 0 else 1.0
         self.rise = rise
         if rise <= self.tol or (c < 0.5 and rise * c / (1 - c) <= self.tol):
             return True
-        self.on = self._can_settle(every, i)
+        self.on = self._can_settle(i)
         return False
 
-    def _can_settle(self, every: np.ndarray, i: int) -> bool:
+    def _can_settle(self, i: int) -> bool:
         """Whether the values can settle before the last iteration: the k-th value's error shrinks
         about c = (s_q / s_k)^4 an iteration, so from the rise of iteration ``i`` the remainder after
         iteration niter - 1 is about rise c^(niter - 1 - i) c / (1 - c). A flat spectrum (c >= 1/2)
         runs all iterations without further checks."""
-        self.last = every
-        c = float((every[..., -1] / (every[..., self.k - 1] + self.tiny)).max()) ** 4
+        c = float((self.last[..., -1] / (self.last[..., self.k - 1] + self.tiny)).max()) ** 4
         if c >= 0.5 or i >= self.niter - 1:
             return False
         if i == 0:  # no rise yet
@@ -126,7 +132,7 @@ def _power_iterations(a: Tensor, basis: Tensor, k: int, niter: int | None) -> tu
     the tall Z in place of an SVD of the wide B (q x n)."""
     z = _times(a.mT, basis)  # Z = A^T Q
     w, r = torch.linalg.qr(z)
-    watch = _Watch(_values(r), k, NITER) if niter is None else None
+    watch = _Watch(_values(r), k, NITER) if niter is None and r.numel() else None  # none in an empty batch
     for i in range(1, (NITER if niter is None else niter) + 1):
         basis = _orthonormal(_times(a, w))
         z = _times(a.mT, basis)
