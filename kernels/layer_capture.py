@@ -33,7 +33,7 @@ from torch.func import vmap
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Node = torch.autograd.graph.Node
-# torch's own losses, called bare: they see the output and the targets only
+# torch's own losses, called bare: they see the output and the targets only (``_unreduced`` batches them)
 BARE_LOSSES = (F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss)
 
 
@@ -70,7 +70,7 @@ def _used_outside(root: Tensor, layers: dict[str, nn.Module], seen: dict[str, li
     param_owner = {id(p): name for name, m in layers.items() for p in m.parameters(recurse=False)}
     owner: dict[Node, str] = {}
     for name, calls in seen.items():
-        own = {id(p) for p in layers[name].parameters(recurse=False)}
+        own = {pid for pid, of in param_owner.items() if of == name}
         owner.update(dict.fromkeys(_layer_nodes(calls, own), name))
 
     def owner_of(node: Node) -> str | None:
