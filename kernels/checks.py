@@ -126,13 +126,14 @@ def nonfinite(named: Mapping[str, Tensor]) -> list[str]:
     if not checked:
         return []
     on = next(iter(checked.values())).device
-    # each tensor's min and max, one pass (NaN propagates; inf shows as an extreme), stacked so
-    # that the test is a few ops for all of them rather than a few per tensor
+    # each tensor's min and max, one pass (NaN propagates; inf shows as an extreme), stacked and
+    # read as Python floats: two ops and one sync for all of them, the test done on the host
     extremes = [m for t in checked.values() for m in torch.aminmax(t.detach())]
     if len({(m.device, m.dtype) for m in extremes}) > 1:  # stack needs one device and dtype
         extremes = [m.to(on, torch.float64) for m in extremes]
-    flags = torch.stack(extremes).isfinite().view(-1, 2).all(1).tolist()
-    return [n for n, ok in zip(checked, flags, strict=True) if not ok]
+    values = torch.stack(extremes).tolist()
+    return [n for n, low, high in zip(checked, values[::2], values[1::2], strict=True)
+            if not (math.isfinite(low) and math.isfinite(high))]
 
 
 def finite(named: Mapping[str, Tensor], *, error: type[Exception] = ValueError, hint: str = "") -> None:

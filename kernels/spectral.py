@@ -40,9 +40,9 @@ fp16/bf16 input is computed in fp32.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -88,22 +88,23 @@ def _values(r: Tensor) -> Tensor:
 
 class _Watch:
     """Each iteration's values against the last's, to stop the iterations once they settle (module
-    note). The arithmetic on the few (..., q) values runs on the host in numpy: as torch ops it
-    would cost more than the q x q SVD."""
+    note). The arithmetic on the few values (q per matrix) runs on the host in Python floats: as
+    torch or numpy ops, each a dispatch, it would cost as much as the q x q SVD."""
 
     def __init__(self, values: Tensor, k: int, niter: int) -> None:
-        self.k, self.niter, self.rise = k, niter, np.inf
+        self.k, self.niter, self.rise = k, niter, math.inf
         self.tol = SETTLED * torch.finfo(values.dtype).eps
         self.tiny = torch.finfo(values.dtype).tiny  # a zero matrix: rise 0, not 0 / 0
-        self.last = values.detach().cpu().numpy()  # (..., q), the last iteration's values
+        self.last = _rows(values)  # the last iteration's values, a list of q per matrix
         self.on = self._can_settle(0)
 
     def settled(self, values: Tensor, i: int) -> bool:
         """After iteration ``i`` (1-based): whether its rise ends the iterations."""
-        every = values.detach().cpu().numpy()
-        now, before = every[..., : self.k], self.last[..., : self.k]
+        every, k, tiny = _rows(values), self.k, self.tiny
+        rise = max((now - before) / (now + FLOOR * new[0] + tiny)  # every value of every matrix
+                   for new, old in zip(every, self.last, strict=True)
+                   for now, before in zip(new[:k], old[:k], strict=True))
         self.last = every
-        rise = float(((now - before) / (now + FLOOR * now[..., :1] + self.tiny)).max())  # every value
         # the ratio of the last two rises; the first iteration's rise is the random start's transient
         c = rise / self.rise if i > 2 and self.rise > 0 else 1.0
         self.rise = rise
@@ -117,12 +118,17 @@ class _Watch:
         about c = (s_q / s_k)^4 an iteration, so from the rise of iteration ``i`` the remainder after
         iteration niter - 1 is about rise c^(niter - 1 - i) c / (1 - c). A flat spectrum (c >= 1/2)
         runs all iterations without further checks."""
-        c = float((self.last[..., -1] / (self.last[..., self.k - 1] + self.tiny)).max()) ** 4
+        c = max(s[-1] / (s[self.k - 1] + self.tiny) for s in self.last) ** 4
         if c >= 0.5 or i >= self.niter - 1:
             return False
         if i == 0:  # no rise yet
             return True
         return self.rise * c ** (self.niter - 1 - i) * c / (1 - c) <= self.tol
+
+
+def _rows(values: Tensor) -> list[list[float]]:
+    """(..., q) values on the host, q per matrix."""
+    return values.detach().reshape(-1, values.shape[-1]).tolist()
 
 
 def _power_iterations(a: Tensor, basis: Tensor, k: int, niter: int | None) -> tuple[Tensor, Tensor, Tensor]:
