@@ -24,6 +24,7 @@ which needs none of them):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -129,13 +130,13 @@ def _all_close(pairs: list[tuple[Tensor, Tensor]]) -> bool:
         return False
     if not pairs:
         return True
-    inf = float("inf")
-    err = torch.stack([torch.linalg.vector_norm(a - b, inf, dtype=torch.float64) for a, b in pairs])
-    scale = torch.stack([torch.linalg.vector_norm(b, inf, dtype=torch.float64) for _, b in pairs])
+    # each pair's largest error and largest value, read in one sync and compared on the host
+    # (a NaN compares False: not close)
+    norms = [torch.linalg.vector_norm(t, math.inf, dtype=torch.float64) for a, b in pairs for t in (a - b, b)]
+    values = torch.stack(norms).tolist()
     info = [torch.finfo(b.dtype) for _, b in pairs]
-    tol = torch.tensor([min(64 * f.eps, f.eps**0.5) for f in info], dtype=torch.float64, device=err.device)
-    tiny = torch.tensor([f.tiny for f in info], dtype=torch.float64, device=err.device)
-    return bool((err <= tol * torch.maximum(scale, tiny)).all())
+    return all(err <= min(64 * f.eps, f.eps**0.5) * max(scale, f.tiny)
+               for err, scale, f in zip(values[::2], values[1::2], info, strict=True))
 
 
 def _record(layers: dict[str, nn.Module], seen: dict[str, list], batch: int | None) -> list:
@@ -172,13 +173,14 @@ def _probe(model: nn.Module, inputs: Tensor, outputs: Tensor, layers: dict[str, 
     """The first and last samples, run as a batch of their own (one forward), must reproduce
     their batched model outputs and every layer input: the last one catches shifts between
     neighbours and batch-indexed additions such as ``pe[:x.size(0)]``. B=2: sample 0 alone."""
-    idx = [0, inputs.shape[0] - 1] if inputs.shape[0] > 2 else [0]
+    batch = inputs.shape[0]
+    rows = slice(0, None, batch - 1) if batch > 2 else slice(0, 1)  # a view of the rows: no gather
     with torch.no_grad():
-        out_p, seen_p = _forward(model, inputs[idx], layers, None)
+        out_p, seen_p = _forward(model, inputs[rows], layers, None)
     if not isinstance(out_p, Tensor) or any(len(seen_p[n]) != len(seen[n]) for n in layers):
         raise Fallback("the probe samples call the layers differently")
-    pairs = [(outputs.detach()[idx], out_p)]
-    pairs += [(c[0][idx], cp[0]) for n in layers for c, cp in zip(seen[n], seen_p[n], strict=True)]
+    pairs = [(outputs.detach()[rows], out_p)]
+    pairs += [(c[0][rows], cp[0]) for n in layers for c, cp in zip(seen[n], seen_p[n], strict=True)]
     if not _all_close(pairs):
         raise Fallback("the probe samples give other layer inputs or outputs: the batch is not in "
                        "dim 0, samples mix, or the forward is random")
@@ -207,6 +209,11 @@ def _unreduced(loss_fn: LossFn, outputs: Tensor, targets: Tensor) -> Tensor | No
         if outputs.shape == targets.shape and outputs.ndim >= 1:  # no broadcasting: each sample its own
             return loss_fn(outputs, targets, reduction="none").reshape(outputs.shape[0], -1).mean(1)
     return None
+
+
+def _joined(parts: list[Tensor]) -> Tensor:
+    """(B, T, d) parts joined along T; one part as it is (a cat would copy it)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def capture(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
@@ -240,7 +247,7 @@ def capture(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
         if any(x._version != v for x, v, *_ in calls):
             raise Fallback(f"{name}: its input was modified in place after the call")
         m = layers[name]
-        a = torch.cat([c[0].reshape(batch, -1, m.in_features) for c in calls], dim=1)
-        g = torch.cat([next(grads).reshape(batch, -1, m.out_features) for _ in calls], dim=1)
+        a = _joined([c[0].reshape(batch, -1, m.in_features) for c in calls])
+        g = _joined([next(grads).reshape(batch, -1, m.out_features) for _ in calls])
         terms[name] = (a, g)
     return terms
