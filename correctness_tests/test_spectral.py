@@ -73,6 +73,21 @@ def test_iterations_stop_where_the_spectrum_decays_and_not_where_it_is_flat() ->
         assert all(not torch.equal(got, run(a, j)) for j in range(stops)), ratio
 
 
+def test_iteration_0s_values_are_taken_only_where_iteration_1_can_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stopping rule's q x q SVDs, counted: 0.5^i takes iteration 1's and then 0's (its first
+    rise can be settled) and stops; 0.9^i, whose first rise cannot be, takes only 1's, 2's and
+    3's; a flat spectrum 1's (then no checks) and the last iteration's."""
+    taken = []
+    real = KS._values
+    monkeypatch.setattr(KS, "_values", lambda r: taken.append(r) or real(r))
+    for ratio, svds in ((0.5, 2), (0.9, 3), (None, 2)):
+        values = (torch.linspace(1, 0.5, 512, dtype=torch.float64) if ratio is None
+                  else ratio ** torch.arange(512, dtype=torch.float64))
+        taken.clear()
+        KS.topk_singular_values(_matrix(512, 512, values, 0), 10, generator=torch.Generator().manual_seed(1))
+        assert len(taken) == svds, (ratio, len(taken))
+
+
 @given(m=st.integers(100, 260), n=st.integers(100, 260), k=st.integers(1, 12), seed=st.integers(0, 2**16))
 def test_flat_spectrum_error_bound_covers_the_truth(m, n, k, seed) -> None:
     values = 1.0 / (1.0 + torch.arange(min(m, n), dtype=torch.float64) / min(m, n))  # 1 .. 0.5

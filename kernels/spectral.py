@@ -29,8 +29,10 @@ estimates are the singular values of the q x q R factor of the QR it takes anywa
   a certificate: ``return_error``'s bound stays the rigorous one (it counts all of the discarded
   tail, so it cannot certify a value to 1e-6 on any but the steepest spectra).
 - The cost: a q x q SVD per check and its host arithmetic (on CUDA, a sync per iteration). The
-  checks stop where the spectrum (s_q / s_k from the same values) says the values cannot settle
-  before the last iteration, so a flat spectrum pays one.
+  first check is after iteration 1; iteration 0's values, against which its rise is measured,
+  are taken only where the spectrum (s_q / s_k from iteration 1's values) says that rise can
+  be settled already (a steep or rank-deficient spectrum). The checks stop where the spectrum
+  says the values cannot settle before the last iteration, so a flat spectrum pays one.
 
 A^T Q for a row-major A is computed as (Q^T A)^T: the same product in the layout MKL runs
 1.4-1.5x faster for a tall-skinny Q, and its result is the column-major input the next QR takes
@@ -52,6 +54,7 @@ EXACT_BELOW = 96  # min(m, n) at or under this: svdvals directly (measured cross
 NITER = 4  # the most subspace iterations by default (module note)
 FLOOR = 1 / 16  # values under FLOOR s_1 have their rises measured against FLOOR s_1 (module note)
 SETTLED = 8  # x eps: the largest rise, relative, after which the iterations stop (module note)
+AT_ONCE = 100  # x SETTLED eps: the predicted first rise under which iteration 0's values are taken (_Watch)
 
 
 def _check(a: Tensor, k: int, oversample: int | None, niter: int | None, finite: bool = True) -> None:
@@ -91,16 +94,23 @@ class _Watch:
     note). The arithmetic on the few values (q per matrix) runs on the host in Python floats: as
     torch or numpy ops, each a dispatch, it would cost as much as the q x q SVD."""
 
-    def __init__(self, values: Tensor, k: int, niter: int) -> None:
+    def __init__(self, r0: Tensor, k: int, niter: int) -> None:
         self.k, self.niter, self.rise = k, niter, math.inf
-        self.tol = SETTLED * torch.finfo(values.dtype).eps
-        self.tiny = torch.finfo(values.dtype).tiny  # a zero matrix: rise 0, not 0 / 0
-        self.last = _rows(values)  # the last iteration's values, a list of q per matrix
-        self.on = self._can_settle(0)
+        self.tol = SETTLED * torch.finfo(r0.dtype).eps
+        self.tiny = torch.finfo(r0.dtype).tiny  # a zero matrix: rise 0, not 0 / 0
+        self.r0 = r0  # iteration 0's R factor: its values are taken only where iteration 1 may settle
+        self.last: list[list[float]] | None = None  # the last iteration's values, q per matrix
+        self.on = True
 
     def settled(self, values: Tensor, i: int) -> bool:
         """After iteration ``i`` (1-based): whether its rise ends the iterations."""
         every, k, tiny = _rows(values), self.k, self.tiny
+        if self.last is None:  # iteration 1: its rise is measured only where it can be settled
+            if not self._at_once(every):
+                self.last = every
+                self.on = self._can_settle(i)
+                return False
+            self.last = _rows(_values(self.r0))
         rise = max((now - before) / (now + FLOOR * new[0] + tiny)  # every value of every matrix
                    for new, old in zip(every, self.last, strict=True)
                    for now, before in zip(new[:k], old[:k], strict=True))
@@ -113,6 +123,15 @@ class _Watch:
         self.on = self._can_settle(i)
         return False
 
+    def _at_once(self, values: list[list[float]]) -> bool:
+        """Whether iteration 1 can have settled: iteration 0 leaves the k-th value about
+        (s_q / s_k)^2 under its limit, relative, and its rise is measured against s_k + FLOOR s_1.
+        Where that predicted rise exceeds ``AT_ONCE`` SETTLED eps (measured rises were 0.15-9x
+        it), iteration 0's values are not computed: its q x q SVD is saved."""
+        k, tiny = self.k, self.tiny
+        return max((s[-1] / (s[k - 1] + tiny)) ** 2 * min(1.0, s[k - 1] / (FLOOR * s[0] + tiny))
+                   for s in values) <= AT_ONCE * self.tol
+
     def _can_settle(self, i: int) -> bool:
         """Whether the values can settle before the last iteration: the k-th value's error shrinks
         about c = (s_q / s_k)^4 an iteration, so from the rise of iteration ``i`` the remainder after
@@ -121,7 +140,7 @@ class _Watch:
         c = max(s[-1] / (s[self.k - 1] + self.tiny) for s in self.last) ** 4
         if c >= 0.5 or i >= self.niter - 1:
             return False
-        if i == 0:  # no rise yet
+        if self.rise == math.inf:  # no rise measured yet
             return True
         return self.rise * c ** (self.niter - 1 - i) * c / (1 - c) <= self.tol
 
@@ -138,7 +157,7 @@ def _power_iterations(a: Tensor, basis: Tensor, k: int, niter: int | None) -> tu
     the tall Z in place of an SVD of the wide B (q x n)."""
     z = _times(a.mT, basis)  # Z = A^T Q
     w, r = torch.linalg.qr(z)
-    watch = _Watch(_values(r), k, NITER) if niter is None and r.numel() else None  # none in an empty batch
+    watch = _Watch(r, k, NITER) if niter is None and r.numel() else None  # none in an empty batch
     for i in range(1, (NITER if niter is None else niter) + 1):
         basis = _orthonormal(_times(a, w))
         z = _times(a.mT, basis)
