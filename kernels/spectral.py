@@ -126,8 +126,9 @@ class _Watch:
     def _at_once(self, values: list[list[float]]) -> bool:
         """Whether iteration 1 can have settled: iteration 0 leaves the k-th value about
         (s_q / s_k)^2 under its limit, relative, and its rise is measured against s_k + FLOOR s_1.
-        Where that predicted rise exceeds ``AT_ONCE`` SETTLED eps (measured rises were 0.15-9x
-        it), iteration 0's values are not computed: its q x q SVD is saved."""
+        Where that predicted rise exceeds ``AT_ONCE`` SETTLED eps (the margin:
+        evidence/topk-settled-zen3.txt), iteration 0's values are not computed: its q x q SVD is
+        saved, and a first rise that settled after all costs one more iteration, never accuracy."""
         k, tiny = self.k, self.tiny
         return max((s[-1] / (s[k - 1] + tiny)) ** 2 * min(1.0, s[k - 1] / (FLOOR * s[0] + tiny))
                    for s in values) <= AT_ONCE * self.tol
