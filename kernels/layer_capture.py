@@ -35,7 +35,9 @@ from torch.func import vmap
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Node = torch.autograd.graph.Node
 # torch's own losses, called bare: they see the output and the targets only (``_unreduced`` batches them)
-BARE_LOSSES = (F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss)
+CLASS_LOSSES = (F.cross_entropy, F.nll_loss)  # scores (B, C) against class indices (B,)
+ELEMENT_LOSSES = (F.mse_loss, F.l1_loss)  # an output against a target of its shape
+BARE_LOSSES = CLASS_LOSSES + ELEMENT_LOSSES
 
 
 class Fallback(Exception):
@@ -199,13 +201,13 @@ def per_sample_losses(loss_fn: LossFn, outputs: Tensor, targets: Tensor) -> Tens
 
 def _unreduced(loss_fn: LossFn, outputs: Tensor, targets: Tensor) -> Tensor | None:
     """The batched per-sample losses of ``per_sample_losses`` where ``loss_fn`` allows them, else None."""
-    if loss_fn is F.cross_entropy or loss_fn is F.nll_loss:
+    if loss_fn in CLASS_LOSSES:
         # class indices (B,) against scores (B, C); a sample whose target is the default
         # ignore_index has mean 0/0 (NaN) alone, as vmap gives it, where "none" gives 0
         if outputs.ndim == 2 and targets.ndim == 1 and not targets.is_floating_point():
             losses = loss_fn(outputs, targets, reduction="none")
             return torch.where(targets == -100, float("nan"), losses)
-    elif loss_fn is F.mse_loss or loss_fn is F.l1_loss:
+    elif loss_fn in ELEMENT_LOSSES:
         if outputs.shape == targets.shape and outputs.ndim >= 1:  # no broadcasting: each sample its own
             return loss_fn(outputs, targets, reduction="none").reshape(outputs.shape[0], -1).mean(1)
     return None
