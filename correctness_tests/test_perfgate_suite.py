@@ -10,7 +10,8 @@ and what the gate must catch, it catches.
   a 4x slowdown (``--perf-slowdown``, the test-only plugin perfgate.slowdown's spin); a 1.5x slowdown fails it
   against a baseline saved on the same machine, at ``make bench``'s thread count.
 
-The last three run real perf tests in a scratch copy (pytester, a fresh process each).
+The last four run real perf tests in a scratch copy (pytester sessions in this process: a fresh
+process each would import torch anew, 4 s a session on the Zen 3).
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ from __future__ import annotations
 import fnmatch
 import importlib
 import json
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from correctness_tests import lost_kernels
 from perfgate.case import comparison
+from perfgate.inline import preload
 from perfgate.report import main as report_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,9 +66,6 @@ PEER_SPREAD = {
 CAUGHT = ("test_per_sample.py", "test_spectral.py", "test_standardize.py")
 CAUGHT_TESTS = ("test_per_sample_grads", "test_topk_singular_values", "test_standardize")
 CAUGHT_ROWS = ("per_sample_grads [[]optimized", "topk_singular_values [[]optimized", "standardize [[]optimized")
-# Replaces each kernel by its reference before the perf tests import it (one module, also for
-# python -m perfgate.fidelity --lost).
-LOST_CONFTEST = "import correctness_tests.lost_kernels  # noqa: F401\n"
 
 
 def _floors(device_class: str, marker: str) -> list[tuple[str, str, str, float, str | None]]:
@@ -199,23 +198,28 @@ def test_cuda_floor_check_refuses_what_it_should() -> None:
     assert "over 0.85 x 0.50" in cuda_floor_problems("memory", floor(0.45), rows)[0]
 
 
+@pytest.fixture(scope="session")
+def _preloaded() -> None:
+    """What the perf sessions load, loaded before pytester's first snapshot of the modules."""
+    preload()
+
+
 @pytest.fixture
-def scratch(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
-    """A scratch folder with copies of the CAUGHT perf tests, run in fresh processes that import
-    this checkout (the copies import correctness_tests' tolerances)."""
+def scratch(_preloaded: None, pytester: pytest.Pytester) -> pytest.Pytester:
+    """A scratch folder with copies of the CAUGHT perf tests (they import this checkout's
+    correctness_tests, perf_tests and workloads, as this process has), for sessions in this process."""
     for name in CAUGHT:
         shutil.copy(ROOT / "perf_tests" / name, pytester.path / name)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     return pytester
 
 
 def _perf(pytester: pytest.Pytester, *args: str, tests: tuple[int, ...] = (0, 1, 2)) -> pytest.RunResult:
-    """The CAUGHT ``tests`` (indices), reference and optimized, in a fresh process (without
-    hypothesis's plugin: the perf tests use none, and it would import and assertion-rewrite its
-    88 modules in each process, 2 s on the Zen 3)."""
+    """The CAUGHT ``tests`` (indices), reference and optimized, in a pytest session in this
+    process (perfgate puts back the threads and thread pools it set at the session's end), without
+    hypothesis's plugin: the perf tests use none."""
     ids = [f"{CAUGHT[i]}::{CAUGHT_TESTS[i]}[{impl}]" for i in tests for impl in ("reference", "optimized")]
-    return pytester.runpytest_subprocess(*ids, "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
-                                         "--perf-device", "cpu", "--perf-size", "smoke", *args)
+    return pytester.runpytest_inprocess(*ids, "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+                                        "--perf-device", "cpu", "--perf-size", "smoke", *args)
 
 
 # The test-only plugin that spins after each optimized call (perfgate.slowdown).
@@ -228,8 +232,9 @@ JUDGED = "--perf-contended=inf"
 
 
 @pytest.mark.timed
-def test_a_kernel_replaced_by_its_reference_fails_without_a_baseline(scratch: pytest.Pytester) -> None:
-    scratch.makeconftest(LOST_CONFTEST)
+def test_a_kernel_replaced_by_its_reference_fails_without_a_baseline(scratch: pytest.Pytester,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    lost_kernels.lose(monkeypatch.setattr)  # each kernel its reference's algorithm, for this test only
     result = _perf(scratch, QUICK, JUDGED)
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     result.stdout.fnmatch_lines_random([f"GATE FAILED: {row}*is under the floor*" for row in CAUGHT_ROWS])
@@ -292,7 +297,8 @@ def test_two_shards_merged_give_the_rows_and_verdict_of_one_unsharded_run(scratc
     shards = [f"shard{i}.json" for i in (1, 2)]
     results = [_perf(scratch, QUICK, f"--perf-shard={i}/2", f"--benchmark-json={name}", tests=two)
                for i, name in enumerate(shards, 1)]
-    merged_ret = report_main(["--merge", *shards, "--output", "merged.json"])  # in this process: no imports
+    capsys.readouterr()  # only the merge's output below
+    merged_ret = report_main(["--merge", *shards, "--output", "merged.json"])
     merged_out, merged_err = capsys.readouterr()
 
     def rows(name: str) -> dict[tuple[str, str], dict]:

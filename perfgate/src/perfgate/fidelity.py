@@ -100,7 +100,8 @@ LOST = "caught, kernels lost"
 
 def conditions(factors: list[float], lost: str | None) -> list[tuple[str, list[str]]]:
     """(column, extra pytest arguments) of each condition: unchanged, each slowdown factor, and with
-    ``lost`` (a pytest plugin module that swaps kernels for their references at import) lost kernels."""
+    ``lost`` (a pytest plugin module that swaps kernels for their references when its session is
+    configured) lost kernels."""
     out = [(UNCHANGED, [])] + [(f"caught at x{f:g}", [f"--perf-slowdown={f}"]) for f in factors]
     return out + ([(LOST, ["-p", lost])] if lost else [])
 
