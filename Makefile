@@ -9,21 +9,21 @@ PYTEST := $(PY) -m pytest
 # (a GPU runner: at torch's default threads, as its baselines are saved).
 PERF_ARGS ?=
 # make test starts many Python processes (xdist workers, pytester sessions, torchrun ranks, the CLIs):
-# where the host sets PYTHONDONTWRITEBYTECODE, each would compile the project's modules and pytest's
-# assertion rewrites anew. Empty, it lets the first process cache them in __pycache__.
+# where the host sets PYTHONDONTWRITEBYTECODE, each would compile the modules it imports (torch's
+# among them) and pytest's assertion rewrites anew. Empty, it lets the first process that imports a
+# module cache it in __pycache__: only what runs is compiled (a third of the venv's 10k files).
 export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: install test lint correctness perf bench baseline report check-pytest-benchmark clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml perfgate/pyproject.toml constraints.txt
+# uv where it installs (3x faster than pip for torch's CUDA wheels), from the sources pip is
+# configured with; pip where uv cannot (scripts/install.py). Nothing is byte-compiled ahead: see
+# PYTHONDONTWRITEBYTECODE above.
+$(STAMP): pyproject.toml perfgate/pyproject.toml constraints.txt scripts/install.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --no-compile -c constraints.txt -e ./perfgate -e '.[test]'
-	@# pip byte-compiles on one core; compileall on every core (half the time for torch's 10k files).
-	@# A host with PYTHONDONTWRITEBYTECODE would otherwise compile torch anew in every process.
-	@# -x: torch's one Python 3.12-only test helper, which no 3.11 process imports.
-	$(PY) -m compileall -q -j 0 -x 'py312_intrinsics\.py$$' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+	$(PY) scripts/install.py -c constraints.txt -e ./perfgate -e '.[test]'
 	touch $(STAMP)
 
 # ruff, and actionlint over the GitHub workflows (a broken workflow cannot land); zizmor audits
