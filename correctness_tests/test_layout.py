@@ -43,6 +43,7 @@ EXCEPTIONS: dict[str, str] = {
     "workloads/ocs_ablation.py": "the OCS ablation: tested in correctness_tests/test_ocs.py",
     "workloads/meta_reweight_ablation.py": "the Meta-Weight-Net ablation: tested in test_meta_reweight.py",
     "correctness_tests/test_perfgate_suite.py": "checks the perf suite's floors against their evidence",
+    "correctness_tests/test_install.py": "tests scripts/install.py, make install's installer",
     "correctness_tests/test_layout.py": "this file: the layout itself",
 }
 
