@@ -234,10 +234,11 @@ def test_memory_floor_is_gated(pytester: pytest.Pytester) -> None:
 def test_memory_grown_over_baseline_fails(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_mem=MEMORY.format(opt_mib=12, floor=0.3))
     assert _run(pytester, "--benchmark-save=base").ret == 0
-    pytester.makepyfile(test_mem=MEMORY.format(opt_mib=48, floor=0.3))  # saves 50%: over the floor, not 87%
+    # saves 62.5%: over the floor, more than 20% under 87.5% (read a few stray pages either side of it)
+    pytester.makepyfile(test_mem=MEMORY.format(opt_mib=36, floor=0.3))
     result = _run(pytester, "--benchmark-compare")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(["*GATE FAILED: hungry*saved 5?.?% of the reference's peak memory, more than 20% "
+    result.stdout.fnmatch_lines(["*GATE FAILED: hungry*saved 6?.?% of the reference's peak memory, more than 20% "
                                  "under the stored baseline's 8?.?%*"])
 
 
