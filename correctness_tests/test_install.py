@@ -50,6 +50,14 @@ def test_uv_reads_the_sources_pip_install_would(monkeypatch: pytest.MonkeyPatch)
     assert "--no-index" not in flags  # set for `pip download` only
 
 
+def test_pips_ca_bundle_is_uvs_unless_one_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(subprocess, "run", _fake_run({}, []))
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    assert install.uv_environment(install.pip_settings())["SSL_CERT_FILE"] == "/etc/ssl/certs/ca-certificates.crt"
+    monkeypatch.setenv("SSL_CERT_FILE", "/mine.pem")
+    assert install.uv_environment(install.pip_settings())["SSL_CERT_FILE"] == "/mine.pem"
+
+
 GET_UV, UV, PIP = "install -q -c", "-m uv pip install", "-m pip install --no-compile"
 
 

@@ -10,8 +10,8 @@ and what the gate must catch, it catches.
   a 4x slowdown (``--perf-slowdown``, the test-only plugin perfgate.slowdown's spin); a 1.5x slowdown fails it
   against a baseline saved on the same machine, at ``make bench``'s thread count.
 
-The last four run real perf tests in a scratch copy (pytester sessions in this process: a fresh
-process each would import torch anew, 4 s a session on the Zen 3).
+The last four run real perf tests in a scratch copy, in pytester sessions in this process (a
+fresh process each would import torch anew).
 """
 
 from __future__ import annotations

@@ -1,15 +1,17 @@
 """`make install`: this project, perfgate and the test tools into the running Python's venv.
 
-uv installs them where it can (torch's 3 GB of CUDA wheels: 29 s against pip's 96 s on a 2-vCPU
-host), from the sources pip is configured with (`pip config list`: index-url, extra-index-url,
-find-links, no-index, constraint) and, as pip does, the best version across all of them. Where uv
-cannot be installed or fails, pip installs the same requirements.
+uv installs them where it can (about 3x faster than pip with torch's 3 GB of CUDA wheels:
+evidence/make-test-zen3.txt), from the sources pip is configured with (`pip config list`:
+index-url, extra-index-url, find-links, no-index, constraint; its cert as SSL_CERT_FILE) and, as
+pip does, the best version across all of them. Where uv cannot be installed or fails, pip
+installs the same requirements.
 
     python scripts/install.py REQUIREMENT_ARGS...   (pip's own: -c FILE, -e PATH, ...)
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -49,15 +51,24 @@ def uv_sources(settings: dict[str, str]) -> list[str]:
     return flags
 
 
+def uv_environment(settings: dict[str, str]) -> dict[str, str]:
+    """This process's environment, with pip's ``cert`` (a CA bundle) as uv's SSL_CERT_FILE unless one is set."""
+    env = dict(os.environ)
+    if settings.get("cert") and "SSL_CERT_FILE" not in env:
+        env["SSL_CERT_FILE"] = settings["cert"]
+    return env
+
+
 def main(requirements: list[str]) -> int:
     pip = [sys.executable, "-m", "pip", "install", "--no-compile", *requirements]
     get_uv = [sys.executable, "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"), "uv"]
     installed_uv = subprocess.run(get_uv, check=False).returncode == 0
     if installed_uv:
+        settings = pip_settings()
         uv = [sys.executable, "-m", "uv", "pip", "install", "--python", sys.executable,
-              *uv_sources(pip_settings()), *requirements]
+              *uv_sources(settings), *requirements]
         print("install:", shlex.join(uv), flush=True)
-        if subprocess.run(uv, check=False).returncode == 0:
+        if subprocess.run(uv, env=uv_environment(settings), check=False).returncode == 0:
             return 0
         print("install: uv failed (above); installing with pip", file=sys.stderr, flush=True)
     else:
