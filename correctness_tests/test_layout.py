@@ -22,6 +22,8 @@ EXCEPTIONS: dict[str, str] = {
                          "walk of every public name (test_checks.py); their cost is in each kernel's row",
     "kernels/ghost.py": "internal to per_sample (the ghost Gram terms): tested and timed through per_sample",
     "kernels/layer_capture.py": "internal to per_sample (captures Linear inputs and output grads)",
+    "kernels/nontemporal.py": "a way of writing per_sample's outer products, torch.mul's bits "
+                              "(test_nontemporal.py): no slow counterpart; its effect is per_sample's rows",
     "kernels/hugepages.py": "an allocation with no slow counterpart: tested by the advice it leaves "
                             "(test_hugepages.py); its effect is per_sample's rows under --perf-malloc default",
     "kernels/feature_cache.py": "a cache has no slow counterpart: its test compares cached to recomputed; "

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from kernels import checks, hugepages
+from kernels import checks, hugepages, nontemporal
 from kernels.ghost import GhostTerms
 from kernels.ghost import Plan as _Plan
 from kernels.layer_capture import BARE_LOSSES, Fallback, LossFn, capture, loss_parameters, refuse_loss_parameters
@@ -230,6 +230,10 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
     """Per-sample gradients of the identity layers, written into ``into``'s tensors when given."""
     out: dict[str, Tensor] = {}
     into = into or {}
+    # a result larger than the CPU's last-level cache cannot stay cached for its reader: its
+    # outer products are written by streaming stores, which skip reading each line first
+    stream = nontemporal.pays(sum(batch * plan.linear[n].weight.numel() * plan.linear[n].weight.element_size()
+                                  for n in terms))
     for mname, (a, g) in terms.items():
         prefix = f"{mname}." if mname else ""
         m = plan.linear[mname]
@@ -241,8 +245,10 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
             w = into.get(prefix + "weight")
             if w is None:
                 w = hugepages.empty((batch, *m.weight.shape), like=a)
-            product = torch.mul if a.shape[1] == 1 else torch.bmm
-            out[prefix + "weight"] = product(g.transpose(1, 2), a, out=w)
+            if a.shape[1] == 1:
+                out[prefix + "weight"] = nontemporal.outer(g.transpose(1, 2), a, w, stream=stream)
+            else:
+                out[prefix + "weight"] = torch.bmm(g.transpose(1, 2), a, out=w)
         if m.bias is not None and m.bias.requires_grad:
             b = into.get(prefix + "bias")
             out[prefix + "bias"] = torch.sum(g, dim=1, out=b) if b is not None else g.sum(dim=1)

@@ -377,3 +377,38 @@ def test_a_second_stretch_that_straddles_is_timed_further_before_it_clears_a_slo
     host_blip = [(1.0, 0.1)]
     assert ([_confirmed(1.2, host_blip, 0.05, seed) for seed in range(40)].count("FAIL")
             == [_confirmed(1.2, host_blip, 0.05, seed, settle=False) for seed in range(40)].count("FAIL"))
+
+
+def _needs_build(project: pytest.Pytester, build: str) -> None:
+    """REV's library imports a module its build writes (untracked: this tree has it built)."""
+    init = project.path / "mylib" / "__init__.py"
+    init.write_text("import mylib._built  # noqa: F401\n" + init.read_text())
+    (project.path / "mylib" / "_built.py").write_text("")
+    (project.path / ".gitignore").write_text("_built.py\n")
+    if build:
+        project.makeini(f"[pytest]\nperfgate_against_build = {build}\n")
+    _git(project.path, "add", "-A")
+    _git(project.path, "commit", "-q", "-m", "a library with a build step")
+
+
+def test_the_build_command_runs_in_revs_copy_before_its_import(project: pytest.Pytester) -> None:
+    _needs_build(project, """{python} -c "open('mylib/_built.py', 'w').close()\"""")
+    result = project.runpytest(*FAST, "--perf-against", "HEAD", "--collect-only", "-q")
+    assert result.ret == 0, result.stderr.str()
+    assert _left(project) == []
+
+
+def test_without_its_build_command_revs_library_does_not_import(project: pytest.Pytester) -> None:
+    _needs_build(project, "")
+    result = project.runpytest(*FAST, "--perf-against", "HEAD", "--collect-only", "-q")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*REV's library does not import (mylib): *No module named 'mylib._built'*"])
+
+
+def test_a_failing_build_command_stops_the_session(project: pytest.Pytester) -> None:
+    _needs_build(project, """{python} -c "import sys; sys.exit('no C compiler')\"""")
+    result = project.runpytest(*FAST, "--perf-against", "HEAD", "--collect-only", "-q")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--perf-against HEAD (*): perfgate_against_build [[]*] failed in REV's copy "
+                                 "(exit 1): no C compiler*"])
+    assert _left(project) == []

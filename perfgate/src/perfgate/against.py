@@ -29,6 +29,7 @@ from .checkout import CheckoutError, Revision, checked_out, resolve
 from .workers import Pool, WorkerGone
 
 INI = "perfgate_against_library"
+BUILD_INI = "perfgate_against_build"
 # imports the library packages REV has, from REV's copy only (abworker.RootFinder), in a fresh process
 IMPORT_CHECK = ("import importlib, sys; from pathlib import Path; from perfgate.abworker import RootFinder; "
                 "sys.meta_path.insert(0, RootFinder(Path(sys.argv[1]), sys.argv[2:])); "
@@ -96,7 +97,28 @@ class Against:
             self.root = self._exit.enter_context(checked_out(self.revision))
         except CheckoutError as exc:
             raise pytest.UsageError(str(exc)) from exc
+        self._build()
         self._check_imports()
+
+    def _build(self) -> None:
+        """Run the ``perfgate_against_build`` command in REV's export (a folder REV is used as it
+        is), or stop the session naming its error: a library that compiles part of itself would
+        otherwise be timed without it on REV's side."""
+        assert self.root is not None and self.revision is not None
+        command = [sys.executable if arg == "{python}" else arg for arg in self.config.getini(BUILD_INI)]
+        if not command or self.revision.folder is not None:
+            return
+        try:
+            done = subprocess.run(command, cwd=self.root, capture_output=True, text=True, check=False, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            self.close()
+            raise pytest.UsageError(f"--perf-against {self.revision.label}: {BUILD_INI} {command} could not "
+                                    f"run in REV's copy: {exc}") from exc
+        if done.returncode != 0:
+            self.close()
+            error = ((done.stderr or done.stdout).strip().splitlines() or ["(no output)"])[-1]
+            raise pytest.UsageError(f"--perf-against {self.revision.label}: {BUILD_INI} {command} failed in REV's "
+                                    f"copy (exit {done.returncode}): {error}")
 
     def _check_imports(self) -> None:
         """REV's library packages import (from REV's copy), or the session stops here, naming the error."""

@@ -74,6 +74,9 @@ def add_options(parser: pytest.Parser) -> None:
     parser.addini("perfgate_against_library", type="linelist", default=[],
                   help="the top-level packages --perf-against imports from REV (default: every package under the "
                        "rootdir that holds no test file)")
+    parser.addini("perfgate_against_build", type="args", default=[],
+                  help="a command --perf-against runs in REV's exported copy before importing it, to build what "
+                       "the library compiles (its C extensions); {python} is the session's Python")
     group = parser.getgroup("perfgate", "perfgate: speedup gate over a reference")
     for flag, default, text in OPTIONS:
         if isinstance(default, bool):  # a switch

@@ -1,0 +1,165 @@
+"""kernels.nontemporal: the streamed outer products are torch.mul's bits, written by the C part
+only where it pays (a result larger than the last-level cache, float32, pages all mapped), and
+torch.mul everywhere else; the C part refuses buffers of the wrong type or size."""
+
+from __future__ import annotations
+
+import mmap
+import platform
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernels
+from kernels import nontemporal
+from kernels.models import MLP
+
+C = nontemporal._nontemporal
+needs_c = pytest.mark.skipif(C is None, reason="kernels._nontemporal is not built (no C compiler at install)")
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def test_the_c_part_is_built_where_there_is_a_compiler() -> None:
+    if not sys.platform.startswith("linux") or shutil.which("cc") is None:
+        pytest.skip("no Linux C compiler: the install may leave the C part out")
+    assert C is not None, "make install (pip install -e .) should have compiled kernels/_nontemporal.c in place"
+    assert C.NONTEMPORAL == X86  # SSE2's streaming stores on x86-64; elsewhere the module never streams
+
+
+def _outer_args(b: int, o: int, i: int, offset: int, special: bool) -> tuple[torch.Tensor, ...]:
+    g, a = torch.randn(b, o, 1), torch.randn(b, 1, i)
+    if special:  # infinities, signed zeros, subnormals: each product is still one IEEE multiply
+        flat, values = a.view(-1), torch.tensor([float("inf"), -0.0, 1e-40, -float("inf")])
+        flat[::3] = values.repeat(flat.numel())[: (flat.numel() + 2) // 3]
+    out = torch.empty(offset + b * o * i)[offset:].view(b, o, i)  # offset: rows start off a 16-byte line
+    return g, a, out
+
+
+@needs_c
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(b=st.integers(1, 4), o=st.integers(1, 9), i=st.integers(1, 70), offset=st.integers(0, 15),
+       threads=st.integers(1, 5), special=st.booleans())
+def test_the_c_products_are_torch_muls_bits(b: int, o: int, i: int, offset: int, threads: int,
+                                            special: bool) -> None:
+    g, a, out = _outer_args(b, o, i, offset, special)
+    C.outer(g.numpy(), a.numpy(), out.numpy(), (b, o, i), threads)
+    want = torch.mul(g, a)
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
+@needs_c
+def test_the_c_part_refuses_buffers_of_another_type_or_size() -> None:
+    g, a, out = torch.ones(2, 3), torch.ones(2, 4), torch.zeros(2, 3, 4)
+    with pytest.raises(TypeError, match="g must hold float32"):
+        C.outer(g.double().numpy(), a.numpy(), out.numpy(), (2, 3, 4), 1)
+    with pytest.raises(ValueError, match="a must hold 8 float32 elements, got 4"):
+        C.outer(g.numpy(), a[:1].numpy(), out.numpy(), (2, 3, 4), 1)
+    with pytest.raises(ValueError, match="out must hold 24 float32 elements"):
+        C.outer(g.numpy(), a.numpy(), out[:1].numpy(), (2, 3, 4), 1)
+    with pytest.raises(ValueError, match="threads must be 1..256, got 0"):
+        C.outer(g.numpy(), a.numpy(), out.numpy(), (2, 3, 4), 0)
+    with pytest.raises(ValueError, match=r"shape must be \(B, O, I\) >= 0"):
+        C.outer(g.numpy(), a.numpy(), out.numpy(), (2, -3, 4), 1)
+    read_only = out.numpy()
+    read_only.flags.writeable = False
+    with pytest.raises((BufferError, ValueError), match="read-only|not writable"):
+        C.outer(g.numpy(), a.numpy(), read_only, (2, 3, 4), 1)
+    assert torch.equal(out, torch.zeros(2, 3, 4))  # nothing written by a refused call
+
+
+@needs_c
+def test_resident_means_every_page_is_mapped() -> None:
+    pages = 64
+    with mmap.mmap(-1, pages * mmap.PAGESIZE) as fresh:  # anonymous: mapped on the first write
+        assert not C.resident(fresh)
+        for p in range(pages - 1):
+            fresh[p * mmap.PAGESIZE] = 1
+        assert not C.resident(fresh)  # one page left
+        fresh[(pages - 1) * mmap.PAGESIZE] = 1
+        assert C.resident(fresh)
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The shapes kernels.nontemporal streamed (the C part's calls), recorded; an LLC of 1 byte,
+    so every result pays."""
+    if C is None or not C.NONTEMPORAL:
+        pytest.skip("no streaming stores in this build")
+    seen: list[tuple[int, ...]] = []
+
+    class Recorded:
+        NONTEMPORAL = True
+        resident = staticmethod(C.resident)
+
+        @staticmethod
+        def outer(g, a, out, shape, threads):
+            seen.append(shape)
+            C.outer(g, a, out, shape, threads)
+
+    monkeypatch.setattr(nontemporal, "_nontemporal", Recorded)
+    monkeypatch.setattr(nontemporal, "last_level_cache", lambda: 1)
+    return seen
+
+
+def test_outer_streams_only_where_it_pays(calls: list) -> None:
+    g, a = torch.randn(3, 5, 1), torch.randn(3, 1, 7)
+    want = torch.mul(g, a)
+    out = torch.zeros(3, 5, 7)  # mapped: written once
+    assert nontemporal.outer(g, a, out, stream=True) is out and calls == [(3, 5, 7)]
+    assert torch.equal(out, want)
+    # not streamed: stream=False, float64, a strided out
+    assert torch.equal(nontemporal.outer(g, a, torch.zeros(3, 5, 7), stream=False), want)
+    wide = torch.zeros(3, 5, 7, dtype=torch.float64)
+    assert torch.equal(nontemporal.outer(g.double(), a.double(), wide, stream=True), g.double() * a.double())
+    assert torch.equal(nontemporal.outer(g, a, torch.zeros(3, 7, 5).transpose(1, 2), stream=True), want)
+    assert len(calls) == 1
+    with mmap.mmap(-1, 3 * 5 * 7 * 4) as fresh:  # pages not mapped yet: a streaming store would fault
+        out = torch.frombuffer(fresh, dtype=torch.float32).view(3, 5, 7)
+        assert torch.equal(nontemporal.outer(g, a, out, stream=True), want)
+        del out
+    assert len(calls) == 1
+
+
+def test_pays_past_the_last_level_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    if C is None or not C.NONTEMPORAL:
+        assert not nontemporal.pays(1 << 40)
+        return
+    monkeypatch.setattr(nontemporal, "last_level_cache", lambda: 32 << 20)
+    assert nontemporal.pays((32 << 20) + 1) and not nontemporal.pays(32 << 20)
+    monkeypatch.setattr(nontemporal, "last_level_cache", lambda: 0)  # size unknown: never
+    assert not nontemporal.pays(1 << 40)
+
+
+def test_last_level_cache_is_sysfs_largest_data_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for index, (kind, size) in enumerate([("Data", "32K"), ("Instruction", "64K"), ("Unified", "512K"),
+                                          ("Unified", "32768K")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "type").write_text(kind + "\n")
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    monkeypatch.setattr(nontemporal, "CACHES", tmp_path)
+    nontemporal.last_level_cache.cache_clear()
+    try:
+        assert nontemporal.last_level_cache() == 32 << 20
+        monkeypatch.setattr(nontemporal, "CACHES", tmp_path / "absent")
+        nontemporal.last_level_cache.cache_clear()
+        assert nontemporal.last_level_cache() == 0
+    finally:
+        monkeypatch.undo()
+        nontemporal.last_level_cache.cache_clear()
+
+
+def test_per_sample_grads_streams_its_outer_products(calls: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model, x, y = MLP((20, 16, 3)), torch.randn(5, 20), torch.randint(0, 3, (5,))
+    into = kernels.per_sample_grads(model, F.cross_entropy, x, y)  # mapped: the previous call's result
+    calls.clear()
+    got = kernels.per_sample_grads(model, F.cross_entropy, x, y, out=into)
+    assert calls == [(5, 16, 20), (5, 3, 16)]
+    monkeypatch.setattr(nontemporal, "_nontemporal", None)
+    want = kernels.per_sample_grads(model, F.cross_entropy, x, y)
+    assert all(torch.equal(got[n], want[n]) for n in want)

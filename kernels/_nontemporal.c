@@ -1,0 +1,156 @@
+/* kernels._nontemporal: batched outer products written with non-temporal (streaming) stores.
+
+   out[b, o, i] = g[b, o] * a[b, i] for float32 buffers, the per-sample weight gradient of a
+   Linear layer (kernels/per_sample.py). An ordinary store to a cache line that is not cached
+   first reads the line from memory (a read for ownership), so writing N bytes moves 2N; a
+   non-temporal store writes the line whole and moves N. It pays where the output is larger
+   than the last-level cache and its pages are already mapped (a reused buffer): a page the
+   kernel maps on the first write is zeroed in the cache, where an ordinary store then finds it.
+
+   outer(g, a, out, (B, O, I), threads)  g (B, O), a (B, I), out (B, O, I): C-contiguous float32
+                                         buffers; the B*O rows split over `threads` threads
+   resident(buffer) -> bool              every page of it is mapped (mincore): no store faults
+   NONTEMPORAL                           True where this build has streaming stores (SSE2) */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define NONTEMPORAL 1
+#else
+#define NONTEMPORAL 0
+#endif
+
+#define MAX_THREADS 256
+
+typedef struct {
+    const float *g, *a;
+    float *out;
+    Py_ssize_t O, I, row0, row1; /* rows [row0, row1) of the B*O rows of length I */
+} Job;
+
+/* One row: out[0:I] = s * a[0:I]. Scalar head to a cache-line boundary, then whole lines of
+   four streaming stores each (a line written whole in one go leaves the write-combining buffer
+   at once), scalar tail: each element is the one float32 product torch.mul computes. */
+static void row(float *restrict dst, const float *restrict a, float s, Py_ssize_t I) {
+    Py_ssize_t i = 0;
+#if NONTEMPORAL
+    for (; i < I && ((uintptr_t)(dst + i) & 63); i++) dst[i] = s * a[i];
+    const __m128 vs = _mm_set1_ps(s);
+    for (; i + 16 <= I; i += 16) {
+        _mm_stream_ps(dst + i, _mm_mul_ps(vs, _mm_loadu_ps(a + i)));
+        _mm_stream_ps(dst + i + 4, _mm_mul_ps(vs, _mm_loadu_ps(a + i + 4)));
+        _mm_stream_ps(dst + i + 8, _mm_mul_ps(vs, _mm_loadu_ps(a + i + 8)));
+        _mm_stream_ps(dst + i + 12, _mm_mul_ps(vs, _mm_loadu_ps(a + i + 12)));
+    }
+#endif
+    for (; i < I; i++) dst[i] = s * a[i];
+}
+
+static void *run(void *arg) {
+    const Job *j = arg;
+    for (Py_ssize_t r = j->row0; r < j->row1; r++) {
+        Py_ssize_t b = r / j->O;
+        row(j->out + r * j->I, j->a + b * j->I, j->g[r], j->I);
+    }
+#if NONTEMPORAL
+    _mm_sfence(); /* streaming stores are weakly ordered: drain them before the caller reads */
+#endif
+    return NULL;
+}
+
+/* A C-contiguous float32 buffer of exactly `want` elements, or a Python error naming `name`. */
+static int get(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t want, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    if (view->itemsize != 4 || view->format == NULL || view->format[0] != 'f' || view->format[1] != '\0') {
+        PyErr_Format(PyExc_TypeError, "%s must hold float32 ('f'), got format '%s'", name,
+                     view->format ? view->format : "B");
+    } else if (view->len != want * 4) {
+        PyErr_Format(PyExc_ValueError, "%s must hold %zd float32 elements, got %zd", name, want, view->len / 4);
+    } else {
+        return 0;
+    }
+    PyBuffer_Release(view);
+    return -1;
+}
+
+static PyObject *outer(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *go, *ao, *oo;
+    Py_ssize_t B, O, I, threads;
+    if (!PyArg_ParseTuple(args, "OOO(nnn)n:outer", &go, &ao, &oo, &B, &O, &I, &threads)) return NULL;
+    if (B < 0 || O < 0 || I < 0) return PyErr_Format(PyExc_ValueError, "shape must be (B, O, I) >= 0, got (%zd, %zd, %zd)", B, O, I);
+    if (threads < 1 || threads > MAX_THREADS)
+        return PyErr_Format(PyExc_ValueError, "threads must be 1..%d, got %zd", MAX_THREADS, threads);
+    Py_buffer g, a, out;
+    if (get(go, &g, 0, B * O, "g") < 0) return NULL;
+    if (get(ao, &a, 0, B * I, "a") < 0) { PyBuffer_Release(&g); return NULL; }
+    if (get(oo, &out, 1, B * O * I, "out") < 0) { PyBuffer_Release(&g); PyBuffer_Release(&a); return NULL; }
+
+    Py_ssize_t rows = B * O;
+    if (threads > rows) threads = rows > 0 ? rows : 1;
+    Job jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t t = 0; t < threads; t++)
+        jobs[t] = (Job){g.buf, a.buf, out.buf, O, I, rows * t / threads, rows * (t + 1) / threads};
+    /* rows of jobs 1..n-1 on new threads, job 0's on this one; a job whose thread fails to
+       start runs here too */
+    for (Py_ssize_t t = 1; t < threads; t++) {
+        started[t] = pthread_create(&ids[t], NULL, run, &jobs[t]) == 0;
+        if (!started[t]) run(&jobs[t]);
+    }
+    run(&jobs[0]);
+    for (Py_ssize_t t = 1; t < threads; t++)
+        if (started[t]) pthread_join(ids[t], NULL);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&g);
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
+static PyObject *resident(PyObject *self, PyObject *obj) {
+    (void)self;
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0) return NULL;
+    long page = sysconf(_SC_PAGESIZE);
+    uintptr_t lo = (uintptr_t)view.buf / page * page, hi = (uintptr_t)view.buf + view.len;
+    size_t pages = (hi - lo + page - 1) / page;
+    int all = 1;
+    if (pages) {
+        unsigned char *vec = malloc(pages);
+        if (vec == NULL) { PyBuffer_Release(&view); return PyErr_NoMemory(); }
+        if (mincore((void *)lo, hi - lo, vec) != 0) all = 0; /* cannot tell: treat as not mapped */
+        for (size_t p = 0; all && p < pages; p++) all = vec[p] & 1;
+        free(vec);
+    }
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(all);
+}
+
+static PyMethodDef methods[] = {
+    {"outer", outer, METH_VARARGS, "outer(g, a, out, (B, O, I), threads): out[b,o,i] = g[b,o] * a[b,i], streamed"},
+    {"resident", resident, METH_O, "resident(buffer) -> bool: every page of the buffer is mapped"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_nontemporal", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__nontemporal(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddObject(m, "NONTEMPORAL", PyBool_FromLong(NONTEMPORAL)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,67 @@
+"""Batched outer products larger than the CPU's last-level cache, written with streaming stores.
+
+An ordinary store to a cache line that is not cached reads the line from memory first (a read
+for ownership), so writing N bytes moves 2N; a non-temporal (streaming) store writes whole lines
+and moves N. Where a result is larger than the last-level cache, none of it stays cached for its
+reader anyway, so writing it with streaming stores only saves the reads. ``outer`` does that on
+x86-64 CPUs through ``kernels._nontemporal`` (C, built by ``pip install``), for float32 into
+memory whose pages are all mapped (a reused buffer, or glibc's reused block under
+``--perf-malloc cache``): a page mapped by the first write is zeroed through the cache, where an
+ordinary store then finds it. Everywhere else, and where the C part is not built, it is
+``torch.mul``; the two write the same bits.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+try:
+    from kernels import _nontemporal
+except ImportError:  # not built (no C compiler at install): torch.mul everywhere
+    _nontemporal = None
+
+CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+THREAD_BYTES = 8 << 20  # output bytes a thread is given at the least: starting one costs ~50 us
+
+
+@functools.cache
+def last_level_cache() -> int:
+    """Bytes of CPU 0's largest data cache as Linux's sysfs reports it; 0 where it does not."""
+    sizes = []
+    for index in CACHES.glob("index*"):
+        try:
+            kind, size = (index / "type").read_text().strip(), (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if kind != "Instruction" and size[:-1].isdigit():
+            sizes.append(int(size[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 0))
+    return max(sizes, default=0)
+
+
+def pays(nbytes: int) -> bool:
+    """Streaming stores pay for a result of ``nbytes``: it is larger than the last-level cache
+    (unknown size: never), and this build has them."""
+    return _nontemporal is not None and _nontemporal.NONTEMPORAL and 0 < last_level_cache() < nbytes
+
+
+def outer(g: Tensor, a: Tensor, out: Tensor, *, stream: bool) -> Tensor:
+    """``torch.mul(g, a, out=out)`` for g (B, O, 1), a (B, 1, I), out (B, O, I): the batched
+    outer products, by streaming stores where ``stream`` (the caller's ``pays``) and the module
+    note's conditions hold. Returns ``out``."""
+    usable = (stream and _nontemporal is not None and out.device.type == "cpu"
+              and g.dtype == a.dtype == out.dtype == torch.float32 and out.is_contiguous()
+              and g.dim() == a.dim() == out.dim() == 3 and g.shape[2] == 1 and a.shape[1] == 1
+              and out.shape == (g.shape[0], g.shape[1], a.shape[2]) and g.shape[0] == a.shape[0]
+              and not out.requires_grad and out.numel() > 0)
+    if usable:
+        dst = out.numpy()
+        if _nontemporal.resident(dst):
+            threads = max(1, min(torch.get_num_threads(), out.numel() * 4 // THREAD_BYTES))
+            _nontemporal.outer(g.detach().contiguous().numpy(), a.detach().contiguous().numpy(), dst,
+                               tuple(out.shape), threads)
+            return out
+    return torch.mul(g, a, out=out)
