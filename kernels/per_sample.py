@@ -239,7 +239,7 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
         m = plan.linear[mname]
         if m.weight.requires_grad:
             # One row per sample (T = 1): the outer product g_i a_i^T as a broadcast multiply, one
-            # streaming write of (B, out, in), which a K=1 bmm is not on every CPU; rows (T > 1):
+            # sequential write of (B, out, in), which a K=1 bmm is not on every CPU; rows (T > 1):
             # (B, out, T) @ (B, T, in) by bmm (measured in docs/kernels/per_sample.md).
             # A fresh result in huge pages: writing it faults 2 MiB at a time (kernels.hugepages).
             w = into.get(prefix + "weight")
