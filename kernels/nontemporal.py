@@ -25,7 +25,7 @@ except ImportError:  # not built (no C compiler at install): torch.mul everywher
     _nontemporal = None
 
 CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
-THREAD_BYTES = 8 << 20  # output bytes a thread gets at the least: starting one costs ~40 us, writing 8 MiB ~500
+THREAD_BYTES = 8 << 20  # output bytes a thread gets at the least: starting one costs ~40 us, writing 8 MiB ~500 us
 
 
 @functools.cache
