@@ -68,6 +68,8 @@ def test_the_c_part_refuses_buffers_of_another_type_or_size() -> None:
         C.outer(g.numpy(), a.numpy(), out.numpy(), (2, 3, 4), 0)
     with pytest.raises(ValueError, match=r"shape must be \(B, O, I\) >= 0"):
         C.outer(g.numpy(), a.numpy(), out.numpy(), (2, -3, 4), 1)
+    with pytest.raises(ValueError, match="too large for a float32 buffer"):  # B*O*I*4 past Py_ssize_t
+        C.outer(g[:1, :1].numpy(), a[:1, :1].numpy(), out[:1, :1, :1].numpy(), (1, 1, 2**62 + 1), 1)
     read_only = out.numpy()
     read_only.flags.writeable = False
     with pytest.raises((BufferError, ValueError), match="read-only|not writable"):
@@ -96,7 +98,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     seen: list[tuple[int, ...]] = []
 
     class Recorded:
-        NONTEMPORAL = True
+        NONTEMPORAL, MAX_THREADS = True, C.MAX_THREADS
         resident = staticmethod(C.resident)
 
         @staticmethod
@@ -126,6 +128,36 @@ def test_outer_streams_only_where_it_pays(calls: list) -> None:
         assert torch.equal(nontemporal.outer(g, a, out, stream=True), want)
         del out
     assert len(calls) == 1
+
+
+def test_outer_streams_nothing_torch_mul_would_treat_otherwise(calls: list) -> None:
+    """Memory shared with an input, inputs that ask for a gradient, a negative view: torch.mul's
+    own result or error; a streamed out counts the write in its version, as torch.mul's out= does."""
+    g, a = torch.randn(2, 3, 1), torch.randn(2, 1, 4)
+    out = torch.zeros(2, 3, 4)
+    version = out._version
+    nontemporal.outer(g, a, out, stream=True)
+    assert calls and out._version > version
+    calls.clear()
+    shared = torch.zeros(2 * 3 * 4 + 2 * 3)
+    g_in, out_in = shared[:6].view(2, 3, 1), shared[6:].view(2, 3, 4)
+    g_in.copy_(g)
+    assert torch.equal(nontemporal.outer(g_in, a, out_in, stream=True), g * a)
+    with pytest.raises(RuntimeError, match="automatic differentiation"):
+        nontemporal.outer(g.requires_grad_(), a, torch.zeros(2, 3, 4), stream=True)
+    negative = torch._neg_view(a.detach())
+    assert torch.equal(nontemporal.outer(g.detach(), negative, torch.zeros(2, 3, 4), stream=True), g.detach() * -a)
+    assert calls == []
+
+
+def test_outer_takes_at_most_the_c_parts_threads(calls: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    threads = []
+    monkeypatch.setattr(nontemporal, "THREAD_BYTES", 4)
+    real = nontemporal._nontemporal.outer
+    monkeypatch.setattr(nontemporal._nontemporal, "outer", lambda *args: threads.append(args[-1]) or real(*args))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 10_000)
+    nontemporal.outer(torch.randn(2, 300, 1), torch.randn(2, 1, 5), torch.zeros(2, 300, 5), stream=True)
+    assert threads == [C.MAX_THREADS]
 
 
 def test_pays_past_the_last_level_cache(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,8 +9,10 @@
 
    outer(g, a, out, (B, O, I), threads)  g (B, O), a (B, I), out (B, O, I): C-contiguous float32
                                          buffers; the B*O rows split over `threads` threads
-   resident(buffer) -> bool              every page of it is mapped (mincore): no store faults
-   NONTEMPORAL                           True where this build has streaming stores (SSE2) */
+   resident(buffer) -> bool              every page of it is resident (mincore); a store can still
+                                         fault on a copy-on-write or zero page
+   NONTEMPORAL                           True where this build has streaming stores (SSE2)
+   MAX_THREADS                           the most threads outer takes */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -38,20 +40,23 @@ typedef struct {
 
 /* One row: out[0:I] = s * a[0:I]. Scalar head to a cache-line boundary, then whole lines of
    four streaming stores each (a line written whole in one go leaves the write-combining buffer
-   at once), scalar tail: each element is the one float32 product torch.mul computes. */
+   at once), scalar tail: each element is the one float32 product torch.mul computes, with s as
+   the first operand throughout (the operand whose payload a NaN times a NaN keeps on x86). */
 static void row(float *restrict dst, const float *restrict a, float s, Py_ssize_t I) {
     Py_ssize_t i = 0;
 #if NONTEMPORAL
-    for (; i < I && ((uintptr_t)(dst + i) & 63); i++) dst[i] = s * a[i];
     const __m128 vs = _mm_set1_ps(s);
+    for (; i < I && ((uintptr_t)(dst + i) & 63); i++) dst[i] = _mm_cvtss_f32(_mm_mul_ss(vs, _mm_load_ss(a + i)));
     for (; i + 16 <= I; i += 16) {
         _mm_stream_ps(dst + i, _mm_mul_ps(vs, _mm_loadu_ps(a + i)));
         _mm_stream_ps(dst + i + 4, _mm_mul_ps(vs, _mm_loadu_ps(a + i + 4)));
         _mm_stream_ps(dst + i + 8, _mm_mul_ps(vs, _mm_loadu_ps(a + i + 8)));
         _mm_stream_ps(dst + i + 12, _mm_mul_ps(vs, _mm_loadu_ps(a + i + 12)));
     }
-#endif
+    for (; i < I; i++) dst[i] = _mm_cvtss_f32(_mm_mul_ss(vs, _mm_load_ss(a + i)));
+#else
     for (; i < I; i++) dst[i] = s * a[i];
+#endif
 }
 
 static void *run(void *arg) {
@@ -64,6 +69,12 @@ static void *run(void *arg) {
     _mm_sfence(); /* streaming stores are weakly ordered: drain them before the caller reads */
 #endif
     return NULL;
+}
+
+/* a * b where it stays under a float32 buffer's largest element count (its bytes fit a
+   Py_ssize_t), else -1 */
+static Py_ssize_t count(Py_ssize_t a, Py_ssize_t b) {
+    return (b != 0 && a > PY_SSIZE_T_MAX / 4 / b) ? -1 : a * b;
 }
 
 /* A C-contiguous float32 buffer of exactly `want` elements, or a Python error naming `name`. */
@@ -90,12 +101,14 @@ static PyObject *outer(PyObject *self, PyObject *args) {
     if (B < 0 || O < 0 || I < 0) return PyErr_Format(PyExc_ValueError, "shape must be (B, O, I) >= 0, got (%zd, %zd, %zd)", B, O, I);
     if (threads < 1 || threads > MAX_THREADS)
         return PyErr_Format(PyExc_ValueError, "threads must be 1..%d, got %zd", MAX_THREADS, threads);
+    Py_ssize_t rows = count(B, O), inputs = count(B, I), total = rows < 0 ? -1 : count(rows, I);
+    if (rows < 0 || inputs < 0 || total < 0)
+        return PyErr_Format(PyExc_ValueError, "shape (%zd, %zd, %zd) is too large for a float32 buffer", B, O, I);
     Py_buffer g, a, out;
-    if (get(go, &g, 0, B * O, "g") < 0) return NULL;
-    if (get(ao, &a, 0, B * I, "a") < 0) { PyBuffer_Release(&g); return NULL; }
-    if (get(oo, &out, 1, B * O * I, "out") < 0) { PyBuffer_Release(&g); PyBuffer_Release(&a); return NULL; }
+    if (get(go, &g, 0, rows, "g") < 0) return NULL;
+    if (get(ao, &a, 0, inputs, "a") < 0) { PyBuffer_Release(&g); return NULL; }
+    if (get(oo, &out, 1, total, "out") < 0) { PyBuffer_Release(&g); PyBuffer_Release(&a); return NULL; }
 
-    Py_ssize_t rows = B * O;
     if (threads > rows) threads = rows > 0 ? rows : 1;
     Job jobs[MAX_THREADS];
     pthread_t ids[MAX_THREADS];
@@ -140,7 +153,7 @@ static PyObject *resident(PyObject *self, PyObject *obj) {
 
 static PyMethodDef methods[] = {
     {"outer", outer, METH_VARARGS, "outer(g, a, out, (B, O, I), threads): out[b,o,i] = g[b,o] * a[b,i], streamed"},
-    {"resident", resident, METH_O, "resident(buffer) -> bool: every page of the buffer is mapped"},
+    {"resident", resident, METH_O, "resident(buffer) -> bool: every page of the buffer is resident"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -148,7 +161,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_nontemporal", NULL,
 
 PyMODINIT_FUNC PyInit__nontemporal(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddObject(m, "NONTEMPORAL", PyBool_FromLong(NONTEMPORAL)) < 0) {
+    if (m != NULL && (PyModule_AddObject(m, "NONTEMPORAL", PyBool_FromLong(NONTEMPORAL)) < 0
+                      || PyModule_AddIntConstant(m, "MAX_THREADS", MAX_THREADS) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -4,11 +4,12 @@ An ordinary store to a cache line that is not cached reads the line from memory 
 for ownership), so writing N bytes moves 2N; a non-temporal (streaming) store writes whole lines
 and moves N. Where a result is larger than the last-level cache, none of it stays cached for its
 reader anyway, so writing it with streaming stores only saves the reads. ``outer`` does that on
-x86-64 CPUs through ``kernels._nontemporal`` (C, built by ``pip install``), for float32 into
-memory whose pages are all mapped (a reused buffer, or glibc's reused block under
+x86-64 Linux through ``kernels._nontemporal`` (C, built by ``pip install``), for float32 into
+memory whose pages are all resident (a reused buffer, or glibc's reused block under
 ``--perf-malloc cache``): a page mapped by the first write is zeroed through the cache, where an
 ordinary store then finds it. Everywhere else, and where the C part is not built, it is
-``torch.mul``; the two write the same bits.
+``torch.mul``; both write the same bits (a NaN times a NaN aside, whose payload x86 takes from
+the first operand in both).
 """
 
 from __future__ import annotations
@@ -52,16 +53,32 @@ def outer(g: Tensor, a: Tensor, out: Tensor, *, stream: bool) -> Tensor:
     """``torch.mul(g, a, out=out)`` for g (B, O, 1), a (B, 1, I), out (B, O, I): the batched
     outer products, by streaming stores where ``stream`` (the caller's ``pays``) and the module
     note's conditions hold. Returns ``out``."""
-    usable = (stream and _nontemporal is not None and out.device.type == "cpu"
-              and g.dtype == a.dtype == out.dtype == torch.float32 and out.is_contiguous()
-              and g.dim() == a.dim() == out.dim() == 3 and g.shape[2] == 1 and a.shape[1] == 1
-              and out.shape == (g.shape[0], g.shape[1], a.shape[2]) and g.shape[0] == a.shape[0]
-              and not out.requires_grad and out.numel() > 0)
-    if usable:
+    if stream and _streamable(g, a, out):
         dst = out.numpy()
         if _nontemporal.resident(dst):
-            threads = max(1, min(torch.get_num_threads(), out.numel() * 4 // THREAD_BYTES))
+            threads = min(torch.get_num_threads(), out.numel() * 4 // THREAD_BYTES, _nontemporal.MAX_THREADS)
             _nontemporal.outer(g.detach().contiguous().numpy(), a.detach().contiguous().numpy(), dst,
-                               tuple(out.shape), threads)
+                               tuple(out.shape), max(1, threads))
+            torch.autograd.graph.increment_version(out)  # written in place, as torch.mul's out= counts it
             return out
     return torch.mul(g, a, out=out)
+
+
+def _streamable(g: Tensor, a: Tensor, out: Tensor) -> bool:
+    """The C part computes what torch.mul(g, a, out=out) would, and torch.mul would not refuse it:
+    plain float32 CPU tensors of the outer product's shapes, out contiguous and apart from the
+    inputs' memory, no gradient asked of the inputs, out writable here (not an inference tensor
+    outside inference mode)."""
+    tensors = (g, a, out)
+    if _nontemporal is None or not all(t.device.type == "cpu" and t.layout == torch.strided
+                                       and t.dtype == torch.float32 and not t.is_neg() for t in tensors):
+        return False
+    if not (g.dim() == a.dim() == out.dim() == 3 and g.shape[2] == 1 and a.shape[1] == 1
+            and out.shape == (g.shape[0], g.shape[1], a.shape[2]) and g.shape[0] == a.shape[0]):
+        return False
+    if out.requires_grad or (torch.is_grad_enabled() and (g.requires_grad or a.requires_grad)):
+        return False
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        return False
+    shared = out.untyped_storage().data_ptr() in (g.untyped_storage().data_ptr(), a.untyped_storage().data_ptr())
+    return out.is_contiguous() and out.numel() > 0 and not shared

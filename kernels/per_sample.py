@@ -233,7 +233,8 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
     # a result larger than the CPU's last-level cache cannot stay cached for its reader: its
     # outer products are written by streaming stores, which skip reading each line first
     stream = nontemporal.pays(sum(batch * plan.linear[n].weight.numel() * plan.linear[n].weight.element_size()
-                                  for n in terms))
+                                  for n, (a, _) in terms.items()
+                                  if plan.linear[n].weight.requires_grad and a.shape[1] == 1))
     for mname, (a, g) in terms.items():
         prefix = f"{mname}." if mname else ""
         m = plan.linear[mname]

@@ -5,14 +5,18 @@ session before anything is timed; nothing is left behind."""
 
 from __future__ import annotations
 
+import _bisect
 import json
 import os
+import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from perfgate.against import IMPORT_CHECK, compiled_modules, report_lines
 from perfgate.report import main as report_main
 
 LIBRARY = """
@@ -412,3 +416,20 @@ def test_a_failing_build_command_stops_the_session(project: pytest.Pytester) -> 
     result.stderr.fnmatch_lines(["*--perf-against HEAD (*): perfgate_against_build [[]*] failed in REV's copy "
                                  "(exit 1): no C compiler*"])
     assert _left(project) == []
+
+
+def test_the_import_check_names_the_compiled_modules_revs_library_loads(tmp_path: Path) -> None:
+    """A compiled module (here a copy of CPython's own _bisect, loaded as mylib._bisect) is named;
+    the session notes one this tree's library loaded and REV's did not (the line below)."""
+    if not str(getattr(_bisect, "__file__", "")).endswith(".so"):
+        pytest.skip("this CPython has _bisect built in, not as a shared library to copy")
+    (tmp_path / "mylib").mkdir()
+    (tmp_path / "mylib" / "__init__.py").write_text("from mylib import _bisect, plain  # noqa: F401\n")
+    (tmp_path / "mylib" / "plain.py").write_text("")
+    shutil.copy(_bisect.__file__, tmp_path / "mylib" / Path(_bisect.__file__).name)
+    done = subprocess.run([sys.executable, "-c", IMPORT_CHECK, str(tmp_path), "mylib"], capture_output=True,
+                          text=True, check=True)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["mylib._bisect"]
+    assert compiled_modules(["_bisect"]) == ["_bisect"] and compiled_modules(["mylib"]) == []
+    note = "REV's copy loaded no mylib._bisect, which this tree's library did"
+    assert ("warn", note) in report_lines([], "HEAD (abc)", 2, 1.0, 0.05, notes=[note])

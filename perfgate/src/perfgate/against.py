@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import json
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +32,20 @@ from .workers import Pool, WorkerGone
 
 INI = "perfgate_against_library"
 BUILD_INI = "perfgate_against_build"
-# imports the library packages REV has, from REV's copy only (abworker.RootFinder), in a fresh process
-IMPORT_CHECK = ("import importlib, sys; from pathlib import Path; from perfgate.abworker import RootFinder; "
+# imports the library packages REV has, from REV's copy only (abworker.RootFinder), in a fresh
+# process, and prints the compiled modules they loaded
+IMPORT_CHECK = ("import importlib, json, sys; from pathlib import Path; from perfgate.abworker import RootFinder; "
+                "from perfgate.against import compiled_modules; "
                 "sys.meta_path.insert(0, RootFinder(Path(sys.argv[1]), sys.argv[2:])); "
-                "[importlib.import_module(name) for name in sys.argv[2:]]")
+                "[importlib.import_module(name) for name in sys.argv[2:]]; "
+                "print(json.dumps(compiled_modules(sys.argv[2:])))")
+
+
+def compiled_modules(packages: list[str]) -> list[str]:
+    """The loaded modules of ``packages`` that are compiled extensions (a C part), by name."""
+    return sorted(name for name, module in list(sys.modules.items())
+                  if name.split(".")[0] in packages
+                  and str(getattr(module, "__file__", None) or "").endswith(tuple(EXTENSION_SUFFIXES)))
 
 
 def default_library(rootdir: Path, test_paths: set[Path]) -> list[str]:
@@ -74,6 +86,7 @@ class Against:
         self.seconds = 0.0
         self.interrupted = False
         self.problem = ""  # why the comparison did not run (workers could not start), or ""
+        self.notes: list[str] = []  # what the reader should know of how the two sides differ
         self.root: Path | None = None  # REV's copy of the project root, from collection to unconfigure
         self._exit = contextlib.ExitStack()
 
@@ -109,7 +122,8 @@ class Against:
         if not command or self.revision.folder is not None:
             return
         try:
-            done = subprocess.run(command, cwd=self.root, capture_output=True, text=True, check=False, timeout=600)
+            done = subprocess.run(command, cwd=self.root, capture_output=True, text=True, errors="replace",
+                                  check=False, timeout=600)
         except (OSError, subprocess.TimeoutExpired) as exc:
             self.close()
             raise pytest.UsageError(f"--perf-against {self.revision.label}: {BUILD_INI} {command} could not "
@@ -129,12 +143,18 @@ class Against:
             raise pytest.UsageError(f"--perf-against {self.revision.label}: REV has none of the library packages "
                                     f"{self.library} (set the {INI} ini option to name them)")
         done = subprocess.run([sys.executable, "-c", IMPORT_CHECK, str(self.root), *present], capture_output=True,
-                              text=True, check=False, timeout=600)
+                              text=True, errors="replace", check=False, timeout=600)
         if done.returncode != 0:
             self.close()
             error = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise pytest.UsageError(f"--perf-against {self.revision.label}: REV's library does not import "
                                     f"({', '.join(present)}): {error}")
+        # a C part this tree's library loaded and REV's did not: REV's rows run without it
+        lines = done.stdout.strip().splitlines()
+        theirs = set(json.loads(lines[-1])) if lines else set()
+        self.notes = [f"REV's copy loaded no {name}, which this tree's library did (a compiled module not built "
+                      f"there, or one REV predates): REV's rows run without it"
+                      for name in compiled_modules(self.library) if name not in theirs]
 
     def close(self) -> None:
         """Remove REV's copy (idempotent): at unconfigure, and on a refusal."""
@@ -247,16 +267,17 @@ class Against:
         return {"rev": self.rev, "sha": rev.sha if rev else None, "folder": str(rev.folder) if rev and rev.folder
                 else None, "tolerance": self.tolerance, "workers_per_side": self.per_side, "library": self.library,
                 "seconds": self.seconds, "interrupted": self.interrupted, "problem": self.problem,
-                "rows": [r.as_dict() for r in self.rows]}
+                "notes": self.notes, "rows": [r.as_dict() for r in self.rows]}
 
     def lines(self) -> list[tuple[str, str]]:
         """(style, text) lines for the terminal: a table, then the verdict."""
         label = self.revision.label if self.revision else self.rev
-        return report_lines(self.rows, label, self.per_side, self.seconds, self.tolerance, self.problem)
+        return report_lines(self.rows, label, self.per_side, self.seconds, self.tolerance, self.problem,
+                            self.notes)
 
 
 def report_lines(rows: list[ABRow], label: str, per_side: int, seconds: float, tolerance: float,
-                 problem: str = "") -> list[tuple[str, str]]:
+                 problem: str = "", notes: list[str] | tuple[str, ...] = ()) -> list[tuple[str, str]]:
     """(style, text): the comparison's table and verdict, from the session or from its JSON
     (``perfgate.against``, read back by ``perfgate.report``)."""
     out = [("note", f"perfgate against {label}: REV's time / this tree's (under 1: this tree is slower), "
@@ -273,6 +294,7 @@ def report_lines(rows: list[ABRow], label: str, per_side: int, seconds: float, t
                       str(len(r.rev_times)) if timed else "-", r.outcome))
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     out += [("note", "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))) for row in cells]
+    out += [("warn", note) for note in notes]
     for r in rows:
         if r.outcome in ("FAIL", "unresolved", "not comparable"):
             style = {"FAIL": "fail", "unresolved": "warn"}.get(r.outcome, "note")

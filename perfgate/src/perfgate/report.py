@@ -37,7 +37,8 @@ def against_lines(against: dict) -> list[tuple[str, str]]:
 
     label = Revision(against["rev"], sha=against.get("sha"), folder=against.get("folder")).label
     return report_lines([ABRow(**r) for r in against["rows"]], label, against["workers_per_side"],
-                        against["seconds"], against["tolerance"], against.get("problem", ""))
+                        against["seconds"], against["tolerance"], against.get("problem", ""),
+                        against.get("notes", ()))
 
 
 def load_runs(paths: list[Path]) -> list[dict]:
