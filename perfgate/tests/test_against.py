@@ -77,6 +77,9 @@ def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
     _git(pytester.path, "commit", "-q", "-m", "base")
     scratch = tmp_path_factory.mktemp("scratch")
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    # the sessions it runs are not xdist workers, though this test may run in one: pytest-benchmark
+    # would warn that xdist disables benchmarks
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     pytester.scratch = scratch
     return pytester
 
