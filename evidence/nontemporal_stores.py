@@ -11,12 +11,11 @@ times per_sample_grads (fresh result and out=) with the streaming stores and wit
 
 import sys
 
-from perfgate.timing import configure_malloc
+from perfgate.timing import configure_malloc, timer_for
 
 mode = configure_malloc(sys.argv[1] if len(sys.argv) > 1 else "cache")  # before any large allocation
 
 import statistics  # noqa: E402
-import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -33,16 +32,13 @@ assert C is not None and C.NONTEMPORAL, "kernels._nontemporal is not built with 
 
 
 def medians(fns: dict, rounds: int, calls: int) -> dict[str, float]:
-    """Median ms of each fn, rounds interleaved; the previous result kept alive while the next is made."""
+    """Median ms of each fn, rounds interleaved, by perfgate's timer (the previous call's result
+    alive while the next is made, as in a perf session's block)."""
+    timer = timer_for("cpu")
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            result = None
-            for _ in range(calls):
-                start = time.perf_counter()
-                result = fn()
-                times[name].append(time.perf_counter() - start)
-            del result
+            times[name] += timer.block((fn, None), calls, warm=0)
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 

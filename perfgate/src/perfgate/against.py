@@ -34,11 +34,12 @@ INI = "perfgate_against_library"
 BUILD_INI = "perfgate_against_build"
 # imports the library packages REV has, from REV's copy only (abworker.RootFinder), in a fresh
 # process, and prints the compiled modules they loaded
+COMPILED = "perfgate compiled modules: "  # the import check's line, found among what the library prints
 IMPORT_CHECK = ("import importlib, json, sys; from pathlib import Path; from perfgate.abworker import RootFinder; "
-                "from perfgate.against import compiled_modules; "
+                "from perfgate.against import COMPILED, compiled_modules; "
                 "sys.meta_path.insert(0, RootFinder(Path(sys.argv[1]), sys.argv[2:])); "
                 "[importlib.import_module(name) for name in sys.argv[2:]]; "
-                "print(json.dumps(compiled_modules(sys.argv[2:])))")
+                "print(COMPILED + json.dumps(compiled_modules(sys.argv[2:])))")
 
 
 def compiled_modules(packages: list[str]) -> list[str]:
@@ -150,8 +151,8 @@ class Against:
             raise pytest.UsageError(f"--perf-against {self.revision.label}: REV's library does not import "
                                     f"({', '.join(present)}): {error}")
         # a C part this tree's library loaded and REV's did not: REV's rows run without it
-        lines = done.stdout.strip().splitlines()
-        theirs = set(json.loads(lines[-1])) if lines else set()
+        found = [line.removeprefix(COMPILED) for line in done.stdout.splitlines() if line.startswith(COMPILED)]
+        theirs = set(json.loads(found[-1])) if found else set()
         self.notes = [f"REV's copy loaded no {name}, which this tree's library did (a compiled module not built "
                       f"there, or one REV predates): REV's rows run without it"
                       for name in compiled_modules(self.library) if name not in theirs]
