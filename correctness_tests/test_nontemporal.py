@@ -34,6 +34,17 @@ def test_the_c_part_is_built_where_there_is_a_compiler() -> None:
     assert C.NONTEMPORAL == X86  # SSE2's streaming stores on x86-64; elsewhere the module never streams
 
 
+@needs_c
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_the_c_parts_threads_are_torchs_openmp_team() -> None:
+    # one OpenMP runtime in the process: the module's team is torch's intra-op pool, not a second
+    # pool whose threads contend with torch's spinning workers for the same cores
+    maps = Path("/proc/self/maps").read_text(encoding="utf8").splitlines()
+    runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libomp" in line or "libiomp" in line}
+    assert len(runtimes) == 1, runtimes
+    assert Path(C.__file__).read_bytes().count(b"libgomp.so.1") >= 1, "built without -fopenmp (pyproject.toml)"
+
+
 def _outer_args(b: int, o: int, i: int, offset: int, special: bool) -> tuple[torch.Tensor, ...]:
     g, a = torch.randn(b, o, 1), torch.randn(b, 1, i)
     if special:  # infinities, signed zeros, subnormals: each product is still one IEEE multiply

@@ -8,16 +8,21 @@
    kernel maps on the first write is zeroed in the cache, where an ordinary store then finds it.
 
    outer(g, a, out, (B, O, I), threads)  g (B, O), a (B, I), out (B, O, I): C-contiguous float32
-                                         buffers; the B*O rows split over `threads` threads
+                                         buffers; the B*O rows split over `threads` OpenMP threads
    resident(buffer) -> bool              every page of it is resident (mincore); a store can still
                                          fault on a copy-on-write or zero page
    NONTEMPORAL                           True where this build has streaming stores (SSE2)
-   MAX_THREADS                           the most threads outer takes */
+   MAX_THREADS                           the most threads outer takes
+
+   The rows are split over an OpenMP team, not threads of its own: built with -fopenmp, the module
+   needs libgomp.so.1, which the loader resolves to the copy torch already loaded, so the team is
+   torch's intra-op pool. Threads of its own would contend with that pool's workers, which spin
+   on their cores for a while after each torch op: on a 2-vCPU host a started thread then waited
+   for a scheduler slice, and a call took 2x as long. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -59,8 +64,7 @@ static void row(float *restrict dst, const float *restrict a, float s, Py_ssize_
 #endif
 }
 
-static void *run(void *arg) {
-    const Job *j = arg;
+static void run(const Job *j) {
     for (Py_ssize_t r = j->row0; r < j->row1; r++) {
         Py_ssize_t b = r / j->O;
         row(j->out + r * j->I, j->a + b * j->I, j->g[r], j->I);
@@ -68,7 +72,6 @@ static void *run(void *arg) {
 #if NONTEMPORAL
     _mm_sfence(); /* streaming stores are weakly ordered: drain them before the caller reads */
 #endif
-    return NULL;
 }
 
 /* a * b where it stays under a float32 buffer's largest element count (its bytes fit a
@@ -110,21 +113,15 @@ static PyObject *outer(PyObject *self, PyObject *args) {
     if (get(oo, &out, 1, total, "out") < 0) { PyBuffer_Release(&g); PyBuffer_Release(&a); return NULL; }
 
     if (threads > rows) threads = rows > 0 ? rows : 1;
-    Job jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
+    const float *gb = g.buf, *ab = a.buf;
+    float *ob = out.buf;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t t = 0; t < threads; t++)
-        jobs[t] = (Job){g.buf, a.buf, out.buf, O, I, rows * t / threads, rows * (t + 1) / threads};
-    /* rows of jobs 1..n-1 on new threads, job 0's on this one; a job whose thread fails to
-       start runs here too */
-    for (Py_ssize_t t = 1; t < threads; t++) {
-        started[t] = pthread_create(&ids[t], NULL, run, &jobs[t]) == 0;
-        if (!started[t]) run(&jobs[t]);
+    /* one contiguous share of the rows a thread */
+    #pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (Py_ssize_t t = 0; t < threads; t++) {
+        Job job = {gb, ab, ob, O, I, rows * t / threads, rows * (t + 1) / threads};
+        run(&job);
     }
-    run(&jobs[0]);
-    for (Py_ssize_t t = 1; t < threads; t++)
-        if (started[t]) pthread_join(ids[t], NULL);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&g);
     PyBuffer_Release(&a);
