@@ -71,6 +71,23 @@ def test_a_figure_is_the_least_time_over_the_measured() -> None:
     assert lim.figure(Work(bytes=0.0), seconds=1.0) is None  # nothing counted: no figure
 
 
+def test_a_limit_a_call_passed_is_measured_again_once_and_never_lowered(monkeypatch: pytest.MonkeyPatch) -> None:
+    import perfgate.roofline as roofline
+
+    lim = _limits(stream=10.0, peak=100.0)
+    rates = {"scale": 20.0, "copy": 12.0, "triad": 11.0, "fill": 9.0}
+    monkeypatch.setattr(roofline, "_stream", lambda device: dict(rates))
+    monkeypatch.setattr(roofline, "_gemm", lambda device, dtype: (80.0, 512))  # lower than the stored peak
+    assert lim.recheck([(Work(bytes=1e9), 0.2)]) == [] and not lim.dirty  # 50% of the limit: nothing measured
+    assert lim.recheck([(Work(bytes=1e9), 0.05)]) == ["stream 10.0 -> 20.0 GB/s"]  # 20 GB/s passed 10
+    assert lim.stream_gbps == 20.0 and lim.values["fill_gbps"] == 9.0 and lim.dirty
+    assert lim.figure(Work(bytes=1e9), 0.05).fraction == pytest.approx(1.0)
+    monkeypatch.setattr(roofline, "_stream", lambda device: pytest.fail("the stream measured twice in a session"))
+    assert lim.recheck([(Work(bytes=4e9), 0.05)]) == []  # once a session; still over: caches, or counted high
+    assert lim.recheck([(Work(bytes=1.0, flops={"float32": 1e10}), 0.05)]) == []  # 200 GFLOP/s passed 100
+    assert lim.peak("float32") == 100.0 and lim.rechecked == {"stream", "float32"}  # measured 80: kept 100
+
+
 def test_limits_are_stored_read_back_and_checked(tmp_path: Path) -> None:
     path = tmp_path / LIMITS_FILE
     lim = _limits()

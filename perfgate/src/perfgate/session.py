@@ -486,6 +486,9 @@ class PerfSession:
         tr.write_line(f"perfgate roofline at {threads} thread(s): {state.limits.line()} "
                       f"({state.limits.path or 'not stored'}); roofline = max(bytes moved / stream, "
                       "GFLOP / GEMM peak) over the impl's median, 100% the machine's limit (docs/perfgate.md)")
+        if state.tally.limits_rose:
+            tr.write_line("perfgate roofline: an impl passed a stored limit, measured again and kept as the "
+                          f"best this machine has shown: {', '.join(state.tally.limits_rose)}")
         for line in format_placed(state.tally.figures):
             tr.write_line(line)
 

@@ -141,6 +141,7 @@ class Tally:
     unmeasured: int = 0  # perf calls that ran with benchmarks disabled
     not_timed: list[str] = field(default_factory=list)  # "kernel [impl]" --perf-gated-only left untimed
     figures: list[dict] = field(default_factory=list)  # the roofline figures, GateState.placed at the end
+    limits_rose: list[str] = field(default_factory=list)  # limits measured again and higher, in words
 
 
 @dataclass
@@ -229,10 +230,19 @@ class GateState:
                     rows.append(row)
         self.later.timers.clear()
         self.runners.clear()
+        self.recheck_limits()
         for row in rows:
             self._place(row)
         self.rows = rows
         return rows
+
+    def recheck_limits(self) -> None:
+        """Measure again each roofline limit an impl's median call passed (``Limits.recheck``),
+        before any figure is made, so every figure of the session is against the same limits."""
+        if self.limits is not None:
+            calls = [(m.work, median(m.times)) for impls in self.results.values() for m in impls.values()
+                     if m.work is not None and m.times]
+            self.tally.limits_rose += self.limits.recheck(calls)
 
     def _place(self, row: SpeedupRow) -> None:
         """``row``'s roofline figure (its impl's counted work over its median time), and its GB/s
