@@ -90,12 +90,15 @@ def _floors(device_class: str, marker: str) -> list[tuple[str, str, str, float, 
 
 def speedups_measured(kernel: str, impl: str, size: str, variant: str | None = None) -> dict[str, list[float]]:
     """{CPU model: point speedups} of the row (every parametrization of the test) at ``size``; for a
-    floor keyed to a ``variant`` pattern, only runs whose row ran a matching variant."""
+    floor keyed to a ``variant`` pattern, only runs whose row ran a matching variant. Points a run
+    marks superseded (measured before a change to what the row times) are left out."""
     out: dict[str, list[float]] = {}
     for run in json.loads(EVIDENCE.read_text(encoding="utf8"))["runs"]:
         if run["size"] != size:
             continue
         for key, speedup in run["speedups"].items():
+            if key in run.get("superseded", {}):
+                continue
             row_kernel, row_impl = key.rsplit("::", 1)
             ran = run.get("variants", {}).get(key)
             if variant is not None and (ran is None or not fnmatch.fnmatchcase(ran, variant)):
@@ -132,6 +135,32 @@ def test_cpu_floor_holds_on_every_measured_cpu(kernel: str, impl: str, size: str
     if floor < LOST:
         assert (kernel, impl) in NO_REGRESSION, f"{kernel} [{impl}]: floor {floor} < {LOST} cannot catch a " \
             "kernel replaced by its reference; raise it, or list it in NO_REGRESSION with the reason"
+
+
+def test_every_superseded_point_is_a_measured_row_with_a_reason() -> None:
+    for run in json.loads(EVIDENCE.read_text(encoding="utf8"))["runs"]:
+        for key, why in run.get("superseded", {}).items():
+            assert key in run["speedups"] and why.strip(), (run["source"], key, why)
+
+
+def test_supersede_marks_a_rows_points_of_older_commits_only() -> None:
+    import subprocess
+
+    from evidence.floor_evidence import supersede
+
+    if not (ROOT / ".git").exists() or subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD~1"],
+                                                      capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout with history")
+    head, parent = (subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], capture_output=True,
+                                   text=True, check=True).stdout.strip() for rev in ("HEAD", "HEAD~1"))
+    runs = [{"commit": parent, "speedups": {"k[a]::opt vs p": 0.9, "k[b]::opt vs p": 0.8, "k[a]::opt": 2.0}},
+            {"commit": head, "speedups": {"k[a]::opt vs p": 1.5}}]
+    evidence = {"runs": runs}
+    assert supersede(evidence, "k::opt vs p", head, "measured before the change") == 2
+    assert runs[0]["superseded"] == dict.fromkeys(["k[a]::opt vs p", "k[b]::opt vs p"],
+                                                  f"measured before the change ({head})")
+    assert "superseded" not in runs[1]  # the change's own commit stays
+    assert supersede(evidence, "k[b]::opt", head, "x") == 0  # no such row in that run
 
 
 def test_every_committed_run_is_whole_and_of_todays_cpu_fingerprint_keys() -> None:

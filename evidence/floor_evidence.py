@@ -3,6 +3,12 @@ from (correctness_tests/test_perfgate_suite.py checks every floor against them).
 
     python evidence/floor_evidence.py add bench.json --commit abc1234 [--source "make test, clean clone"]
     python evidence/floor_evidence.py table    # floors.md's table: each floor beside its evidence
+    python evidence/floor_evidence.py supersede "per_sample_grads::optimized vs vmap" --before 16c6a29 \
+        --why "measured before the streaming stores"
+
+A row's points measured on code older than a change to what the row times are kept, but marked
+superseded (the run's "superseded" map: key -> why), and no floor is held to them: they measured
+another kernel. The change's own commit and its descendants stay.
 
 The CPU model, thread count and size come from the run's own fingerprint.
 """
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -54,6 +61,34 @@ def table() -> list[str]:
     return lines
 
 
+def _older(commit: str, change: str) -> bool:
+    """``commit`` is an ancestor of ``change`` and not ``change`` itself (git, in the checkout)."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+
+    found = [git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}") for rev in (commit, change)]
+    for rev, result in zip((commit, change), found, strict=True):
+        if result.returncode != 0:
+            raise SystemExit(f"git does not know commit {rev!r} in {ROOT}: a full clone is needed")
+    same = found[0].stdout == found[1].stdout
+    return not same and git("merge-base", "--is-ancestor", commit, change).returncode == 0
+
+
+def supersede(evidence: dict, row: str, before: str, why: str) -> int:
+    """Mark ``row`` ("kernel::impl"; a kernel without its parametrization matches every one) in
+    every run of a commit older than ``before`` as superseded; returns how many points it marked."""
+    kernel, impl = row.rsplit("::", 1)
+    marked = 0
+    for run in evidence["runs"]:
+        keys = [k for k in run["speedups"] if k.rsplit("::", 1)[1] == impl
+                and (k.rsplit("::", 1)[0] == kernel or k.split("[")[0] == kernel)]
+        if keys and _older(run["commit"], before):
+            for key in keys:
+                run.setdefault("superseded", {})[key] = f"{why} ({before})"
+                marked += 1
+    return marked
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,11 +97,22 @@ def main(argv: list[str] | None = None) -> int:
     add.add_argument("--commit", required=True, help="the commit that was measured")
     add.add_argument("--source", default="perf run", help="how the run was made")
     sub.add_parser("table", help="print floors.md's table")
+    old = sub.add_parser("supersede", help="no floor is held to a row's points measured before a change")
+    old.add_argument("row", help="'kernel::impl' as the runs key it, e.g. 'per_sample_grads::optimized vs vmap'")
+    old.add_argument("--before", required=True, help="the commit that changed what the row times")
+    old.add_argument("--why", required=True, help="what that commit changed")
     args = parser.parse_args(argv)
     if args.command == "table":
         print("\n".join(table()))
         return 0
     evidence = json.loads(EVIDENCE.read_text(encoding="utf8"))
+    if args.command == "supersede":
+        marked = supersede(evidence, args.row, args.before, args.why)
+        if not marked:
+            raise SystemExit(f"no point of {args.row!r} was measured before {args.before}")
+        EVIDENCE.write_text(json.dumps(evidence, indent=1) + "\n", encoding="utf8")
+        print(f"{EVIDENCE}: {marked} point(s) of {args.row} superseded")
+        return 0
     for path in args.runs:
         evidence["runs"].append(run_entry(json.loads(path.read_text(encoding="utf8")), args.commit, args.source))
     EVIDENCE.write_text(json.dumps(evidence, indent=1) + "\n", encoding="utf8")
