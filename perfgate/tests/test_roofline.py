@@ -86,6 +86,10 @@ def test_a_limit_a_call_passed_is_measured_again_once_and_never_lowered(monkeypa
     assert lim.recheck([(Work(bytes=4e9), 0.05)]) == []  # once a session; still over: caches, or counted high
     assert lim.recheck([(Work(bytes=1.0, flops={"float32": 1e10}), 0.05)]) == []  # 200 GFLOP/s passed 100
     assert lim.peak("float32") == 100.0 and lim.rechecked == {"stream", "float32"}  # measured 80: kept 100
+    calls = []
+    monkeypatch.setattr(roofline, "_stream", lambda device: calls.append(device) or dict(rates))
+    fresh = Limits("cpu", "cpu-x", None)  # a limit this session measured is not measured again
+    assert fresh.recheck([(Work(bytes=1e12), 1.0)]) == [] and fresh.stream_gbps == 20.0 and calls == ["cpu"]
 
 
 def test_limits_are_stored_read_back_and_checked(tmp_path: Path) -> None:

@@ -190,7 +190,7 @@ class Limits:
                                        "triad_gbps": None, "fill_gbps": None, "gemm_gflops": {}, "gemm_n": {},
                                        "measured": {}}
         self.dirty = False
-        self.rechecked: set[str] = set()  # the limits measured again this session ("stream", a dtype)
+        self.rechecked: set[str] = set()  # the limits measured this session ("stream", a dtype)
         if path is not None and path.is_file() and not remeasure:
             self.values = read_limits(path, slug)
 
@@ -219,6 +219,7 @@ class Limits:
             stored = self.values.get(f"{kind}_gbps")
             self.values[f"{kind}_gbps"] = rate if stored is None else max(stored, rate)
         self.values["measured"]["stream"] = _now()
+        self.rechecked.add("stream")  # measured this session: nothing for recheck to do
         self.dirty = True
 
     def _measure_gemm(self, dtype: str) -> None:
@@ -227,10 +228,12 @@ class Limits:
         if gflops > self.values["gemm_gflops"].get(dtype, 0.0):
             self.values["gemm_gflops"][dtype], self.values["gemm_n"][dtype] = gflops, n
         self.values["measured"][f"gemm {dtype}"] = _now()
+        self.rechecked.add(dtype)
         self.dirty = True
 
     def recheck(self, calls: list[tuple[Work, float]]) -> list[str]:
-        """Measure again, once a session, each limit one of ``calls`` (work, seconds a call) passed:
+        """Measure again each stored limit one of ``calls`` (work, seconds a call) passed, unless
+        this session measured it already:
         a figure over 100% says the limit was measured while the host was busier (neighbours
         share a VM host's memory bandwidth and cores). Returns each limit that rose, in words; a
         call still over 100% after it is served from caches or counted high (docs/perfgate.md)."""
