@@ -64,8 +64,8 @@ def _materialized_gram(model, loss_fn, x, y):
 
 
 @pytest.mark.speedup(cpu={"smoke": 3.3, "full": 5.0}, cuda={"full": 10.0})
-@pytest.mark.speedup(over="vmap")
-@pytest.mark.speedup(impl="optimized, out=", over="vmap")
+@pytest.mark.speedup(cpu={"smoke": 1.0}, over="vmap")
+@pytest.mark.speedup(impl="optimized, out=", cpu={"smoke": 1.1}, over="vmap")
 @pytest.mark.speedup(cpu={"smoke": 1.4}, over="peer: opacus")
 @pytest.mark.parametrize("impl", ["reference", "vmap", "optimized", "optimized, out=", "peer: opacus"])
 def test_per_sample_grads(perf, impl: str) -> None:
@@ -75,7 +75,7 @@ def test_per_sample_grads(perf, impl: str) -> None:
 
 
 @pytest.mark.speedup(cpu={"smoke": 10.0, "full": 20.0}, cuda={"full": 10.0})
-@pytest.mark.speedup(over="peer: opacus Gram")
+@pytest.mark.speedup(cpu={"smoke": 9.0}, over="peer: opacus Gram")
 @pytest.mark.parametrize("impl", ["reference", "materialized", "optimized", "peer: opacus Gram"])
 def test_per_sample_grad_gram(perf, impl: str) -> None:
     fn = {"materialized": _materialized_gram, **PEERS}.get(impl) or IMPLS[impl].per_sample_grad_gram
@@ -84,7 +84,7 @@ def test_per_sample_grad_gram(perf, impl: str) -> None:
 
 @pytest.mark.speedup(cpu={"smoke": 8.0, "full": 20.0}, cuda={"full": 10.0})
 @pytest.mark.speedup(cpu={"smoke": 3.0}, over="peer: opacus norms")
-@pytest.mark.speedup(over="peer: opacus ghost clipping")
+@pytest.mark.speedup(cpu={"smoke": 0.9}, over="peer: opacus ghost clipping")
 @pytest.mark.parametrize("impl", [*IMPLS, "peer: opacus norms", "peer: opacus ghost clipping"])
 def test_per_sample_grad_norms(perf, impl: str) -> None:
     fn = PEERS.get(impl) or IMPLS[impl].per_sample_grad_norms
