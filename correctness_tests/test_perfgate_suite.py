@@ -40,8 +40,8 @@ SLOWDOWN = 4.0  # a kernel this many times slower must fall under its floor on e
 NO_REGRESSION = {
     ("rope_attention_s128", "optimized"): "at 64-128 tokens the cached-RoPE path gains 1.5-1.7x on the "
     "AMD hosts but 1.04-1.26x on a Xeon; S=512's row (floor 1.2) catches a lost kernel",
-    ("sgd_step", "optimized"): "fused SGD is a memory-bound step: 1.20-1.39x over the Python loop, "
-    "so only 'never slower' holds everywhere",
+    ("sgd_step", "optimized"): "fused SGD is a memory-bound step: 1.11-1.41x over the Python loop, "
+    "so only 'never much slower' holds everywhere",
     ("adamw_bandwidth", "optimized"): "a fraction of the in-place stream, not a speedup: losing "
     "fused AdamW drops it to ~0.2, under 0.6",
     # over a peer: the claim is "not behind it", where the peer is as fast an algorithm as ours

@@ -66,7 +66,7 @@ def test_adamw_step(perf, impl: str) -> None:
     _time_steps(perf, "adamw", impl)
 
 
-@pytest.mark.speedup(cpu=1.0, cuda={"full": 2.0})
+@pytest.mark.speedup(cpu={"smoke": 0.9, "full": 1.0}, cuda={"full": 2.0})
 @pytest.mark.speedup(cpu={"smoke": 1.0}, over="torch_foreach")
 @pytest.mark.speedup(over=COMPILED)
 @pytest.mark.parametrize("impl", ["reference", "torch_forloop", "torch_foreach", "optimized", COMPILED])
