@@ -5,6 +5,7 @@
     python evidence/host_contention.py pool             # the Standardizer after randomized_svd
     python evidence/host_contention.py sag 200          # the Standardizer's sag, in 200 windows
     python evidence/host_contention.py sag-probes 400   # beside probes that might see it
+    python evidence/host_contention.py placement 1000   # beside the threads' round trip, which sees it
     python evidence/host_contention.py detect-streamed  # the gate's detection runs beside a copy loop
 
 ``probe``: perfgate's ``timing.Bandwidth`` on vCPU 0, 20 ms apart. ``pool``: the Standardizer
@@ -17,6 +18,9 @@ second, the busy seconds of other processes, and the hypervisor's steal. ``sag-p
 window is the same 2-thread call (median of 15) beside three probes, median microseconds: an add
 over 512 KiB at 2 threads (one parallel region, 200 calls), a ``sin`` over 64 Ki floats in cache
 at 2 threads and at 1 (11 calls), and at 1 thread pinned to vCPU 0, then to vCPU 1.
+``placement``: each window is the Standardizer's fit + transform at 2 threads (median of 15) and
+at 1 (median of 5), then perfgate's ``timing.RoundTrip`` (the cache-line round trip between torch's
+two threads, ns); the summary splits the windows at ``stats.APART`` x the least round trip read.
 ``detect-streamed``: the perf rows of the gate's detection tests (correctness_tests/test_perfgate_suite.py),
 unchanged, 4x slower and with every kernel replaced by its reference, each 3 times at the default
 ``--perf-contended`` (not the tests' ``inf``) beside the copy loop; their rows and verdicts.
@@ -181,6 +185,44 @@ def detect_streamed(runs: int = 3) -> None:
         streamer.kill()
 
 
+def placement(windows: int) -> None:
+    import torch
+
+    from kernels.standardize import Standardizer
+    from perfgate.stats import APART
+    from perfgate.timing import RoundTrip
+
+    configure_malloc("cache")
+    x = 5.0 + 3.0 * torch.randn(10000, 512, generator=torch.Generator().manual_seed(0))
+    probe = RoundTrip(2)
+
+    def ours() -> None:
+        Standardizer().fit(x).transform(x)
+
+    rows = []
+    print("window  ours@2thr ms  ours@1thr ms  round trip ns  time")
+    for w in range(windows):
+        torch.set_num_threads(2)
+        two = 1e3 * _median_s(ours, 15)
+        torch.set_num_threads(1)
+        one = 1e3 * _median_s(ours, 5)
+        torch.set_num_threads(2)
+        rows.append((two, one, probe.read()))
+        print(f"{w:6d}  {two:12.2f}  {one:12.2f}  {rows[-1][2]:13.1f}  {time.strftime('%H:%M:%S')}", flush=True)
+    near = min(r[2] for r in rows)
+    for name, part in (("near", [r for r in rows if r[2] <= APART * near]),
+                       ("apart", [r for r in rows if r[2] > APART * near])):
+        if part:
+            q = [statistics.quantiles([r[i] for r in part], n=10) if len(part) > 1 else [part[0][i]] * 9
+                 for i in range(3)]
+            print(f"{name}: {len(part)} windows; round trip {q[2][0]:.0f}-{q[2][-1]:.0f} ns, ours@2thr "
+                  f"{q[0][0]:.2f}-{q[0][-1]:.2f} ms, ours@1thr {q[1][0]:.2f}-{q[1][-1]:.2f} ms "
+                  "(10th-90th percentile)")
+    slow = [r for r in rows if r[0] > 1.5 * statistics.median(r[0] for r in rows if r[2] <= APART * near)]
+    print(f"windows with ours@2thr over 1.5x the near windows' median: {len(slow)}, "
+          f"of them read apart: {sum(r[2] > APART * near for r in slow)}")
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "probe"
     if what == "probe-streamed":
@@ -192,7 +234,8 @@ if __name__ == "__main__":
             streamer.kill()
     elif what == "detect-streamed":
         detect_streamed()
-    elif what in ("sag", "sag-probes"):
-        {"sag": sag, "sag-probes": sag_probes}[what](int(sys.argv[2]) if len(sys.argv) > 2 else 200)
+    elif what in ("sag", "sag-probes", "placement"):
+        windows = int(sys.argv[2]) if len(sys.argv) > 2 else 200
+        {"sag": sag, "sag-probes": sag_probes, "placement": placement}[what](windows)
     else:
         {"probe": probe, "pool": pool}[what]()

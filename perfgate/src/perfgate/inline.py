@@ -26,3 +26,4 @@ def preload() -> None:
         import torch
 
         roofline.count_work(lambda: torch.ones(2) @ torch.ones(2))
+        timing.RoundTrip.open(2)  # the placement probe, perfgate's own C extension (where built)

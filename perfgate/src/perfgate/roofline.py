@@ -257,6 +257,21 @@ class Limits:
                         rose.append(f"{dtype} GEMM {before:.1f} -> {self.peak(dtype):.1f} GFLOP/s")
         return rose
 
+    @property
+    def round_trip_ns(self) -> float | None:
+        """The nearest placement of torch's threads this machine has shown: the least cache-line
+        round trip between them (``timing.RoundTrip``), ns; None where never read."""
+        return self.values.get("round_trip_ns")
+
+    def note_round_trip(self, ns: float) -> None:
+        """Keep ``ns``, a session's least round trip, where it is nearer than the stored one. It
+        joins a limits file that is stored or written this session, and makes none on its own (a
+        session whose rows count no work leaves the storage as it was)."""
+        if math.isfinite(ns) and ns > 0 and (self.round_trip_ns is None or ns < self.round_trip_ns):
+            self.values["round_trip_ns"] = ns
+            self.values["measured"]["round trip"] = _now()
+            self.dirty = self.dirty or (self.path is not None and self.path.is_file())
+
     def figure(self, work: Work, seconds: float) -> Figure | None:
         """Where a call of ``work`` taking ``seconds`` sits under this machine's roofline."""
         if seconds <= 0 or (work.bytes <= 0 and not work.flops):
@@ -284,7 +299,8 @@ def limits_line(values: dict[str, Any]) -> str:
         return "no limits measured"
     peaks = ", ".join(f"{d} GEMM {g:.1f} GFLOP/s" for d, g in sorted(values.get("gemm_gflops", {}).items()))
     fill = f" (writes alone {values['fill_gbps']:.1f})" if values.get("fill_gbps") else ""
-    return f"stream {values['stream_gbps']:.1f} GB/s{fill}" + (f", {peaks}" if peaks else "")
+    near = f", threads' round trip {values['round_trip_ns']:.0f} ns" if values.get("round_trip_ns") else ""
+    return f"stream {values['stream_gbps']:.1f} GB/s{fill}" + (f", {peaks}" if peaks else "") + near
 
 
 def read_limits(path: Path, slug: str) -> dict[str, Any]:
@@ -295,7 +311,7 @@ def read_limits(path: Path, slug: str) -> dict[str, Any]:
         raise BadLimits(f"{path}: not readable JSON ({exc})") from exc
     if not isinstance(values, dict) or values.get("version") != LIMITS_VERSION or values.get("slug") != slug:
         raise BadLimits(f"{path}: not perfgate's limits (version {LIMITS_VERSION}) of fingerprint {slug}")
-    positive = [values.get("stream_gbps")] + list(values.get("gemm_gflops", {}).values())
+    positive = [values.get("stream_gbps"), values.get("round_trip_ns"), *values.get("gemm_gflops", {}).values()]
     if not all(v is None or (isinstance(v, (int, float)) and math.isfinite(v) and v > 0) for v in positive):
         raise BadLimits(f"{path}: a limit is not a positive number: {positive}")
     values.setdefault("gemm_n", {})

@@ -179,7 +179,7 @@ class PerfSession:
         from .fingerprint import fingerprint, slug
         from .floors import FloorPolicy
         from .state import Floors, GateState, Probes, Settings
-        from .timing import Bandwidth, HostLoad, configure_malloc, timer_for
+        from .timing import Bandwidth, HostLoad, RoundTrip, configure_malloc, timer_for
 
         o = self.options
         device = self._device()
@@ -193,7 +193,8 @@ class PerfSession:
                             wrap=self._wrap(device))
         timer = timer_for(device, l2_flush=o.l2_flush, host_timer=compat.host_timer(self.config),
                           disable_gc=bool(self.config.getoption("benchmark_disable_gc")))
-        host = HostLoad(threads or 1, probe=Bandwidth.shared() if device == "cpu" else None)
+        host = HostLoad(threads or 1, probe=Bandwidth.shared() if device == "cpu" else None,
+                        placement=RoundTrip.open(threads) if device == "cpu" else None)
         default = _DEFAULT_THREADS[0] if _DEFAULT_THREADS else None  # None: no torch (threads is None too)
         floors = Floors(policy=FloorPolicy.for_session(device, threads, default, malloc))
         self.state = GateState(settings, Probes(timer, host, threads), floors=floors,
@@ -445,7 +446,7 @@ class PerfSession:
 
     def _table(self, tr: Any) -> list:
         """The speedup table and the notes under it; the rows."""
-        from .stats import format_table
+        from .stats import APART, format_table
 
         state = self.state
         if not state.floors.policy.applied:
@@ -468,6 +469,13 @@ class PerfSession:
             left = ", ".join(state.tally.not_timed)
             tr.write_line(f"perfgate: --perf-gated-only: {len(state.tally.not_timed)} impl(s) not timed, no floor "
                           f"or stored baseline judges them here (a session without it times them): {left}")
+        apart = [r for r in rows if r.apart]
+        if apart or state.tally.placement_wait:
+            tr.write_line(f"perfgate: the host ran torch's threads apart (a cache-line round trip over "
+                          f"{APART:.0f}x this machine's nearest, {state.near_round_trip_ns:.0f} ns) beside "
+                          f"{len(apart)} row(s)' pairs; a miss there is judged on the pairs timed near "
+                          f"(docs/gate.md, \"The threads' placement\"); waited {state.tally.placement_wait:.1f} s "
+                          "for a near placement before timing failures again")
         for row in state.memory_unmeasured():
             tr.write_line(f"{row}: a memory floor is declared but this platform gives no peak memory "
                           "(CUDA, or Linux /proc/self/clear_refs): memory not gated", yellow=True)

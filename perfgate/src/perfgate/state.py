@@ -13,7 +13,7 @@ import pytest
 from .floors import REFERENCE, FloorPolicy
 from .hooks import Wrap
 from .roofline import Figure, Limits, Work
-from .stats import CONTENDED, SpeedupRow, decided, gate, misses, speedup_interval, straddles
+from .stats import APART, CONTENDED, SpeedupRow, decided, gate, misses, speedup_interval, straddles
 from .timing import HostLoad, PairLoad, Timed, Timer, bandwidth_withheld, interleaved, withheld
 
 MAX_PAIRS = 1000  # a straddled row is extended up to this many interleaved pairs in all
@@ -24,6 +24,9 @@ EARLY = 0.99
 # bound is set by one outlying pair (a resample repeats it 3 times in 5 with probability 6%; in 7,
 # 4 times: 0.9%). A row's first visit may be shorter (case.FIRST_PAIRS): it can only pass there.
 MIN_PAIRS = 7
+# Seconds a session may wait, in all, for torch's threads to be placed near before timing a failing
+# row again (GateState.confirm): the host moves them back within seconds to minutes.
+PLACEMENT_WAIT_S = 60.0
 
 
 @dataclass
@@ -142,6 +145,7 @@ class Tally:
     not_timed: list[str] = field(default_factory=list)  # "kernel [impl]" --perf-gated-only left untimed
     figures: list[dict] = field(default_factory=list)  # the roofline figures, GateState.placed at the end
     limits_rose: list[str] = field(default_factory=list)  # limits measured again and higher, in words
+    placement_wait: float = 0.0  # seconds waited for torch's threads to be placed near (GateState.confirm)
 
 
 @dataclass
@@ -215,7 +219,9 @@ class GateState:
             for impl in impls:
                 if impl != REFERENCE:
                     row = self._row(kernel, impl)
-                    if row.failures and any(misses(row, self.settings.tolerance)) and not self.interrupted:
+                    # a failure, or a miss timed with the threads apart, is timed again (near, if the host allows)
+                    if (row.failures or row.apart) and any(misses(row, self.settings.tolerance)) \
+                            and not self.interrupted:
                         try:
                             row = self.confirm(row)
                         except KeyboardInterrupt:
@@ -230,6 +236,8 @@ class GateState:
                     rows.append(row)
         self.later.timers.clear()
         self.runners.clear()
+        if self.limits is not None and self._round_trips():
+            self.limits.note_round_trip(min(self._round_trips()))
         self.recheck_limits()
         for row in rows:
             self._place(row)
@@ -291,9 +299,23 @@ class GateState:
             return row
         start = len(m.paired)
         m.visits += 1
+        self._await_near()
         self._time_pairs(timer, pairs)
         m.again = slice(start, len(m.paired))
         return self._row(row.kernel, row.impl)
+
+    def _await_near(self) -> None:
+        """Where the host runs torch's threads apart now, wait (0.1 s at a time, at most
+        ``PLACEMENT_WAIT_S`` in the session) until it places them near again: a failure's second
+        stretch is then timed where the kernel can be judged."""
+        probe = None if self.probes.host is None else self.probes.host.placement
+        near = self.near_round_trip_ns
+        if probe is None or near is None:
+            return
+        start, left = time.perf_counter(), PLACEMENT_WAIT_S - self.tally.placement_wait
+        while probe.read() > APART * near and time.perf_counter() - start < left:
+            time.sleep(0.1)
+        self.tally.placement_wait += time.perf_counter() - start
 
     def resolve(self, row: SpeedupRow) -> SpeedupRow:
         """Time more interleaved pairs of ``row`` until its interval leaves its floor and its stored
@@ -336,6 +358,7 @@ class GateState:
             again = [scale * v for v in speedup_interval(*zip(*m.paired[m.again], strict=True),
                                                           confidence, paired=True)]
         stored = (self.stored.speedups or {}).get(baseline_key(kernel, impl, m.size))
+        placement = self._placement(m, ref_t, opt_t, scale, confidence) if whole else {}
         row = SpeedupRow(
             kernel=kernel, impl=impl, size=m.size, label=m.label, device=self.settings.device,
             reference_ms=1e3 * median(ref_t), optimized_ms=1e3 * median(opt_t),
@@ -352,9 +375,41 @@ class GateState:
             memory_baseline=self.stored.memory.get(baseline_key(kernel, impl, m.size)),
             confirmed=0 if again is None else m.again.stop - m.again.start,
             confirm_speedup=None if again is None else again[0], confirm_high=None if again is None else again[2],
+            **placement,
         )
         gate(row, self.settings.tolerance, self.settings.contended)
         return row
+
+    def _placement(self, m: Measurement, ref_t: list[float], opt_t: list[float], scale: float,
+                   confidence: float) -> dict:
+        """``m``'s pairs by the threads' placement read beside them (``SpeedupRow.apart`` and the
+        fields after it); empty where unread."""
+        near = self.near_round_trip_ns
+        read = [p.round_trip_ns for p in m.load]
+        if near is None or any(r is None for r in read):
+            return {}
+        far = [r > APART * near for r in read]
+        wall = sum(p.wall for p in m.load)
+        kept = [i for i, f in enumerate(far) if not f]
+        fields = {"apart": sum(p.wall for p, f in zip(m.load, far, strict=True) if f) / wall if wall > 0 else 0.0,
+                  "round_trip_ns": max(read), "near_round_trip_ns": near, "near_pairs": len(kept)}
+        if any(far) and len(kept) >= MIN_PAIRS:
+            point, low, high = speedup_interval([ref_t[i] for i in kept], [opt_t[i] for i in kept], confidence,
+                                                paired=True)
+            fields.update(near_speedup=scale * point, near_low=scale * low, near_high=scale * high)
+        return fields
+
+    def _round_trips(self) -> list[float]:
+        return [p.round_trip_ns for impls in self.results.values() for m in impls.values() for p in m.load
+                if p.round_trip_ns is not None]
+
+    @property
+    def near_round_trip_ns(self) -> float | None:
+        """The nearest the host has placed torch's threads: the least round trip read this session
+        or stored for this machine (``roofline.Limits.round_trip_ns``); None where unread."""
+        known = self._round_trips() + ([self.limits.round_trip_ns] if self.limits and self.limits.round_trip_ns
+                                       else [])
+        return min(known) if known else None
 
     @property
     def quiet_gbps(self) -> float | None:

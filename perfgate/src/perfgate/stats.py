@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
@@ -166,6 +166,16 @@ class SpeedupRow:
     # the interval's high had every second of CPU withheld, and the probe's shortfall, been the
     # impl's: the most speedup the host's contention can explain (None: nothing withheld was read)
     bound: float | None = None
+    # the share of its pairs (by wall time) timed while the host ran torch's threads apart
+    # (timing.RoundTrip: a round trip over APART x the machine's nearest), the farthest reading, the
+    # nearest; and the speedup and interval of its pairs timed near (None: fewer than a verdict needs)
+    apart: float | None = None
+    round_trip_ns: float | None = None
+    near_round_trip_ns: float | None = None
+    near_pairs: int = 0
+    near_speedup: float | None = None
+    near_low: float | None = None
+    near_high: float | None = None
     # a failure is timed again at the session's end before it stands (GateState.confirm): that
     # stretch's interleaved pairs, and its own speedup and interval's high (None: not timed again)
     confirmed: int = 0
@@ -207,6 +217,10 @@ class SpeedupRow:
 # judges the kernel: each between what quiet and contended hosts read (docs/gate.md, "A contended host").
 CONTENDED = 0.05
 BANDWIDTH_CONTENDED = 0.4
+# A stretch of pairs whose threads' round trip (timing.RoundTrip) read over this many times the
+# machine's nearest ran with the threads apart: two modes 6x apart on the Zen 4 (docs/gate.md,
+# "The threads' placement").
+APART = 2.0
 
 
 def _base_low(row: SpeedupRow) -> float:
@@ -274,13 +288,35 @@ def _judged_misses(row: SpeedupRow, tolerance: float, contended: float,
     miss also stands unless the pairs timed again at the session's end reach the line and read
     above the interval of all the pairs (the two stretches disagree: a host state that slowed one
     and not the other); one noisy pair in a stretch that reads as the rest did is no such
-    disagreement. A miss left unjudged is noted in ``row.unresolved``."""
+    disagreement. A miss measured while the host ran torch's threads apart for some of the pairs
+    (``row.apart``) is judged on the pairs timed with them near alone, and left unjudged where too
+    few were. A miss left unjudged is noted in ``row.unresolved``."""
     (where, measured), no_verdict = said, "so this is no verdict on the kernel"
     busy = _host_busy(row, contended)
     bound = float("inf") if row.bound is None else row.bound
     at_most = "any speedup" if bound == float("inf") else f"{bound:.2f}x at most"
     line = None if row.baseline is None else min((1.0 - tolerance) * row.baseline, _base_low(row))
     under_floor, under_baseline = misses(row, tolerance)
+    placed, judged = "", row
+    if row.apart and (under_floor or under_baseline) and math.isfinite(contended):  # inf: judge every row
+        apart = (f"the host ran torch's threads {row.round_trip_ns:.0f} ns apart (a cache-line round trip; "
+                 f"{row.near_round_trip_ns:.0f} ns at this machine's nearest) for {row.apart:.0%} of its pairs")
+        if row.near_speedup is None:
+            what = "floor" if under_floor else "stored baseline"
+            row.unresolved.append(f"{where}: {measured} is under its {what}: {apart}, too few timed near to "
+                                  f"judge ({row.near_pairs}), {no_verdict}")
+            return False, False, ""
+        # judged on the pairs timed with the threads near: a kernel that is slower misses there too
+        near = replace(row, speedup=row.near_speedup, low=row.near_low, high=row.near_high)
+        placed = f"; {apart}, and its {row.near_pairs} pairs timed near read {row.near_speedup:.2f}x " \
+                 f"(95% CI {row.near_low:.2f}-{row.near_high:.2f}x)"
+        near_floor, near_baseline = misses(near, tolerance)
+        for what, missed, stands in (("floor", under_floor, near_floor), ("stored baseline", under_baseline,
+                                                                           near_baseline)):
+            if missed and not stands:
+                row.unresolved.append(f"{where}: {measured} is under its {what}, but {placed[2:]}: the miss is "
+                                      f"the placement's, {no_verdict}")
+        under_floor, under_baseline, judged = near_floor, near_baseline, near
     excused_floor = busy and under_floor and bound >= row.floor
     excused_baseline = busy and under_baseline and bound >= line
     if excused_floor or excused_baseline:
@@ -292,7 +328,7 @@ def _judged_misses(row: SpeedupRow, tolerance: float, contended: float,
     if row.confirm_high is not None and (under_floor or under_baseline):
         again = f"{row.confirmed} pairs timed again at the session's end read {row.confirm_speedup:.2f}x " \
                 f"(up to {row.confirm_high:.2f}x)"
-        changed = row.confirm_speedup > row.high
+        changed = row.confirm_speedup > judged.high
         if under_floor and changed and row.confirm_high >= row.floor:
             row.unresolved.append(f"{where}: {measured} is under its floor {row.floor:.2f}x, but {again}: the "
                                   f"host changed between the two, {no_verdict}")
@@ -302,8 +338,8 @@ def _judged_misses(row: SpeedupRow, tolerance: float, contended: float,
             row.unresolved.append(f"{where}: {measured} is under its stored baseline, but {again}: the host "
                                   f"changed between the two, {no_verdict}")
             under_baseline = False
-    explained = (f", even had all the host withheld ({busy}) been its time: {at_most}"
-                 if busy else "") + (f"; {again}" if again else "")
+    explained = (f", even had all the host withheld ({busy}) been its time: {at_most}" if busy else "") \
+        + (placed if under_floor or under_baseline else "") + (f"; {again}" if again else "")
     return under_floor, under_baseline, explained
 
 
@@ -393,7 +429,8 @@ def verdict(rows: Sequence[SpeedupRow], what: str, budget: str,
     unresolved = sum(r.outcome == "unresolved" for r in rows)
     if unresolved:
         lines.append(("warn", f"gate not failed: {len(rows) - unresolved} speedup(s) {what}, {unresolved} "
-                              "unresolved (an interval that straddles its floor, or a contended host)"))
+                              "unresolved (an interval that straddles its floor, a contended host, or threads "
+                              "placed apart)"))
     else:
         lines.append(("pass", f"gate passed: {len(rows)} speedup(s) {what}"))
     return lines

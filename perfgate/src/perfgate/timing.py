@@ -315,6 +315,7 @@ class PairLoad:
     share: float  # share of the CPU time withheld (``HostLoad.share``)
     delay: float  # most seconds the withholding could have added to the impl's timed calls in the pair
     gbps: float | None = None  # the streaming probe beside the pair's stretch (``Bandwidth``), GB/s
+    round_trip_ns: float | None = None  # the threads' round trip before or after the pair, the larger (RoundTrip)
 
 
 class Bandwidth:
@@ -353,6 +354,42 @@ class Bandwidth:
         return self.nbytes / max(best, 1e-9) / 1e9
 
 
+class RoundTrip:
+    """How far apart the host placed torch's threads: the cache-line round trip, ns, between the
+    calling thread and each other thread of torch's OpenMP team (``_roundtrip.c``), the slowest
+    partner's. A VM's vCPUs move between physical cores: two that share a last-level cache pass a
+    line in about 50 ns on the Zen 4 measured, two on different dies in about 320, and a 2-thread
+    kernel whose ops hand each other's rows across (the Standardizer) then runs 2x as long while
+    every other reading, and the single-threaded reference, stay as they were (docs/gate.md, "The
+    threads' placement"). Read between interleaved pairs: 100 round trips, 3 times (about 20 us
+    near, 100 apart)."""
+
+    def __init__(self, threads: int, bounces: int = 100, reps: int = 3) -> None:
+        import torch  # first: the module's libgomp.so.1 is then torch's, and its team torch's pool
+
+        from . import _roundtrip
+
+        self.torch, self.module = torch, _roundtrip
+        self.threads, self.bounces, self.reps = threads, bounces, reps
+
+    @staticmethod
+    def open(threads: int | None) -> RoundTrip | None:
+        """The probe for a session at ``threads`` torch threads; None where there is nothing to
+        read (one thread) or it was not built (no C compiler at install: perfgate reads no
+        placement then, and judges every row as before)."""
+        if threads is None or threads < 2:
+            return None
+        try:
+            return RoundTrip(threads)
+        except ImportError:
+            return None
+
+    def read(self) -> float:
+        """The slowest partner's median round trip, ns (inf where a partner did not run for 50 ms)."""
+        team = min(self.threads, self.torch.get_num_threads())
+        return max(self.module.round_trip(team, self.bounces, self.reps)) if team >= 2 else 0.0
+
+
 @dataclass
 class HostLoad:
     """How much the host withheld from this process while it was timed: CPU time from Linux's
@@ -372,6 +409,7 @@ class HostLoad:
     threads: int
     cpus: int = os.cpu_count() or 1
     probe: Bandwidth | None = None
+    placement: RoundTrip | None = None
 
     def read(self) -> tuple[float, ...] | None:
         """(wall s, steal s and others' busy s summed over the CPUs, run-queue wait s summed over the
@@ -437,9 +475,12 @@ def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls:
     with it. A block is ``calls`` back-to-back calls after ``warm`` warming ones, read as the median
     call: each side runs with its own data in cache (evidence/from-the-code.md). With ``host``,
     each pair's ``PairLoad`` is appended to ``load``: the CPU time withheld around the pair, the
-    delay around the impl's timed calls alone, the bandwidth probed around the stretch."""
+    delay around the impl's timed calls alone, the bandwidth probed around the stretch, and the
+    threads' placement read between pairs (the farther of the readings before and after it)."""
     pairs, loads = [], []
     gbps = [host.probe.read()] if host is not None and host.probe is not None else []
+    placement = None if host is None else host.placement
+    placed: list[float] = []  # the round trip before each pair, and after the last
     timed: list[tuple[float, ...] | None] = []  # host readings around the impl's timed calls
 
     def impl_block() -> float:
@@ -453,6 +494,8 @@ def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls:
         return _median(timer.block(reference, calls[0], warm[0]))
 
     for i in range(first_round, first_round + rounds):
+        if placement is not None:
+            placed.append(placement.read())
         before = host.read() if host is not None else None
         timed.clear()
         if i % 2 == 0:  # ABBA: the reference first in even rounds
@@ -465,7 +508,10 @@ def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls:
             loads.append(None if pair is None or own is None else (pair[0], pair[1], own[2]))
     if gbps:
         gbps.append(host.probe.read())
+    if placement is not None:
+        placed.append(placement.read())
     if load is not None:
         probe = sum(gbps) / len(gbps) if gbps else None
-        load += [PairLoad(*stretch, gbps=probe) for stretch in loads if stretch is not None]
+        load += [PairLoad(*stretch, gbps=probe, round_trip_ns=max(placed[k:k + 2]) if placed else None)
+                 for k, stretch in enumerate(loads) if stretch is not None]
     return pairs

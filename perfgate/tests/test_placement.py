@@ -1,0 +1,265 @@
+"""The threads' placement: the host can run torch's two threads on cores far apart (a cache-line
+round trip 6x the usual on the Zen 4), and a 2-thread kernel whose ops hand each other data then
+runs 2x as long while every other reading stays quiet. The round trip is read beside each stretch
+of pairs; a row that misses its floor or baseline with some pairs timed apart is judged on the
+pairs timed near, and left unresolved where too few were."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from perfgate import state as state_module
+from perfgate import timing
+from perfgate.roofline import Limits
+from perfgate.state import MIN_PAIRS, GateState, Measurement, Probes, Settings
+from perfgate.stats import APART, SpeedupRow, gate
+from perfgate.timing import PairLoad, RoundTrip
+
+pytestmark = pytest.mark.timed  # perf sessions and the probe's spinning threads: run alone (make correctness)
+
+
+def _row(**kw) -> SpeedupRow:
+    fields = dict(kernel="k", impl="optimized", size="smoke", label="", device="cpu", reference_ms=8.0,
+                  optimized_ms=4.0, speedup=2.0, low=1.9, high=2.1, rounds=(20, 20), interleaved=True,
+                  floor=3.0, contention=0.0, round_trip_ns=320.0, near_round_trip_ns=52.0)
+    return SpeedupRow(**{**fields, **kw})
+
+
+@pytest.mark.parametrize("apart", [None, 0.0])
+def test_a_miss_with_every_pair_near_or_unread_fails(apart: float | None) -> None:
+    row = _row(apart=apart, near_pairs=20)
+    assert gate(row, 0.2) and row.outcome == "FAIL"
+
+
+def test_a_miss_with_too_few_pairs_near_is_unresolved_and_says_why() -> None:
+    row = _row(apart=0.8, near_pairs=MIN_PAIRS - 1)
+    assert gate(row, 0.2) == [] and row.outcome == "unresolved"
+    assert ("is under its floor: the host ran torch's threads 320 ns apart (a cache-line round trip; 52 ns at "
+            "this machine's nearest) for 80% of its pairs, too few timed near to judge (6)") in row.unresolved[0]
+
+
+def test_a_miss_the_near_pairs_do_not_share_is_the_placements() -> None:
+    row = _row(apart=0.5, near_pairs=10, near_speedup=4.1, near_low=3.6, near_high=4.5)
+    assert gate(row, 0.2) == [] and row.outcome == "unresolved"
+    said = "its 10 pairs timed near read 4.10x (95% CI 3.60-4.50x): the miss is the placement's"
+    assert said in row.unresolved[0]
+    straddled = _row(apart=0.5, near_pairs=10, near_speedup=3.1, near_low=2.5, near_high=3.5)
+    assert gate(straddled, 0.2) == [] and straddled.outcome == "unresolved"
+
+
+def test_a_kernel_slower_on_the_near_pairs_too_fails() -> None:
+    """The placement hides no regression: the pairs timed near miss the floor too."""
+    row = _row(apart=0.5, near_pairs=10, near_speedup=2.2, near_low=2.0, near_high=2.4)
+    failures = gate(row, 0.2)
+    assert row.outcome == "FAIL" and "its 10 pairs timed near read 2.20x (95% CI 2.00-2.40x)" in failures[0]
+    base = _row(floor=None, baseline=4.0, baseline_low=3.8, apart=0.5, near_pairs=10, near_speedup=2.2,
+                near_low=2.0, near_high=2.4)
+    assert gate(base, 0.2) and base.outcome == "FAIL"
+
+
+def test_the_placement_never_hides_a_met_floor_and_inf_judges_every_row() -> None:
+    met = _row(speedup=4.0, low=3.5, high=4.5, apart=1.0, near_pairs=0)
+    assert gate(met, 0.2) == [] and met.outcome == "ok"
+    judged = _row(apart=1.0, near_pairs=0)
+    assert gate(judged, 0.2, contended=float("inf")) and judged.outcome == "FAIL"  # --perf-contended=inf
+
+
+def _state(stored_ns: float | None) -> GateState:
+    settings = Settings(device="cpu", size="smoke", threads=2, tolerance=0.2, fingerprint={}, slug="s")
+    limits = Limits("cpu", "s", None)
+    if stored_ns is not None:
+        limits.note_round_trip(stored_ns)
+    return GateState(settings, Probes(None, None, 2), limits=limits)
+
+
+def test_pairs_are_split_by_the_round_trip_read_beside_them() -> None:
+    """Ten pairs near (4x), then ten timed apart (2x): the row reads its apart share by wall time,
+    the farthest reading, and the near pairs' own interval."""
+    st = _state(None)
+    near = [(8.0, 2.0)] * 10
+    far = [(8.0, 4.0)] * 10
+    load = [PairLoad(wall=1.0, share=0.0, delay=0.0, round_trip_ns=50.0)] * 10 + \
+           [PairLoad(wall=3.0, share=0.0, delay=0.0, round_trip_ns=320.0)] * 10
+    st.results["k"] = {"reference": Measurement([8.0] * 20, "smoke", "", None),
+                       "optimized": Measurement([2.0] * 20, "smoke", "", None, paired=near + far, load=load)}
+    row = st._row("k", "optimized")
+    assert row.apart == pytest.approx(0.75) and row.round_trip_ns == 320.0 and row.near_round_trip_ns == 50.0
+    assert row.near_pairs == 10 and row.near_speedup == pytest.approx(4.0)
+    assert row.near_low == pytest.approx(4.0) and row.near_high == pytest.approx(4.0)
+
+
+def test_a_session_apart_throughout_is_told_by_the_machines_stored_round_trip() -> None:
+    """Every reading of the session 320 ns: against the session alone nothing is apart; against
+    the 52 ns stored for the machine (the nearest it has shown), all of it is."""
+    load = [PairLoad(wall=1.0, share=0.0, delay=0.0, round_trip_ns=320.0)] * 10
+    for stored, apart in ((None, 0.0), (52.0, 1.0)):
+        st = _state(stored)
+        st.results["k"] = {"reference": Measurement([8.0] * 10, "smoke", "", None),
+                           "optimized": Measurement([4.0] * 10, "smoke", "", None, paired=[(8.0, 4.0)] * 10,
+                                                    load=list(load))}
+        assert st._row("k", "optimized").apart == apart
+    assert 320.0 > APART * 52.0
+
+
+def test_the_nearest_round_trip_is_kept_for_the_machine(tmp_path) -> None:
+    """In the machine's limits file, where there is one: a session that counts no work makes none."""
+    path = tmp_path / "limits.json"
+    alone = Limits("cpu", "s", path)
+    alone.note_round_trip(80.0)
+    alone.save()
+    assert not path.exists()
+    # a file as a session that measured the roofline leaves it
+    path.write_text(json.dumps(Limits("cpu", "s", None).values), encoding="utf8")
+    limits = Limits("cpu", "s", path)
+    limits.note_round_trip(80.0)
+    limits.note_round_trip(300.0)  # farther: not kept
+    limits.note_round_trip(float("inf"))  # a partner that did not run: never a limit
+    limits.save()
+    again = Limits("cpu", "s", tmp_path / "limits.json")
+    assert again.round_trip_ns == 80.0
+
+
+def test_the_probe_is_built_where_there_is_a_compiler() -> None:
+    headers = Path(sysconfig.get_paths()["include"], "Python.h").is_file()
+    if not sys.platform.startswith("linux") or shutil.which("cc") is None or not headers:
+        pytest.skip("no C compiler or no Python headers on this Linux: the install may leave the probe out")
+    assert importlib.util.find_spec("perfgate._roundtrip") is not None, \
+        "pip install -e ./perfgate should have compiled src/perfgate/_roundtrip.c"
+
+
+def test_the_probe_reads_torchs_team() -> None:
+    """Two threads of torch's OpenMP team pass a line in well under a millisecond; the module loads
+    no OpenMP runtime of its own (one libgomp mapped: torch's)."""
+    torch = pytest.importorskip("torch")
+    probe = RoundTrip.open(2)
+    if probe is None:
+        pytest.skip("perfgate._roundtrip was not built (no C compiler at install)")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        readings = [probe.read() for _ in range(5)]
+    finally:
+        torch.set_num_threads(before)
+    assert all(5.0 < ns < 1e6 for ns in readings), readings
+    assert RoundTrip.open(1) is None and RoundTrip.open(None) is None
+    if os.path.exists("/proc/self/maps"):
+        with open("/proc/self/maps", encoding="utf8") as fh:
+            runtimes = {line.split()[-1] for line in fh if "libgomp" in line or "libomp" in line}
+        assert len(runtimes) == 1, runtimes
+    with pytest.raises(ValueError, match="threads 2-1024"):
+        probe.module.round_trip(1, 10, 3)
+
+
+# 8 ms references; ours takes 4 ms while the host runs the threads apart (2x, under the floor of
+# 3) and FAST_S near: 2 ms (4x, the unchanged kernel) or, regressed, 4 ms as well
+SUITE = """
+import os
+import time
+import pytest
+
+@pytest.mark.speedup(cpu=3.0)
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_split(perf, impl):
+    near = float(os.environ["PERFGATE_TEST_NEAR_S"])
+    opt = lambda: time.sleep(0.004 if os.environ.get("PERFGATE_TEST_APART") == "1" else near)
+    perf(opt if impl == "optimized" else lambda: time.sleep(0.008), label="8ms")
+"""
+FAST = ["--perf-device", "cpu", "--perf-threads=2", "--benchmark-max-time=0.1", "--benchmark-min-rounds=8",
+        "-p", "no:cacheprovider", "--benchmark-json=out.json"]
+
+
+@pytest.fixture
+def split_host(monkeypatch: pytest.MonkeyPatch):
+    """The probe reads 320 ns while PERFGATE_TEST_APART is 1, else 52; the host places the threads
+    near again while the session waits for it (``GateState._await_near``), or never."""
+    pytest.importorskip("torch")
+    monkeypatch.setattr(timing.HostLoad, "share", lambda self, before, after: (0.1, 0.0, 0.0))
+    monkeypatch.setattr(RoundTrip, "__init__", lambda self, threads: None)
+    monkeypatch.setattr(RoundTrip, "read",
+                        lambda self: 320.0 if os.environ.get("PERFGATE_TEST_APART") == "1" else 52.0)
+    monkeypatch.setattr(state_module, "PLACEMENT_WAIT_S", 0.3)
+
+    def run(pytester: pytest.Pytester, near_s: float, moves_back: bool, *args: str):
+        monkeypatch.setenv("PERFGATE_TEST_NEAR_S", str(near_s))
+        monkeypatch.setenv("PERFGATE_TEST_APART", "1")  # the session starts apart, and the limits stored 52 ns
+        await_near = GateState._await_near
+
+        def wait(self: GateState) -> None:
+            if moves_back:
+                os.environ["PERFGATE_TEST_APART"] = "0"
+            await_near(self)
+
+        monkeypatch.setattr(GateState, "_await_near", wait)
+        pytester.makepyfile(test_split=SUITE)
+        storage = pytester.path / ".benchmarks"
+        result = pytester.runpytest(*FAST, f"--benchmark-storage=file://{storage}", "--perf-visits=1", *args)
+        return result, json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]
+
+    return run
+
+
+def _store_near(pytester: pytest.Pytester) -> None:
+    """The machine's limits file with the nearest round trip it has shown, 52 ns."""
+    import torch
+
+    from perfgate.fingerprint import fingerprint, slug
+    from perfgate.timing import configure_malloc
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        name = slug(fingerprint("cpu", 2, configure_malloc("cache"), l2_flush=False))
+    finally:
+        torch.set_num_threads(before)
+    path = pytester.path / ".benchmarks" / name / "limits.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(Limits("cpu", name, None).values), encoding="utf8")
+    limits = Limits("cpu", name, path)
+    limits.note_round_trip(52.0)
+    limits.save()
+
+
+def test_an_unchanged_kernel_timed_apart_is_judged_near_and_not_failed(pytester: pytest.Pytester,
+                                                                         split_host) -> None:
+    """The row's first pairs, all apart, miss; its second stretch waits for the threads to come
+    near and reads 4x there: the session passes (on all its pairs, or with the miss left to the
+    placement, as the extension's pairs fall)."""
+    _store_near(pytester)
+    result, row = split_host(pytester, 0.002, True)
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    result.stdout.fnmatch_lines(["timed again: split ?optimized? +* interleaved pairs at the session's end, its "
+                                 "first pairs missed: these read [34].*x*"])
+    assert row["outcome"] in ("ok", "unresolved") and not row["failures"]
+    assert 0 < row["apart"] < 1 and row["near_pairs"] >= MIN_PAIRS and row["near_speedup"] > 3.0
+
+
+def test_a_slower_kernel_timed_apart_still_fails_on_the_near_pairs(pytester: pytest.Pytester, split_host) -> None:
+    _store_near(pytester)
+    result, row = split_host(pytester, 0.004, True)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines(["GATE FAILED: split ?optimized, 8ms? on cpu: *is under the floor 3.00x (the "
+                                 "whole interval is); the host ran torch's threads 320 ns apart*its * pairs timed "
+                                 "near read [12].*x*"])
+    assert row["near_speedup"] < 3.0
+
+
+def test_a_host_that_keeps_the_threads_apart_leaves_the_row_unresolved(pytester: pytest.Pytester,
+                                                                       split_host) -> None:
+    """No near pair in the whole session: no verdict (after waiting PLACEMENT_WAIT_S for one), and
+    --perf-contended=inf judges it on all its pairs."""
+    _store_near(pytester)
+    result, row = split_host(pytester, 0.002, False)
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    result.stdout.fnmatch_lines(["perfgate: the host ran torch's threads apart*waited 0.* s for a near placement*",
+                                 "UNRESOLVED: split ?optimized, 8ms? on cpu: *too few timed near to judge (0)*"])
+    assert row["apart"] == 1.0 and row["near_speedup"] is None
+    judged, _ = split_host(pytester, 0.002, False, "--perf-contended=inf")
+    assert judged.ret == pytest.ExitCode.TESTS_FAILED
