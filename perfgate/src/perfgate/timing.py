@@ -390,6 +390,25 @@ class RoundTrip:
         return max(self.module.round_trip(team, self.bounces, self.reps)) if team >= 2 else 0.0
 
 
+def openmp_runtime(extension: str) -> str | None:
+    """The file of the OpenMP runtime whose ``omp_get_num_threads`` a loaded C extension (its
+    path) calls, resolved as the loader resolved it (``dlsym`` on its handle, ``dladdr``); None
+    where the extension has no OpenMP or this is not a glibc system. ``RoundTrip``'s module and
+    kernels' ``_nontemporal`` must name torch's copy: their threads are then torch's pool."""
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+    try:
+        symbol = ctypes.CDLL(extension).omp_get_num_threads
+        info = DlInfo()
+        found = ctypes.CDLL(None).dladdr(ctypes.cast(symbol, ctypes.c_void_p), ctypes.byref(info))
+    except (OSError, AttributeError):
+        return None
+    return os.path.realpath(info.dli_fname.decode()) if found and info.dli_fname else None
+
+
 @dataclass
 class HostLoad:
     """How much the host withheld from this process while it was timed: CPU time from Linux's
