@@ -5,7 +5,6 @@ torch.mul everywhere else; the C part refuses buffers of the wrong type or size.
 from __future__ import annotations
 
 import mmap
-import os
 import platform
 import shutil
 import sys
@@ -21,7 +20,7 @@ from hypothesis import strategies as st
 import kernels
 from kernels import nontemporal
 from kernels.models import MLP
-from perfgate.timing import openmp_runtime
+from perfgate.timing import openmp_runtime, torch_openmp_runtime
 
 C = nontemporal._nontemporal
 needs_c = pytest.mark.skipif(C is None, reason="kernels._nontemporal is not built (no C compiler at install)")
@@ -44,7 +43,7 @@ def test_the_c_parts_threads_are_torchs_openmp_team() -> None:
     # may hold other runtimes: scikit-learn brings a libgomp of its own, under another name)
     runtime = openmp_runtime(C.__file__)
     assert runtime is not None, "built without -fopenmp (pyproject.toml)"
-    assert runtime.startswith(str(Path(torch.__file__).resolve().parent) + os.sep), runtime
+    assert runtime == torch_openmp_runtime(), runtime
 
 
 def _outer_args(b: int, o: int, i: int, offset: int, special: bool) -> tuple[torch.Tensor, ...]:

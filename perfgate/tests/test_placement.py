@@ -21,7 +21,7 @@ from perfgate import timing
 from perfgate.roofline import Limits
 from perfgate.state import MIN_PAIRS, GateState, Measurement, Probes, Settings
 from perfgate.stats import APART, SpeedupRow, gate
-from perfgate.timing import PairLoad, RoundTrip
+from perfgate.timing import HostLoad, PairLoad, RoundTrip, interleaved, timer_for
 
 pytestmark = pytest.mark.timed  # perf sessions and the probe's spinning threads: run alone (make correctness)
 
@@ -109,6 +109,70 @@ def test_a_session_apart_throughout_is_told_by_the_machines_stored_round_trip() 
     assert 320.0 > APART * 52.0
 
 
+def _judged(st: GateState, load: list[PairLoad]) -> SpeedupRow:
+    """Ten pairs at 2x, under a floor of 3, with ``load`` read beside them."""
+    st.floors.speed[("k", "optimized")] = 3.0
+    paired = [(8.0, 4.0)] * 10
+    st.results["k"] = {"reference": Measurement([8.0] * 10, "smoke", "", None),
+                       "optimized": Measurement([4.0] * 10, "smoke", "", None, paired=paired, load=load)}
+    return st._row("k", "optimized")
+
+
+def test_a_partner_that_did_not_run_is_no_placement() -> None:
+    """A reading of 0.2 ms (a pool of our own held the partner's CPU) is judged as any other pair:
+    a kernel that leaves a spinning pool behind cannot excuse its own miss."""
+    st = _state(52.0)
+    load = [PairLoad(wall=1.0, share=0.0, delay=0.0, round_trip_ns=ns) for ns in [200_000.0, float("inf")] * 5]
+    row = _judged(st, load)
+    assert row.apart == 0.0 and row.near_pairs == 10 and row.outcome == "FAIL"
+
+
+def test_a_pair_without_a_reading_leaves_the_row_unread() -> None:
+    st = _state(52.0)
+    load = [PairLoad(wall=1.0, share=0.0, delay=0.0, round_trip_ns=ns) for ns in [320.0] * 9 + [None]]
+    row = _judged(st, load)
+    assert row.apart is None and row.outcome == "FAIL"
+
+
+class _Readings:
+    """A placement probe that reads 30, 40, 50, ... ns in turn, or None where told."""
+
+    def __init__(self, missing: set[int] = frozenset()) -> None:
+        self.n, self.missing = 0, missing
+
+    def read(self) -> float | None:
+        self.n += 1
+        return None if self.n in self.missing else 20.0 + 10.0 * self.n
+
+
+def test_each_pair_takes_the_farther_of_the_readings_around_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Readings before each pair and after the last; a pair whose host-load reading is missing is
+    dropped from the load without shifting the others' readings."""
+    shares = iter([None, (0.1, 0.0, 0.0), (0.1, 0.0, 0.0)] + [(0.1, 0.0, 0.0)] * 9)
+    monkeypatch.setattr(HostLoad, "share", lambda self, before, after: next(shares))
+    host = HostLoad(threads=2, placement=_Readings())
+    load: list[PairLoad] = []
+    noop = (lambda: None, None)
+    interleaved(timer_for("cpu"), noop, noop, 3, (1, 1), host=host, load=load)
+    # readings 30 (before pair 0), 40, 50, 60 (after pair 2); pair 0 dropped
+    assert [p.round_trip_ns for p in load] == [50.0, 60.0]
+    load = []
+    interleaved(timer_for("cpu"), noop, noop, 2, (1, 1), host=HostLoad(threads=2, placement=_Readings({2})),
+                load=load)
+    assert [p.round_trip_ns for p in load] == [None, None]  # reading 2 sits between both pairs
+
+
+def test_a_probe_on_another_openmp_runtime_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its team would be a second pool beside torch's, its readings contention, not placement."""
+    pytest.importorskip("torch")
+    monkeypatch.setattr(RoundTrip, "__init__", lambda self, threads: setattr(self, "module", timing))
+    monkeypatch.setattr(timing, "torch_openmp_runtime", lambda: "/torch/lib/libgomp.so.1")
+    monkeypatch.setattr(timing, "openmp_runtime", lambda ext: "/usr/lib/libgomp.so.1")
+    assert RoundTrip.open(2) is None
+    monkeypatch.setattr(timing, "openmp_runtime", lambda ext: "/torch/lib/libgomp.so.1")
+    assert RoundTrip.open(2) is not None
+
+
 def test_the_nearest_round_trip_is_kept_for_the_machine(tmp_path) -> None:
     """In the machine's limits file, where there is one: a session that counts no work makes none."""
     path = tmp_path / "limits.json"
@@ -151,10 +215,9 @@ def test_the_probe_reads_torchs_team() -> None:
         torch.set_num_threads(before)
     assert all(5.0 < ns < 1e6 for ns in readings), readings
     assert RoundTrip.open(1) is None and RoundTrip.open(None) is None
-    runtime = timing.openmp_runtime(probe.module.__file__)
     if sys.platform.startswith("linux"):
-        torch_dir = os.path.realpath(os.path.dirname(torch.__file__))
-        assert runtime is not None and runtime.startswith(torch_dir + os.sep), runtime
+        runtime = timing.openmp_runtime(probe.module.__file__)
+        assert runtime is not None and runtime == timing.torch_openmp_runtime(), runtime
     with pytest.raises(ValueError, match="threads 2-1024"):
         probe.module.round_trip(1, 10, 3)
 
@@ -183,7 +246,7 @@ def split_host(monkeypatch: pytest.MonkeyPatch):
     near again while the session waits for it (``GateState._await_near``), or never."""
     pytest.importorskip("torch")
     monkeypatch.setattr(timing.HostLoad, "share", lambda self, before, after: (0.1, 0.0, 0.0))
-    monkeypatch.setattr(RoundTrip, "__init__", lambda self, threads: None)
+    monkeypatch.setattr(RoundTrip, "open", staticmethod(lambda threads: object.__new__(RoundTrip)))
     monkeypatch.setattr(RoundTrip, "read",
                         lambda self: 320.0 if os.environ.get("PERFGATE_TEST_APART") == "1" else 52.0)
     monkeypatch.setattr(state_module, "PLACEMENT_WAIT_S", 0.3)
@@ -259,7 +322,10 @@ def test_a_host_that_keeps_the_threads_apart_leaves_the_row_unresolved(pytester:
     _store_near(pytester)
     result, row = split_host(pytester, 0.002, False)
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
-    result.stdout.fnmatch_lines(["perfgate: the host ran torch's threads apart*waited 0.* s for a near placement*",
+    result.stdout.fnmatch_lines(["perfgate: the host ran torch's threads apart*waited 0.* s for a near placement "
+                                 "before timing misses again",
+                                 "perfgate: every pair of this session ran with torch's threads apart, against "
+                                 "the 52 ns this machine's limits.json holds as its nearest*",
                                  "UNRESOLVED: split ?optimized, 8ms? on cpu: *too few timed near to judge (0)*"])
     assert row["apart"] == 1.0 and row["near_speedup"] is None
     judged, _ = split_host(pytester, 0.002, False, "--perf-contended=inf")

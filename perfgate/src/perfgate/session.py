@@ -10,6 +10,7 @@ timing needs the machine to itself.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -322,8 +323,10 @@ class PerfSession:
                 "baseline on this machine (--benchmark-save=NAME), or compare against one saved on "
                 "this fingerprint.")
         rows = compared_benchmark.get(JSON_KEY, {}).get("speedups", [])
+        # a row saved with pairs timed apart is held to its pairs timed near (docs/gate.md)
         state.stored.speedups = {baseline_key(r["kernel"], r["impl"], r["size"]):
-                          (r["speedup"], r.get("low", r["speedup"])) for r in rows}
+                                 (r["near_speedup"], r["near_low"]) if r.get("near_speedup") is not None
+                                 else (r["speedup"], r.get("low", r["speedup"])) for r in rows}
         state.stored.memory = {baseline_key(r["kernel"], r["impl"], r["size"]): r["memory_ratio"]
                                  for r in rows if r.get("memory_ratio") is not None}
         state.stored.path = str(benchmarksession.storage)
@@ -447,6 +450,7 @@ class PerfSession:
     def _table(self, tr: Any) -> list:
         """The speedup table and the notes under it; the rows."""
         from .stats import APART, format_table
+        from .stats import apart as apart_reading
 
         state = self.state
         if not state.floors.policy.applied:
@@ -470,12 +474,19 @@ class PerfSession:
             tr.write_line(f"perfgate: --perf-gated-only: {len(state.tally.not_timed)} impl(s) not timed, no floor "
                           f"or stored baseline judges them here (a session without it times them): {left}")
         apart = [r for r in rows if r.apart]
-        if apart or state.tally.placement_wait:
+        if apart:
+            judged = ("a miss there is judged on the pairs timed near" if math.isfinite(state.settings.contended)
+                      else "--perf-contended inf: every row judged on all its pairs")
             tr.write_line(f"perfgate: the host ran torch's threads apart (a cache-line round trip over "
                           f"{APART:.0f}x this machine's nearest, {state.near_round_trip_ns:.0f} ns) beside "
-                          f"{len(apart)} row(s)' pairs; a miss there is judged on the pairs timed near "
-                          f"(docs/gate.md, \"The threads' placement\"); waited {state.tally.placement_wait:.1f} s "
-                          "for a near placement before timing failures again")
+                          f"{len(apart)} row(s)' pairs; {judged} (docs/gate.md, \"The threads' placement\")"
+                          + (f"; waited {state.tally.placement_wait:.1f} s for a near placement before timing "
+                             "misses again" if state.tally.placement_wait >= 0.1 else ""))
+            if all(apart_reading(ns, state.near_round_trip_ns) for ns in state.round_trips()):
+                tr.write_line(f"perfgate: every pair of this session ran with torch's threads apart, against "
+                              f"the {state.near_round_trip_ns:.0f} ns this machine's limits.json holds as its "
+                              "nearest: a host whose usual placement is farther would read so every time and "
+                              "judge no miss; --perf-remeasure-limits measures the file anew", yellow=True)
         for row in state.memory_unmeasured():
             tr.write_line(f"{row}: a memory floor is declared but this platform gives no peak memory "
                           "(CUDA, or Linux /proc/self/clear_refs): memory not gated", yellow=True)
@@ -509,6 +520,11 @@ class PerfSession:
                           "--benchmark-json, if given, marks them interrupted)", yellow=True)
         elif self.saving:
             tr.write_line(f"saved these speedups as a baseline for {slug}")
+            unjudged = [f"{r.kernel} [{r.impl}]" for r in rows if r.apart and r.near_speedup is None]
+            if unjudged:
+                tr.write_line(f"{len(unjudged)} saved row(s) had too few pairs timed with torch's threads near "
+                              f"to stand for this machine: {', '.join(unjudged)}; save again when the host "
+                              "places them near (docs/gate.md, \"The threads' placement\")", yellow=True)
         elif state.stored.speedups is None:
             tr.write_line(f"no stored baseline compared for {slug}: save one on this machine with "
                           "--benchmark-save=NAME, then --benchmark-compare gates against it")

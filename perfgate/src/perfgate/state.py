@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -13,7 +14,7 @@ import pytest
 from .floors import REFERENCE, FloorPolicy
 from .hooks import Wrap
 from .roofline import Figure, Limits, Work
-from .stats import APART, CONTENDED, SpeedupRow, decided, gate, misses, speedup_interval, straddles
+from .stats import CONTENDED, SpeedupRow, apart, decided, gate, misses, speedup_interval, straddles
 from .timing import HostLoad, PairLoad, Timed, Timer, bandwidth_withheld, interleaved, withheld
 
 MAX_PAIRS = 1000  # a straddled row is extended up to this many interleaved pairs in all
@@ -164,6 +165,7 @@ class GateState:
     shard: dict | None = None  # --perf-shard: index, count, plan digest, this shard's test functions
     interrupted: bool = False  # Ctrl-C: no later visits, no extensions
     limits: Limits | None = None  # this machine's bandwidth and GEMM peaks, for the roofline figures
+    nearest: float | None = None  # the threads' nearest round trip, fixed once the visits are timed
 
     def revisit(self) -> None:
         """Time every impl's later visits, in passes over all impls (visit 2 of each, then visit 3
@@ -212,6 +214,7 @@ class GateState:
             self.revisit()
         except KeyboardInterrupt:
             self.interrupted = True
+        self.nearest = self.near_round_trip_ns  # every row judged against one nearest, whatever is timed next
         rows = []
         for kernel, impls in self.results.items():
             if REFERENCE not in impls:
@@ -236,8 +239,8 @@ class GateState:
                     rows.append(row)
         self.later.timers.clear()
         self.runners.clear()
-        if self.limits is not None and self._round_trips():
-            self.limits.note_round_trip(min(self._round_trips()))
+        if self.limits is not None and self.round_trips():
+            self.limits.note_round_trip(min(self.round_trips()))
         self.recheck_limits()
         for row in rows:
             self._place(row)
@@ -310,10 +313,12 @@ class GateState:
         stretch is then timed where the kernel can be judged."""
         probe = None if self.probes.host is None else self.probes.host.placement
         near = self.near_round_trip_ns
-        if probe is None or near is None:
+        if probe is None or near is None or not math.isfinite(self.settings.contended):  # inf: all judged
+            return
+        if not apart(probe.read(), near):
             return
         start, left = time.perf_counter(), PLACEMENT_WAIT_S - self.tally.placement_wait
-        while probe.read() > APART * near and time.perf_counter() - start < left:
+        while time.perf_counter() - start < left and apart(probe.read(), near):
             time.sleep(0.1)
         self.tally.placement_wait += time.perf_counter() - start
 
@@ -388,7 +393,7 @@ class GateState:
         read = [p.round_trip_ns for p in m.load]
         if near is None or any(r is None for r in read):
             return {}
-        far = [r > APART * near for r in read]
+        far = [apart(r, near) for r in read]
         wall = sum(p.wall for p in m.load)
         kept = [i for i, f in enumerate(far) if not f]
         fields = {"apart": sum(p.wall for p, f in zip(m.load, far, strict=True) if f) / wall if wall > 0 else 0.0,
@@ -399,15 +404,19 @@ class GateState:
             fields.update(near_speedup=scale * point, near_low=scale * low, near_high=scale * high)
         return fields
 
-    def _round_trips(self) -> list[float]:
+    def round_trips(self) -> list[float]:
+        """Every placement reading of the session's pairs, ns."""
         return [p.round_trip_ns for impls in self.results.values() for m in impls.values() for p in m.load
-                if p.round_trip_ns is not None]
+                if p.round_trip_ns is not None and p.round_trip_ns > 0]
 
     @property
     def near_round_trip_ns(self) -> float | None:
         """The nearest the host has placed torch's threads: the least round trip read this session
-        or stored for this machine (``roofline.Limits.round_trip_ns``); None where unread."""
-        known = self._round_trips() + ([self.limits.round_trip_ns] if self.limits and self.limits.round_trip_ns
+        or stored for this machine (``roofline.Limits.round_trip_ns``); None where unread. Fixed
+        once the later visits are timed (``nearest``)."""
+        if self.nearest is not None:
+            return self.nearest
+        known = self.round_trips() + ([self.limits.round_trip_ns] if self.limits and self.limits.round_trip_ns
                                        else [])
         return min(known) if known else None
 

@@ -221,6 +221,17 @@ BANDWIDTH_CONTENDED = 0.4
 # machine's nearest ran with the threads apart: two modes 6x apart on the Zen 4 (docs/gate.md,
 # "The threads' placement").
 APART = 2.0
+# A reading over this is no placement: no two cores take 2 us to pass a cache line (two dies took
+# 0.34 us at most), a partner thread that is not running does (a scheduler slice is milliseconds: a
+# pool of our own or a neighbour held its CPU, which the CPU-time reading judges). Such a pair is
+# judged as any other, so a kernel that leaves a spinning pool behind cannot excuse its own miss.
+PARTNER_IDLE_NS = 2000.0
+
+
+def apart(round_trip_ns: float | None, nearest: float) -> bool:
+    """A placement reading (timing.RoundTrip) of torch's threads apart: over APART x the machine's
+    nearest, and not a partner that was not running (PARTNER_IDLE_NS)."""
+    return round_trip_ns is not None and APART * nearest < round_trip_ns <= PARTNER_IDLE_NS
 
 
 def _base_low(row: SpeedupRow) -> float:
@@ -302,7 +313,7 @@ def _judged_misses(row: SpeedupRow, tolerance: float, contended: float,
         apart = (f"the host ran torch's threads {row.round_trip_ns:.0f} ns apart (a cache-line round trip; "
                  f"{row.near_round_trip_ns:.0f} ns at this machine's nearest) for {row.apart:.0%} of its pairs")
         if row.near_speedup is None:
-            what = "floor" if under_floor else "stored baseline"
+            what = " and ".join(w for w, m in (("floor", under_floor), ("stored baseline", under_baseline)) if m)
             row.unresolved.append(f"{where}: {measured} is under its {what}: {apart}, too few timed near to "
                                   f"judge ({row.near_pairs}), {no_verdict}")
             return False, False, ""

@@ -375,19 +375,33 @@ class RoundTrip:
     @staticmethod
     def open(threads: int | None) -> RoundTrip | None:
         """The probe for a session at ``threads`` torch threads; None where there is nothing to
-        read (one thread) or it was not built (no C compiler at install: perfgate reads no
-        placement then, and judges every row as before)."""
+        read (one thread), where it was not built (no C compiler at install), or where its
+        OpenMP runtime is not torch's (its team would then be a second pool, contending with
+        torch's): perfgate reads no placement then, and judges every row as before."""
         if threads is None or threads < 2:
             return None
         try:
-            return RoundTrip(threads)
+            probe = RoundTrip(threads)
         except ImportError:
             return None
+        ours, torchs = openmp_runtime(probe.module.__file__), torch_openmp_runtime()
+        return probe if ours is None or torchs is None or ours == torchs else None
 
-    def read(self) -> float:
-        """The slowest partner's median round trip, ns (inf where a partner did not run for 50 ms)."""
+    def read(self) -> float | None:
+        """The slowest partner's median round trip, ns (inf where a partner did not run for 50 ms);
+        None where torch's team has one thread now, or OpenMP gave the probe one."""
         team = min(self.threads, self.torch.get_num_threads())
-        return max(self.module.round_trip(team, self.bounces, self.reps)) if team >= 2 else 0.0
+        trips = self.module.round_trip(team, self.bounces, self.reps) if team >= 2 else ()
+        return max(trips) if trips else None
+
+
+def torch_openmp_runtime() -> str | None:
+    """The OpenMP runtime torch's CPU library runs its intra-op pool on (``openmp_runtime`` of
+    ``libtorch_cpu``); None where that library or its runtime is not found."""
+    import torch
+
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    return openmp_runtime(lib) if os.path.exists(lib) else None
 
 
 def openmp_runtime(extension: str) -> str | None:
@@ -486,6 +500,11 @@ def bandwidth_withheld(load: Sequence[PairLoad], quiet_gbps: float | None) -> fl
     return sum(p.wall * max(0.0, 1.0 - p.gbps / quiet_gbps) for p in probed) / wall
 
 
+def _farther(readings: list[float | None]) -> float | None:
+    """The larger of a pair's placement readings; None where either is missing."""
+    return None if not readings or None in readings else max(readings)
+
+
 def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls: tuple[int, int],
                 first_round: int = 0, host: HostLoad | None = None,
                 load: list[PairLoad] | None = None, warm: tuple[int, int] = (1, 1)) -> list[tuple[float, float]]:
@@ -499,7 +518,7 @@ def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls:
     pairs, loads = [], []
     gbps = [host.probe.read()] if host is not None and host.probe is not None else []
     placement = None if host is None else host.placement
-    placed: list[float] = []  # the round trip before each pair, and after the last
+    placed: list[float | None] = []  # the round trip before each pair, and after the last
     timed: list[tuple[float, ...] | None] = []  # host readings around the impl's timed calls
 
     def impl_block() -> float:
@@ -531,6 +550,6 @@ def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls:
         placed.append(placement.read())
     if load is not None:
         probe = sum(gbps) / len(gbps) if gbps else None
-        load += [PairLoad(*stretch, gbps=probe, round_trip_ns=max(placed[k:k + 2]) if placed else None)
+        load += [PairLoad(*stretch, gbps=probe, round_trip_ns=_farther(placed[k:k + 2]))
                  for k, stretch in enumerate(loads) if stretch is not None]
     return pairs
