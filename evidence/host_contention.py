@@ -20,7 +20,7 @@ over 512 KiB at 2 threads (one parallel region, 200 calls), a ``sin`` over 64 Ki
 at 2 threads and at 1 (11 calls), and at 1 thread pinned to vCPU 0, then to vCPU 1.
 ``placement``: each window is the Standardizer's fit + transform at 2 threads (median of 15) and
 at 1 (median of 5), then perfgate's ``timing.RoundTrip`` (the cache-line round trip between torch's
-two threads, ns); the summary splits the windows at ``stats.APART`` x the least round trip read.
+two threads, ns); the summary splits the windows by ``stats.apart`` against the least round trip read.
 ``detect-streamed``: the perf rows of the gate's detection tests (correctness_tests/test_perfgate_suite.py),
 unchanged, 4x slower and with every kernel replaced by its reference, each 3 times at the default
 ``--perf-contended`` (not the tests' ``inf``) beside the copy loop; their rows and verdicts.
@@ -189,7 +189,7 @@ def placement(windows: int) -> None:
     import torch
 
     from kernels.standardize import Standardizer
-    from perfgate.stats import APART
+    from perfgate.stats import apart
     from perfgate.timing import RoundTrip
 
     configure_malloc("cache")
@@ -210,17 +210,17 @@ def placement(windows: int) -> None:
         rows.append((two, one, probe.read()))
         print(f"{w:6d}  {two:12.2f}  {one:12.2f}  {rows[-1][2]:13.1f}  {time.strftime('%H:%M:%S')}", flush=True)
     near = min(r[2] for r in rows)
-    for name, part in (("near", [r for r in rows if r[2] <= APART * near]),
-                       ("apart", [r for r in rows if r[2] > APART * near])):
+    for name, part in (("near", [r for r in rows if not apart(r[2], near)]),
+                       ("apart", [r for r in rows if apart(r[2], near)])):
         if part:
             q = [statistics.quantiles([r[i] for r in part], n=10) if len(part) > 1 else [part[0][i]] * 9
                  for i in range(3)]
             print(f"{name}: {len(part)} windows; round trip {q[2][0]:.0f}-{q[2][-1]:.0f} ns, ours@2thr "
                   f"{q[0][0]:.2f}-{q[0][-1]:.2f} ms, ours@1thr {q[1][0]:.2f}-{q[1][-1]:.2f} ms "
                   "(10th-90th percentile)")
-    slow = [r for r in rows if r[0] > 1.5 * statistics.median(r[0] for r in rows if r[2] <= APART * near)]
+    slow = [r for r in rows if r[0] > 1.5 * statistics.median(r[0] for r in rows if not apart(r[2], near))]
     print(f"windows with ours@2thr over 1.5x the near windows' median: {len(slow)}, "
-          f"of them read apart: {sum(r[2] > APART * near for r in slow)}")
+          f"of them read apart: {sum(apart(r[2], near) for r in slow)}")
 
 
 if __name__ == "__main__":

@@ -125,6 +125,7 @@ def test_a_partner_that_did_not_run_is_no_placement() -> None:
     load = [PairLoad(wall=1.0, share=0.0, delay=0.0, round_trip_ns=ns) for ns in [200_000.0, float("inf")] * 5]
     row = _judged(st, load)
     assert row.apart == 0.0 and row.near_pairs == 10 and row.outcome == "FAIL"
+    assert row.round_trip_ns is None  # no placement read: no farthest (and no inf in the JSON)
 
 
 def test_a_pair_without_a_reading_leaves_the_row_unread() -> None:

@@ -14,7 +14,17 @@ import pytest
 from .floors import REFERENCE, FloorPolicy
 from .hooks import Wrap
 from .roofline import Figure, Limits, Work
-from .stats import CONTENDED, SpeedupRow, apart, decided, gate, misses, speedup_interval, straddles
+from .stats import (
+    CONTENDED,
+    PARTNER_IDLE_NS,
+    SpeedupRow,
+    apart,
+    decided,
+    gate,
+    misses,
+    speedup_interval,
+    straddles,
+)
 from .timing import HostLoad, PairLoad, Timed, Timer, bandwidth_withheld, interleaved, withheld
 
 MAX_PAIRS = 1000  # a straddled row is extended up to this many interleaved pairs in all
@@ -396,8 +406,9 @@ class GateState:
         far = [apart(r, near) for r in read]
         wall = sum(p.wall for p in m.load)
         kept = [i for i, f in enumerate(far) if not f]
+        placed = [r for r in read if r <= PARTNER_IDLE_NS]  # a partner that did not run is no placement
         fields = {"apart": sum(p.wall for p, f in zip(m.load, far, strict=True) if f) / wall if wall > 0 else 0.0,
-                  "round_trip_ns": max(read), "near_round_trip_ns": near, "near_pairs": len(kept)}
+                  "round_trip_ns": max(placed, default=None), "near_round_trip_ns": near, "near_pairs": len(kept)}
         if any(far) and len(kept) >= MIN_PAIRS:
             point, low, high = speedup_interval([ref_t[i] for i in kept], [opt_t[i] for i in kept], confidence,
                                                 paired=True)
