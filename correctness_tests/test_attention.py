@@ -50,10 +50,12 @@ def _forward_backward(side, p: dict, dtype: torch.dtype | None = None) -> tuple[
     return out, *grads
 
 
-@given(problems(), st.booleans())
-def test_outputs_and_gradients_equal_reference(p: dict, explicit: bool) -> None:
-    """Both kernel paths: SDPA, and the explicit one wherever it may be taken (not causal)."""
-    with mock.patch.object(KA, "_takes_explicit", lambda q, causal: explicit and not causal):
+@given(problems(), st.booleans(), st.one_of(st.none(), st.integers(1, 16)))
+def test_outputs_and_gradients_equal_reference(p: dict, explicit: bool, block: int | None) -> None:
+    """Every kernel path: SDPA, the explicit one wherever it may be taken (not causal), and causal
+    SDPA in blocks of ``block`` query rows (any mask, grouped heads, a last block cut short)."""
+    with (mock.patch.object(KA, "_takes_explicit", lambda q, causal: explicit and not causal),
+          mock.patch.object(KA, "_causal_block", lambda q, causal: block if causal else None)):
         got = _forward_backward(kernels, p)
     want = _forward_backward(RA, p)
     assert got[0].shape == want[0].shape and got[0].dtype == want[0].dtype
@@ -70,6 +72,32 @@ def test_explicit_path_only_where_it_measured_faster() -> None:
     assert not KA._takes_explicit(q(KA.CPU_MATH_MAX_SEQ), causal=True)
     assert not KA._takes_explicit(q(KA.CPU_MATH_MAX_SEQ + 1), causal=False)
     assert not KA._takes_explicit(q(8, torch.float64), causal=False)
+
+
+def test_blocked_causal_path_only_where_it_measured_faster() -> None:
+    """CPU fp32 causal over CPU_CAUSAL_SEQ positions (evidence/causal_blocks.py)."""
+    lo, hi = KA.CPU_CAUSAL_SEQ
+    def q(s: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(1, 1, s, 8, dtype=dtype)
+    assert KA._causal_block(q(lo), causal=True) == KA._causal_block(q(hi), causal=True) == KA.CPU_CAUSAL_BLOCK
+    assert KA._causal_block(q(hi), causal=False) is None
+    assert KA._causal_block(q(lo - 1), causal=True) is None and KA._causal_block(q(hi + 1), causal=True) is None
+    assert KA._causal_block(q(hi, torch.float64), causal=True) is None
+
+
+def test_blocked_causal_path_equals_one_call_at_its_lengths() -> None:
+    """At S = 512 the kernel takes the blocks; outputs and gradients equal one causal SDPA call's."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, KA.CPU_CAUSAL_SEQ[1], 16, requires_grad=True) for _ in range(3))
+    rope = RotaryEmbedding(16)
+    with mock.patch.object(KA, "_blocked_causal", wraps=KA._blocked_causal) as blocked:
+        got = kernels.rope_attention(q, k, v, rope, causal=True)
+    assert blocked.call_count == 1
+    want = torch.nn.functional.scaled_dot_product_attention(rope.paired(q), rope.paired(k), v, is_causal=True)
+    assert_close(got, want, REDUCTION)
+    g = torch.randn_like(got)
+    assert_dicts_close(dict(zip("qkv", torch.autograd.grad(got, (q, k, v), g), strict=True)),
+                       dict(zip("qkv", torch.autograd.grad(want, (q, k, v), g), strict=True)), REDUCTION)
 
 
 def test_a_subclass_with_its_own_forward_rotates_through_it() -> None:

@@ -11,6 +11,12 @@ Except on CPU in fp32, without the causal mask, over at most ``CPU_MATH_MAX_SEQ`
 positions, where one batched matmul, in-place scale and mask, softmax and a second matmul
 measured faster than torch's flash CPU kernel (evidence/from-the-code.md): there grouped-query
 heads become extra query rows of their kv head (no repeated k, v).
+
+And causal on CPU in fp32 over 384 to 512 positions (``CPU_CAUSAL_SEQ``): torch's flash CPU
+kernel scores each block of queries against a whole block of up to 512 keys and masks the ones past
+the query afterwards, so up to 512 positions causal costs what full attention does. There one SDPA
+call per 256 query rows, over the keys they may see, skips those scores; shorter or longer, the
+extra calls cost more than they skip (evidence/causal_blocks.py).
 """
 
 from __future__ import annotations
@@ -91,6 +97,43 @@ def _math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Ten
     return torch.matmul(torch.softmax(scores, dim=-1), v).view(b, h, s, v.shape[-1])
 
 
+CPU_CAUSAL_BLOCK = 256  # query rows per SDPA call of the blocked causal path (module note)
+CPU_CAUSAL_SEQ = (384, 512)  # the lengths where the blocks measured faster than one causal call
+
+
+def _causal_block(q: Tensor, causal: bool) -> int | None:
+    """Query rows per SDPA call where the blocked causal path measured faster than one call (CPU,
+    fp32, causal, CPU_CAUSAL_SEQ positions: module note), else None."""
+    lo, hi = CPU_CAUSAL_SEQ
+    if q.device.type == "cpu" and q.dtype == torch.float32 and causal and lo <= q.shape[2] <= hi:
+        return CPU_CAUSAL_BLOCK
+    return None
+
+
+def _blocked_causal(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, block: int) -> Tensor:
+    """Causal attention as one SDPA call per ``block`` query rows, each over the keys it may see.
+
+    Rows [i, i + block) attend keys [0, i + block) only: the keys after them, which one call would
+    score and then mask, are never computed. The first block is SDPA's own causal square; a later
+    one takes the causal mask aligned to its last row (key n visible to row r when n <= r), or the
+    slice of ``mask`` (combined_mask's, causal already in it). Outputs are written into one tensor."""
+    s = q.shape[2]
+    gqa = k.shape[1] != q.shape[1]
+    out = q.new_empty(*q.shape[:3], v.shape[-1])
+    for start in range(0, s, block):
+        stop = min(start + block, s)
+        rows, keys, vals = q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop]
+        if mask is not None:
+            part = mask[..., start:stop, :stop]
+        elif start:
+            part = torch.ones(stop - start, stop, dtype=torch.bool, device=q.device).tril_(start)
+        else:
+            part = None
+        out[:, :, start:stop] = F.scaled_dot_product_attention(rows, keys, vals, attn_mask=part,
+                                                                is_causal=part is None, enable_gqa=gqa)
+    return out
+
+
 def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, causal: bool = False,
                    attn_mask: Tensor | None = None, offset: int = 0, positions: Tensor | None = None) -> Tensor:
     """softmax(R(q) R(k)^T / sqrt(D) + mask) v: q (B, H, S, D), k and v (B, H_kv, S, D) -> (B, H, S, D).
@@ -111,6 +154,9 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, ca
     q, k = turn(q, offset=offset, positions=positions), turn(k, offset=offset, positions=positions)
     if _takes_explicit(q, causal):
         return _math_attention(q, k, v, mask)
+    block = _causal_block(q, causal)
+    if block is not None:
+        return _blocked_causal(q, k, v, mask, block)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                           enable_gqa=k.shape[1] != q.shape[1])
 

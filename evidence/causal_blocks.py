@@ -1,0 +1,73 @@
+"""Causal attention on the CPU: one SDPA call against one call per block of query rows.
+
+    python evidence/causal_blocks.py [cache|default]
+
+torch's flash CPU kernel scores each block of queries against a whole block of up to 512 keys and
+masks the keys past the query afterwards, so below 512 positions a causal call costs what a full
+one does. kernels.attention._blocked_causal calls SDPA once per block of query rows, over the keys
+those rows may see. Each line: sequence length (B, H so that B*H*S^2 stays near 8*8*512^2), the
+single causal call's and the full call's median ms, then, per block size, one causal call's time
+over the blocked path's: speedup (95% CI) from 15 interleaved ABBA pairs (perfgate.timing), 2
+threads, D 64, fp32, forward; the last lines forward and backward at S=512.
+"""
+
+import sys
+
+from perfgate.timing import configure_malloc, interleaved, timer_for
+
+mode = configure_malloc(sys.argv[1] if len(sys.argv) > 1 else "cache")  # before any large allocation
+
+import statistics  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kernels.attention import _blocked_causal  # noqa: E402
+from perfgate.fingerprint import _cpu_model  # noqa: E402
+from perfgate.stats import speedup_interval  # noqa: E402
+
+torch.set_num_threads(2)
+timer = timer_for("cpu")
+ROUNDS, CALLS = 15, (3, 3)
+
+
+def versus(one, blocked) -> str:
+    """One call's time over the blocked path's: point (95% CI) over interleaved pairs."""
+    pairs = interleaved(timer, (one, None), (blocked, None), ROUNDS, CALLS)
+    point, low, high = speedup_interval(*zip(*pairs, strict=True), paired=True)
+    return f"{point:.2f}x ({low:.2f}-{high:.2f})"
+
+
+def ms(fn) -> float:
+    return statistics.median(timer.block((fn, None), 5)) * 1e3
+
+
+def forward(s: int, b: int, h: int) -> str:
+    """One line: one causal call and one full call in ms, then one causal call over each block size."""
+    q, k, v = (torch.randn(b, h, s, 64) for _ in range(3))
+    one = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    want, cells = one(), []
+    for block in (128, 192, 256):
+        if block < s:
+            blocked = lambda block=block: _blocked_causal(q, k, v, None, block)
+            assert torch.allclose(blocked(), want, atol=1e-5, rtol=1e-5)
+            cells.append(f"block {block}: {versus(one, blocked)}")
+    full = ms(lambda: F.scaled_dot_product_attention(q, k, v))
+    return f"S={s} B{b} H{h}: causal {ms(one):.1f} ms, full {full:.1f} ms; " + "; ".join(cells)
+
+
+def forward_backward(s: int, block: int) -> str:
+    """Forward and backward at B8 H8: one causal call over the blocks."""
+    q, k, v = (torch.randn(8, 8, s, 64, requires_grad=True) for _ in range(3))
+    g = torch.randn(8, 8, s, 64)
+    one = lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), g)
+    blocked = lambda: torch.autograd.grad(_blocked_causal(q, k, v, None, block), (q, k, v), g)
+    return f"S={s} B8 H8 forward and backward: block {block}: {versus(one, blocked)}"
+
+
+print(f"{_cpu_model()}, malloc {mode}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+torch.manual_seed(0)
+for shape in ((256, 8, 8), (384, 8, 8), (448, 8, 8), (512, 8, 8), (640, 4, 8), (768, 4, 8), (1024, 2, 8)):
+    print(forward(*shape), flush=True)
+print(forward_backward(512, 128))
+print(forward_backward(512, 256))
