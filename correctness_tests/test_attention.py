@@ -75,13 +75,15 @@ def test_explicit_path_only_where_it_measured_faster() -> None:
 
 
 def test_blocked_causal_path_only_where_it_measured_faster() -> None:
-    """CPU fp32 causal over CPU_CAUSAL_SEQ positions (evidence/causal_blocks.py)."""
+    """CPU causal over CPU_CAUSAL_SEQ positions in fp32, bf16 or fp16 (evidence/causal_blocks.py)."""
     lo, hi = KA.CPU_CAUSAL_SEQ
     def q(s: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.empty(1, 1, s, 8, dtype=dtype)
     assert KA._causal_block(q(lo), causal=True) == KA._causal_block(q(hi), causal=True) == KA.CPU_CAUSAL_BLOCK
     assert KA._causal_block(q(hi), causal=False) is None
     assert KA._causal_block(q(lo - 1), causal=True) is None and KA._causal_block(q(hi + 1), causal=True) is None
+    for dtype in (torch.bfloat16, torch.float16):
+        assert KA._causal_block(q(lo, dtype), causal=True) == KA._causal_block(q(hi, dtype), causal=True) == KA.CPU_CAUSAL_BLOCK
     assert KA._causal_block(q(hi, torch.float64), causal=True) is None
 
 
@@ -111,9 +113,11 @@ def test_a_subclass_with_its_own_forward_rotates_through_it() -> None:
     assert_close(kernels.rope_attention(q, k, v, Unrotated(8)), want, REDUCTION)
 
 
-@given(problems(dtypes=(torch.float32,)))
-def test_bf16_against_fp64_oracle(p: dict) -> None:
-    got = _forward_backward(kernels, p, torch.bfloat16)
+@given(problems(dtypes=(torch.float32,)), st.one_of(st.none(), st.integers(1, 16)))
+def test_bf16_against_fp64_oracle(p: dict, block: int | None) -> None:
+    """bf16 through SDPA's reduced-precision kernel, in one call or in blocks of query rows."""
+    with mock.patch.object(KA, "_causal_block", lambda q, causal: block if causal else None):
+        got = _forward_backward(kernels, p, torch.bfloat16)
     oracle = _forward_backward(RA, p, torch.float64)
     assert all(g.dtype == torch.bfloat16 for g in got)
     assert_close(got[0].double(), oracle[0], REDUCTION, msg="out", dtype=torch.bfloat16)

@@ -8,7 +8,8 @@ one does. kernels.attention._blocked_causal calls SDPA once per block of query r
 those rows may see. Each line: sequence length (B, H so that B*H*S^2 stays near 8*8*512^2), the
 single causal call's and the full call's median ms, then, per block size, one causal call's time
 over the blocked path's: speedup (95% CI) from 15 interleaved ABBA pairs (perfgate.timing), 2
-threads, D 64, fp32, forward; the last lines forward and backward at S=512.
+threads, D 64, fp32, forward; then forward and backward at S=512; then bf16 and fp16 inputs
+(one call of SDPA's reduced-precision kernel against blocks of 256).
 """
 
 import sys
@@ -42,18 +43,20 @@ def ms(fn) -> float:
     return statistics.median(timer.block((fn, None), 5)) * 1e3
 
 
-def forward(s: int, b: int, h: int) -> str:
+def forward(s: int, b: int, h: int, dtype: torch.dtype = torch.float32, blocks=(128, 192, 256)) -> str:
     """One line: one causal call and one full call in ms, then one causal call over each block size."""
-    q, k, v = (torch.randn(b, h, s, 64) for _ in range(3))
+    q, k, v = (torch.randn(b, h, s, 64, dtype=dtype) for _ in range(3))
     one = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    want, cells = one(), []
-    for block in (128, 192, 256):
+    want, cells = one().float(), []
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for block in blocks:
         if block < s:
             blocked = lambda block=block: _blocked_causal(q, k, v, None, block)
-            assert torch.allclose(blocked(), want, atol=1e-5, rtol=1e-5)
+            assert torch.allclose(blocked().float(), want, atol=tol, rtol=tol)
             cells.append(f"block {block}: {versus(one, blocked)}")
     full = ms(lambda: F.scaled_dot_product_attention(q, k, v))
-    return f"S={s} B{b} H{h}: causal {ms(one):.1f} ms, full {full:.1f} ms; " + "; ".join(cells)
+    name = str(dtype).removeprefix("torch.")
+    return f"S={s} B{b} H{h} {name}: causal {ms(one):.1f} ms, full {full:.1f} ms; " + "; ".join(cells)
 
 
 def forward_backward(s: int, block: int) -> str:
@@ -71,3 +74,6 @@ for shape in ((256, 8, 8), (384, 8, 8), (448, 8, 8), (512, 8, 8), (640, 4, 8), (
     print(forward(*shape), flush=True)
 print(forward_backward(512, 128))
 print(forward_backward(512, 256))
+for dtype in (torch.bfloat16, torch.float16):
+    for s in (256, 384, 448, 512, 640):
+        print(forward(s, 8 if s <= 512 else 4, 8, dtype, blocks=(256,)), flush=True)

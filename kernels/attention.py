@@ -12,7 +12,7 @@ positions, where one batched matmul, in-place scale and mask, softmax and a seco
 measured faster than torch's flash CPU kernel (evidence/from-the-code.md): there grouped-query
 heads become extra query rows of their kv head (no repeated k, v).
 
-And causal on CPU in fp32 over 384 to 512 positions (``CPU_CAUSAL_SEQ``): torch's flash CPU
+And causal on CPU over 384 to 512 positions (``CPU_CAUSAL_SEQ``; fp32, bf16, fp16): torch's flash CPU
 kernel scores each block of queries against a whole block of up to 512 keys and masks the ones past
 the query afterwards, so up to 512 positions causal costs what full attention does. There one SDPA
 call per 256 query rows, over the keys they may see, skips those scores; shorter or longer, the
@@ -101,11 +101,14 @@ CPU_CAUSAL_BLOCK = 256  # query rows per SDPA call of the blocked causal path (m
 CPU_CAUSAL_SEQ = (384, 512)  # the lengths where the blocks measured faster than one causal call
 
 
+CPU_CAUSAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # measured; fp64 stays one call (oracles)
+
+
 def _causal_block(q: Tensor, causal: bool) -> int | None:
     """Query rows per SDPA call where the blocked causal path measured faster than one call (CPU,
-    fp32, causal, CPU_CAUSAL_SEQ positions: module note), else None."""
+    causal, CPU_CAUSAL_SEQ positions, CPU_CAUSAL_DTYPES: module note), else None."""
     lo, hi = CPU_CAUSAL_SEQ
-    if q.device.type == "cpu" and q.dtype == torch.float32 and causal and lo <= q.shape[2] <= hi:
+    if q.device.type == "cpu" and q.dtype in CPU_CAUSAL_DTYPES and causal and lo <= q.shape[2] <= hi:
         return CPU_CAUSAL_BLOCK
     return None
 

@@ -1,7 +1,7 @@
 """RoPE attention, B8 H8 D64, causal or not: per-call RoPE + explicit softmax (the reference)
-against cached RoPE + SDPA (on CPU in fp32 the measured paths of kernels/attention.py: the
-explicit one up to 128 positions without the causal mask, causal SDPA in blocks of query rows
-over 384-512 positions). Forward only; the timed result must equal the reference's.
+against cached RoPE + SDPA (on CPU the measured paths of kernels/attention.py: the explicit one
+in fp32 up to 128 positions without the causal mask, causal SDPA in blocks of query rows over
+384-512 positions). Forward only; the timed result must equal the reference's.
 
 The floors sit under the measured spread and above a kernel that lost its fast path (~1.0x)
 (evidence/from-the-code.md).
