@@ -88,19 +88,42 @@ def test_blocked_causal_path_only_where_it_measured_faster() -> None:
     assert KA._causal_block(q(hi, torch.float64), causal=True) is None
 
 
-def test_blocked_causal_path_equals_one_call_at_its_lengths() -> None:
-    """At S = 512 the kernel takes the blocks; outputs and gradients equal one causal SDPA call's."""
+@pytest.mark.parametrize("s, masked", [(KA.CPU_CAUSAL_SEQ[1], False), (KA.CPU_CAUSAL_SEQ[0] + 64, True)])
+def test_blocked_causal_path_equals_one_call_at_its_lengths(s: int, masked: bool) -> None:
+    """At the path's lengths the kernel takes the blocks (a last one cut short at 448, a caller's
+    mask sliced); outputs and gradients equal one causal SDPA call's."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 2, KA.CPU_CAUSAL_SEQ[1], 16, requires_grad=True) for _ in range(3))
+    q = torch.randn(1, 4, s, 16, requires_grad=True)
+    k, v = (torch.randn(1, 2, s, 16, requires_grad=True) for _ in range(2))  # grouped-query heads
+    mask = torch.rand(1, 1, s, s) < 0.7 if masked else None
+    if mask is not None:
+        mask[..., 0] = True
     rope = RotaryEmbedding(16)
     with mock.patch.object(KA, "_blocked_causal", wraps=KA._blocked_causal) as blocked:
-        got = kernels.rope_attention(q, k, v, rope, causal=True)
+        got = kernels.rope_attention(q, k, v, rope, causal=True, attn_mask=mask)
     assert blocked.call_count == 1
-    want = torch.nn.functional.scaled_dot_product_attention(rope.paired(q), rope.paired(k), v, is_causal=True)
+    one = KA.combined_mask(mask, True, s, q.device, q.dtype)
+    want = torch.nn.functional.scaled_dot_product_attention(rope.paired(q), rope.paired(k), v, attn_mask=one,
+                                                            is_causal=one is None, enable_gqa=True)
     assert_close(got, want, REDUCTION)
     g = torch.randn_like(got)
     assert_dicts_close(dict(zip("qkv", torch.autograd.grad(got, (q, k, v), g), strict=True)),
                        dict(zip("qkv", torch.autograd.grad(want, (q, k, v), g), strict=True)), REDUCTION)
+
+
+def test_blocked_causal_path_under_autocast_returns_what_one_call_does() -> None:
+    """fp32 inputs under CPU bf16 autocast: SDPA computes in bf16, and the blocks' output is bf16
+    as one call's is, equal to the fp64 oracle at bf16's tolerance."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, KA.CPU_CAUSAL_SEQ[1], 16) for _ in range(3))
+    rope = RotaryEmbedding(16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            mock.patch.object(KA, "_blocked_causal", wraps=KA._blocked_causal) as blocked:
+        got = kernels.rope_attention(q, k, v, rope, causal=True)
+        one = torch.nn.functional.scaled_dot_product_attention(rope.paired(q), rope.paired(k), v, is_causal=True)
+    assert blocked.call_count == 1 and got.dtype == one.dtype == torch.bfloat16
+    oracle = RA.rope_attention(q.double(), k.double(), v.double(), rope, causal=True)
+    assert_close(got.double(), oracle, REDUCTION, dtype=torch.bfloat16)
 
 
 def test_a_subclass_with_its_own_forward_rotates_through_it() -> None:

@@ -16,8 +16,11 @@ from perfgate.timing import configure_malloc, interleaved, timer_for
 
 mode = configure_malloc(sys.argv[1] if len(sys.argv) > 1 else "cache")  # before any large allocation
 
+from collections.abc import Callable  # noqa: E402
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
 from kernels.models import RopeViT  # noqa: E402
 from kernels.training import Recipe  # noqa: E402
@@ -30,7 +33,8 @@ timer = timer_for("cpu")
 BATCH = 32
 
 
-def versus(label: str, reference, ours) -> None:
+def versus(label: str, reference: Callable[[], object], ours: Callable[[], object]) -> None:
+    """One line: median ms of each side and reference time / ours, point (95% CI), interleaved."""
     pairs = interleaved(timer, (reference, None), (ours, None), 11, (3, 3))
     ref, opt = zip(*pairs, strict=True)
     point, low, high = speedup_interval(ref, opt, paired=True)
@@ -38,7 +42,7 @@ def versus(label: str, reference, ours) -> None:
     print(f"{label}: {ms}, {point:.2f}x ({low:.2f}-{high:.2f})", flush=True)
 
 
-def step(method: Method, cfg: Config):
+def step(method: Method, cfg: Config) -> Callable[[], object]:
     """One optimizer step of ``method`` on the step's batch, as the perf test times it."""
     torch.manual_seed(0)
     model = RopeViT(attention=method.attention)
@@ -48,7 +52,7 @@ def step(method: Method, cfg: Config):
                                    max_grad_norm=cfg.max_grad_norm)
 
 
-def forward_backward(attention, batch: int):
+def forward_backward(attention: type[nn.Module], batch: int) -> Callable[[], None]:
     """The model's forward and backward on one batch, no optimizer, no engine."""
     torch.manual_seed(0)
     model = RopeViT(attention=attention)

@@ -15,8 +15,10 @@ heads become extra query rows of their kv head (no repeated k, v).
 And causal on CPU over 384 to 512 positions (``CPU_CAUSAL_SEQ``; fp32, bf16, fp16): torch's flash CPU
 kernel scores each block of queries against a whole block of up to 512 keys and masks the ones past
 the query afterwards, so up to 512 positions causal costs what full attention does. There one SDPA
-call per 256 query rows, over the keys they may see, skips those scores; shorter or longer, the
-extra calls cost more than they skip (evidence/causal_blocks.py).
+call per 256 query rows, over the keys they may see, skips those scores. Shorter, the blocks
+measured no faster; longer, torch's kernel skips whole key blocks itself and the blocks gained at
+most 6% (640) or lost (768 on) (evidence/causal_blocks.py, without a mask; with one, each block
+takes its slice of it).
 """
 
 from __future__ import annotations
@@ -99,14 +101,13 @@ def _math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Ten
 
 CPU_CAUSAL_BLOCK = 256  # query rows per SDPA call of the blocked causal path (module note)
 CPU_CAUSAL_SEQ = (384, 512)  # the lengths where the blocks measured faster than one causal call
-
-
 CPU_CAUSAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # measured; fp64 stays one call (oracles)
 
 
 def _causal_block(q: Tensor, causal: bool) -> int | None:
-    """Query rows per SDPA call where the blocked causal path measured faster than one call (CPU,
-    causal, CPU_CAUSAL_SEQ positions, CPU_CAUSAL_DTYPES: module note), else None."""
+    """Query rows per SDPA call where the blocked causal path measured faster than one call, for q
+    (B, H, S, D): CPU, causal, S in CPU_CAUSAL_SEQ, a dtype in CPU_CAUSAL_DTYPES (module note);
+    else None."""
     lo, hi = CPU_CAUSAL_SEQ
     if q.device.type == "cpu" and q.dtype in CPU_CAUSAL_DTYPES and causal and lo <= q.shape[2] <= hi:
         return CPU_CAUSAL_BLOCK
@@ -114,15 +115,18 @@ def _causal_block(q: Tensor, causal: bool) -> int | None:
 
 
 def _blocked_causal(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, block: int) -> Tensor:
-    """Causal attention as one SDPA call per ``block`` query rows, each over the keys it may see.
+    """Causal attention as one SDPA call per ``block`` query rows, each over the keys it may see:
+    q (B, H, S, D), k (B, H_kv, S, D), v (B, H_kv, S, Dv), ``mask`` combined_mask's (..., S, S)
+    or None -> (B, H, S, Dv).
 
     Rows [i, i + block) attend keys [0, i + block) only: the keys after them, which one call would
     score and then mask, are never computed. The first block is SDPA's own causal square; a later
     one takes the causal mask aligned to its last row (key n visible to row r when n <= r), or the
-    slice of ``mask`` (combined_mask's, causal already in it). Outputs are written into one tensor."""
+    slice of ``mask`` (causal already in it). The blocks are concatenated as SDPA returns them, so
+    the output's dtype is SDPA's (bf16 under CPU autocast), as one call's would be."""
     s = q.shape[2]
     gqa = k.shape[1] != q.shape[1]
-    out = q.new_empty(*q.shape[:3], v.shape[-1])
+    parts = []
     for start in range(0, s, block):
         stop = min(start + block, s)
         rows, keys, vals = q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop]
@@ -132,9 +136,9 @@ def _blocked_causal(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, block:
             part = torch.ones(stop - start, stop, dtype=torch.bool, device=q.device).tril_(start)
         else:
             part = None
-        out[:, :, start:stop] = F.scaled_dot_product_attention(rows, keys, vals, attn_mask=part,
-                                                                is_causal=part is None, enable_gqa=gqa)
-    return out
+        parts.append(F.scaled_dot_product_attention(rows, keys, vals, attn_mask=part, is_causal=part is None,
+                                                    enable_gqa=gqa))
+    return torch.cat(parts, dim=2)
 
 
 def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, causal: bool = False,
