@@ -1,21 +1,47 @@
-"""kernels.RotaryEmbedding == reference.rope (per-call cos/sin, rotate_half), == fp64, refusals."""
+"""kernels.RotaryEmbedding == reference.rope (per-call cos/sin, rotate_half), == fp64, refusals;
+through the one-pass C rotation (kernels._rope) and through torch ops alike, the paired rotation
+with the same bits in both."""
 
 from __future__ import annotations
 
+import shutil
+import sys
+import sysconfig
+from contextlib import nullcontext
+from pathlib import Path
+from unittest import mock
+
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels.rope as K
 import reference.rope as R
 from correctness_tests.tolerances import ELEMENTWISE, assert_close
+from perfgate.timing import openmp_runtime, torch_openmp_runtime
+
+needs_c = pytest.mark.skipif(K._c is None, reason="kernels._rope is not built (no C compiler at install)")
+# each rotation test runs through the C part ("c", where built) and through torch ops ("torch")
+PATHS = pytest.mark.parametrize("path", [pytest.param("c", marks=needs_c), "torch"])
+
+
+def through(path: str):
+    """The rotations of kernels.rope go through ``path``: the C part as built, or torch ops."""
+    return nullcontext() if path == "c" else mock.patch.object(K, "_c", None)
 
 
 @given(b=st.integers(1, 3), h=st.integers(1, 4), s=st.integers(1, 40), half=st.integers(1, 32),
        interleaved=st.booleans(), offset=st.integers(0, 50), dtype=st.sampled_from([torch.float32, torch.float64]),
        transposed=st.booleans())
-def test_rotation_and_its_gradient_equal_reference(b, h, s, half, interleaved, offset, dtype, transposed) -> None:
+@PATHS
+def test_rotation_and_its_gradient_equal_reference(path, b, h, s, half, interleaved, offset, dtype,
+                                                   transposed) -> None:
+    with through(path):
+        _rotation_equals_reference(b, h, s, half, interleaved, offset, dtype, transposed)
+
+
+def _rotation_equals_reference(b, h, s, half, interleaved, offset, dtype, transposed) -> None:
     d = 2 * half
     shape = (b, s, h, d) if transposed else (b, h, s, d)
     x = torch.randn(shape, dtype=dtype)
@@ -37,8 +63,14 @@ def test_rotation_and_its_gradient_equal_reference(b, h, s, half, interleaved, o
 @given(b=st.integers(1, 3), h=st.integers(1, 4), s=st.integers(1, 40), half=st.integers(1, 32),
        interleaved=st.booleans(), per_batch=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]),
        odd_offset=st.booleans())
-def test_paired_is_the_rotation_with_each_pair_made_neighbours(b, h, s, half, interleaved, per_batch, dtype,
+@PATHS
+def test_paired_is_the_rotation_with_each_pair_made_neighbours(path, b, h, s, half, interleaved, per_batch, dtype,
                                                                odd_offset) -> None:
+    with through(path):
+        _paired_is_the_rotation(b, h, s, half, interleaved, per_batch, dtype, odd_offset)
+
+
+def _paired_is_the_rotation(b, h, s, half, interleaved, per_batch, dtype, odd_offset) -> None:
     d = 2 * half
     base = torch.randn(b * h * s * d + 1, dtype=dtype)
     x = (base[1:] if odd_offset else base[:-1]).view(b, h, s, d).requires_grad_(True)  # odd: no complex view
@@ -54,12 +86,97 @@ def test_paired_is_the_rotation_with_each_pair_made_neighbours(b, h, s, half, in
     assert_close(torch.autograd.grad(got, x, grad)[0], torch.autograd.grad(want, x, grad)[0], ELEMENTWISE)
 
 
-def test_any_strides_including_a_strided_last_dim() -> None:
+@PATHS
+def test_any_strides_including_a_strided_last_dim(path) -> None:
     base = torch.randn(2, 9, 3, 32)
     for x in (base[..., ::2], base.transpose(1, 2), base[:, ::2]):  # last-dim stride 2, (B,S,H,D) view, gaps
         x = x.transpose(1, 2) if x.shape[1] != 3 else x
-        assert_close(K.RotaryEmbedding(x.shape[-1])(x, offset=3), R.RotaryEmbedding(x.shape[-1])(x, offset=3),
-                     ELEMENTWISE)
+        with through(path):
+            got = K.RotaryEmbedding(x.shape[-1])(x, offset=3)
+        assert_close(got, R.RotaryEmbedding(x.shape[-1])(x, offset=3), ELEMENTWISE)
+
+
+def test_the_c_part_is_built_where_there_is_a_compiler() -> None:
+    headers = Path(sysconfig.get_paths()["include"], "Python.h").is_file()
+    if not sys.platform.startswith("linux") or shutil.which("cc") is None or not headers:
+        pytest.skip("no C compiler or no Python headers on this Linux: the install may leave the C part out")
+    assert K._c is not None, "make install (pip install -e .) should have compiled kernels/_rope.c in place"
+
+
+@needs_c
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the loader's dlsym and dladdr")
+def test_the_c_parts_threads_are_torchs_openmp_team() -> None:
+    # its OpenMP calls resolve to torch's runtime: the team is torch's intra-op pool (as
+    # kernels._nontemporal's, correctness_tests/test_nontemporal.py)
+    runtime = openmp_runtime(K._c.__file__)
+    assert runtime is not None, "built without -fopenmp (pyproject.toml)"
+    assert runtime == torch_openmp_runtime(), runtime
+
+
+def _model(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_pairs: bool, out_pairs: bool,
+           inverse: bool) -> torch.Tensor:
+    """What the C part computes, one torch op a rounding: y_a = a c - b s, y_b = a s + b c, s
+    negated for the inverse, pairs read and written in the layouts named."""
+    h = x.shape[-1] // 2
+    a, b = (x[..., 0::2], x[..., 1::2]) if x_pairs else (x[..., :h], x[..., h:])
+    sin = -sin if inverse else sin
+    ya, yb = torch.sub(torch.mul(a, cos), torch.mul(b, sin)), torch.add(torch.mul(a, sin), torch.mul(b, cos))
+    return torch.stack([ya, yb], -1).flatten(-2) if out_pairs else torch.cat([ya, yb], -1)
+
+
+@needs_c
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(b=st.integers(1, 3), h=st.integers(1, 4), s=st.integers(1, 70), half=st.integers(1, 40),
+       x_pairs=st.booleans(), out_pairs=st.booleans(), inverse=st.booleans(), per_batch=st.booleans(),
+       layout=st.sampled_from(["bhsd", "bshd", "gaps"]), threads=st.integers(1, 3))
+def test_the_c_rotation_is_two_products_and_a_sum_each_rounded(b, h, s, half, x_pairs, out_pairs, inverse,
+                                                              per_batch, layout, threads) -> None:
+    """Bit for bit, on any layout of x, either pair layout in and out, by +-angle, per-batch
+    tables, any thread count; IEEE specials included."""
+    d = 2 * half
+    x = {"bhsd": lambda: torch.randn(b, h, s, d), "bshd": lambda: torch.randn(b, s, h, d).transpose(1, 2),
+         "gaps": lambda: torch.randn(b, 2 * h, s, d + 3)[:, ::2, :, 1 : d + 1]}[layout]()
+    x[0, 0, 0, :2] = torch.tensor([float("inf"), -0.0])
+    x[-1, -1, -1, -1] = float("nan")
+    angles = torch.rand(b if per_batch else 1, 1, s, half, dtype=torch.float64) * 100
+    cos, sin = angles.cos().float(), angles.sin().float()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = K._turn(x, cos if per_batch else cos[0, 0], sin if per_batch else sin[0, 0], x_pairs=x_pairs,
+                      out_pairs=out_pairs, inverse=inverse)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(got, _model(x, cos, sin, x_pairs, out_pairs, inverse), rtol=0, atol=0,
+                               equal_nan=True)
+
+
+def test_the_c_rotation_is_used_only_where_it_applies() -> None:
+    x, cos, sin = torch.randn(2, 3, 5, 8), torch.randn(5, 4), torch.randn(5, 4)
+    turn = lambda x, cos=cos, sin=sin: K._turn(x, cos, sin, x_pairs=False, out_pairs=True)
+    assert (turn(x) is None) == (K._c is None)
+    strided = torch.randn(2, 3, 5, 16)[..., ::2]
+    for other in (x.double(), x.half(), strided, x.new_empty(2, 3, 0, 8)):
+        assert turn(other) is None, other.dtype  # fp64, fp16, a strided last dim, no elements: torch ops
+    with mock.patch.object(K, "_c", None):
+        assert turn(x) is None
+
+
+@needs_c
+def test_the_c_part_refuses_buffers_it_cannot_rotate() -> None:
+    x, table = torch.randn(2, 3, 5, 8), torch.randn(1, 5, 4)
+    out = torch.empty_like(x)
+    turn = lambda *args, threads=1: K._c.turn(*args, False, True, False, threads)
+    with pytest.raises(TypeError, match="x must hold float32"):
+        turn(x.double().numpy(), out.numpy(), table.numpy(), table.numpy())
+    with pytest.raises(ValueError, match="4 dims"):
+        turn(x[0].numpy(), out[0].numpy(), table.numpy(), table.numpy())
+    with pytest.raises(ValueError, match="out must have x's shape"):
+        turn(x.numpy(), out[:, :2].contiguous().numpy(), table.numpy(), table.numpy())
+    with pytest.raises(ValueError, match=r"cos and sin must be \(1 or B, S, D/2\)"):
+        turn(x.numpy(), out.numpy(), torch.randn(3, 5, 4).numpy(), torch.randn(3, 5, 4).numpy())
+    with pytest.raises(ValueError, match="threads must be"):
+        turn(x.numpy(), out.numpy(), table.numpy(), table.numpy(), threads=0)
 
 
 def test_half_precision_gradients_rotate_in_fp32() -> None:

@@ -11,12 +11,15 @@ not grow memory without bound, so tables past it are computed per call, rounded 
 then need no host sync, explicit positions and masks are checked on the host).
 
 The rotation: the textbook form x cos + rotate_half(x) sin (the reference) makes five passes and
-a concatenated copy. Here interleaved pairs are complex numbers turned by one complex multiply;
-half-split pairs have each half written once (x_a c - x_b s, x_b c + x_a s), and where only dot
-products of rotated tensors matter (attention scores), ``paired`` makes them neighbours and turns
-them in one complex multiply too. The backward, a rotation by -angle, reuses the same pass: an
-autograd Function that saves nothing but the cache slice. bf16/fp16 inputs are rotated in fp32
-and cast back.
+a concatenated copy. Here float32 on the CPU rotates in one pass, reading x once and writing the
+output once in either pair layout (``kernels._rope``, C, built by ``pip install``). Elsewhere,
+and where the C part is not built, torch ops: interleaved pairs are complex numbers turned by one
+complex multiply; half-split pairs have each half written once (x_a c - x_b s, x_b c + x_a s).
+Where only dot products of rotated tensors matter (attention scores), ``paired`` makes each pair's
+features neighbours (an interleaving copy, then the complex multiply, in torch; one pass in C,
+with torch's bits). The backward, a rotation by -angle, reuses the same pass: an autograd
+Function that saves nothing but the cache slice. bf16/fp16 inputs are rotated in fp32 and cast
+back.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ import torch
 from torch import Tensor, nn
 
 from kernels import checks
+
+try:
+    from kernels import _rope as _c
+except ImportError:  # not built (no C compiler at install): torch ops rotate
+    _c = None
 
 CACHE_LIMIT = 1 << 16  # positions the cos/sin cache may grow to by default (2 x 32 MiB at head_dim 256)
 
@@ -94,15 +102,42 @@ class _RotatePaired(torch.autograd.Function):
     def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         ctx.save_for_backward(cos, sin)
         xf = x.to(cos.dtype)
-        h = x.shape[-1] // 2
-        turned = torch.complex(xf[..., :h], xf[..., h:]).mul_(torch.complex(cos, sin))  # one pass, in place
-        return torch.view_as_real(turned).flatten(-2).to(x.dtype)
+        out = _turn(xf, cos, sin, x_pairs=False, out_pairs=True)
+        if out is None:
+            h = x.shape[-1] // 2
+            turned = torch.complex(xf[..., :h], xf[..., h:]).mul_(torch.complex(cos, sin))  # in place
+            out = torch.view_as_real(turned).flatten(-2)
+        return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         cos, sin = ctx.saved_tensors
-        turned = _as_pairs(grad.to(cos.dtype)) * torch.complex(cos, -sin)
-        return torch.cat([turned.real, turned.imag], -1).to(grad.dtype), None, None
+        gf = grad.to(cos.dtype)
+        out = _turn(gf, cos, sin, x_pairs=True, out_pairs=False, inverse=True)
+        if out is None:
+            turned = _as_pairs(gf) * torch.complex(cos, -sin)
+            out = torch.cat([turned.real, turned.imag], -1)
+        return out.to(grad.dtype), None, None
+
+
+def _turn(x: Tensor, cos: Tensor, sin: Tensor, *, x_pairs: bool, out_pairs: bool,
+          inverse: bool = False) -> Tensor | None:
+    """The rotation of x (B, H, S, D) in one pass by kernels._rope, pairs read and written in the
+    layouts named (interleaved where ``*_pairs``, else half-split), by -angle where ``inverse``;
+    cos, sin (S, D/2) or (B or 1, 1, S, D/2). None where the C part does not apply: not built, not
+    float32 on the CPU, a last dim with a stride, a tensor with a lazy negation or conjugation."""
+    if _c is None or not (x.device.type == "cpu" and x.dtype == cos.dtype == sin.dtype == torch.float32
+                          and x.layout == torch.strided and x.ndim == 4 and x.numel() and x.stride(-1) == 1
+                          and not (x.is_neg() or x.is_conj() or cos.is_neg() or sin.is_neg())):
+        return None
+    b, _, s, d = x.shape
+    cos, sin = (t.detach().reshape(-1, s, d // 2).contiguous() for t in (cos, sin))
+    out = torch.empty(x.shape, dtype=x.dtype)
+    # torch's own grain for elementwise ops (at::internal::GRAIN_SIZE): fewer elements a thread
+    # cost more in the team's start than they save
+    threads = max(1, min(torch.get_num_threads(), _c.MAX_THREADS, x.numel() // 32768))
+    _c.turn(x.detach().numpy(), out.numpy(), cos.numpy(), sin.numpy(), x_pairs, out_pairs, inverse, threads)
+    return out
 
 
 def _as_pairs(x: Tensor) -> Tensor:
@@ -115,12 +150,15 @@ def _as_pairs(x: Tensor) -> Tensor:
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-    """One pass: x (B, H, S, D); cos, sin broadcast to (B, H, S, D/2). Interleaved pairs are the
-    real and imaginary parts of complex numbers, turned by one complex multiply, a single pass
-    over contiguous memory; half-split pairs are each half written once (x_a c - x_b s,
-    x_b c + x_a s), four ops over half rows."""
+    """x (B, H, S, D) rotated; cos, sin broadcast to (B, H, S, D/2). float32 on the CPU: one pass
+    of kernels._rope. Else interleaved pairs are the real and imaginary parts of complex
+    numbers, turned by one complex multiply, a single pass over contiguous memory; half-split
+    pairs are each half written once (x_a c - x_b s, x_b c + x_a s), four ops over half rows."""
     ct = cos.dtype
     xf = x if x.dtype == ct else x.to(ct)
+    out = _turn(xf, cos, sin, x_pairs=interleaved, out_pairs=interleaved)
+    if out is not None:
+        return out if x.dtype == ct else out.to(x.dtype)
     if interleaved:
         out = torch.view_as_real(_as_pairs(xf) * torch.complex(cos, sin)).flatten(-2)
         return out if x.dtype == ct else out.to(x.dtype)
