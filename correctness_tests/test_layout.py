@@ -28,7 +28,6 @@ EXCEPTIONS: dict[str, str] = {
                             "(test_hugepages.py); its effect is per_sample's rows under --perf-malloc default",
     "kernels/feature_cache.py": "a cache has no slow counterpart: its test compares cached to recomputed; "
                                 "timed as spectral_probe's cached rerun",
-    "kernels/rope.py": "timed inside attention (perf_tests/test_attention.py)",
     "kernels/training.py": "timed as the workloads' steps (perf_tests/test_cifar_resnet.py, ...)",
     "kernels/determinism.py": "a switch, not a computation: tested by two runs being bitwise equal; its cost is "
                               "the CIFAR ablation's 'auto, deterministic' row",

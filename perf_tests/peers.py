@@ -118,18 +118,23 @@ def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(fn)
 
 
-# RoPE attention: rotary-embedding-torch's rotation of q and k, then torch's SDPA.
+# RoPE: rotary-embedding-torch's rotation (the interleaved RoPE our RotaryEmbedding(interleaved=True)
+# computes), alone and before torch's SDPA.
+ROTATION = "peer: rotary-embedding-torch"
 ROTARY = "peer: rotary-embedding-torch + SDPA"
 
 
+def rotary_rotation(head_dim: int, device: str, row: str = ROTATION) -> Callable[[Tensor], Tensor]:
+    """``fn(x)``: rotary-embedding-torch rotates x (B, H, S, D), its frequencies cached."""
+    ret = need("rotary_embedding_torch", "rotary-embedding-torch", row)
+    return ret.RotaryEmbedding(dim=head_dim).to(device).rotate_queries_or_keys
+
+
 def rotary_attention(head_dim: int, device: str) -> Callable[..., Tensor]:
-    """``fn(q, k, v, causal=)``: rotary-embedding-torch rotates q and k (the interleaved RoPE our
-    ``RotaryEmbedding(interleaved=True)`` computes), SDPA attends."""
-    ret = need("rotary_embedding_torch", "rotary-embedding-torch", ROTARY)
-    rotary = ret.RotaryEmbedding(dim=head_dim).to(device)
+    """``fn(q, k, v, causal=)``: rotary-embedding-torch rotates q and k, SDPA attends."""
+    rotate = rotary_rotation(head_dim, device, ROTARY)
 
     def attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool) -> Tensor:
-        rotate = rotary.rotate_queries_or_keys
         return F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=causal)
 
     return attend
