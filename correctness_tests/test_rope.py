@@ -38,26 +38,22 @@ def through(path: str):
 def test_rotation_and_its_gradient_equal_reference(path, b, h, s, half, interleaved, offset, dtype,
                                                    transposed) -> None:
     with through(path):
-        _rotation_equals_reference(b, h, s, half, interleaved, offset, dtype, transposed)
-
-
-def _rotation_equals_reference(b, h, s, half, interleaved, offset, dtype, transposed) -> None:
-    d = 2 * half
-    shape = (b, s, h, d) if transposed else (b, h, s, d)
-    x = torch.randn(shape, dtype=dtype)
-    x = x.transpose(1, 2) if transposed else x
-    x.requires_grad_(True)
-    rope = K.RotaryEmbedding(d, max_seq_len=8, interleaved=interleaved)  # S + offset grows the cache
-    ref = R.RotaryEmbedding(d, max_seq_len=8, interleaved=interleaved)
-    got, want = rope(x, offset=offset), ref(x, offset=offset)
-    assert got.dtype == dtype and got.shape == x.shape
-    assert_close(got, want, ELEMENTWISE)
-    grad = torch.randn_like(got)
-    (gx,) = torch.autograd.grad(got, x, grad)
-    (wx,) = torch.autograd.grad(want, x, grad)
-    assert_close(gx, wx, ELEMENTWISE)
-    if dtype == torch.float32:  # the fp64 path computes its table per call
-        assert rope.max_seq_len >= s + offset
+        d = 2 * half
+        shape = (b, s, h, d) if transposed else (b, h, s, d)
+        x = torch.randn(shape, dtype=dtype)
+        x = x.transpose(1, 2) if transposed else x
+        x.requires_grad_(True)
+        rope = K.RotaryEmbedding(d, max_seq_len=8, interleaved=interleaved)  # S + offset grows the cache
+        ref = R.RotaryEmbedding(d, max_seq_len=8, interleaved=interleaved)
+        got, want = rope(x, offset=offset), ref(x, offset=offset)
+        assert got.dtype == dtype and got.shape == x.shape
+        assert_close(got, want, ELEMENTWISE)
+        grad = torch.randn_like(got)
+        (gx,) = torch.autograd.grad(got, x, grad)
+        (wx,) = torch.autograd.grad(want, x, grad)
+        assert_close(gx, wx, ELEMENTWISE)
+        if dtype == torch.float32:  # the fp64 path computes its table per call
+            assert rope.max_seq_len >= s + offset
 
 
 @given(b=st.integers(1, 3), h=st.integers(1, 4), s=st.integers(1, 40), half=st.integers(1, 32),
@@ -67,23 +63,19 @@ def _rotation_equals_reference(b, h, s, half, interleaved, offset, dtype, transp
 def test_paired_is_the_rotation_with_each_pair_made_neighbours(path, b, h, s, half, interleaved, per_batch, dtype,
                                                                odd_offset) -> None:
     with through(path):
-        _paired_is_the_rotation(b, h, s, half, interleaved, per_batch, dtype, odd_offset)
-
-
-def _paired_is_the_rotation(b, h, s, half, interleaved, per_batch, dtype, odd_offset) -> None:
-    d = 2 * half
-    base = torch.randn(b * h * s * d + 1, dtype=dtype)
-    x = (base[1:] if odd_offset else base[:-1]).view(b, h, s, d).requires_grad_(True)  # odd: no complex view
-    positions = torch.randint(0, 70, (b, s) if per_batch else (s,))
-    rope = K.RotaryEmbedding(d, max_seq_len=8, interleaved=interleaved)
-    want = R.RotaryEmbedding(d, max_seq_len=8, interleaved=interleaved)(x, positions=positions)
-    if not interleaved:  # pair i is features (i, i + D/2): they become 2i, 2i + 1
-        want = torch.stack([want[..., :half], want[..., half:]], -1).flatten(-2)
-    got = rope.paired(x, positions=positions)
-    assert got.dtype == dtype and got.shape == x.shape
-    assert_close(got, want, ELEMENTWISE)
-    grad = torch.randn_like(got)
-    assert_close(torch.autograd.grad(got, x, grad)[0], torch.autograd.grad(want, x, grad)[0], ELEMENTWISE)
+        d = 2 * half
+        base = torch.randn(b * h * s * d + 1, dtype=dtype)
+        x = (base[1:] if odd_offset else base[:-1]).view(b, h, s, d).requires_grad_(True)  # odd: no complex view
+        positions = torch.randint(0, 70, (b, s) if per_batch else (s,))
+        rope = K.RotaryEmbedding(d, max_seq_len=8, interleaved=interleaved)
+        want = R.RotaryEmbedding(d, max_seq_len=8, interleaved=interleaved)(x, positions=positions)
+        if not interleaved:  # pair i is features (i, i + D/2): they become 2i, 2i + 1
+            want = torch.stack([want[..., :half], want[..., half:]], -1).flatten(-2)
+        got = rope.paired(x, positions=positions)
+        assert got.dtype == dtype and got.shape == x.shape
+        assert_close(got, want, ELEMENTWISE)
+        grad = torch.randn_like(got)
+        assert_close(torch.autograd.grad(got, x, grad)[0], torch.autograd.grad(want, x, grad)[0], ELEMENTWISE)
 
 
 @PATHS
