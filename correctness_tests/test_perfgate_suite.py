@@ -171,6 +171,22 @@ def test_supersede_marks_a_rows_points_of_older_commits_only() -> None:
     assert supersede(evidence, "k[b]::opt", head, "x") == 0  # no such row in that run
 
 
+def test_a_row_timed_apart_stands_by_its_pairs_near_or_is_left_out() -> None:
+    from evidence.floor_evidence import run_entry
+
+    row = lambda impl, speedup, **placed: {"kernel": "k", "impl": impl, "speedup": speedup, **placed}
+    run = {"perfgate": {"fingerprint": {"device_type": "cpu", "device_name": "cpu x", "threads": 2},
+                        "size": "smoke", "speedups": [
+                            row("near", 2.0, apart=0.0, near_speedup=None),
+                            row("some apart", 1.5, apart=0.4, near_speedup=1.8),
+                            row("all apart", 0.9, apart=1.0, near_speedup=None)]}}
+    entry = run_entry(run, "abc1234", "test")
+    assert entry["speedups"] == {"k::near": 2.0, "k::some apart": 1.8}
+    assert entry["apart"] == ["k::all apart"]
+    assert "apart" not in run_entry({"perfgate": {**run["perfgate"], "speedups": run["perfgate"]["speedups"][:1]}},
+                                    "abc1234", "test")
+
+
 def test_every_committed_run_is_whole_and_of_todays_cpu_fingerprint_keys() -> None:
     """The committed baselines pass perfgate's check of a stored run (a damaged one would stop
     --benchmark-compare with a usage error), and a CPU fingerprint today has exactly their keys:

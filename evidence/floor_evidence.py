@@ -27,22 +27,30 @@ ROOT = Path(__file__).resolve().parents[1]  # the checkout: the floors are read 
 
 def run_entry(run: dict, commit: str, source: str) -> dict:
     """One evidence entry: the CPU model, threads, size, each row's point speedup and, where the
-    impl reported one, the variant it ran (a floor keyed to a variant is held to those runs only)."""
+    impl reported one, the variant it ran (a floor keyed to a variant is held to those runs only);
+    rows timed with torch's threads apart and too few pairs near are left out, under "apart"."""
     gate = run["perfgate"]
     if gate["fingerprint"]["device_type"] != "cpu" or not gate.get("floors_applied", True):
         raise SystemExit(f"not CPU floor evidence: {gate['slug']} (CPU floors are set at torch's default "
                          "threads; `make bench` runs at BENCH_THREADS=1: add `make test`'s runs, or "
                          "`make bench BENCH_THREADS=0`)")
-    rows = gate["speedups"]
-    return {
+    key = lambda r: f"{r['kernel']}::{r['impl']}"
+    # a row timed with torch's threads apart stands for this machine by its pairs timed near, as
+    # perfgate holds a saved baseline to them; with too few near it measured the host's placement
+    # (floors.md, "Not evidence"): left out, and named under "apart"
+    placed = [r for r in gate["speedups"] if not (r.get("apart") and r.get("near_speedup") is None)]
+    point = lambda r: r["near_speedup"] if r.get("apart") else r["speedup"]
+    entry = {
         "cpu": gate["fingerprint"]["device_name"],
         "threads": gate["fingerprint"]["threads"],
         "size": gate["size"],
         "commit": commit,
         "source": source,
-        "speedups": {f"{r['kernel']}::{r['impl']}": round(r["speedup"], 3) for r in rows},
-        "variants": {f"{r['kernel']}::{r['impl']}": r["variant"] for r in rows if r.get("variant")},
+        "speedups": {key(r): round(point(r), 3) for r in placed},
+        "variants": {key(r): r["variant"] for r in placed if r.get("variant")},
     }
+    apart = [key(r) for r in gate["speedups"] if r not in placed]
+    return entry | ({"apart": apart} if apart else {})
 
 
 def table() -> list[str]:
