@@ -25,6 +25,17 @@
 
 #define MAX_THREADS 256
 
+/* On x86-64 Linux the row loop is compiled for AVX-512, AVX2 and the baseline, and the loader
+   picks the widest the CPU has (an ifunc); elsewhere it is compiled once for the baseline. */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+#endif
+#ifndef CLONES
+#define CLONES
+#endif
+
 typedef struct {
     const char *x;                     /* bytes: strides are in bytes */
     float *out;
@@ -66,7 +77,7 @@ static inline __attribute__((always_inline)) void row(const float *restrict x, f
     }
 
 /* Rows [r0, r1) of the B*H*S rows, each layout pair its own loop. */
-__attribute__((target_clones("avx512f", "avx2", "default")))
+CLONES
 static void run(const Job *j, Py_ssize_t r0, Py_ssize_t r1) {
     const Py_ssize_t h = j->D / 2;
     if (j->x_pairs && j->out_pairs) ROWS(1, 1)
