@@ -1,6 +1,6 @@
 """kernels.RotaryEmbedding == reference.rope (per-call cos/sin, rotate_half), == fp64, refusals;
-through the one-pass C rotation (kernels._rope) and through torch ops alike, the paired rotation
-with the same bits in both."""
+through the one-pass C rotation (kernels._rope) and through torch ops alike; the C part's
+arithmetic bit for bit, its fallbacks, its second derivatives, its traced graphs."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import kernels.rope as K
 import reference.rope as R
-from correctness_tests.tolerances import ELEMENTWISE, assert_close
+from correctness_tests.tolerances import ELEMENTWISE, REDUCTION, assert_close
 from perfgate.timing import openmp_runtime, torch_openmp_runtime
 
 needs_c = pytest.mark.skipif(K._c is None, reason="kernels._rope is not built (no C compiler at install)")
@@ -120,11 +120,11 @@ def _model(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_pairs: bool,
 @settings(max_examples=100, deadline=None, derandomize=True)
 @given(b=st.integers(1, 3), h=st.integers(1, 4), s=st.integers(1, 70), half=st.integers(1, 40),
        x_pairs=st.booleans(), out_pairs=st.booleans(), inverse=st.booleans(), per_batch=st.booleans(),
-       layout=st.sampled_from(["bhsd", "bshd", "gaps"]), threads=st.integers(1, 3))
+       layout=st.sampled_from(["bhsd", "bshd", "gaps"]), threads=st.integers(1, 8))
 def test_the_c_rotation_is_two_products_and_a_sum_each_rounded(b, h, s, half, x_pairs, out_pairs, inverse,
                                                               per_batch, layout, threads) -> None:
     """Bit for bit, on any layout of x, either pair layout in and out, by +-angle, per-batch
-    tables, any thread count; IEEE specials included."""
+    tables, the rows split over any number of threads; IEEE specials included."""
     d = 2 * half
     x = {"bhsd": lambda: torch.randn(b, h, s, d), "bshd": lambda: torch.randn(b, s, h, d).transpose(1, 2),
          "gaps": lambda: torch.randn(b, 2 * h, s, d + 3)[:, ::2, :, 1 : d + 1]}[layout]()
@@ -132,15 +132,15 @@ def test_the_c_rotation_is_two_products_and_a_sum_each_rounded(b, h, s, half, x_
     x[-1, -1, -1, -1] = float("nan")
     angles = torch.rand(b if per_batch else 1, 1, s, half, dtype=torch.float64) * 100
     cos, sin = angles.cos().float(), angles.sin().float()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = K._turn(x, cos if per_batch else cos[0, 0], sin if per_batch else sin[0, 0], x_pairs=x_pairs,
-                      out_pairs=out_pairs, inverse=inverse)
-    finally:
-        torch.set_num_threads(previous)
-    torch.testing.assert_close(got, _model(x, cos, sin, x_pairs, out_pairs, inverse), rtol=0, atol=0,
-                               equal_nan=True)
+    want = _model(x, cos, sin, x_pairs, out_pairs, inverse)
+    got = torch.empty(x.shape)  # the C part itself, at the thread count drawn
+    K._c.turn(x.numpy(), got.numpy(), cos[:, 0].contiguous().numpy(), sin[:, 0].contiguous().numpy(), x_pairs,
+              out_pairs, inverse, threads)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    # and through kernels.rope's wrapper, its tables (S, D/2) or (B, 1, S, D/2)
+    got = K._turn(x, cos if per_batch else cos[0, 0], sin if per_batch else sin[0, 0], x_pairs=x_pairs,
+                  out_pairs=out_pairs, inverse=inverse)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 def test_the_c_rotation_is_used_only_where_it_applies() -> None:
@@ -148,10 +148,70 @@ def test_the_c_rotation_is_used_only_where_it_applies() -> None:
     turn = lambda x, cos=cos, sin=sin: K._turn(x, cos, sin, x_pairs=False, out_pairs=True)
     assert (turn(x) is None) == (K._c is None)
     strided = torch.randn(2, 3, 5, 16)[..., ::2]
-    for other in (x.double(), x.half(), strided, x.new_empty(2, 3, 0, 8)):
-        assert turn(other) is None, other.dtype  # fp64, fp16, a strided last dim, no elements: torch ops
+    unaligned = torch.frombuffer(bytearray(4 * 240 + 1), dtype=torch.float32, offset=1, count=240).view(2, 3, 5, 8)
+    for other in (x.double(), x.half(), strided, x.new_empty(2, 3, 0, 8), unaligned, x.requires_grad_(True)):
+        # fp64, fp16, a strided last dim, no elements, off 4-byte alignment, a result to differentiate
+        assert turn(other) is None, other.dtype
+    with torch.no_grad():
+        assert (turn(x) is None) == (K._c is None)  # x needs no gradient of this result
     with mock.patch.object(K, "_c", None):
-        assert turn(x) is None
+        assert turn(x.detach()) is None
+
+
+@PATHS
+def test_rotations_that_the_c_part_leaves_to_torch_equal_reference(path) -> None:
+    unaligned = torch.frombuffer(bytearray(4 * 240 + 1), dtype=torch.float32, offset=1, count=240).view(2, 3, 5, 8)
+    with through(path):
+        got = K.RotaryEmbedding(8)(unaligned)
+        with torch.device("meta"):  # a default device elsewhere: the result stays on x's
+            on_cpu = K.RotaryEmbedding(8).to("cpu")(unaligned.clone())
+    assert_close(got, R.RotaryEmbedding(8)(unaligned), ELEMENTWISE)
+    assert on_cpu.device.type == "cpu"
+    assert_close(on_cpu, got, ELEMENTWISE)
+
+
+def _second_derivative(rotate, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """d/dx of (|g|^2 + x.g), g = d/dx |w * rotate(x)|^2 built with create_graph."""
+    x = x.detach().requires_grad_(True)
+    (g,) = torch.autograd.grad((rotate(x) * w).pow(2).sum(), x, create_graph=True)
+    return torch.autograd.grad(g.pow(2).sum() + (x * g).sum(), x)[0]
+
+
+@PATHS
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("paired", [False, True])
+def test_second_derivatives_equal_reference(path, interleaved, paired) -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)
+    rope, ref = K.RotaryEmbedding(8, interleaved=interleaved), R.RotaryEmbedding(8, interleaved=interleaved)
+    if paired and not interleaved:  # the reference's pairs (i, i + 4) made neighbours (2i, 2i + 1)
+        want_fn = lambda x: torch.stack([ref(x)[..., :4], ref(x)[..., 4:]], -1).flatten(-2)
+    else:
+        want_fn = ref
+    with through(path):
+        got = _second_derivative(rope.paired if paired else rope, x, w)
+    assert_close(got, _second_derivative(want_fn, x, w), REDUCTION)
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_a_traced_rotation_runs_the_torch_ops(paired) -> None:
+    """torch.compile(fullgraph=True) and torch.export trace the rotation (the C part is opaque to
+    them), forward and backward, to the eager result."""
+    rope = K.RotaryEmbedding(8)
+    rotate = rope.paired if paired else rope
+    x = torch.randn(2, 3, 5, 8, requires_grad=True)
+    grad = torch.randn(2, 3, 5, 8)
+    want = rotate(x)
+    got = torch.compile(rotate, fullgraph=True, backend="eager")(x)
+    assert_close(got, want, ELEMENTWISE)
+    assert_close(torch.autograd.grad(got, x, grad)[0], torch.autograd.grad(want, x, grad)[0], ELEMENTWISE)
+
+    class Rotate(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return rotate(x)
+
+    exported = torch.export.export(Rotate(), (x.detach(),))
+    assert_close(exported.module()(x.detach()), want.detach(), ELEMENTWISE)
 
 
 @needs_c
@@ -169,6 +229,9 @@ def test_the_c_part_refuses_buffers_it_cannot_rotate() -> None:
         turn(x.numpy(), out.numpy(), torch.randn(3, 5, 4).numpy(), torch.randn(3, 5, 4).numpy())
     with pytest.raises(ValueError, match="threads must be"):
         turn(x.numpy(), out.numpy(), table.numpy(), table.numpy(), threads=0)
+    for empty in (x[:, :, :0], x[:, :0]):  # no rows: nothing done, nothing divided by zero
+        assert turn(empty.numpy(), torch.empty(empty.shape).numpy(), table[:, : empty.shape[2]].numpy(),
+                    table[:, : empty.shape[2]].numpy(), threads=2) is None
 
 
 def test_half_precision_gradients_rotate_in_fp32() -> None:

@@ -35,9 +35,9 @@ def run_entry(run: dict, commit: str, source: str) -> dict:
                          "threads; `make bench` runs at BENCH_THREADS=1: add `make test`'s runs, or "
                          "`make bench BENCH_THREADS=0`)")
     key = lambda r: f"{r['kernel']}::{r['impl']}"
-    # a row timed with torch's threads apart stands for this machine by its pairs timed near, as
-    # perfgate holds a saved baseline to them; with too few near it measured the host's placement
-    # (floors.md, "Not evidence"): left out, and named under "apart"
+    # a row timed with torch's threads apart counts by its pairs timed near, as a baseline perfgate
+    # saved is held to them; with too few near (perfgate: it does not "stand for this machine") it
+    # measured the host's placement (floors.md, "Not evidence"): left out, and named under "apart"
     placed = [r for r in gate["speedups"] if not (r.get("apart") and r.get("near_speedup") is None)]
     point = lambda r: r["near_speedup"] if r.get("apart") else r["speedup"]
     entry = {

@@ -10,15 +10,16 @@
 
    turn(x, out, cos, sin, x_pairs, out_pairs, inverse, threads)
        x         float32 buffer of 4 dims (B, H, S, D), any strides, the last one element
-       out       C-contiguous float32 buffer of the same shape, not overlapping x
+       out       C-contiguous float32 buffer of the same shape, overlapping neither x nor the
+                 tables (the caller's to guarantee: kernels/rope.py passes a fresh one)
        cos, sin  C-contiguous float32 buffers (T, S, D/2), T = 1 (shared) or B (per batch row)
        x_pairs, out_pairs   1 where that tensor's pairs are interleaved, 0 where half-split
    The B*H*S rows split over an OpenMP team: with -fopenmp the module resolves libgomp.so.1 to
    the copy torch loaded, so the team is torch's intra-op pool (as kernels/_nontemporal.c).
 
-   Every element is two float32 products and one sum, each rounded, in the order torch's
-   complex multiply uses: built without contraction into fused multiply-adds
-   (-ffp-contract=off), the paired rotation writes torch's bits. */
+   Every element is two float32 products and one sum, each rounded: built without contraction
+   into fused multiply-adds (-ffp-contract=off), as torch's vectorized complex multiply rounds
+   them (its scalar tail, the last elements of a row, may fuse one). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -79,6 +80,7 @@ static inline __attribute__((always_inline)) void row(const float *restrict x, f
 /* Rows [r0, r1) of the B*H*S rows, each layout pair its own loop. */
 CLONES
 static void run(const Job *j, Py_ssize_t r0, Py_ssize_t r1) {
+    if (r0 >= r1) return; /* no rows (S or H of 0): nothing to divide them by */
     const Py_ssize_t h = j->D / 2;
     if (j->x_pairs && j->out_pairs) ROWS(1, 1)
     else if (j->x_pairs) ROWS(1, 0)

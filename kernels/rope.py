@@ -12,14 +12,14 @@ then need no host sync, explicit positions and masks are checked on the host).
 
 The rotation: the textbook form x cos + rotate_half(x) sin (the reference) makes five passes and
 a concatenated copy. Here float32 on the CPU rotates in one pass, reading x once and writing the
-output once in either pair layout (``kernels._rope``, C, built by ``pip install``). Elsewhere,
-and where the C part is not built, torch ops: interleaved pairs are complex numbers turned by one
-complex multiply; half-split pairs have each half written once (x_a c - x_b s, x_b c + x_a s).
-Where only dot products of rotated tensors matter (attention scores), ``paired`` makes each pair's
-features neighbours (an interleaving copy, then the complex multiply, in torch; one pass in C,
-with torch's bits). The backward, a rotation by -angle, reuses the same pass: an autograd
-Function that saves nothing but the cache slice. bf16/fp16 inputs are rotated in fp32 and cast
-back.
+output once in either pair layout (``kernels._rope``, C, built by ``pip install``; each product and
+sum rounded apart, as torch's vectorized complex multiply rounds them). Elsewhere (and where the C
+part is not built, a graph is traced, or a backward is differentiated again) torch ops: interleaved
+pairs are complex numbers turned by one complex multiply; half-split pairs have each half written
+once (x_a c - x_b s, x_b c + x_a s). Where only dot products of rotated tensors matter (attention
+scores), ``paired`` makes each pair's features neighbours (in torch an interleaving copy, then the
+complex multiply). The backward, a rotation by -angle, reuses the same pass: an autograd Function
+that saves nothing but the cache slice. bf16/fp16 inputs are rotated in fp32 and cast back.
 """
 
 from __future__ import annotations
@@ -91,6 +91,8 @@ class _Rotate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         cos, sin = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the inverse rotation, itself differentiable
+            return _Rotate.apply(grad, cos, -sin, ctx.interleaved), None, None, None
         return _rotate(grad, cos, -sin, ctx.interleaved), None, None, None
 
 
@@ -125,14 +127,20 @@ def _turn(x: Tensor, cos: Tensor, sin: Tensor, *, x_pairs: bool, out_pairs: bool
     """The rotation of x (B, H, S, D) in one pass by kernels._rope, pairs read and written in the
     layouts named (interleaved where ``*_pairs``, else half-split), by -angle where ``inverse``;
     cos, sin (S, D/2) or (B or 1, 1, S, D/2). None where the C part does not apply: not built, not
-    float32 on the CPU, a last dim with a stride, a tensor with a lazy negation or conjugation."""
-    if _c is None or not (x.device.type == "cpu" and x.dtype == cos.dtype == sin.dtype == torch.float32
-                          and x.layout == torch.strided and x.ndim == 4 and x.numel() and x.stride(-1) == 1
-                          and not (x.is_neg() or x.is_conj() or cos.is_neg() or sin.is_neg())):
+    a plain float32 CPU tensor with a unit-stride last dim and 4-byte alignment, a lazy negation or
+    conjugation, a result autograd must differentiate (create_graph: the torch ops are), or a graph
+    being traced (torch.compile, torch.export: the torch ops trace)."""
+    if _c is None or torch.compiler.is_compiling() or not (
+            type(x) is torch.Tensor and x.device.type == "cpu" and x.layout == torch.strided
+            and x.dtype == cos.dtype == sin.dtype == torch.float32 and x.ndim == 4 and x.numel()
+            and x.stride(-1) == 1 and x.data_ptr() % 4 == 0
+            and not (x.is_neg() or x.is_conj() or cos.is_neg() or sin.is_neg())):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
         return None
     b, _, s, d = x.shape
     cos, sin = (t.detach().reshape(-1, s, d // 2).contiguous() for t in (cos, sin))
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     # torch's own grain for elementwise ops (at::internal::GRAIN_SIZE): fewer elements a thread
     # cost more in the team's start than they save
     threads = max(1, min(torch.get_num_threads(), _c.MAX_THREADS, x.numel() // 32768))
@@ -144,6 +152,8 @@ def _as_pairs(x: Tensor) -> Tensor:
     """x (..., D) as complex (..., D/2), feature pairs (2i, 2i + 1) as real and imaginary parts: a
     view where x's layout allows one, else a copy's."""
     pairs = x.unflatten(-1, (-1, 2))
+    if torch.compiler.is_compiling():  # a traced graph reads no storage offset: a contiguous copy
+        return torch.view_as_complex(pairs.contiguous())
     if pairs.stride(-1) != 1 or pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
         pairs = pairs.clone(memory_format=torch.contiguous_format)  # own storage: offset 0
     return torch.view_as_complex(pairs)
@@ -164,6 +174,9 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
         return out if x.dtype == ct else out.to(x.dtype)
     h = x.shape[-1] // 2
     a, b = xf[..., :h], xf[..., h:]
+    if torch.compiler.is_compiling():  # no out= into halves in a traced graph: the compiler fuses these
+        out = torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+        return out if x.dtype == ct else out.to(x.dtype)
     out = torch.empty(xf.shape, dtype=ct, device=x.device)
     oa, ob = out[..., :h], out[..., h:]
     torch.mul(a, cos, out=oa)
