@@ -1,6 +1,6 @@
 """What reproducibility and the input pipeline cost the CIFAR ResNet step, interleaved.
 
-    python evidence/cifar_pipeline_cost.py [--rounds 3] [--steps 30] [--batch 128]
+    python -m evidence.cifar_pipeline_cost [--rounds 3] [--steps 30] [--batch 128]
                                                      [--threads N] [--workers 0 2]
 
 Each round runs, one after another, the CIFAR ablation's rows "auto" (preloaded tensors),

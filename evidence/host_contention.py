@@ -1,12 +1,12 @@
 """What the gate's host readings see, and what they do not (docs/gate.md, "A contended host").
 
-    python evidence/host_contention.py probe            # the streaming probe, 100 readings
-    python evidence/host_contention.py probe-streamed   # the same beside a copy loop on vCPU 1
-    python evidence/host_contention.py pool             # the Standardizer after randomized_svd
-    python evidence/host_contention.py sag 200          # the Standardizer's sag, in 200 windows
-    python evidence/host_contention.py sag-probes 400   # beside probes that might see it
-    python evidence/host_contention.py placement 1000   # beside the threads' round trip, which sees it
-    python evidence/host_contention.py detect-streamed  # the gate's detection runs beside a copy loop
+    python -m evidence.host_contention probe            # the streaming probe, 100 readings
+    python -m evidence.host_contention probe-streamed   # the same beside a copy loop on vCPU 1
+    python -m evidence.host_contention pool             # the Standardizer after randomized_svd
+    python -m evidence.host_contention sag 200          # the Standardizer's sag, in 200 windows
+    python -m evidence.host_contention sag-probes 400   # beside probes that might see it
+    python -m evidence.host_contention placement 1000   # beside the threads' round trip, which sees it
+    python -m evidence.host_contention detect-streamed  # the gate's detection runs beside a copy loop
 
 ``probe``: perfgate's ``timing.Bandwidth`` on vCPU 0, 20 ms apart. ``pool``: the Standardizer
 (10000 x 512 fp32, torch's default threads, cache malloc) alone, right after scikit-learn's

@@ -2,7 +2,7 @@
 
 Run each mode in a fresh process, e.g.:
     for m in default cache; do for t in 0 1; do
-        THP_MEM_ALLOC_ENABLE=$t python evidence/malloc_modes.py $m; done; done
+        THP_MEM_ALLOC_ENABLE=$t python -m evidence.malloc_modes $m; done; done
 Prints the median of 20 calls and the minor page faults per call (MLP 784-256-256-10, B=64).
 """
 

@@ -1,6 +1,6 @@
 """Streaming stores for per_sample_grads' outer products: what they save, interleaved in one process.
 
-    python evidence/nontemporal_stores.py cache     (or default: glibc's malloc as a user has it)
+    python -m evidence.nontemporal_stores cache     (or default: glibc's malloc as a user has it)
 
 Part 1 writes the 784-256 layer's product at B=64 (51 MB) into a mapped buffer by torch.mul, by
 kernels._nontemporal on 1 and on 2 threads, and by memset (zero_), median GB/s written. Part 2

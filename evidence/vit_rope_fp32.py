@@ -1,7 +1,7 @@
 """The ViT step in fp32 (what Recipe.auto keeps on a CPU without bf16 instructions): where the
 optimized run's time goes against the reference's, interleaved in one process.
 
-    python evidence/vit_rope_fp32.py [cache|default]
+    python -m evidence.vit_rope_fp32 [cache|default]
 
 perf_tests/test_vit_rope.py's step at B=32 (smoke), 2 threads: the reference step against the
 engine forced to fp32 with 2 micro-batches (the suite's setting) and with 1; then the model's
@@ -12,7 +12,7 @@ micro-batch; then ours at one batch of 32 against two of 16. Reference time over
 
 import sys
 
-from perfgate.timing import configure_malloc, interleaved, timer_for
+from perfgate.timing import configure_malloc, timer_for
 
 mode = configure_malloc(sys.argv[1] if len(sys.argv) > 1 else "cache")  # before any large allocation
 
@@ -22,10 +22,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from evidence.ab import versus as ab  # noqa: E402
 from kernels.models import RopeViT  # noqa: E402
 from kernels.training import Recipe  # noqa: E402
 from perfgate.fingerprint import _cpu_model  # noqa: E402
-from perfgate.stats import speedup_interval  # noqa: E402
 from workloads.vit_rope import Config, Method, optimized_method, reference_method  # noqa: E402
 
 torch.set_num_threads(2)
@@ -34,12 +34,9 @@ BATCH = 32
 
 
 def versus(label: str, reference: Callable[[], object], ours: Callable[[], object]) -> None:
-    """One line: median ms of each side and reference time / ours, point (95% CI), interleaved."""
-    pairs = interleaved(timer, (reference, None), (ours, None), 11, (3, 3))
-    ref, opt = zip(*pairs, strict=True)
-    point, low, high = speedup_interval(ref, opt, paired=True)
-    ms = f"{sorted(ref)[5] * 1e3:.1f} / {sorted(opt)[5] * 1e3:.1f} ms"
-    print(f"{label}: {ms}, {point:.2f}x ({low:.2f}-{high:.2f})", flush=True)
+    """One line: reference time / ours, point (95% CI) from 11 interleaved pairs, and each side's
+    median ms."""
+    print(f"{label}: {ab(timer, reference, ours, rounds=11)}", flush=True)
 
 
 def step(method: Method, cfg: Config) -> Callable[[], object]:
