@@ -93,7 +93,7 @@ class _Rotate(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: the inverse rotation, itself differentiable
             return _Rotate.apply(grad, cos, -sin, ctx.interleaved), None, None, None
-        return _rotate(grad, cos, -sin, ctx.interleaved), None, None, None
+        return _rotate(grad, cos, sin, ctx.interleaved, inverse=True), None, None, None
 
 
 class _RotatePaired(torch.autograd.Function):
@@ -159,16 +159,18 @@ def _as_pairs(x: Tensor) -> Tensor:
     return torch.view_as_complex(pairs)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-    """x (B, H, S, D) rotated; cos, sin broadcast to (B, H, S, D/2). float32 on the CPU: one pass
-    of kernels._rope. Else interleaved pairs are the real and imaginary parts of complex
-    numbers, turned by one complex multiply, a single pass over contiguous memory; half-split
-    pairs are each half written once (x_a c - x_b s, x_b c + x_a s), four ops over half rows."""
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, *, inverse: bool = False) -> Tensor:
+    """x (B, H, S, D) rotated, by -angle where ``inverse``; cos, sin broadcast to (B, H, S, D/2).
+    float32 on the CPU: one pass of kernels._rope. Else interleaved pairs are the real and
+    imaginary parts of complex numbers, turned by one complex multiply, a single pass over
+    contiguous memory; half-split pairs are each half written once (x_a c - x_b s, x_b c + x_a s),
+    four ops over half rows."""
     ct = cos.dtype
     xf = x if x.dtype == ct else x.to(ct)
-    out = _turn(xf, cos, sin, x_pairs=interleaved, out_pairs=interleaved)
+    out = _turn(xf, cos, sin, x_pairs=interleaved, out_pairs=interleaved, inverse=inverse)
     if out is not None:
         return out if x.dtype == ct else out.to(x.dtype)
+    sin = -sin if inverse else sin
     if interleaved:
         out = torch.view_as_real(_as_pairs(xf) * torch.complex(cos, sin)).flatten(-2)
         return out if x.dtype == ct else out.to(x.dtype)
