@@ -18,7 +18,7 @@ def _ghost_weight(a: Tensor, g: Tensor, diagonal: bool) -> Tensor:
     """Gram (B, B), or its diagonal (B,), of one Linear weight's per-sample gradients."""
     if a.shape[1] == 1:
         a2, g2 = a[:, 0], g[:, 0]
-        return (a2 * a2).sum(1) * (g2 * g2).sum(1) if diagonal else (a2 @ a2.T) * (g2 @ g2.T)
+        return _sum_squares(a2) * _sum_squares(g2) if diagonal else (a2 @ a2.T) * (g2 @ g2.T)
     if a.shape[1] ** 2 > a.shape[2] * g.shape[2]:
         # Long token axis: T^2 dot products cost more than building the (out, in) gradients.
         w = torch.einsum("bto,bti->boi", g, a).flatten(1)
@@ -28,8 +28,13 @@ def _ghost_weight(a: Tensor, g: Tensor, diagonal: bool) -> Tensor:
     return (aa * gg).sum((-2, -1))
 
 
+def _sum_squares(rows: Tensor) -> Tensor:
+    """(B,): each row's sum of squares, for rows (B, d)."""
+    return (rows * rows).sum(1)
+
+
 def _gram_of(flat: Tensor, diagonal: bool) -> Tensor:
-    return (flat * flat).sum(1) if diagonal else flat @ flat.T
+    return _sum_squares(flat) if diagonal else flat @ flat.T
 
 
 @dataclass
@@ -59,9 +64,14 @@ class GhostTerms:
         with torch.autocast(self.zero.device.type, enabled=False):  # products in the weights' dtype
             for mname, (a, g) in self.terms.items():
                 m = self.plan.linear[mname]
-                if m.weight.requires_grad:
+                weight, bias = m.weight.requires_grad, m.bias is not None and m.bias.requires_grad
+                if diagonal and a.shape[1] == 1:  # one row per sample: |a_i|^2 |b_i|^2 + |b_i|^2 in one term
+                    scale = _sum_squares(a[:, 0]) + float(bias) if weight else float(bias)
+                    total = total + _sum_squares(g[:, 0]) * scale
+                    continue
+                if weight:
                     total = total + _ghost_weight(a, g, diagonal)
-                if m.bias is not None and m.bias.requires_grad:
+                if bias:
                     total = total + _gram_of(g.sum(1), diagonal)
             if self.grads:
                 total = total + _gram_of(torch.cat([t.reshape(b, -1) for t in self.grads.values()], 1), diagonal)

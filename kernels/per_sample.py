@@ -101,17 +101,21 @@ def _plan(model: nn.Module, names: list[str], randomness: str) -> _Plan:
         counts[id(p)] = counts.get(id(p), 0) + 1
     linear, covered = {}, set()
     for mname, m in model.named_modules():
-        if _has_identity(m) and any(p.requires_grad for p in m.parameters()):
-            if all(counts[id(p)] == 1 for p in m.parameters()):  # tied weights: vmap
-                linear[mname] = m
-                covered.update(f"{mname}.{n}" if mname else n for n, _ in m.named_parameters())
+        if not _has_identity(m):
+            continue
+        own = list(m.named_parameters())
+        if any(p.requires_grad for _, p in own) and all(counts[id(p)] == 1 for _, p in own):  # tied: vmap
+            linear[mname] = m
+            covered.update(f"{mname}.{n}" if mname else n for n, _ in own)
     return _Plan(names, linear, [n for n in names if n not in covered])
 
 
 def _has_identity(m: nn.Module) -> bool:
     """A plain Linear whose own parameters are its weight and bias (weight_norm's g/v are not)."""
+    if type(m) is not nn.Linear:  # most modules: nothing more to look at
+        return False
     own = {n for n, _ in m.named_parameters(recurse=False)}
-    return type(m) is nn.Linear and own <= {"weight", "bias"} and isinstance(m.weight, nn.Parameter)
+    return own <= {"weight", "bias"} and isinstance(m.weight, nn.Parameter)
 
 
 def _terms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
