@@ -74,6 +74,72 @@ def test_explicit_path_only_where_it_measured_faster() -> None:
     assert not KA._takes_explicit(q(8, torch.float64), causal=False)
 
 
+@given(problems(dtypes=(torch.float32,)), st.integers(1, 1 << 16), st.integers(1, 4), st.booleans(),
+       st.sampled_from([None, "offset", "positions"]))
+def test_fused_path_equals_reference(p: dict, scores: int, units: int, strided: bool, where: str | None) -> None:
+    """The fused CPU path (each chunk's q and k rotated by the C pass, then its scores) at any chunk
+    size, chunks of whole batch rows or of one row's heads; grouped heads, masks, q, k and v as
+    views into one projection (strides the C pass reads as they are), v of another head dim."""
+    q, k, v, mask = p["q"], p["k"], p["v"], p["attn_mask"]
+    b, h, s, d = q.shape
+    hk = k.shape[1]
+    if strided:  # as RopeSelfAttention's projection leaves them: (B, S, heads, D) transposed
+        qkv = torch.randn(b, s, h + hk, d)
+        q, k = qkv[:, :, :h].transpose(1, 2), qkv[:, :, h:].transpose(1, 2)
+        v = torch.randn(b, s, hk, d // 2).transpose(1, 2)
+    kw = {"offset": {"offset": 5}, "positions": {"positions": torch.randperm(s) * 3}}.get(where, {})
+    with (torch.no_grad(), mock.patch.object(KA, "FUSED_SCORES", scores),
+          mock.patch.object(KA, "FUSED_UNITS", units),
+          mock.patch.object(KA, "_fused_attention", wraps=KA._fused_attention) as fused):
+        got = kernels.rope_attention(q, k, v, p["rope"], attn_mask=mask, **kw)
+    assert fused.call_count == 1
+    want = RA.rope_attention(q, k, v, p["rope"], attn_mask=mask, **kw)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert_close(got, want, REDUCTION)
+
+
+def test_fused_path_only_where_it_measured_faster() -> None:
+    """CPU fp32, not causal, up to CPU_FUSED_SEQ positions (CPU_FUSED_SEQ_TWO_THREADS at 2 threads),
+    one table for all batch rows, no gradient to build, no autocast (evidence/fused-attention-zen4.txt)."""
+    def qkv(s: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+        return [torch.empty(2, 2, s, 8, dtype=dtype) for _ in range(3)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert KA._fuses(*qkv(KA.CPU_FUSED_SEQ_TWO_THREADS), causal=False, positions=None)
+        assert not KA._fuses(*qkv(KA.CPU_FUSED_SEQ_TWO_THREADS + 1), causal=False, positions=None)
+        torch.set_num_threads(1)
+        assert KA._fuses(*qkv(KA.CPU_FUSED_SEQ), causal=False, positions=None)
+        assert not KA._fuses(*qkv(KA.CPU_FUSED_SEQ + 1), causal=False, positions=None)
+    finally:
+        torch.set_num_threads(threads)
+    assert not KA._fuses(*qkv(8), causal=True, positions=None)
+    assert not KA._fuses(*qkv(8, torch.float64), causal=False, positions=None)
+    assert not KA._fuses(*qkv(8, torch.bfloat16), causal=False, positions=None)
+    assert KA._fuses(*qkv(8), causal=False, positions=torch.arange(8))
+    assert not KA._fuses(*qkv(8), causal=False, positions=torch.arange(8).expand(2, 8))
+    q, k, v = qkv(8)
+    assert not KA._fuses(q, k, v.requires_grad_(True), causal=False, positions=None)
+    with torch.no_grad():
+        assert KA._fuses(q, k, v, causal=False, positions=None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not KA._fuses(*qkv(8), causal=False, positions=None)
+
+
+def test_fused_path_is_not_taken_without_the_c_rotation_or_for_a_rotation_of_its_own() -> None:
+    """Without kernels._rope (no compiler at install) or with a RotaryEmbedding whose forward is its
+    own, rope_attention rotates as before and attends by the other paths."""
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    rope = RotaryEmbedding(8)
+    want = RA.rope_attention(q, k, v, rope)
+    with mock.patch.object(KA, "_fused_attention", wraps=KA._fused_attention) as fused:
+        with mock.patch("kernels.rope._c", None):
+            assert_close(kernels.rope_attention(q, k, v, rope), want, REDUCTION)
+        assert fused.call_count == 0
+        kernels.rope_attention(q, k, v, rope)
+        assert fused.call_count == 1
+
+
 def test_blocked_causal_path_only_where_it_measured_faster() -> None:
     """CPU causal over CPU_CAUSAL_SEQ positions in fp32, bf16 or fp16 (evidence/causal_blocks.py)."""
     lo, hi = KA.CPU_CAUSAL_SEQ

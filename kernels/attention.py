@@ -12,6 +12,17 @@ positions, where one batched matmul, in-place scale and mask, softmax and a seco
 measured faster than torch's flash CPU kernel (evidence/from-the-code.md): there grouped-query
 heads become extra query rows of their kv head (no repeated k, v).
 
+Without the causal mask in float32 on the CPU, with no gradient to build (inference, or q, k, v
+that do not require one), up to ``CPU_FUSED_SEQ`` = 128 positions, or ``CPU_FUSED_SEQ_TWO_THREADS``
+= 512 at 2 threads, the rotation and the attention are fused a chunk of heads at a time: each
+chunk's q and k are rotated by the C pass (kernels/_rope.c) into a buffer of their own, scored by
+one batched matmul (the scale its alpha), masked, turned into probabilities in place and multiplied
+by v, at most ``FUSED_UNITS`` = 32 kv heads and ``FUSED_SCORES`` = 4 MiB of scores a chunk. The
+rotated q and k are read from the caches they were written to instead of from memory, and no
+(B, H, S, S) scores are written whole. Those lengths are where it measured faster than rotating
+first, and beyond them slower (evidence/fused-attention-zen4.txt). A training forward keeps the
+unfused paths, whose rotation is differentiable.
+
 And causal on CPU over 384 to 512 positions (``CPU_CAUSAL_SEQ``; fp32, bf16, fp16): torch's flash CPU
 kernel scores each block of queries against a whole block of up to 512 keys and masks the ones past
 the query afterwards, so up to 512 positions causal costs what full attention does. There one SDPA
@@ -28,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels import checks
-from kernels.rope import RotaryEmbedding
+from kernels.rope import RotaryEmbedding, _c_rotates, c_tables, rotate_into
 
 
 def check_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> None:
@@ -141,6 +152,80 @@ def _blocked_causal(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, block:
     return torch.cat(parts, dim=2)
 
 
+CPU_FUSED_SEQ = 128  # the longest S of the fused path (module note)
+CPU_FUSED_SEQ_TWO_THREADS = 512  # ... at 2 threads, where it measured faster up to here
+FUSED_SCORES = 4 << 20  # bytes of one chunk's scores at most (module note)
+FUSED_UNITS = 32  # kv heads (with their q heads) a chunk at most (module note)
+
+
+def _fuses(q: Tensor, k: Tensor, v: Tensor, causal: bool, positions: Tensor | None) -> bool:
+    """Whether the fused CPU path measured faster for q (B, H, S, D) (module note): float32 on the
+    CPU without the causal mask, S at most CPU_FUSED_SEQ (CPU_FUSED_SEQ_TWO_THREADS at 2 threads),
+    one table for every batch row, no gradient to build and no autocast. The C pass must also
+    rotate q and k (``_c_rotates``, checked with the tables: not under torch.compile)."""
+    limit = CPU_FUSED_SEQ_TWO_THREADS if torch.get_num_threads() == 2 else CPU_FUSED_SEQ
+    if q.device.type != "cpu" or q.dtype != torch.float32 or causal or q.shape[2] > limit:
+        return False
+    if positions is not None and positions.ndim != 1:
+        return False
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return type(v) is torch.Tensor and not needs_grad and not torch.is_autocast_enabled("cpu")
+
+
+def _units(b: int, hk: int, per: int):
+    """(batch rows, kv heads) slices of the B * H_kv units of attention, ``per`` units a chunk at
+    most: whole batch rows where ``per`` covers one, else one row's heads in equal shares (7 of 8
+    would leave a chunk of one)."""
+    if per >= hk:
+        rows = per // hk
+        for r in range(0, b, rows):
+            yield slice(r, min(r + rows, b)), slice(0, hk)
+    else:
+        share = -(-hk // -(-hk // per))  # ceil(hk / the number of shares)
+        for r in range(b):
+            for j in range(0, hk, share):
+                yield slice(r, r + 1), slice(j, min(j + share, hk))
+
+
+def _fused_attention(q: Tensor, k: Tensor, v: Tensor, tables: tuple, interleaved: bool,
+                     mask: Tensor | None) -> Tensor:
+    """softmax(R(q) R(k)^T / sqrt(D) + mask) v, a chunk of heads at a time: q (B, H, S, D), k
+    (B, H_kv, S, D), v (B, H_kv, S, Dv), cos and sin (S, D/2), ``mask`` combined_mask's or None
+    -> (B, H, S, Dv).
+
+    Each chunk's q and k are rotated by the C pass into buffers of their own (pairs made
+    neighbours, as ``RotaryEmbedding.paired`` does) and read by the scores' matmul from the
+    caches; the scores, FUSED_SCORES bytes at most, are scaled by the matmul, masked, turned into
+    probabilities in place and multiplied by v into the output. q heads of one kv head are rows of
+    one matmul (grouped-query attention)."""
+    b, h, s, d = q.shape
+    hk, dv = k.shape[1], v.shape[-1]
+    g = h // hk
+    cos, sin = c_tables(*tables, s)
+    per = max(1, min(FUSED_UNITS, FUSED_SCORES // (g * s * s * q.element_size())))
+    out = torch.empty(b, h, s, dv, dtype=q.dtype)
+    # one allocation a call for every chunk's rotated q and k and its scores, each chunk a view
+    most = min(per, b * hk)
+    work = torch.empty(most * (g + 1) * s * d + most * g * s * s, dtype=q.dtype)
+    scores = work[most * (g + 1) * s * d :].view(most, g * s, s)
+    full = None if mask is None else mask.expand(b, h, s, s)
+    for rows, heads in _units(b, hk, per):
+        qh = slice(heads.start * g, heads.stop * g)  # the q heads of these kv heads
+        xq, xk = q[rows, qh], k[rows, heads]
+        n = xk.shape[0] * xk.shape[1]  # units in this chunk
+        rq = rotate_into(xq, work[: n * g * s * d].view(xq.shape), cos, sin, x_pairs=interleaved, out_pairs=True)
+        rk = rotate_into(xk, work[most * g * s * d :][: n * s * d].view(xk.shape), cos, sin, x_pairs=interleaved,
+                         out_pairs=True)
+        sc = scores[:n]
+        torch.baddbmm(sc, rq.view(n, g * s, d), rk.view(n, s, d).transpose(1, 2), beta=0, alpha=d**-0.5, out=sc)
+        if full is not None:
+            m = full[rows, qh].reshape(n, g * s, s)
+            sc.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else sc.add_(m)
+        torch._softmax(sc, -1, False, out=sc)  # in place: each row read before it is written
+        torch.bmm(sc, v[rows, heads].reshape(n, s, dv), out=out[rows, qh].view(n, g * s, dv))
+    return out
+
+
 def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, causal: bool = False,
                    attn_mask: Tensor | None = None, offset: int = 0, positions: Tensor | None = None) -> Tensor:
     """softmax(R(q) R(k)^T / sqrt(D) + mask) v: q (B, H, S, D), k and v (B, H_kv, S, D) -> (B, H, S, D).
@@ -157,6 +242,11 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, ca
     # are unchanged), which rotates in one complex multiply; a module with a forward of its own
     # (the reference's, a subclass's) rotates through it
     ours = isinstance(rope, RotaryEmbedding) and type(rope).forward is RotaryEmbedding.forward
+    if ours and _fuses(q, k, v, causal, positions):
+        tables = rope.tables(q, offset, positions)
+        rope.tables(k, offset, positions)  # k refused as its own rotation would refuse it
+        if _c_rotates(q, *tables) and _c_rotates(k, *tables):
+            return _fused_attention(q, k, v, tables, rope.interleaved, mask)
     turn = rope.paired if ours else rope
     q, k = turn(q, offset=offset, positions=positions), turn(k, offset=offset, positions=positions)
     if _takes_explicit(q, causal):

@@ -122,30 +122,48 @@ class _RotatePaired(torch.autograd.Function):
         return out.to(grad.dtype), None, None
 
 
-def _turn(x: Tensor, cos: Tensor, sin: Tensor, *, x_pairs: bool, out_pairs: bool,
-          inverse: bool = False) -> Tensor | None:
-    """The rotation of x (B, H, S, D) in one pass by kernels._rope, pairs read and written in the
-    layouts named (interleaved where ``*_pairs``, else half-split), by -angle where ``inverse``;
-    cos, sin (S, D/2) or (B or 1, 1, S, D/2). None where the C part does not apply: not built, not
-    a plain float32 CPU tensor with a unit-stride last dim and 4-byte alignment, a lazy negation or
-    conjugation, a result autograd must differentiate (create_graph: the torch ops are), or a graph
-    being traced (torch.compile, torch.export: the torch ops trace)."""
+def _c_rotates(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """Whether kernels._rope rotates x (B, H, S, D) with these tables: built, a plain float32 CPU
+    tensor with a unit-stride last dim and 4-byte alignment, no lazy negation or conjugation, no
+    result autograd must differentiate (create_graph: the torch ops are), no graph being traced
+    (torch.compile, torch.export: the torch ops trace)."""
     if _c is None or torch.compiler.is_compiling() or not (
             type(x) is torch.Tensor and x.device.type == "cpu" and x.layout == torch.strided
             and x.dtype == cos.dtype == sin.dtype == torch.float32 and x.ndim == 4 and x.numel()
             and x.stride(-1) == 1 and x.data_ptr() % 4 == 0
             and not (x.is_neg() or x.is_conj() or cos.is_neg() or sin.is_neg())):
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
-        return None
-    b, _, s, d = x.shape
-    cos, sin = (t.detach().reshape(-1, s, d // 2).contiguous() for t in (cos, sin))
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad))
+
+
+def c_tables(cos: Tensor, sin: Tensor, s: int) -> tuple[Tensor, Tensor]:
+    """cos, sin (S, D/2) or (B or 1, 1, S, D/2) as the C pass takes them: (T, S, D/2), C-contiguous."""
+    return tuple(t.detach().reshape(-1, s, t.shape[-1]).contiguous() for t in (cos, sin))
+
+
+def rotate_into(x: Tensor, out: Tensor, cos: Tensor, sin: Tensor, *, x_pairs: bool, out_pairs: bool,
+                inverse: bool = False) -> Tensor:
+    """kernels._rope's one pass: x (B, H, S, D), where ``_c_rotates``, rotated into ``out`` (a
+    C-contiguous float32 tensor of x's shape), pairs read and written in the layouts named
+    (interleaved where ``*_pairs``, else half-split), by -angle where ``inverse``; cos, sin as
+    ``c_tables`` returns them. Returns ``out``."""
     # torch's own grain for elementwise ops (at::internal::GRAIN_SIZE): fewer elements a thread
     # cost more in the team's start than they save
     threads = max(1, min(torch.get_num_threads(), _c.MAX_THREADS, x.numel() // 32768))
     _c.turn(x.detach().numpy(), out.numpy(), cos.numpy(), sin.numpy(), x_pairs, out_pairs, inverse, threads)
     return out
+
+
+def _turn(x: Tensor, cos: Tensor, sin: Tensor, *, x_pairs: bool, out_pairs: bool,
+          inverse: bool = False) -> Tensor | None:
+    """The rotation of x (B, H, S, D) in one pass by kernels._rope into a new tensor (see
+    ``rotate_into``); cos, sin (S, D/2) or (B or 1, 1, S, D/2). None where the C part does not
+    apply (``_c_rotates``)."""
+    if not _c_rotates(x, cos, sin):
+        return None
+    cos, sin = c_tables(cos, sin, x.shape[2])
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return rotate_into(x, out, cos, sin, x_pairs=x_pairs, out_pairs=out_pairs, inverse=inverse)
 
 
 def _as_pairs(x: Tensor) -> Tensor:

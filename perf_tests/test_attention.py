@@ -1,7 +1,8 @@
 """RoPE attention, B8 H8 D64, causal or not: per-call RoPE + explicit softmax (the reference)
-against cached RoPE + SDPA (on CPU the measured paths of kernels/attention.py: the explicit one
-in fp32 up to 128 positions without the causal mask, causal SDPA in blocks of query rows over
-384-512 positions). Forward only; the timed result must equal the reference's.
+against cached RoPE + SDPA (on CPU the measured paths of kernels/attention.py: in fp32 without
+the causal mask, the rotation fused into the attention a chunk of heads at a time, up to 512
+positions at 2 threads; causal SDPA in blocks of query rows over 384-512 positions). Forward only;
+the timed result must equal the reference's.
 
 The floors sit under the measured spread and above a kernel that lost its fast path (~1.0x)
 (evidence/from-the-code.md).
@@ -14,7 +15,7 @@ reference (perf_tests/peers.py), a user's first alternative to a hand-written ke
 Ablation row "sdpa alone": SDPA on q and k rotated before the timing, the time any
 rotate-then-SDPA implementation at least takes; "optimized vs sdpa alone" is then the share of
 that bound ours reaches (under 1x: what its rotation costs; over 1x: the lead of a path that does
-less than one SDPA call, the explicit one's or the causal blocks').
+less than one SDPA call, the fused one's or the causal blocks').
 
 Ablation row on CUDA: ``optimized+cudagraphs``, the optimized call replayed from a CUDA graph,
 what launches cost a forward of tens of microseconds (perf_tests/graphs.py; skipped elsewhere).

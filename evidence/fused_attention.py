@@ -1,0 +1,57 @@
+"""rope_attention's fused CPU path against rotating q and k first, interleaved in one process.
+
+    python -m evidence.fused_attention [cache|default]
+
+Without the causal mask in float32 on the CPU, kernels/attention.py's fused path rotates each
+chunk's q and k by the C pass into buffers of their own and attends over them at once, a few
+heads at a time (FUSED_SCORES, FUSED_UNITS), instead of rotating both tensors whole and then
+attending (the explicit path up to 128 positions, SDPA above). Each line: the other paths' time
+over the fused one's, point (95% CI) and the two medians from 15 interleaved ABBA pairs
+(evidence/ab.py), at 2 threads and at 1, D 64, forward, no mask; B8 H8 up to S=512, then fewer
+batch rows. Beyond the lengths where the path is taken (CPU_FUSED_SEQ, CPU_FUSED_SEQ_TWO_THREADS)
+it is forced, to show where it stops paying. Each fused result is checked against the other's at
+the project's tolerance.
+"""
+
+import sys
+
+from perfgate.timing import configure_malloc, timer_for
+
+mode = configure_malloc(sys.argv[1] if len(sys.argv) > 1 else "cache")  # before any large allocation
+
+from unittest import mock  # noqa: E402
+
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+import kernels.attention as KA  # noqa: E402
+from correctness_tests.tolerances import REDUCTION, assert_close  # noqa: E402
+from evidence.ab import versus  # noqa: E402
+from perfgate.fingerprint import _cpu_model  # noqa: E402
+
+timer = timer_for("cpu")
+LENGTHS = {2: (64, 128, 192, 256, 384, 512, 768, 1024), 1: (64, 128, 192, 256, 512)}
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: kernels.RotaryEmbedding, fused: bool):
+    """rope_attention with the fused path taken (``fused``) or left, whatever the length."""
+    def run() -> torch.Tensor:
+        with mock.patch.object(KA, "_fuses", lambda *args: fused):
+            return kernels.rope_attention(q, k, v, rope)
+    return run
+
+
+print(f"{_cpu_model()}, malloc {mode}, torch {torch.__version__}; rotated first / fused, "
+      "D64 fp32, not causal")
+for threads, lengths in LENGTHS.items():
+    torch.set_num_threads(threads)
+    for s in lengths:
+        b = 8 if s <= 512 else 4 if s <= 768 else 2
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(b, 8, s, 64) for _ in range(3))
+        rope = kernels.RotaryEmbedding(64)
+        first, fused = attend(q, k, v, rope, False), attend(q, k, v, rope, True)
+        assert_close(fused(), first(), REDUCTION)
+        taken = KA._fuses(q, k, v, False, None)
+        print(f"{threads} thread(s), S={s} B{b}{'' if taken else ' (forced)'}: {versus(timer, first, fused)}",
+              flush=True)
