@@ -8,6 +8,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -74,9 +75,16 @@ def test_explicit_path_only_where_it_measured_faster() -> None:
     assert not KA._takes_explicit(q(8, torch.float64), causal=False)
 
 
-@given(problems(dtypes=(torch.float32,)), st.integers(1, 1 << 16), st.integers(1, 4), st.booleans(),
+class Doubled(RotaryEmbedding):
+    """A subclass with a paired rotation of its own (twice the plain one)."""
+
+    def paired(self, x, *, offset=0, positions=None):
+        return 2 * super().paired(x, offset=offset, positions=positions)
+
+
+@given(problems(dtypes=(torch.float32,)), st.integers(1, 1 << 20), st.booleans(),
        st.sampled_from([None, "offset", "positions"]))
-def test_fused_path_equals_reference(p: dict, scores: int, units: int, strided: bool, where: str | None) -> None:
+def test_fused_path_equals_reference(p: dict, budget: int, strided: bool, where: str | None) -> None:
     """The fused CPU path (each chunk's q and k rotated by the C pass, then its scores) at any chunk
     size, chunks of whole batch rows or of one row's heads; grouped heads, masks, q, k and v as
     views into one projection (strides the C pass reads as they are), v of another head dim."""
@@ -88,8 +96,7 @@ def test_fused_path_equals_reference(p: dict, scores: int, units: int, strided: 
         q, k = qkv[:, :, :h].transpose(1, 2), qkv[:, :, h:].transpose(1, 2)
         v = torch.randn(b, s, hk, d // 2).transpose(1, 2)
     kw = {"offset": {"offset": 5}, "positions": {"positions": torch.randperm(s) * 3}}.get(where, {})
-    with (torch.no_grad(), mock.patch.object(KA, "FUSED_SCORES", scores),
-          mock.patch.object(KA, "FUSED_UNITS", units),
+    with (torch.no_grad(), mock.patch.object(KA, "FUSED_BYTES", budget),
           mock.patch.object(KA, "_fused_attention", wraps=KA._fused_attention) as fused):
         got = kernels.rope_attention(q, k, v, p["rope"], attn_mask=mask, **kw)
     assert fused.call_count == 1
@@ -98,46 +105,106 @@ def test_fused_path_equals_reference(p: dict, scores: int, units: int, strided: 
     assert_close(got, want, REDUCTION)
 
 
-def test_fused_path_only_where_it_measured_faster() -> None:
-    """CPU fp32, not causal, up to CPU_FUSED_SEQ positions (CPU_FUSED_SEQ_TWO_THREADS at 2 threads),
-    one table for all batch rows, no gradient to build, no autocast (evidence/fused-attention-zen4.txt)."""
-    def qkv(s: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-        return [torch.empty(2, 2, s, 8, dtype=dtype) for _ in range(3)]
+def test_fused_path_at_its_longest_and_at_the_default_chunks() -> None:
+    """S = CPU_FUSED_SEQ_TWO_THREADS at 2 threads, grouped heads, the module's chunk size; a mask
+    there takes SDPA."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert KA._fuses(*qkv(KA.CPU_FUSED_SEQ_TWO_THREADS), causal=False, positions=None)
-        assert not KA._fuses(*qkv(KA.CPU_FUSED_SEQ_TWO_THREADS + 1), causal=False, positions=None)
-        torch.set_num_threads(1)
-        assert KA._fuses(*qkv(KA.CPU_FUSED_SEQ), causal=False, positions=None)
-        assert not KA._fuses(*qkv(KA.CPU_FUSED_SEQ + 1), causal=False, positions=None)
+        s = KA.CPU_FUSED_SEQ_TWO_THREADS
+        q, k, v = torch.randn(2, 4, s, 16), torch.randn(2, 2, s, 16), torch.randn(2, 2, s, 16)
+        mask = torch.rand(2, 1, s, s) < 0.5
+        mask[..., 0] = True
+        rope = RotaryEmbedding(16)
+        with mock.patch.object(KA, "_fused_attention", wraps=KA._fused_attention) as fused:
+            got = kernels.rope_attention(q, k, v, rope)
+            assert fused.call_count == 1
+            masked = kernels.rope_attention(q, k, v, rope, attn_mask=mask)
+            assert fused.call_count == 1
+        assert_close(got, RA.rope_attention(q, k, v, rope), REDUCTION)
+        assert_close(masked, RA.rope_attention(q, k, v, rope, attn_mask=mask), REDUCTION)
     finally:
         torch.set_num_threads(threads)
-    assert not KA._fuses(*qkv(8), causal=True, positions=None)
-    assert not KA._fuses(*qkv(8, torch.float64), causal=False, positions=None)
-    assert not KA._fuses(*qkv(8, torch.bfloat16), causal=False, positions=None)
-    assert KA._fuses(*qkv(8), causal=False, positions=torch.arange(8))
-    assert not KA._fuses(*qkv(8), causal=False, positions=torch.arange(8).expand(2, 8))
-    q, k, v = qkv(8)
-    assert not KA._fuses(q, k, v.requires_grad_(True), causal=False, positions=None)
+
+
+def test_fused_path_only_where_it_measured_faster() -> None:
+    """CPU fp32, not causal, up to CPU_FUSED_SEQ positions (CPU_FUSED_SEQ_TWO_THREADS at 2 threads),
+    one table for all batch rows, nothing to differentiate, no autocast
+    (evidence/fused-attention-zen4.txt)."""
+    rope = RotaryEmbedding(8)
+
+    def fuses(s: int = 8, dtype: torch.dtype = torch.float32, *, causal: bool = False, mask=None,
+              positions=None, grad: str = "", emb: torch.nn.Module = rope) -> bool:
+        q, k, v = (torch.empty(2, 2, s, 8, dtype=dtype, requires_grad=n in grad) for n in "qkv")
+        return KA._fuses(q, k, v, emb, causal, mask, positions)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert fuses(KA.CPU_FUSED_SEQ_TWO_THREADS) and not fuses(KA.CPU_FUSED_SEQ_TWO_THREADS + 1)
+        mask = torch.ones(KA.CPU_FUSED_SEQ + 1, KA.CPU_FUSED_SEQ + 1, dtype=torch.bool)
+        assert fuses(KA.CPU_FUSED_SEQ, mask=mask[1:, 1:]) and not fuses(KA.CPU_FUSED_SEQ + 1, mask=mask)
+        torch.set_num_threads(1)
+        assert fuses(KA.CPU_FUSED_SEQ) and not fuses(KA.CPU_FUSED_SEQ + 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert not fuses(causal=True) and not fuses(dtype=torch.float64) and not fuses(dtype=torch.bfloat16)
+    assert fuses(positions=torch.arange(8)) and not fuses(positions=torch.arange(8).expand(2, 8))
+    assert not fuses(positions=list(range(8)))  # refused by the rotation's own checks, with its message
+    assert not fuses(grad="v") and not fuses(grad="q")
+    assert not fuses(mask=torch.zeros(8, 8, requires_grad=True))  # a learned bias gets its gradient
     with torch.no_grad():
-        assert KA._fuses(q, k, v, causal=False, positions=None)
+        assert fuses(grad="qkv") and fuses(mask=torch.zeros(8, 8, requires_grad=True))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not KA._fuses(*qkv(8), causal=False, positions=None)
+        assert not fuses()
+
+    assert not fuses(emb=Doubled(8))
 
 
-def test_fused_path_is_not_taken_without_the_c_rotation_or_for_a_rotation_of_its_own() -> None:
-    """Without kernels._rope (no compiler at install) or with a RotaryEmbedding whose forward is its
-    own, rope_attention rotates as before and attends by the other paths."""
+def test_what_the_fused_path_does_not_record_takes_the_other_paths() -> None:
+    """A mask that needs its gradient, a forward-mode tangent, and a RotaryEmbedding subclass with a
+    rotation of its own are served as before the fused path; without kernels._rope (no compiler at
+    install) rope_attention rotates by torch ops."""
     q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
     rope = RotaryEmbedding(8)
-    want = RA.rope_attention(q, k, v, rope)
+    bias = torch.randn(1, 2, 6, 6, requires_grad=True)
+    (got,) = torch.autograd.grad(kernels.rope_attention(q, k, v, rope, attn_mask=bias).sum(), bias)
+    (want,) = torch.autograd.grad(RA.rope_attention(q, k, v, rope, attn_mask=bias).sum(), bias)
+    assert_close(got, want, REDUCTION)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(v, torch.ones_like(v))
+        got = fwAD.unpack_dual(kernels.rope_attention(q, k, dual, rope)).tangent
+        want = fwAD.unpack_dual(RA.rope_attention(q, k, dual, rope)).tangent
+    assert got is not None
+    assert_close(got, want, REDUCTION)
+
+    # its paired rotation doubles q and k: the scores, and so the output, differ from the plain one's
+    assert not torch.allclose(kernels.rope_attention(q, k, v, Doubled(8)), kernels.rope_attention(q, k, v, rope))
     with mock.patch.object(KA, "_fused_attention", wraps=KA._fused_attention) as fused:
         with mock.patch("kernels.rope._c", None):
-            assert_close(kernels.rope_attention(q, k, v, rope), want, REDUCTION)
+            assert_close(kernels.rope_attention(q, k, v, rope), RA.rope_attention(q, k, v, rope), REDUCTION)
         assert fused.call_count == 0
         kernels.rope_attention(q, k, v, rope)
         assert fused.call_count == 1
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_rope_attention_compiles_whole_and_exports(causal: bool) -> None:
+    """torch.compile(fullgraph=True) and torch.export trace rope_attention on the CPU in fp32,
+    where the eager call would take the fused path (a traced graph takes the torch ops)."""
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    rope = RotaryEmbedding(8)
+    want = kernels.rope_attention(q, k, v, rope, causal=causal)
+    fn = torch.compile(lambda q, k, v: kernels.rope_attention(q, k, v, rope, causal=causal),
+                       fullgraph=True, backend="eager")
+    assert_close(fn(q, k, v), want, REDUCTION)
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return kernels.rope_attention(q, k, v, rope, causal=causal)
+
+    exported = torch.export.export(Attend(), (q, k, v), strict=True)
+    assert_close(exported.module()(q, k, v), want, REDUCTION)
 
 
 def test_blocked_causal_path_only_where_it_measured_faster() -> None:

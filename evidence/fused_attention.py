@@ -4,13 +4,14 @@
 
 Without the causal mask in float32 on the CPU, kernels/attention.py's fused path rotates each
 chunk's q and k by the C pass into buffers of their own and attends over them at once, a few
-heads at a time (FUSED_SCORES, FUSED_UNITS), instead of rotating both tensors whole and then
+heads at a time (FUSED_BYTES), instead of rotating both tensors whole and then
 attending (the explicit path up to 128 positions, SDPA above). Each line: the other paths' time
 over the fused one's, point (95% CI) and the two medians from 15 interleaved ABBA pairs
 (evidence/ab.py), at 2 threads and at 1, D 64, forward, no mask; B8 H8 up to S=512, then fewer
-batch rows. Beyond the lengths where the path is taken (CPU_FUSED_SEQ, CPU_FUSED_SEQ_TWO_THREADS)
-it is forced, to show where it stops paying. Each fused result is checked against the other's at
-the project's tolerance.
+batch rows; then at 2 threads grouped-query heads (8 q heads over 2 kv heads) and a boolean mask.
+Beyond the lengths where the path is taken (CPU_FUSED_SEQ, CPU_FUSED_SEQ_TWO_THREADS) it is forced,
+to show where it stops paying. Each fused result is checked against the other's at the project's
+tolerance.
 """
 
 import sys
@@ -33,12 +34,22 @@ timer = timer_for("cpu")
 LENGTHS = {2: (64, 128, 192, 256, 384, 512, 768, 1024), 1: (64, 128, 192, 256, 512)}
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: kernels.RotaryEmbedding, fused: bool):
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: kernels.RotaryEmbedding, fused: bool,
+           mask: torch.Tensor | None = None):
     """rope_attention with the fused path taken (``fused``) or left, whatever the length."""
     def run() -> torch.Tensor:
         with mock.patch.object(KA, "_fuses", lambda *args: fused):
-            return kernels.rope_attention(q, k, v, rope)
+            return kernels.rope_attention(q, k, v, rope, attn_mask=mask)
     return run
+
+
+def line(label: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    """One line: rotating first over fused, the fused result checked against the other's."""
+    rope = kernels.RotaryEmbedding(64)
+    first, fused = attend(q, k, v, rope, False, mask), attend(q, k, v, rope, True, mask)
+    assert_close(fused(), first(), REDUCTION)
+    taken = KA._fuses(q, k, v, rope, False, mask, None)
+    print(f"{label}{'' if taken else ' (forced)'}: {versus(timer, first, fused)}", flush=True)
 
 
 print(f"{_cpu_model()}, malloc {mode}, torch {torch.__version__}; rotated first / fused, "
@@ -48,10 +59,12 @@ for threads, lengths in LENGTHS.items():
     for s in lengths:
         b = 8 if s <= 512 else 4 if s <= 768 else 2
         torch.manual_seed(0)
-        q, k, v = (torch.randn(b, 8, s, 64) for _ in range(3))
-        rope = kernels.RotaryEmbedding(64)
-        first, fused = attend(q, k, v, rope, False), attend(q, k, v, rope, True)
-        assert_close(fused(), first(), REDUCTION)
-        taken = KA._fuses(q, k, v, False, None)
-        print(f"{threads} thread(s), S={s} B{b}{'' if taken else ' (forced)'}: {versus(timer, first, fused)}",
-              flush=True)
+        line(f"{threads} thread(s), S={s} B{b}", *(torch.randn(b, 8, s, 64) for _ in range(3)))
+torch.set_num_threads(2)
+for s in (128, 256, 512):
+    torch.manual_seed(0)
+    line(f"2 thread(s), S={s} B8, H8 over 2 kv heads", torch.randn(8, 8, s, 64),
+         *(torch.randn(8, 2, s, 64) for _ in range(2)))
+    mask = torch.rand(8, 1, s, s) < 0.7
+    mask[..., 0] = True  # every query keeps a key
+    line(f"2 thread(s), S={s} B8, a boolean mask", *(torch.randn(8, 8, s, 64) for _ in range(3)), mask=mask)

@@ -12,16 +12,18 @@ positions, where one batched matmul, in-place scale and mask, softmax and a seco
 measured faster than torch's flash CPU kernel (evidence/from-the-code.md): there grouped-query
 heads become extra query rows of their kv head (no repeated k, v).
 
-Without the causal mask in float32 on the CPU, with no gradient to build (inference, or q, k, v
-that do not require one), up to ``CPU_FUSED_SEQ`` = 128 positions, or ``CPU_FUSED_SEQ_TWO_THREADS``
-= 512 at 2 threads, the rotation and the attention are fused a chunk of heads at a time: each
-chunk's q and k are rotated by the C pass (kernels/_rope.c) into a buffer of their own, scored by
-one batched matmul (the scale its alpha), masked, turned into probabilities in place and multiplied
-by v, at most ``FUSED_UNITS`` = 32 kv heads and ``FUSED_SCORES`` = 4 MiB of scores a chunk. The
-rotated q and k are read from the caches they were written to instead of from memory, and no
-(B, H, S, S) scores are written whole. Those lengths are where it measured faster than rotating
-first, and beyond them slower (evidence/fused-attention-zen4.txt). A training forward keeps the
-unfused paths, whose rotation is differentiable.
+Without the causal mask in float32 on the CPU, with nothing to differentiate (inference, or q, k,
+v and the mask needing no gradient), up to ``CPU_FUSED_SEQ`` = 128 positions, or
+``CPU_FUSED_SEQ_TWO_THREADS`` = 512 at 2 threads without a mask, the rotation and the attention are
+fused a chunk of heads at a time: each chunk's q and k are rotated by the C pass (kernels/_rope.c)
+into a buffer of their own, scored by one batched matmul (the scale its alpha), masked, turned
+into probabilities in place and multiplied by v; a chunk's rotated q and k and scores take at
+most ``FUSED_BYTES`` = 5 MiB (one kv head's where that is more). The rotated q and k are read from
+the caches they were written to instead of from memory, and no (B, H, S, S) scores are written
+whole. The lengths are from evidence/fused-attention-zen4.txt (Zen 4, 1 and 2 threads): faster
+than rotating first up to them, level or slower beyond, and a mask masked chunk by chunk slower
+than SDPA's own from 256 positions. A training forward keeps the unfused paths, whose rotation is
+differentiable.
 
 And causal on CPU over 384 to 512 positions (``CPU_CAUSAL_SEQ``; fp32, bf16, fp16): torch's flash CPU
 kernel scores each block of queries against a whole block of up to 512 keys and masks the ones past
@@ -35,6 +37,7 @@ takes its slice of it).
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -153,23 +156,36 @@ def _blocked_causal(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, block:
 
 
 CPU_FUSED_SEQ = 128  # the longest S of the fused path (module note)
-CPU_FUSED_SEQ_TWO_THREADS = 512  # ... at 2 threads, where it measured faster up to here
-FUSED_SCORES = 4 << 20  # bytes of one chunk's scores at most (module note)
-FUSED_UNITS = 32  # kv heads (with their q heads) a chunk at most (module note)
+CPU_FUSED_SEQ_TWO_THREADS = 512  # ... at 2 threads
+FUSED_BYTES = 5 << 20  # a chunk's rotated q and k and its scores, at most one kv head's over it
 
 
-def _fuses(q: Tensor, k: Tensor, v: Tensor, causal: bool, positions: Tensor | None) -> bool:
-    """Whether the fused CPU path measured faster for q (B, H, S, D) (module note): float32 on the
-    CPU without the causal mask, S at most CPU_FUSED_SEQ (CPU_FUSED_SEQ_TWO_THREADS at 2 threads),
-    one table for every batch row, no gradient to build and no autocast. The C pass must also
-    rotate q and k (``_c_rotates``, checked with the tables: not under torch.compile)."""
+def _fuses(q: Tensor, k: Tensor, v: Tensor, rope: nn.Module, causal: bool, mask: Tensor | None,
+           positions: object) -> bool:
+    """Whether the fused CPU path takes this call (module note): float32 on the CPU without the
+    causal mask, S at most CPU_FUSED_SEQ (CPU_FUSED_SEQ_TWO_THREADS at 2 threads without a mask), a
+    RotaryEmbedding whose rotation is ours, one table for every batch row, plain tensors, nothing to
+    differentiate (no gradient to build, no forward-mode tangent, no torch.func transform) and no
+    autocast, not while a graph is traced. The C pass must also rotate q and k (``_c_rotates``,
+    checked with the tables)."""
+    if torch.compiler.is_compiling() or causal or q.device.type != "cpu" or q.dtype != torch.float32:
+        return False
+    if not isinstance(rope, RotaryEmbedding) or any(  # a subclass rotating its own way rotates through it
+            getattr(type(rope), f) is not getattr(RotaryEmbedding, f) for f in ("forward", "paired", "tables")):
+        return False
     limit = CPU_FUSED_SEQ_TWO_THREADS if torch.get_num_threads() == 2 else CPU_FUSED_SEQ
-    if q.device.type != "cpu" or q.dtype != torch.float32 or causal or q.shape[2] > limit:
+    one_table = positions is None or (isinstance(positions, Tensor) and positions.ndim == 1)
+    if q.shape[2] > (limit if mask is None else CPU_FUSED_SEQ) or not one_table:  # a mask: up to 128 only
         return False
-    if positions is not None and positions.ndim != 1:
+    tensors = (q, k, v) if mask is None else (q, k, v, mask)
+    if any(type(t) is not torch.Tensor for t in tensors) or torch.is_autocast_enabled("cpu"):
         return False
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return type(v) is torch.Tensor and not needs_grad and not torch.is_autocast_enabled("cpu")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    # the C pass and the out= ops record nothing a forward-mode tangent or a torch.func transform
+    # could follow: those take the differentiable path
+    return not any(fwAD.unpack_dual(t).tangent is not None or torch._C._functorch.is_functorch_wrapped_tensor(t)
+                   for t in tensors)
 
 
 def _units(b: int, hk: int, per: int):
@@ -195,14 +211,15 @@ def _fused_attention(q: Tensor, k: Tensor, v: Tensor, tables: tuple, interleaved
 
     Each chunk's q and k are rotated by the C pass into buffers of their own (pairs made
     neighbours, as ``RotaryEmbedding.paired`` does) and read by the scores' matmul from the
-    caches; the scores, FUSED_SCORES bytes at most, are scaled by the matmul, masked, turned into
-    probabilities in place and multiplied by v into the output. q heads of one kv head are rows of
+    caches; the scores are scaled by the matmul, masked, turned into probabilities in place and
+    multiplied by v into the output. A chunk's rotated q and k and scores take FUSED_BYTES at most,
+    or one kv head's where that is more. q heads of one kv head are rows of
     one matmul (grouped-query attention)."""
     b, h, s, d = q.shape
     hk, dv = k.shape[1], v.shape[-1]
     g = h // hk
     cos, sin = c_tables(*tables, s)
-    per = max(1, min(FUSED_UNITS, FUSED_SCORES // (g * s * s * q.element_size())))
+    per = max(1, FUSED_BYTES // ((g * s * d + s * d + g * s * s) * q.element_size()))  # units a chunk
     out = torch.empty(b, h, s, dv, dtype=q.dtype)
     # one allocation a call for every chunk's rotated q and k and its scores, each chunk a view
     most = min(per, b * hk)
@@ -221,7 +238,7 @@ def _fused_attention(q: Tensor, k: Tensor, v: Tensor, tables: tuple, interleaved
         if full is not None:
             m = full[rows, qh].reshape(n, g * s, s)
             sc.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else sc.add_(m)
-        torch._softmax(sc, -1, False, out=sc)  # in place: each row read before it is written
+        torch.softmax(sc, -1, out=sc)  # in place: each row is read before it is written
         torch.bmm(sc, v[rows, heads].reshape(n, s, dv), out=out[rows, qh].view(n, g * s, dv))
     return out
 
@@ -242,7 +259,7 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, ca
     # are unchanged), which rotates in one complex multiply; a module with a forward of its own
     # (the reference's, a subclass's) rotates through it
     ours = isinstance(rope, RotaryEmbedding) and type(rope).forward is RotaryEmbedding.forward
-    if ours and _fuses(q, k, v, causal, positions):
+    if _fuses(q, k, v, rope, causal, mask, positions):
         tables = rope.tables(q, offset, positions)
         rope.tables(k, offset, positions)  # k refused as its own rotation would refuse it
         if _c_rotates(q, *tables) and _c_rotates(k, *tables):
