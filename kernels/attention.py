@@ -99,6 +99,12 @@ def _takes_explicit(q: Tensor, causal: bool) -> bool:
     return q.device.type == "cpu" and q.dtype == torch.float32 and not causal and q.shape[2] <= CPU_MATH_MAX_SEQ
 
 
+def _mask_scores(scores: Tensor, mask: Tensor) -> None:
+    """In place: -inf where a bool ``mask`` is False, or a float one added (combined_mask's, in
+    the scores' shape)."""
+    scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores.add_(mask)
+
+
 def _math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """softmax(q k^T / sqrt(D) + mask) v with the (S, S) scores written once and scaled and masked in
     place; q heads of one kv head become rows of one matmul. ``mask``: combined_mask's."""
@@ -108,8 +114,7 @@ def _math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Ten
     scores = torch.matmul(q.reshape(b, hk, g * s, d), k.transpose(-2, -1)).mul_(d**-0.5)
     grouped = scores.view(b, hk, g, s, s)
     if mask is not None:
-        m = mask.expand(b, h, s, s).reshape(b, hk, g, s, s)
-        grouped.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else grouped.add_(m)
+        _mask_scores(grouped, mask.expand(b, h, s, s).reshape(b, hk, g, s, s))
     return torch.matmul(torch.softmax(scores, dim=-1), v).view(b, h, s, v.shape[-1])
 
 
@@ -236,8 +241,7 @@ def _fused_attention(q: Tensor, k: Tensor, v: Tensor, tables: tuple, interleaved
         sc = scores[:n]
         torch.baddbmm(sc, rq.view(n, g * s, d), rk.view(n, s, d).transpose(1, 2), beta=0, alpha=d**-0.5, out=sc)
         if full is not None:
-            m = full[rows, qh].reshape(n, g * s, s)
-            sc.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else sc.add_(m)
+            _mask_scores(sc, full[rows, qh].reshape(n, g * s, s))
         torch.softmax(sc, -1, out=sc)  # in place: each row is read before it is written
         torch.bmm(sc, v[rows, heads].reshape(n, s, dv), out=out[rows, qh].view(n, g * s, dv))
     return out
@@ -260,8 +264,7 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, ca
     # (the reference's, a subclass's) rotates through it
     ours = isinstance(rope, RotaryEmbedding) and type(rope).forward is RotaryEmbedding.forward
     if _fuses(q, k, v, rope, causal, mask, positions):
-        tables = rope.tables(q, offset, positions)
-        rope.tables(k, offset, positions)  # k refused as its own rotation would refuse it
+        tables = rope.tables(q, offset, positions)  # checks q; k has q's B, S and D (check_attention)
         if _c_rotates(q, *tables) and _c_rotates(k, *tables):
             return _fused_attention(q, k, v, tables, rope.interleaved, mask)
     turn = rope.paired if ours else rope

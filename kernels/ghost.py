@@ -14,15 +14,24 @@ import torch
 from torch import Tensor, nn
 
 
+def _one_row(a: Tensor, g: Tensor, diagonal: bool, weight: bool, bias: bool) -> Tensor:
+    """Gram (B, B), or its diagonal (B,), of one Linear layer's trainable parameters with one row a
+    sample (a (B, 1, in), g (B, 1, out)): g_i(W) = b_i a_i^T and g_i(bias) = b_i, so the weight's
+    term (a_i . a_j)(b_i . b_j) and the bias's b_i . b_j make one product."""
+    a2, g2 = a[:, 0], g[:, 0]
+    gg = _sum_squares(g2) if diagonal else g2 @ g2.T
+    if not weight:
+        return gg
+    return gg * ((_sum_squares(a2) if diagonal else a2 @ a2.T) + float(bias))
+
+
 def _ghost_weight(a: Tensor, g: Tensor, diagonal: bool) -> Tensor:
-    """Gram (B, B), or its diagonal (B,), of one Linear weight's per-sample gradients."""
-    if a.shape[1] == 1:
-        a2, g2 = a[:, 0], g[:, 0]
-        return _sum_squares(a2) * _sum_squares(g2) if diagonal else (a2 @ a2.T) * (g2 @ g2.T)
+    """Gram (B, B), or its diagonal (B,), of one Linear weight's per-sample gradients, rows T > 1
+    (one row: ``_one_row``)."""
     if a.shape[1] ** 2 > a.shape[2] * g.shape[2]:
         # Long token axis: T^2 dot products cost more than building the (out, in) gradients.
         w = torch.einsum("bto,bti->boi", g, a).flatten(1)
-        return (w * w).sum(1) if diagonal else w @ w.T
+        return _sum_squares(w) if diagonal else w @ w.T
     spec = "bti,bsi->bts" if diagonal else "bti,csi->bcts"
     aa, gg = torch.einsum(spec, a, a), torch.einsum(spec.replace("i", "o"), g, g)
     return (aa * gg).sum((-2, -1))
@@ -65,9 +74,8 @@ class GhostTerms:
             for mname, (a, g) in self.terms.items():
                 m = self.plan.linear[mname]
                 weight, bias = m.weight.requires_grad, m.bias is not None and m.bias.requires_grad
-                if diagonal and a.shape[1] == 1:  # one row per sample: |a_i|^2 |b_i|^2 + |b_i|^2 in one term
-                    scale = _sum_squares(a[:, 0]) + float(bias) if weight else float(bias)
-                    total = total + _sum_squares(g[:, 0]) * scale
+                if a.shape[1] == 1:  # one row a sample: weight and bias in one product
+                    total = total + _one_row(a, g, diagonal, weight, bias)
                     continue
                 if weight:
                     total = total + _ghost_weight(a, g, diagonal)
