@@ -21,10 +21,10 @@ install: $(STAMP)
 # uv where it installs (3x faster than pip for torch's CUDA wheels), from the sources pip is
 # configured with; pip where uv cannot (scripts/install.py). Nothing is byte-compiled ahead: see
 # PYTHONDONTWRITEBYTECODE above. The editable install compiles kernels/_nontemporal.c in place
-# (kernels.nontemporal's streaming stores), kernels/_rope.c (kernels.rope's one-pass rotation), and
-# perfgate's perfgate/src/perfgate/_roundtrip.c (the thread-placement probe); a change to any
+# (kernels.nontemporal's streaming stores), kernels/_rope.c (kernels.rope's one-pass rotation),
+# kernels/_softmax.c (the fused attention's softmax), and perfgate's perfgate/src/perfgate/_roundtrip.c (the thread-placement probe); a change to any
 # installs again.
-$(STAMP): pyproject.toml perfgate/pyproject.toml constraints.txt scripts/install.py kernels/_nontemporal.c kernels/_rope.c perfgate/src/perfgate/_roundtrip.c
+$(STAMP): pyproject.toml perfgate/pyproject.toml constraints.txt scripts/install.py kernels/_nontemporal.c kernels/_rope.c kernels/_softmax.c perfgate/src/perfgate/_roundtrip.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) scripts/install.py -c constraints.txt -e ./perfgate -e '.[test]'
 	touch $(STAMP)

@@ -1,9 +1,12 @@
 """kernels.rope_attention / RopeSelfAttention == reference (per-call RoPE, explicit softmax), outputs
-and gradients of q, k, v; bf16 against an fp64 oracle; refusals."""
+and gradients of q, k, v; bf16 against an fp64 oracle; refusals; the fused path's softmax."""
 
 from __future__ import annotations
 
 import copy
+import platform
+from contextlib import nullcontext
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -379,3 +382,84 @@ def test_module_does_not_change_the_rope_cache_in_state_dicts() -> None:
     clone = copy.deepcopy(mod)
     clone(torch.randn(1, 3000, 32))  # grows the clone's cache
     assert clone.rope.max_seq_len == 4096 and mod.rope.max_seq_len == 2048
+
+
+# -- the fused path's softmax (kernels.attention._softmax_: kernels._softmax where the CPU has
+# AVX-512F, else torch.softmax): float64's softmax, exact zeros for masked scores, NaN rows where
+# torch.softmax gives them; the C part refuses buffers it cannot take ---------------------------
+
+C = KA._c_softmax
+runs_c = pytest.mark.skipif(C is None or not C.AVX512F,
+                            reason="kernels._softmax not built, or no AVX-512F here: torch.softmax serves")
+# each softmax test runs through the C part ("c", where it runs) and through torch.softmax ("torch")
+SOFTMAX_PATHS = pytest.mark.parametrize("path", [pytest.param("c", marks=runs_c), "torch"])
+
+
+def through_softmax(path: str):
+    return nullcontext() if path == "c" else mock.patch.object(KA, "_c_softmax", None)
+
+
+def test_softmax_avx512f_is_the_cpus() -> None:
+    cpuinfo = Path("/proc/cpuinfo")
+    if C is None or platform.machine() != "x86_64" or not cpuinfo.is_file():
+        pytest.skip("kernels._softmax not built, or not x86-64 Linux")
+    assert C.AVX512F == (" avx512f " in cpuinfo.read_text().replace("\n", " "))
+
+
+@given(rows=st.integers(1, 6), n=st.integers(1, 70), spread=st.sampled_from([0.1, 1.0, 10.0, 100.0]),
+       masked=st.floats(0.0, 0.9), seed=st.integers(0, 2**16))
+@SOFTMAX_PATHS
+def test_softmax_equals_float64_softmax(path: str, rows: int, n: int, spread: float, masked: float,
+                                        seed: int) -> None:
+    """Any row length (the vector's tail lanes), scores from flat to one-hot, a share of -inf
+    (masked) scores, each row keeping one finite score: masked scores get exactly 0."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g) * spread
+    off = torch.rand(rows, n, generator=g) < masked
+    off[:, torch.randint(0, n, (1,), generator=g)] = False
+    x[off] = -float("inf")
+    want = torch.softmax(x.double(), -1)
+    with through_softmax(path):
+        got = KA._softmax_(x.clone())
+    assert_close(got, want.float(), REDUCTION)
+    assert (got[off] == 0).all()
+
+
+@SOFTMAX_PATHS
+def test_softmax_nan_rows_where_torch_gives_them(path: str) -> None:
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([[0.0, 1.0, nan], [inf, 0.0, 1.0], [-inf, -inf, -inf], [inf, inf, 0.0], [1e30, -1e30, 0.0]])
+    x = x.repeat(1, 7)  # 21 a row: a whole vector and a tail
+    with through_softmax(path):
+        got = KA._softmax_(x.clone())
+    want = torch.softmax(x, -1)
+    assert torch.equal(got.isnan(), want.isnan()) and got[:3].isnan().all()
+    assert_close(got[4], want[4], REDUCTION)
+
+
+@runs_c
+def test_the_c_softmax_serves_the_fused_path() -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 32, 16) for _ in range(3))
+    with torch.no_grad(), mock.patch.object(C, "softmax_", wraps=C.softmax_) as c:
+        kernels.rope_attention(q, k, v, RotaryEmbedding(16))
+    assert c.call_count >= 1
+
+
+@runs_c
+@pytest.mark.parametrize("bad, error", [
+    (lambda: torch.zeros(4, 5, dtype=torch.float64).numpy(), TypeError),  # not float32
+    (lambda: torch.zeros(4, 5).t().numpy(), ValueError),  # not C-contiguous (numpy says so)
+    (lambda: torch.zeros(()).numpy(), TypeError),  # no dim
+    (lambda: bytes(16), BufferError),  # not writable
+])
+def test_the_c_softmax_refuses_buffers_it_cannot_take(bad, error) -> None:
+    with pytest.raises(error):
+        C.softmax_(bad(), 1)
+
+
+@runs_c
+@pytest.mark.parametrize("threads", [0, C.MAX_THREADS + 1 if C is not None else 257])
+def test_the_c_softmax_refuses_thread_counts_out_of_range(threads: int) -> None:
+    with pytest.raises(ValueError, match="threads must be"):
+        C.softmax_(torch.zeros(2, 3).numpy(), threads)

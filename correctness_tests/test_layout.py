@@ -46,6 +46,8 @@ EXCEPTIONS: dict[str, str] = {
     "correctness_tests/test_perfgate_suite.py": "checks the perf suite's floors against their evidence",
     "correctness_tests/test_install.py": "tests scripts/install.py, make install's installer",
     "correctness_tests/test_layout.py": "this file: the layout itself",
+    "correctness_tests/test_c_parts.py": "the C parts of kernels/ (kernels/_*.c) together: each built where there "
+                                         "is a compiler, each on torch's OpenMP team",
 }
 
 

@@ -4,11 +4,7 @@ arithmetic bit for bit, its fallbacks, its second derivatives, its traced graphs
 
 from __future__ import annotations
 
-import shutil
-import sys
-import sysconfig
 from contextlib import nullcontext
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -19,7 +15,6 @@ from hypothesis import strategies as st
 import kernels.rope as K
 import reference.rope as R
 from correctness_tests.tolerances import ELEMENTWISE, REDUCTION, assert_close
-from perfgate.timing import openmp_runtime, torch_openmp_runtime
 
 needs_c = pytest.mark.skipif(K._c is None, reason="kernels._rope is not built (no C compiler at install)")
 # each rotation test runs through the C part ("c", where built) and through torch ops ("torch")
@@ -86,23 +81,6 @@ def test_any_strides_including_a_strided_last_dim(path) -> None:
         with through(path):
             got = K.RotaryEmbedding(x.shape[-1])(x, offset=3)
         assert_close(got, R.RotaryEmbedding(x.shape[-1])(x, offset=3), ELEMENTWISE)
-
-
-def test_the_c_part_is_built_where_there_is_a_compiler() -> None:
-    headers = Path(sysconfig.get_paths()["include"], "Python.h").is_file()
-    if not sys.platform.startswith("linux") or shutil.which("cc") is None or not headers:
-        pytest.skip("no C compiler or no Python headers on this Linux: the install may leave the C part out")
-    assert K._c is not None, "make install (pip install -e .) should have compiled kernels/_rope.c in place"
-
-
-@needs_c
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the loader's dlsym and dladdr")
-def test_the_c_parts_threads_are_torchs_openmp_team() -> None:
-    # its OpenMP calls resolve to torch's runtime: the team is torch's intra-op pool (as
-    # kernels._nontemporal's, correctness_tests/test_nontemporal.py)
-    runtime = openmp_runtime(K._c.__file__)
-    assert runtime is not None, "built without -fopenmp (pyproject.toml)"
-    assert runtime == torch_openmp_runtime(), runtime
 
 
 def _model(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_pairs: bool, out_pairs: bool,

@@ -1,5 +1,6 @@
-"""The evidence scripts' one A/B comparison: perfgate's interleaved ABBA pairs (perfgate.timing)
-and its paired speedup interval (perfgate.stats), read as one line."""
+"""The evidence scripts' timing: one A/B comparison (perfgate's interleaved ABBA pairs,
+perfgate.timing, and its paired speedup interval, perfgate.stats, read as one line), and the
+medians of several calls timed in interleaved rounds."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import statistics
 from collections.abc import Callable
 
 from perfgate.stats import speedup_interval
-from perfgate.timing import Timer, interleaved
+from perfgate.timing import Timer, interleaved, timer_for
 
 
 def versus(timer: Timer, slow: Callable[[], object], fast: Callable[[], object], rounds: int = 15,
@@ -19,3 +20,15 @@ def versus(timer: Timer, slow: Callable[[], object], fast: Callable[[], object],
     point, low, high = speedup_interval(a, b, paired=True)
     return (f"{point:.2f}x ({low:.2f}-{high:.2f}), {statistics.median(a) * 1e3:.2f} / "
             f"{statistics.median(b) * 1e3:.2f} ms")
+
+
+def medians(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
+    """Median ms of each fn, ``rounds`` rounds of ``calls`` calls each, the fns in turn within a round,
+    by perfgate's CPU timer (the previous call's result alive while the next is made, as in a perf
+    session's block)."""
+    timer = timer_for("cpu")
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name] += timer.block((fn, None), calls, warm=0)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}

@@ -17,7 +17,8 @@ v and the mask needing no gradient), up to ``CPU_FUSED_SEQ`` = 128 positions, or
 ``CPU_FUSED_SEQ_TWO_THREADS`` = 512 at 2 threads without a mask, the rotation and the attention are
 fused a chunk of heads at a time: each chunk's q and k are rotated by the C pass (kernels/_rope.c)
 into a buffer of their own, scored by one batched matmul (the scale its alpha), masked, turned
-into probabilities in place and multiplied by v; a chunk's rotated q and k and scores take at
+into probabilities in place (by kernels/_softmax.c where the CPU has AVX-512F, else torch.softmax)
+and multiplied by v; a chunk's rotated q and k and scores take at
 most ``FUSED_BYTES`` = 5 MiB (one kv head's where that is more). The rotated q and k are read from
 the caches they were written to instead of from memory, and no (B, H, S, S) scores are written
 whole. The lengths are from evidence/fused-attention-zen4.txt (Zen 4, 1 and 2 threads): faster
@@ -43,6 +44,11 @@ from torch import Tensor, nn
 
 from kernels import checks
 from kernels.rope import RotaryEmbedding, _c_rotates, c_tables, rotate_into
+
+try:
+    from kernels import _softmax as _c_softmax
+except ImportError:  # not built (no C compiler at install): torch.softmax
+    _c_softmax = None
 
 
 def check_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> None:
@@ -193,6 +199,19 @@ def _fuses(q: Tensor, k: Tensor, v: Tensor, rope: nn.Module, causal: bool, mask:
                    for t in tensors)
 
 
+def _softmax_(scores: Tensor) -> Tensor:
+    """softmax over the last dim of ``scores`` (a C-contiguous float32 CPU tensor needing no
+    gradient), in place: by kernels._softmax where it is built and the CPU has AVX-512F, else by
+    torch.softmax. Returns ``scores``."""
+    if _c_softmax is None or not _c_softmax.AVX512F:
+        return torch.softmax(scores, -1, out=scores)  # in place: each row is read before it is written
+    # torch's grain for elementwise ops (as kernels.rope.rotate_into): fewer elements a thread
+    # cost more in the team's start than they save
+    threads = max(1, min(torch.get_num_threads(), _c_softmax.MAX_THREADS, scores.numel() // 32768))
+    _c_softmax.softmax_(scores.numpy(), threads)
+    return scores
+
+
 def _units(b: int, hk: int, per: int):
     """(batch rows, kv heads) slices of the B * H_kv units of attention, ``per`` units a chunk at
     most: whole batch rows where ``per`` covers one, else one row's heads in equal shares (7 of 8
@@ -242,7 +261,7 @@ def _fused_attention(q: Tensor, k: Tensor, v: Tensor, tables: tuple, interleaved
         torch.baddbmm(sc, rq.view(n, g * s, d), rk.view(n, s, d).transpose(1, 2), beta=0, alpha=d**-0.5, out=sc)
         if full is not None:
             _mask_scores(sc, full[rows, qh].reshape(n, g * s, s))
-        torch.softmax(sc, -1, out=sc)  # in place: each row is read before it is written
+        _softmax_(sc)
         torch.bmm(sc, v[rows, heads].reshape(n, s, dv), out=out[rows, qh].view(n, g * s, dv))
     return out
 
