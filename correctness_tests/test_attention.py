@@ -131,7 +131,8 @@ def test_fused_path_at_its_longest_and_at_the_default_chunks() -> None:
 
 
 def test_fused_path_only_where_it_measured_faster() -> None:
-    """CPU fp32, not causal, up to CPU_FUSED_SEQ positions (CPU_FUSED_SEQ_TWO_THREADS at 2 threads),
+    """CPU fp32, not causal, up to CPU_FUSED_SEQ positions (without a mask CPU_FUSED_SEQ_TWO_THREADS
+    at 2 threads, CPU_FUSED_SEQ_ONE_THREAD at 1 where kernels._softmax runs),
     one table for all batch rows, nothing to differentiate, no autocast
     (evidence/fused-attention-zen4.txt)."""
     rope = RotaryEmbedding(8)
@@ -148,6 +149,11 @@ def test_fused_path_only_where_it_measured_faster() -> None:
         mask = torch.ones(KA.CPU_FUSED_SEQ + 1, KA.CPU_FUSED_SEQ + 1, dtype=torch.bool)
         assert fuses(KA.CPU_FUSED_SEQ, mask=mask[1:, 1:]) and not fuses(KA.CPU_FUSED_SEQ + 1, mask=mask)
         torch.set_num_threads(1)
+        assert fuses(KA.CPU_FUSED_SEQ_ONE_THREAD) == KA._softmax_in_c()
+        assert not fuses(KA.CPU_FUSED_SEQ_ONE_THREAD + 1)
+        with mock.patch.object(KA, "_c_softmax", None):  # torch.softmax: 128 at 1 thread
+            assert fuses(KA.CPU_FUSED_SEQ) and not fuses(KA.CPU_FUSED_SEQ + 1)
+        torch.set_num_threads(3)
         assert fuses(KA.CPU_FUSED_SEQ) and not fuses(KA.CPU_FUSED_SEQ + 1)
     finally:
         torch.set_num_threads(threads)
