@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import platform
+import subprocess
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 from unittest import mock
@@ -18,7 +20,7 @@ from hypothesis import strategies as st
 import kernels
 import kernels.attention as KA
 import reference.attention as RA
-from correctness_tests.tolerances import REDUCTION, assert_close, assert_dicts_close
+from correctness_tests.tolerances import ELEMENTWISE, REDUCTION, assert_close, assert_dicts_close
 from kernels.rope import RotaryEmbedding
 
 SIDES = {"kernels": kernels, "reference": RA}
@@ -130,6 +132,23 @@ def test_fused_path_at_its_longest_and_at_the_default_chunks() -> None:
         torch.set_num_threads(threads)
 
 
+def test_fused_path_at_one_thread_up_to_its_longest() -> None:
+    """At 1 thread, S = CPU_FUSED_SEQ_ONE_THREAD where kernels._softmax runs (CPU_FUSED_SEQ where
+    torch.softmax serves), grouped heads."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        s = KA.CPU_FUSED_SEQ_ONE_THREAD if KA._softmax_in_c() else KA.CPU_FUSED_SEQ
+        q, k, v = torch.randn(2, 4, s, 16), torch.randn(2, 2, s, 16), torch.randn(2, 2, s, 16)
+        rope = RotaryEmbedding(16)
+        with mock.patch.object(KA, "_fused_attention", wraps=KA._fused_attention) as fused:
+            got = kernels.rope_attention(q, k, v, rope)
+        assert fused.call_count == 1
+        assert_close(got, RA.rope_attention(q, k, v, rope), REDUCTION)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_fused_path_only_where_it_measured_faster() -> None:
     """CPU fp32, not causal, up to CPU_FUSED_SEQ positions (without a mask CPU_FUSED_SEQ_TWO_THREADS
     at 2 threads, CPU_FUSED_SEQ_ONE_THREAD at 1 where kernels._softmax runs),
@@ -214,6 +233,20 @@ def test_rope_attention_compiles_whole_and_exports(causal: bool) -> None:
 
     exported = torch.export.export(Attend(), (q, k, v), strict=True)
     assert_close(exported.module()(q, k, v), want, REDUCTION)
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_jit_traced_rope_attention_replays_new_inputs(causal: bool) -> None:
+    """torch.jit.trace records torch ops only: where the eager call would take the fused path or
+    the C rotation, the trace takes the torch ops, and its graph computes new inputs right."""
+    rope = RotaryEmbedding(16)
+    q, k, v = (torch.randn(2, 4, 64, 16) for _ in range(3))
+    with torch.no_grad():
+        traced = torch.jit.trace(lambda q, k, v: kernels.rope_attention(q, k, v, rope, causal=causal), (q, k, v),
+                                 check_trace=False)
+        q, k, v = (torch.randn(2, 4, 64, 16) for _ in range(3))
+        assert_close(traced(q, k, v), RA.rope_attention(q, k, v, rope, causal=causal), REDUCTION)
 
 
 def test_blocked_causal_path_only_where_it_measured_faster() -> None:
@@ -412,35 +445,78 @@ def test_softmax_avx512f_is_the_cpus() -> None:
     assert C.AVX512F == (" avx512f " in cpuinfo.read_text().replace("\n", " "))
 
 
-@given(rows=st.integers(1, 6), n=st.integers(1, 70), spread=st.sampled_from([0.1, 1.0, 10.0, 100.0]),
-       masked=st.floats(0.0, 0.9), seed=st.integers(0, 2**16))
+@given(rows=st.integers(1, 6), n=st.integers(1, 300), spread=st.sampled_from([0.1, 1.0, 10.0, 100.0]),
+       shift=st.sampled_from([0.0, -200.0, 1e4]), masked=st.floats(0.0, 0.9), seed=st.integers(0, 2**16))
 @SOFTMAX_PATHS
-def test_softmax_equals_float64_softmax(path: str, rows: int, n: int, spread: float, masked: float,
-                                        seed: int) -> None:
-    """Any row length (the vector's tail lanes), scores from flat to one-hot, a share of -inf
-    (masked) scores, each row keeping one finite score: masked scores get exactly 0."""
+def test_softmax_equals_float64_softmax(path: str, rows: int, n: int, spread: float, shift: float,
+                                        masked: float, seed: int) -> None:
+    """Any row length (the vector's tail lanes), scores from flat to one-hot, every score far below
+    exp's range or far above it (the row's max is taken out first), a share of -inf (masked) scores,
+    each row keeping one finite score: each probability within an elementwise op's tolerance of
+    float64's, masked scores exactly 0."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, n, generator=g) * spread
+    x = torch.randn(rows, n, generator=g) * spread + shift
     off = torch.rand(rows, n, generator=g) < masked
     off[:, torch.randint(0, n, (1,), generator=g)] = False
     x[off] = -float("inf")
     want = torch.softmax(x.double(), -1)
     with through_softmax(path):
         got = KA._softmax_(x.clone())
-    assert_close(got, want.float(), REDUCTION)
+    assert_close(got, want.float(), ELEMENTWISE)
     assert (got[off] == 0).all()
 
 
 @SOFTMAX_PATHS
+def test_softmax_of_extreme_scores(path: str) -> None:
+    """Subnormal, huge and signed-zero scores, and gaps where exp leaves the normal floats (a
+    subnormal or 0 probability), against float64's softmax rounded to float32."""
+    tiny, huge = 1e-40, 3e38
+    x = torch.tensor([[tiny, -tiny, 0.0, -0.0] * 5,
+                      [huge, -huge, 0.0, 1.0] * 5,
+                      [0.0, -87.0, -88.0, -89.0, -100.0, -103.0, -104.0, -105.0, -150.0, -1e30] * 2])
+    with through_softmax(path):
+        got = KA._softmax_(x.clone())
+    want = torch.softmax(x.double(), -1).float()
+    assert_close(got, want, ELEMENTWISE)
+    assert (got[2][want[2] == 0] == 0).all()
+
+
+@SOFTMAX_PATHS
 def test_softmax_nan_rows_where_torch_gives_them(path: str) -> None:
+    """A NaN, +inf (inf - inf) or nothing but -inf makes the whole row NaN, as torch.softmax gives."""
     inf, nan = float("inf"), float("nan")
     x = torch.tensor([[0.0, 1.0, nan], [inf, 0.0, 1.0], [-inf, -inf, -inf], [inf, inf, 0.0], [1e30, -1e30, 0.0]])
     x = x.repeat(1, 7)  # 21 a row: a whole vector and a tail
     with through_softmax(path):
         got = KA._softmax_(x.clone())
-    want = torch.softmax(x, -1)
-    assert torch.equal(got.isnan(), want.isnan()) and got[:3].isnan().all()
-    assert_close(got[4], want[4], REDUCTION)
+    assert got[:4].isnan().all() and not got[4].isnan().any()
+    assert torch.equal(got.isnan(), torch.softmax(x, -1).isnan())
+    assert_close(got[4], torch.softmax(x[4].double(), -1).float(), ELEMENTWISE)
+
+
+@runs_c
+def test_the_c_softmax_splits_rows_over_threads_to_the_same_bits() -> None:
+    x = torch.randn(37, 100) * 5
+    one, two = x.clone(), x.clone()
+    C.softmax_(one.numpy(), 1)
+    C.softmax_(two.numpy(), 2)
+    assert torch.equal(one, two)
+
+
+@runs_c
+def test_the_c_softmax_raises_no_overflow_for_lanes_past_the_row(tmp_path) -> None:
+    """Every score below -88 and a row that ends mid-vector: the lanes past its end compute no
+    exp that overflows (a process with overflow traps on would die)."""
+    script = tmp_path / "trap.py"
+    script.write_text(
+        "import ctypes, ctypes.util, torch\n"
+        "from kernels import _softmax\n"
+        "ctypes.CDLL(ctypes.util.find_library('m')).feenableexcept(0x08)  # FE_OVERFLOW\n"
+        "x = torch.full((3, 17), -200.0)\n"
+        "_softmax.softmax_(x.numpy(), 1)\n"
+        "assert torch.allclose(x, torch.full_like(x, 1 / 17))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
 
 
 @runs_c

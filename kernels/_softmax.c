@@ -21,7 +21,9 @@
 
 #define MAX_THREADS 256
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/* x86-64 GCC 7 or later (the _mm512_reduce_* intrinsics) or clang; elsewhere the module is built
+   without a kernel and AVX512F is 0 */
+#if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 7))
 #include <immintrin.h>
 #define HAVE_AVX512F 1
 
@@ -55,7 +57,10 @@ __attribute__((target("avx512f"))) static void row(float *x, Py_ssize_t n) {
     __m512 sum = _mm512_setzero_ps();
     for (Py_ssize_t i = 0; i < n; i += 16) {
         const __mmask16 k = LANES(n - i);
-        const __m512 y = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), top));
+        /* lanes past the row read top, so that they compute exp(0): a 0 there would overflow
+           exp(-top) where every score is below -88, raising the overflow flag (a trap where
+           enabled) for a lane that is never stored */
+        const __m512 y = exp_nonpositive(_mm512_sub_ps(_mm512_mask_loadu_ps(top, k, x + i), top));
         _mm512_mask_storeu_ps(x + i, k, y);
         sum = _mm512_mask_add_ps(sum, k, sum, y);
     }

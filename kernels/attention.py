@@ -150,7 +150,7 @@ def _blocked_causal(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, block:
     slice of ``mask`` (causal already in it). The blocks are concatenated as SDPA returns them, so
     the output's dtype is SDPA's (bf16 under CPU autocast), as one call's would be."""
     s = q.shape[2]
-    gqa = k.shape[1] != q.shape[1]
+    gqa = bool(k.shape[1] != q.shape[1])  # a bool while jit-traced too
     parts = []
     for start in range(0, s, block):
         stop = min(start + block, s)
@@ -179,9 +179,11 @@ def _fuses(q: Tensor, k: Tensor, v: Tensor, rope: nn.Module, causal: bool, mask:
     CPU_FUSED_SEQ_ONE_THREAD at 1 where kernels._softmax runs), a
     RotaryEmbedding whose rotation is ours, one table for every batch row, plain tensors, nothing to
     differentiate (no gradient to build, no forward-mode tangent, no torch.func transform) and no
-    autocast, not while a graph is traced. The C pass must also rotate q and k (``_c_rotates``,
-    checked with the tables)."""
-    if torch.compiler.is_compiling() or causal or q.device.type != "cpu" or q.dtype != torch.float32:
+    autocast, not while a graph is traced (torch.compile, torch.export, torch.jit.trace: none
+    records the C parts). The C pass must also rotate q and k (``_c_rotates``, checked with the
+    tables)."""
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or causal or q.device.type != "cpu"
+            or q.dtype != torch.float32):
         return False
     if not isinstance(rope, RotaryEmbedding) or any(  # a subclass rotating its own way rotates through it
             getattr(type(rope), f) is not getattr(RotaryEmbedding, f) for f in ("forward", "paired", "tables")):
@@ -303,7 +305,7 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, ca
     if block is not None:
         return _blocked_causal(q, k, v, mask, block)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+                                          enable_gqa=bool(k.shape[1] != q.shape[1]))  # a bool while jit-traced too
 
 
 def check_module(dim: int, n_heads: int, n_kv_heads: int | None, causal: bool, bias: bool) -> int:
