@@ -7,7 +7,6 @@ import copy
 import platform
 import subprocess
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 from unittest import mock
 
@@ -138,7 +137,7 @@ def test_fused_path_at_one_thread_up_to_its_longest() -> None:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        s = KA.CPU_FUSED_SEQ_ONE_THREAD if KA._softmax_in_c() else KA.CPU_FUSED_SEQ
+        s = KA.CPU_FUSED_SEQ_ONE_THREAD if KA._softmax_in_c() == "avx512f" else KA.CPU_FUSED_SEQ
         q, k, v = torch.randn(2, 4, s, 16), torch.randn(2, 2, s, 16), torch.randn(2, 2, s, 16)
         rope = RotaryEmbedding(16)
         with mock.patch.object(KA, "_fused_attention", wraps=KA._fused_attention) as fused:
@@ -168,10 +167,11 @@ def test_fused_path_only_where_it_measured_faster() -> None:
         mask = torch.ones(KA.CPU_FUSED_SEQ + 1, KA.CPU_FUSED_SEQ + 1, dtype=torch.bool)
         assert fuses(KA.CPU_FUSED_SEQ, mask=mask[1:, 1:]) and not fuses(KA.CPU_FUSED_SEQ + 1, mask=mask)
         torch.set_num_threads(1)
-        assert fuses(KA.CPU_FUSED_SEQ_ONE_THREAD) == KA._softmax_in_c()
+        assert fuses(KA.CPU_FUSED_SEQ_ONE_THREAD) == (KA._softmax_in_c() == "avx512f")
         assert not fuses(KA.CPU_FUSED_SEQ_ONE_THREAD + 1)
-        with mock.patch.object(KA, "_c_softmax", None):  # torch.softmax: 128 at 1 thread
-            assert fuses(KA.CPU_FUSED_SEQ) and not fuses(KA.CPU_FUSED_SEQ + 1)
+        for path in [p for p in ISAS if p != "avx512f"] + ["torch"]:  # 128 at 1 thread, as measured
+            with through_softmax(path):
+                assert fuses(KA.CPU_FUSED_SEQ) and not fuses(KA.CPU_FUSED_SEQ + 1)
         torch.set_num_threads(3)
         assert fuses(KA.CPU_FUSED_SEQ) and not fuses(KA.CPU_FUSED_SEQ + 1)
     finally:
@@ -423,26 +423,32 @@ def test_module_does_not_change_the_rope_cache_in_state_dicts() -> None:
     assert clone.rope.max_seq_len == 4096 and mod.rope.max_seq_len == 2048
 
 
-# -- the fused path's softmax (kernels.attention._softmax_: kernels._softmax where the CPU has
-# AVX-512F, else torch.softmax): float64's softmax, exact zeros for masked scores, NaN rows where
-# torch.softmax gives them; the C part refuses buffers it cannot take ---------------------------
+# -- the fused path's softmax (kernels.attention._softmax_: kernels._softmax's AVX-512F or AVX2
+# kernel where the CPU runs one, else torch.softmax): float64's softmax, exact zeros for masked
+# scores, NaN rows where torch.softmax gives them; the C part refuses what it cannot take --------
 
 C = KA._c_softmax
-runs_c = pytest.mark.skipif(C is None or not C.AVX512F,
-                            reason="kernels._softmax not built, or no AVX-512F here: torch.softmax serves")
-# each softmax test runs through the C part ("c", where it runs) and through torch.softmax ("torch")
-SOFTMAX_PATHS = pytest.mark.parametrize("path", [pytest.param("c", marks=runs_c), "torch"])
+ISAS = () if C is None else C.ISAS  # the C kernels this CPU runs, widest first
+runs_c = pytest.mark.skipif(not ISAS, reason="kernels._softmax not built, or none of its kernels runs here")
+# each softmax test runs through every C kernel this CPU runs and through torch.softmax ("torch")
+SOFTMAX_PATHS = pytest.mark.parametrize("path", [*ISAS, "torch"])
+EACH_ISA = pytest.mark.parametrize("isa", [pytest.param(isa) for isa in ISAS] or
+                                   [pytest.param("avx512f", marks=runs_c)])
 
 
 def through_softmax(path: str):
-    return nullcontext() if path == "c" else mock.patch.object(KA, "_c_softmax", None)
+    """``_softmax_`` goes through ``path``: one of the C kernels, or torch.softmax."""
+    return mock.patch.object(KA, "_c_softmax", None) if path == "torch" else mock.patch.object(C, "ISA", path)
 
 
-def test_softmax_avx512f_is_the_cpus() -> None:
+def test_softmax_kernels_are_the_cpus() -> None:
+    """The C kernels this CPU runs are those its flags name: AVX-512F; AVX2 with FMA."""
     cpuinfo = Path("/proc/cpuinfo")
     if C is None or platform.machine() != "x86_64" or not cpuinfo.is_file():
         pytest.skip("kernels._softmax not built, or not x86-64 Linux")
-    assert C.AVX512F == (" avx512f " in cpuinfo.read_text().replace("\n", " "))
+    flags = set(next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")).split())
+    assert C.ISAS == (("avx512f",) if "avx512f" in flags else ()) + (("avx2",) if {"avx2", "fma"} <= flags else ())
+    assert C.ISA == (C.ISAS[0] if C.ISAS else "")
 
 
 @given(rows=st.integers(1, 6), n=st.integers(1, 300), spread=st.sampled_from([0.1, 1.0, 10.0, 100.0]),
@@ -494,17 +500,17 @@ def test_softmax_nan_rows_where_torch_gives_them(path: str) -> None:
     assert_close(got[4], torch.softmax(x[4].double(), -1).float(), ELEMENTWISE)
 
 
-@runs_c
-def test_the_c_softmax_splits_rows_over_threads_to_the_same_bits() -> None:
+@EACH_ISA
+def test_the_c_softmax_splits_rows_over_threads_to_the_same_bits(isa: str) -> None:
     x = torch.randn(37, 100) * 5
     one, two = x.clone(), x.clone()
-    C.softmax_(one.numpy(), 1)
-    C.softmax_(two.numpy(), 2)
+    C.softmax_(one.numpy(), 1, isa)
+    C.softmax_(two.numpy(), 2, isa)
     assert torch.equal(one, two)
 
 
-@runs_c
-def test_the_c_softmax_raises_no_overflow_for_lanes_past_the_row(tmp_path) -> None:
+@EACH_ISA
+def test_the_c_softmax_raises_no_overflow_for_lanes_past_the_row(isa: str, tmp_path) -> None:
     """Every score below -88 and a row that ends mid-vector: the lanes past its end compute no
     exp that overflows (a process with overflow traps on would die)."""
     script = tmp_path / "trap.py"
@@ -513,7 +519,7 @@ def test_the_c_softmax_raises_no_overflow_for_lanes_past_the_row(tmp_path) -> No
         "from kernels import _softmax\n"
         "ctypes.CDLL(ctypes.util.find_library('m')).feenableexcept(0x08)  # FE_OVERFLOW\n"
         "x = torch.full((3, 17), -200.0)\n"
-        "_softmax.softmax_(x.numpy(), 1)\n"
+        f"_softmax.softmax_(x.numpy(), 1, {isa!r})\n"
         "assert torch.allclose(x, torch.full_like(x, 1 / 17))\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
@@ -537,11 +543,18 @@ def test_the_c_softmax_serves_the_fused_path() -> None:
 ])
 def test_the_c_softmax_refuses_buffers_it_cannot_take(bad, error) -> None:
     with pytest.raises(error):
-        C.softmax_(bad(), 1)
+        C.softmax_(bad(), 1, C.ISA)
 
 
 @runs_c
 @pytest.mark.parametrize("threads", [0, C.MAX_THREADS + 1 if C is not None else 257])
 def test_the_c_softmax_refuses_thread_counts_out_of_range(threads: int) -> None:
     with pytest.raises(ValueError, match="threads must be"):
-        C.softmax_(torch.zeros(2, 3).numpy(), threads)
+        C.softmax_(torch.zeros(2, 3).numpy(), threads, C.ISA)
+
+
+@runs_c
+@pytest.mark.parametrize("isa", ["", "sse2", "AVX2", "avx512"])
+def test_the_c_softmax_refuses_a_kernel_it_does_not_have(isa: str) -> None:
+    with pytest.raises(ValueError, match="isa must name a kernel"):
+        C.softmax_(torch.zeros(2, 3).numpy(), 1, isa)

@@ -8,7 +8,7 @@ rounds (evidence/ab.py): ours (the fused path), the peer, SDPA on q and k rotate
 peer's rotation of q and k alone; then the fused path's own parts over its chunks of heads
 (kernels/attention.py, FUSED_BYTES), each alone on q and k rotated before: the two matmuls (scores
 by ``baddbmm``, then probabilities times v by ``bmm``), and the softmax in place, by torch.softmax
-and by the fused path's own (``_softmax_``: kernels._softmax where the CPU has AVX-512F). Ours
+and by the fused path's own (``_softmax_``: kernels._softmax's widest kernel here). Ours
 cannot take less than its matmuls plus its softmax, so the peer's time over that sum is the most
 ours could lead by with nothing else left to trim; the roofline's least time (its FLOPs at this
 machine's float32 GEMM peak, perfgate's measure) is printed beside it.

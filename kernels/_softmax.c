@@ -1,17 +1,20 @@
-/* kernels._softmax: softmax over the last dim of a float32 buffer, in place, with AVX-512F.
+/* kernels._softmax: softmax over the last dim of a float32 buffer, in place, with AVX-512F or AVX2.
 
    Each row in three passes over the row, which stays in the L1 cache between them: its max m,
    then y = exp(x - m) written back and summed, then y / sum. exp(t) for t <= 0: t clamped to
    -104 (below it exp rounds to 0 in float32), t = k ln2 + r with k = round(t / ln2) (ln2 in two
    parts, Cody-Waite), exp(r) by Cephes' degree-7 polynomial for expf (within about 1 ulp on
-   |r| <= ln2 / 2), then scaled by 2^k exactly (vscalefps, which also rounds a result below the
-   normal floats to a subnormal or 0). So a masked score (-inf) gets exactly 0, and a row with a
-   NaN, with +inf, or with nothing but -inf gets NaN throughout, as torch.softmax gives.
+   |r| <= ln2 / 2), then scaled by 2^k exactly (AVX-512F: vscalefps; AVX2: two normal factors
+   2^(k - k/2) 2^(k/2)), which rounds a result below the normal floats once, to a subnormal or 0.
+   So a masked score (-inf) gets exactly 0, and a row with a NaN, with +inf, or with nothing but
+   -inf gets NaN throughout, as torch.softmax gives. Lanes past a row's end compute exp(0).
 
-   softmax_(x, threads)   x: writable C-contiguous float32 buffer of at least one dim; its rows
-                          (the last dim) split over `threads` OpenMP threads
-   AVX512F                1 where this CPU runs softmax_ (AVX-512F); elsewhere softmax_ raises
-   MAX_THREADS            the most threads softmax_ takes
+   softmax_(x, threads, isa)  x: writable C-contiguous float32 buffer of at least one dim; its rows
+                              (the last dim) split over `threads` OpenMP threads; isa one of ISAS
+   ISA                        the widest kernel this CPU runs: "avx512f", "avx2" (with FMA) or ""
+                              (none: softmax_ raises)
+   ISAS                       every kernel this CPU runs, widest first
+   MAX_THREADS                the most threads softmax_ takes
 
    torch.softmax takes the same three passes with an exp of its own (evidence/softmax.py times
    the two). The team is torch's intra-op pool, as kernels/_nontemporal.c. */
@@ -19,35 +22,51 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <string.h>
+
 #define MAX_THREADS 256
 
 /* x86-64 GCC 7 or later (the _mm512_reduce_* intrinsics) or clang; elsewhere the module is built
-   without a kernel and AVX512F is 0 */
+   without a kernel and ISA is "" */
 #if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 7))
 #include <immintrin.h>
-#define HAVE_AVX512F 1
+#define HAVE_KERNELS 1
+
+#define LOG2E 1.44269504088896341f
+#define LN2_HI 0.693359375f /* ln2 = LN2_HI + LN2_LO, LN2_HI exact in few bits (Cody-Waite) */
+#define LN2_LO -2.12194440e-4f
+#define FLOOR -104.0f /* exp below it rounds to 0 in float32 */
+/* Cephes' expf: exp(r) = 1 + r + r^2 (P0 r^5 + P1 r^4 + ... + P5) */
+#define P0 1.9875691500e-4f
+#define P1 1.3981999507e-3f
+#define P2 8.3334519073e-3f
+#define P3 4.1665795894e-2f
+#define P4 1.6666665459e-1f
+#define P5 5.0000001201e-1f
+
+/* ---- AVX-512F: 16 lanes, tails by mask registers ---- */
 
 /* Lanes [0, n) of 16 as a mask. */
 #define LANES(n) ((__mmask16)((n) >= 16 ? 0xFFFF : (1u << (n)) - 1))
 
 /* exp(t) lane by lane for t <= 0 or NaN (module note). */
-__attribute__((target("avx512f"))) static inline __m512 exp_nonpositive(__m512 t) {
-    t = _mm512_max_ps(_mm512_set1_ps(-104.0f), t); /* the second operand when either is NaN: NaN stays */
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
+__attribute__((target("avx512f"))) static inline __m512 exp16(__m512 t) {
+    t = _mm512_max_ps(_mm512_set1_ps(FLOOR), t); /* the second operand when either is NaN: NaN stays */
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), t); /* t - k ln2, ln2 = 0.693359375 - 2.12194440e-4 */
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(LN2_HI), t); /* t - k ln2 */
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(LN2_LO), r);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(P0), r, _mm512_set1_ps(P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P5));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f))); /* exp(r) */
     return _mm512_scalef_ps(p, k);
 }
 
 /* Softmax of one row of n floats in place. */
-__attribute__((target("avx512f"))) static void row(float *x, Py_ssize_t n) {
+__attribute__((target("avx512f"))) static void row16(float *x, Py_ssize_t n) {
     __m512 m = _mm512_set1_ps(-INFINITY);
     for (Py_ssize_t i = 0; i < n; i += 16) {
         const __mmask16 k = LANES(n - i);
@@ -60,7 +79,7 @@ __attribute__((target("avx512f"))) static void row(float *x, Py_ssize_t n) {
         /* lanes past the row read top, so that they compute exp(0): a 0 there would overflow
            exp(-top) where every score is below -88, raising the overflow flag (a trap where
            enabled) for a lane that is never stored */
-        const __m512 y = exp_nonpositive(_mm512_sub_ps(_mm512_mask_loadu_ps(top, k, x + i), top));
+        const __m512 y = exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(top, k, x + i), top));
         _mm512_mask_storeu_ps(x + i, k, y);
         sum = _mm512_mask_add_ps(sum, k, sum, y);
     }
@@ -70,26 +89,105 @@ __attribute__((target("avx512f"))) static void row(float *x, Py_ssize_t n) {
         _mm512_mask_storeu_ps(x + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), inv));
     }
 }
+
+/* ---- AVX2 with FMA: 8 lanes, tails by lane masks in a vector ---- */
+
+#define AVX2 __attribute__((target("avx2,fma")))
+
+/* 2^e for integer lanes e in [-126, 127], built in the exponent bits. */
+AVX2 static inline __m256 pow2(__m256i e) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
+}
+
+/* exp(t) lane by lane for t <= 0 or NaN (module note): as exp16, 2^k in two normal factors. */
+AVX2 static inline __m256 exp8(__m256 t) {
+    t = _mm256_max_ps(_mm256_set1_ps(FLOOR), t); /* the second operand when either is NaN: NaN stays */
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(LN2_HI), t);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(LN2_LO), r);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(P0), r, _mm256_set1_ps(P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P5));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* k in [-150, 0]: k/2 (rounded down) and k - k/2 both in [-75, 0], each factor a normal float;
+       p 2^(k/2) is exact, so the product rounds once (a NaN lane's bits do not matter: p is NaN) */
+    const __m256i ki = _mm256_cvtps_epi32(k), half = _mm256_srai_epi32(ki, 1);
+    return _mm256_mul_ps(_mm256_mul_ps(p, pow2(half)), pow2(_mm256_sub_epi32(ki, half)));
+}
+
+/* Lanes [0, n) of 8 as a vector mask (all bits set in a lane that is in). */
+AVX2 static inline __m256i lanes8(Py_ssize_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 8 ? n : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+AVX2 static inline float reduce_max8(__m256 v) {
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_max_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+
+AVX2 static inline float reduce_add8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+
+/* Softmax of one row of n floats in place: whole vectors, then the tail's lanes by mask (masked
+   stores are slow on some CPUs: one a pass at most). */
+AVX2 static void row8(float *x, Py_ssize_t n) {
+    const Py_ssize_t whole = n / 8 * 8;
+    const __m256i k = lanes8(n - whole); /* the tail's lanes, none where n divides by 8 */
+    const __m256 in = _mm256_castsi256_ps(k), lowest = _mm256_set1_ps(-INFINITY);
+    __m256 m = lowest;
+    for (Py_ssize_t i = 0; i < whole; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    if (whole < n) /* lanes past the row read -inf */
+        m = _mm256_max_ps(m, _mm256_blendv_ps(lowest, _mm256_maskload_ps(x + whole, k), in));
+    const __m256 top = _mm256_set1_ps(reduce_max8(m));
+    __m256 sum = _mm256_setzero_ps();
+    for (Py_ssize_t i = 0; i < whole; i += 8) {
+        const __m256 y = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), top));
+        _mm256_storeu_ps(x + i, y);
+        sum = _mm256_add_ps(sum, y);
+    }
+    if (whole < n) { /* lanes past the row read top: exp(0), as row16's */
+        const __m256 y = exp8(_mm256_sub_ps(_mm256_blendv_ps(top, _mm256_maskload_ps(x + whole, k), in), top));
+        _mm256_maskstore_ps(x + whole, k, y);
+        sum = _mm256_add_ps(sum, _mm256_and_ps(y, in));
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / reduce_add8(sum));
+    for (Py_ssize_t i = 0; i < whole; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+    if (whole < n) _mm256_maskstore_ps(x + whole, k, _mm256_mul_ps(_mm256_maskload_ps(x + whole, k), inv));
+}
 #else
-#define HAVE_AVX512F 0
+#define HAVE_KERNELS 0
 #endif
 
-static int avx512f(void) {
-#if HAVE_AVX512F
-    return __builtin_cpu_supports("avx512f") != 0;
+typedef void (*Row)(float *, Py_ssize_t);
+
+/* The kernel named `isa` where this CPU runs it, else NULL. */
+static Row kernel(const char *isa) {
+#if HAVE_KERNELS
+    if (strcmp(isa, "avx512f") == 0 && __builtin_cpu_supports("avx512f")) return row16;
+    if (strcmp(isa, "avx2") == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return row8;
 #else
-    return 0;
+    (void)isa;
 #endif
+    return NULL;
 }
 
 static PyObject *softmax_(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *xo;
     Py_ssize_t threads;
-    if (!PyArg_ParseTuple(args, "On:softmax_", &xo, &threads)) return NULL;
+    const char *isa;
+    if (!PyArg_ParseTuple(args, "Ons:softmax_", &xo, &threads, &isa)) return NULL;
     if (threads < 1 || threads > MAX_THREADS)
         return PyErr_Format(PyExc_ValueError, "threads must be 1..%d, got %zd", MAX_THREADS, threads);
-    if (!avx512f()) return PyErr_Format(PyExc_RuntimeError, "softmax_ needs AVX-512F, which this CPU lacks");
+    const Row row = kernel(isa);
+    if (row == NULL)
+        return PyErr_Format(PyExc_ValueError, "isa must name a kernel this CPU runs (the module's ISAS), got '%s'", isa);
     Py_buffer x;
     if (PyObject_GetBuffer(xo, &x, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) return NULL;
     if (x.itemsize != 4 || x.format == NULL || x.format[0] != 'f' || x.format[1] != '\0' || x.ndim < 1) {
@@ -98,7 +196,6 @@ static PyObject *softmax_(PyObject *self, PyObject *args) {
         PyBuffer_Release(&x);
         return NULL;
     }
-#if HAVE_AVX512F
     const Py_ssize_t n = x.shape[x.ndim - 1], rows = n ? x.len / 4 / n : 0;
     float *base = x.buf;
     if (threads > rows) threads = rows > 0 ? rows : 1;
@@ -108,13 +205,13 @@ static PyObject *softmax_(PyObject *self, PyObject *args) {
     for (Py_ssize_t t = 0; t < threads; t++)
         for (Py_ssize_t r = rows * t / threads; r < rows * (t + 1) / threads; r++) row(base + r * n, n);
     Py_END_ALLOW_THREADS
-#endif
     PyBuffer_Release(&x);
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
-    {"softmax_", softmax_, METH_VARARGS, "softmax_(x, threads): softmax over x's last dim, in place (AVX-512F)"},
+    {"softmax_", softmax_, METH_VARARGS,
+     "softmax_(x, threads, isa): softmax over x's last dim, in place, by the kernel `isa` (one of ISAS)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -122,8 +219,23 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_softmax", NULL, -1,
 
 PyMODINIT_FUNC PyInit__softmax(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && (PyModule_AddIntConstant(m, "MAX_THREADS", MAX_THREADS) < 0 ||
-                      PyModule_AddIntConstant(m, "AVX512F", avx512f()) < 0)) {
+    if (m == NULL) return NULL;
+    static const char *const names[] = {"avx512f", "avx2"}; /* widest first */
+    PyObject *isas = PyTuple_New(0);
+    for (size_t i = 0; isas != NULL && i < sizeof names / sizeof *names; i++) {
+        if (kernel(names[i]) == NULL) continue;
+        PyObject *name = PyUnicode_FromString(names[i]);
+        if (name == NULL || _PyTuple_Resize(&isas, PyTuple_GET_SIZE(isas) + 1) < 0) {
+            Py_XDECREF(name);
+            Py_CLEAR(isas);
+            break;
+        }
+        PyTuple_SET_ITEM(isas, PyTuple_GET_SIZE(isas) - 1, name);
+    }
+    const char *widest = isas != NULL && PyTuple_GET_SIZE(isas) ? PyUnicode_AsUTF8(PyTuple_GET_ITEM(isas, 0)) : "";
+    if (isas == NULL || PyModule_AddIntConstant(m, "MAX_THREADS", MAX_THREADS) < 0 ||
+        PyModule_AddStringConstant(m, "ISA", widest) < 0 || PyModule_AddObject(m, "ISAS", isas) < 0) {
+        Py_XDECREF(isas);
         Py_DECREF(m);
         return NULL;
     }

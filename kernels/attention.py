@@ -15,16 +15,16 @@ heads become extra query rows of their kv head (no repeated k, v).
 Without the causal mask in float32 on the CPU, with nothing to differentiate (inference, or q, k, v
 and the mask needing no gradient), up to ``CPU_FUSED_SEQ`` = 128 positions, or without a mask
 ``CPU_FUSED_SEQ_TWO_THREADS`` = 512 at 2 threads and ``CPU_FUSED_SEQ_ONE_THREAD`` = 256 at 1 where
-kernels._softmax runs, the rotation and the attention are fused a chunk of heads at a time: each
-chunk's q and k are rotated by the C pass (kernels/_rope.c) into a buffer of their own, scored by
-one batched matmul (the scale its alpha), masked, turned into probabilities in place (by
-kernels/_softmax.c where the CPU has AVX-512F, else torch.softmax) and multiplied by v; a chunk's
-rotated q and k and scores take at most ``FUSED_BYTES`` = 5 MiB (one kv head's where that is more).
-The rotated q and k are read from the caches they were written to instead of from memory, and no
-(B, H, S, S) scores are written whole. The lengths are from evidence/fused-attention-zen4.txt (Zen
-4, 1 and 2 threads): faster than rotating first up to them, level or slower beyond, and a mask
-masked chunk by chunk slower than SDPA's own from 256 positions. A training forward keeps the
-unfused paths, whose rotation is differentiable.
+kernels._softmax's AVX-512F kernel runs, the rotation and the attention are fused a chunk of heads
+at a time: each chunk's q and k are rotated by the C pass (kernels/_rope.c) into a buffer of their
+own, scored by one batched matmul (the scale its alpha), masked, turned into probabilities in place
+(by kernels/_softmax.c's AVX-512F or AVX2 kernel where the CPU runs one, else torch.softmax) and
+multiplied by v; a chunk's rotated q and k and scores take at most ``FUSED_BYTES`` = 5 MiB (one kv
+head's where that is more). The rotated q and k are read from the caches they were written to
+instead of from memory, and no (B, H, S, S) scores are written whole. The lengths are from
+evidence/fused-attention-zen4.txt (Zen 4, 1 and 2 threads): faster than rotating first up to them,
+level or slower beyond, and a mask masked chunk by chunk slower than SDPA's own from 256 positions.
+A training forward keeps the unfused paths, whose rotation is differentiable.
 
 And causal on CPU over 384 to 512 positions (``CPU_CAUSAL_SEQ``; fp32, bf16, fp16): torch's flash CPU
 kernel scores each block of queries against a whole block of up to 512 keys and masks the ones past
@@ -168,7 +168,7 @@ def _blocked_causal(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, block:
 
 CPU_FUSED_SEQ = 128  # the longest S of the fused path (module note)
 CPU_FUSED_SEQ_TWO_THREADS = 512  # ... at 2 threads
-CPU_FUSED_SEQ_ONE_THREAD = 256  # ... at 1 thread, where kernels._softmax runs
+CPU_FUSED_SEQ_ONE_THREAD = 256  # ... at 1 thread, where kernels._softmax's AVX-512F kernel runs
 FUSED_BYTES = 5 << 20  # a chunk's rotated q and k and its scores, at most one kv head's over it
 
 
@@ -176,7 +176,7 @@ def _fuses(q: Tensor, k: Tensor, v: Tensor, rope: nn.Module, causal: bool, mask:
            positions: object) -> bool:
     """Whether the fused CPU path takes this call (module note): float32 on the CPU without the
     causal mask, S at most CPU_FUSED_SEQ (without a mask, CPU_FUSED_SEQ_TWO_THREADS at 2 threads,
-    CPU_FUSED_SEQ_ONE_THREAD at 1 where kernels._softmax runs), a
+    CPU_FUSED_SEQ_ONE_THREAD at 1 where kernels._softmax's AVX-512F kernel runs), a
     RotaryEmbedding whose rotation is ours, one table for every batch row, plain tensors, nothing to
     differentiate (no gradient to build, no forward-mode tangent, no torch.func transform) and no
     autocast, not while a graph is traced (torch.compile, torch.export, torch.jit.trace: none
@@ -190,7 +190,7 @@ def _fuses(q: Tensor, k: Tensor, v: Tensor, rope: nn.Module, causal: bool, mask:
         return False
     threads = torch.get_num_threads()
     limit = (CPU_FUSED_SEQ_TWO_THREADS if threads == 2 else
-             CPU_FUSED_SEQ_ONE_THREAD if threads == 1 and _softmax_in_c() else CPU_FUSED_SEQ)
+             CPU_FUSED_SEQ_ONE_THREAD if threads == 1 and _softmax_in_c() == "avx512f" else CPU_FUSED_SEQ)
     one_table = positions is None or (isinstance(positions, Tensor) and positions.ndim == 1)
     if q.shape[2] > (limit if mask is None else CPU_FUSED_SEQ) or not one_table:  # a mask: up to 128 only
         return False
@@ -205,21 +205,23 @@ def _fuses(q: Tensor, k: Tensor, v: Tensor, rope: nn.Module, causal: bool, mask:
                    for t in tensors)
 
 
-def _softmax_in_c() -> bool:
-    """Whether kernels._softmax runs here: built, on a CPU with AVX-512F."""
-    return _c_softmax is not None and bool(_c_softmax.AVX512F)
+def _softmax_in_c() -> str:
+    """The kernel of kernels._softmax that runs here ("avx512f" or "avx2"), "" where none does (not
+    built, or a CPU with neither)."""
+    return "" if _c_softmax is None else _c_softmax.ISA
 
 
 def _softmax_(scores: Tensor) -> Tensor:
     """softmax over the last dim of ``scores`` (a C-contiguous float32 CPU tensor needing no
     gradient), in place: by kernels._softmax where it runs (``_softmax_in_c``), else by
     torch.softmax. Returns ``scores``."""
-    if not _softmax_in_c():
+    isa = _softmax_in_c()
+    if not isa:
         return torch.softmax(scores, -1, out=scores)  # in place: each row is read before it is written
     # torch's grain for elementwise ops (as kernels.rope.rotate_into): fewer elements a thread
     # cost more in the team's start than they save
     threads = max(1, min(torch.get_num_threads(), _c_softmax.MAX_THREADS, scores.numel() // 32768))
-    _c_softmax.softmax_(scores.numpy(), threads)
+    _c_softmax.softmax_(scores.numpy(), threads, isa)
     return scores
 
 
