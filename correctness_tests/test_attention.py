@@ -236,6 +236,7 @@ def test_rope_attention_compiles_whole_and_exports(causal: bool) -> None:
 
 
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:FutureWarning")  # still in use
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_jit_traced_rope_attention_replays_new_inputs(causal: bool) -> None:
     """torch.jit.trace records torch ops only: where the eager call would take the fused path or
