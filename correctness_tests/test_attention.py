@@ -131,16 +131,18 @@ def test_fused_path_at_its_longest_and_at_the_default_chunks() -> None:
         torch.set_num_threads(threads)
 
 
-def test_fused_path_at_one_thread_up_to_its_longest() -> None:
-    """At 1 thread, S = CPU_FUSED_SEQ_ONE_THREAD where kernels._softmax runs (CPU_FUSED_SEQ where
-    torch.softmax serves), grouped heads."""
+@pytest.mark.parametrize("path", [*(() if KA._c_softmax is None else KA._c_softmax.ISAS), "torch"])
+def test_fused_path_at_one_thread_up_to_its_longest(path: str) -> None:
+    """At 1 thread, S = CPU_FUSED_SEQ_ONE_THREAD where kernels._softmax's AVX-512F kernel runs
+    (CPU_FUSED_SEQ with its AVX2 kernel or torch.softmax), grouped heads."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        s = KA.CPU_FUSED_SEQ_ONE_THREAD if KA._softmax_in_c() == "avx512f" else KA.CPU_FUSED_SEQ
+        s = KA.CPU_FUSED_SEQ_ONE_THREAD if path == "avx512f" else KA.CPU_FUSED_SEQ
         q, k, v = torch.randn(2, 4, s, 16), torch.randn(2, 2, s, 16), torch.randn(2, 2, s, 16)
         rope = RotaryEmbedding(16)
-        with mock.patch.object(KA, "_fused_attention", wraps=KA._fused_attention) as fused:
+        with (through_softmax(path),
+              mock.patch.object(KA, "_fused_attention", wraps=KA._fused_attention) as fused):
             got = kernels.rope_attention(q, k, v, rope)
         assert fused.call_count == 1
         assert_close(got, RA.rope_attention(q, k, v, rope), REDUCTION)
@@ -488,6 +490,22 @@ def test_softmax_of_extreme_scores(path: str) -> None:
     assert (got[2][want[2] == 0] == 0).all()
 
 
+@EACH_ISA
+def test_the_c_softmax_rounds_subnormal_probabilities_once(isa: str) -> None:
+    """Rows of one 0 score and the rest in [-104, -87]: the sum rounds to exactly 1, so each
+    probability is exp(t) rounded once to float32, subnormal or 0 below -87.3: within 1 ulp of
+    float64's exp rounded, and the same bits from every kernel."""
+    x = torch.cat([torch.zeros(40, 1), torch.linspace(-104.0, -87.0, 23 * 40).view(40, 23)], 1)
+    want = torch.exp(x.double()).float()
+    got = x.clone()
+    C.softmax_(got.numpy(), 1, isa)
+    assert (got.view(torch.int32).long() - want.view(torch.int32).long()).abs().max() <= 1
+    for other in ISAS:
+        again = x.clone()
+        C.softmax_(again.numpy(), 1, other)
+        assert torch.equal(again, got), other
+
+
 @SOFTMAX_PATHS
 def test_softmax_nan_rows_where_torch_gives_them(path: str) -> None:
     """A NaN, +inf (inf - inf) or nothing but -inf makes the whole row NaN, as torch.softmax gives."""
@@ -511,15 +529,17 @@ def test_the_c_softmax_splits_rows_over_threads_to_the_same_bits(isa: str) -> No
 
 
 @EACH_ISA
-def test_the_c_softmax_raises_no_overflow_for_lanes_past_the_row(isa: str, tmp_path) -> None:
+@pytest.mark.parametrize("score", [-100.0, -200.0])
+def test_the_c_softmax_raises_no_overflow_for_lanes_past_the_row(isa: str, score: float, tmp_path) -> None:
     """Every score below -88 and a row that ends mid-vector: the lanes past its end compute no
-    exp that overflows (a process with overflow traps on would die)."""
+    exp that overflows (a process with overflow traps on would die). -100: exp(100) overflows in
+    both kernels (exp(200) wraps in the AVX2 one's exponent bits instead)."""
     script = tmp_path / "trap.py"
     script.write_text(
         "import ctypes, ctypes.util, torch\n"
         "from kernels import _softmax\n"
         "ctypes.CDLL(ctypes.util.find_library('m')).feenableexcept(0x08)  # FE_OVERFLOW\n"
-        "x = torch.full((3, 17), -200.0)\n"
+        f"x = torch.full((3, 17), {score})\n"
         f"_softmax.softmax_(x.numpy(), 1, {isa!r})\n"
         "assert torch.allclose(x, torch.full_like(x, 1 / 17))\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
@@ -555,7 +575,7 @@ def test_the_c_softmax_refuses_thread_counts_out_of_range(threads: int) -> None:
 
 
 @runs_c
-@pytest.mark.parametrize("isa", ["", "sse2", "AVX2", "avx512"])
+@pytest.mark.parametrize("isa", ["", "sse2", "AVX2", "avx512", *(n for n in ("avx512f", "avx2") if n not in ISAS)])
 def test_the_c_softmax_refuses_a_kernel_it_does_not_have(isa: str) -> None:
     with pytest.raises(ValueError, match="isa must name a kernel"):
         C.softmax_(torch.zeros(2, 3).numpy(), 1, isa)

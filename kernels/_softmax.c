@@ -92,15 +92,16 @@ __attribute__((target("avx512f"))) static void row16(float *x, Py_ssize_t n) {
 
 /* ---- AVX2 with FMA: 8 lanes, tails by lane masks in a vector ---- */
 
-#define AVX2 __attribute__((target("avx2,fma")))
+#define TARGET_AVX2_FMA __attribute__((target("avx2,fma")))
 
 /* 2^e for integer lanes e in [-126, 127], built in the exponent bits. */
-AVX2 static inline __m256 pow2(__m256i e) {
+TARGET_AVX2_FMA static inline __m256 pow2(__m256i e) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
 }
 
-/* exp(t) lane by lane for t <= 0 or NaN (module note): as exp16, 2^k in two normal factors. */
-AVX2 static inline __m256 exp8(__m256 t) {
+/* exp(t) lane by lane for t <= 0 or NaN (module note): as exp16, 2^k in two normal factors (pow2
+   takes exponents up to 127: a t above 0 would wrap into the sign bit, not overflow). */
+TARGET_AVX2_FMA static inline __m256 exp8(__m256 t) {
     t = _mm256_max_ps(_mm256_set1_ps(FLOOR), t); /* the second operand when either is NaN: NaN stays */
     const __m256 k = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(LN2_HI), t);
@@ -118,17 +119,17 @@ AVX2 static inline __m256 exp8(__m256 t) {
 }
 
 /* Lanes [0, n) of 8 as a vector mask (all bits set in a lane that is in). */
-AVX2 static inline __m256i lanes8(Py_ssize_t n) {
+TARGET_AVX2_FMA static inline __m256i lanes8(Py_ssize_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 8 ? n : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-AVX2 static inline float reduce_max8(__m256 v) {
+TARGET_AVX2_FMA static inline float reduce_max8(__m256 v) {
     __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     a = _mm_max_ps(a, _mm_movehl_ps(a, a));
     return _mm_cvtss_f32(_mm_max_ss(a, _mm_shuffle_ps(a, a, 1)));
 }
 
-AVX2 static inline float reduce_add8(__m256 v) {
+TARGET_AVX2_FMA static inline float reduce_add8(__m256 v) {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     a = _mm_add_ps(a, _mm_movehl_ps(a, a));
     return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
@@ -136,7 +137,7 @@ AVX2 static inline float reduce_add8(__m256 v) {
 
 /* Softmax of one row of n floats in place: whole vectors, then the tail's lanes by mask (masked
    stores are slow on some CPUs: one a pass at most). */
-AVX2 static void row8(float *x, Py_ssize_t n) {
+TARGET_AVX2_FMA static void row8(float *x, Py_ssize_t n) {
     const Py_ssize_t whole = n / 8 * 8;
     const __m256i k = lanes8(n - whole); /* the tail's lanes, none where n divides by 8 */
     const __m256 in = _mm256_castsi256_ps(k), lowest = _mm256_set1_ps(-INFINITY);
@@ -218,24 +219,24 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_softmax", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__softmax(void) {
+    static const char *const names[] = {"avx512f", "avx2"}; /* widest first */
+    const char *runs[sizeof names / sizeof *names];
+    Py_ssize_t count = 0;
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++)
+        if (kernel(names[i]) != NULL) runs[count++] = names[i];
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    static const char *const names[] = {"avx512f", "avx2"}; /* widest first */
-    PyObject *isas = PyTuple_New(0);
-    for (size_t i = 0; isas != NULL && i < sizeof names / sizeof *names; i++) {
-        if (kernel(names[i]) == NULL) continue;
-        PyObject *name = PyUnicode_FromString(names[i]);
-        if (name == NULL || _PyTuple_Resize(&isas, PyTuple_GET_SIZE(isas) + 1) < 0) {
-            Py_XDECREF(name);
-            Py_CLEAR(isas);
-            break;
-        }
-        PyTuple_SET_ITEM(isas, PyTuple_GET_SIZE(isas) - 1, name);
+    PyObject *isas = PyTuple_New(count);
+    for (Py_ssize_t i = 0; isas != NULL && i < count; i++) {
+        PyObject *name = PyUnicode_FromString(runs[i]);
+        if (name == NULL) Py_CLEAR(isas);
+        else PyTuple_SET_ITEM(isas, i, name);
     }
-    const char *widest = isas != NULL && PyTuple_GET_SIZE(isas) ? PyUnicode_AsUTF8(PyTuple_GET_ITEM(isas, 0)) : "";
-    if (isas == NULL || PyModule_AddIntConstant(m, "MAX_THREADS", MAX_THREADS) < 0 ||
-        PyModule_AddStringConstant(m, "ISA", widest) < 0 || PyModule_AddObject(m, "ISAS", isas) < 0) {
-        Py_XDECREF(isas);
+    const int failed = isas == NULL || PyModule_AddIntConstant(m, "MAX_THREADS", MAX_THREADS) < 0 ||
+                       PyModule_AddStringConstant(m, "ISA", count ? runs[0] : "") < 0 ||
+                       PyModule_AddObjectRef(m, "ISAS", isas) < 0;
+    Py_XDECREF(isas);
+    if (failed) {
         Py_DECREF(m);
         return NULL;
     }
