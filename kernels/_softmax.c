@@ -44,6 +44,24 @@
 #define P4 1.6666665459e-1f
 #define P5 5.0000001201e-1f
 
+/* exp(t) = 2^k p for t clamped to [FLOOR, 0] or NaN, in the ops of one vector width W (256 or
+   512; ROUND that width's round to nearest): k = round(t / ln2), r = t - k ln2 (Cody-Waite),
+   p = exp(r) by the polynomial. Each kernel scales p by 2^k its own way. */
+#define EXP_PARTS(W, ROUND, t, k, p)                                                        \
+    do {                                                                                    \
+        k = ROUND(_mm##W##_mul_ps(t, _mm##W##_set1_ps(LOG2E)));                             \
+        __m##W r_ = _mm##W##_fnmadd_ps(k, _mm##W##_set1_ps(LN2_HI), t);                     \
+        r_ = _mm##W##_fnmadd_ps(k, _mm##W##_set1_ps(LN2_LO), r_);                           \
+        p = _mm##W##_fmadd_ps(_mm##W##_set1_ps(P0), r_, _mm##W##_set1_ps(P1));              \
+        p = _mm##W##_fmadd_ps(p, r_, _mm##W##_set1_ps(P2));                                 \
+        p = _mm##W##_fmadd_ps(p, r_, _mm##W##_set1_ps(P3));                                 \
+        p = _mm##W##_fmadd_ps(p, r_, _mm##W##_set1_ps(P4));                                 \
+        p = _mm##W##_fmadd_ps(p, r_, _mm##W##_set1_ps(P5));                                 \
+        p = _mm##W##_fmadd_ps(p, _mm##W##_mul_ps(r_, r_), _mm##W##_add_ps(r_, _mm##W##_set1_ps(1.0f))); \
+    } while (0)
+#define ROUND512(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define ROUND256(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
 /* ---- AVX-512F: 16 lanes, tails by mask registers ---- */
 
 /* Lanes [0, n) of 16 as a mask. */
@@ -52,16 +70,8 @@
 /* exp(t) lane by lane for t <= 0 or NaN (module note). */
 __attribute__((target("avx512f"))) static inline __m512 exp16(__m512 t) {
     t = _mm512_max_ps(_mm512_set1_ps(FLOOR), t); /* the second operand when either is NaN: NaN stays */
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(LOG2E)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(LN2_HI), t); /* t - k ln2 */
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(LN2_LO), r);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(P0), r, _mm512_set1_ps(P1));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P5));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f))); /* exp(r) */
+    __m512 k, p;
+    EXP_PARTS(512, ROUND512, t, k, p);
     return _mm512_scalef_ps(p, k);
 }
 
@@ -103,15 +113,8 @@ TARGET_AVX2_FMA static inline __m256 pow2(__m256i e) {
    takes exponents up to 127: a t above 0 would wrap into the sign bit, not overflow). */
 TARGET_AVX2_FMA static inline __m256 exp8(__m256 t) {
     t = _mm256_max_ps(_mm256_set1_ps(FLOOR), t); /* the second operand when either is NaN: NaN stays */
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(LN2_HI), t);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(LN2_LO), r);
-    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(P0), r, _mm256_set1_ps(P1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P5));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256 k, p;
+    EXP_PARTS(256, ROUND256, t, k, p);
     /* k in [-150, 0]: k/2 (rounded down) and k - k/2 both in [-75, 0], each factor a normal float;
        p 2^(k/2) is exact, so the product rounds once (a NaN lane's bits do not matter: p is NaN) */
     const __m256i ki = _mm256_cvtps_epi32(k), half = _mm256_srai_epi32(ki, 1);
