@@ -42,6 +42,21 @@ def test_foreach_lists_and_out_buffers_are_seen() -> None:
     assert count_work(lambda: out.copy_(x)).bytes == 4 * 500 * 2
 
 
+def test_a_fused_optimizer_step_writes_its_grads_only_to_unscale_them() -> None:
+    """torch's fused steps mark their grads as written; they write them only given a grad_scale."""
+    n = 1000
+    p, g, m, v = (torch.randn(n) for _ in range(4))
+    sgd = dict(weight_decay=0.0, momentum=0.9, lr=0.1, dampening=0.0, nesterov=False, maximize=False,
+               is_first_step=False)
+    assert count_work(lambda: torch._fused_sgd_([p], [g], [m], **sgd)).bytes == 4 * n * 5  # read p g m, write p m
+    scaled = count_work(lambda: torch._fused_sgd_([p], [g], [m], **sgd, grad_scale=torch.tensor(1.0)))
+    assert scaled.bytes == 4 * n * 6 + 4  # g unscaled in place, and the scale read
+    step = torch.tensor(1.0)
+    adamw = count_work(lambda: torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-3, beta1=0.9, beta2=0.999,
+                                                   weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False))
+    assert adamw.bytes == 4 * n * 7 + 4  # read p g m v, write p m v; the step read (torch.optim adds to it)
+
+
 def test_a_view_or_an_input_returned_moves_nothing_more() -> None:
     x = torch.randn(10, 10)
     assert count_work(lambda: x.t()).bytes == 400  # read (seen by the view op), nothing written

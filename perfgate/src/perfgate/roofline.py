@@ -66,15 +66,24 @@ def _extra_flops() -> dict[Any, Callable[..., float]]:
 
 def _written(func: Any, args: tuple, kwargs: dict) -> tuple[set[int], set[int]]:
     """The ids of the tensors an op writes, and of those it writes without reading them first
-    (an ``out=`` argument, the first argument of copy_, fill_ or zero_)."""
+    (an ``out=`` argument, the first argument of copy_, fill_ or zero_). torch's fused optimizer
+    steps (``_fused_sgd_``, ``_fused_adamw_``, ...) mark their grads as written but write them only
+    to unscale them, given a ``grad_scale``: without one the grads count as read."""
     import torch
 
     overwrites = {torch.ops.aten.copy_, torch.ops.aten.fill_, torch.ops.aten.zero_}
+    schema = func._schema.arguments
+
+    def value_of(i: int) -> Any:
+        return args[i] if i < len(args) else kwargs.get(schema[i].name)
+
+    scale = next((value_of(i) for i, arg in enumerate(schema) if arg.name == "grad_scale"), None)
+    unscales = not func._overloadpacket.__name__.startswith("_fused_") or scale is not None
     writes, pure = set(), set()
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
+    for i, arg in enumerate(schema):
+        if arg.alias_info is None or not arg.alias_info.is_write or (arg.name == "grads" and not unscales):
             continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        value = value_of(i)
         for t in value if isinstance(value, (list, tuple)) else [value]:  # a _foreach_ op's lists
             if isinstance(t, torch.Tensor):
                 writes.add(id(t))
