@@ -7,6 +7,8 @@ import copy
 import platform
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
 
@@ -23,6 +25,32 @@ from correctness_tests.tolerances import ELEMENTWISE, REDUCTION, assert_close, a
 from kernels.rope import RotaryEmbedding
 
 SIDES = {"kernels": kernels, "reference": RA}
+
+# the fused path's softmax (kernels.attention._softmax_): kernels._softmax's kernels, or torch.softmax
+C = KA._c_softmax
+ISAS = () if C is None else C.ISAS  # the C kernels this CPU runs, widest first
+runs_c = pytest.mark.skipif(not ISAS, reason="kernels._softmax not built, or none of its kernels runs here")
+# each softmax test runs through every C kernel this CPU runs and through torch.softmax ("torch")
+SOFTMAX_PATHS = pytest.mark.parametrize("path", [*ISAS, "torch"])
+EACH_ISA = pytest.mark.parametrize("isa", [pytest.param(isa) for isa in ISAS] or
+                                   [pytest.param("avx512f", marks=runs_c)])
+
+
+def through_softmax(path: str):
+    """``_softmax_`` goes through ``path``: one of the C kernels, or torch.softmax."""
+    return mock.patch.object(KA, "_c_softmax", None) if path == "torch" else mock.patch.object(C, "ISA", path)
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` within, restored after (the fused path's lengths
+    depend on them)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @st.composite
@@ -112,47 +140,37 @@ def test_fused_path_equals_reference(p: dict, budget: int, strided: bool, where:
 def test_fused_path_at_its_longest_and_at_the_default_chunks() -> None:
     """S = CPU_FUSED_SEQ_TWO_THREADS at 2 threads, grouped heads, the module's chunk size; a mask
     there takes SDPA."""
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        s = KA.CPU_FUSED_SEQ_TWO_THREADS
-        q, k, v = torch.randn(2, 4, s, 16), torch.randn(2, 2, s, 16), torch.randn(2, 2, s, 16)
-        mask = torch.rand(2, 1, s, s) < 0.5
-        mask[..., 0] = True
-        rope = RotaryEmbedding(16)
-        with mock.patch.object(KA, "_fused_attention", wraps=KA._fused_attention) as fused:
-            got = kernels.rope_attention(q, k, v, rope)
-            assert fused.call_count == 1
-            masked = kernels.rope_attention(q, k, v, rope, attn_mask=mask)
-            assert fused.call_count == 1
-        assert_close(got, RA.rope_attention(q, k, v, rope), REDUCTION)
-        assert_close(masked, RA.rope_attention(q, k, v, rope, attn_mask=mask), REDUCTION)
-    finally:
-        torch.set_num_threads(threads)
+    s = KA.CPU_FUSED_SEQ_TWO_THREADS
+    q, k, v = torch.randn(2, 4, s, 16), torch.randn(2, 2, s, 16), torch.randn(2, 2, s, 16)
+    mask = torch.rand(2, 1, s, s) < 0.5
+    mask[..., 0] = True
+    rope = RotaryEmbedding(16)
+    with torch_threads(2), mock.patch.object(KA, "_fused_attention", wraps=KA._fused_attention) as fused:
+        got = kernels.rope_attention(q, k, v, rope)
+        assert fused.call_count == 1
+        masked = kernels.rope_attention(q, k, v, rope, attn_mask=mask)
+        assert fused.call_count == 1
+    assert_close(got, RA.rope_attention(q, k, v, rope), REDUCTION)
+    assert_close(masked, RA.rope_attention(q, k, v, rope, attn_mask=mask), REDUCTION)
 
 
-@pytest.mark.parametrize("path", [*(() if KA._c_softmax is None else KA._c_softmax.ISAS), "torch"])
+@SOFTMAX_PATHS
 def test_fused_path_at_one_thread_up_to_its_longest(path: str) -> None:
     """At 1 thread, S = CPU_FUSED_SEQ_ONE_THREAD where kernels._softmax's AVX-512F kernel runs
     (CPU_FUSED_SEQ with its AVX2 kernel or torch.softmax), grouped heads."""
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        s = KA.CPU_FUSED_SEQ_ONE_THREAD if path == "avx512f" else KA.CPU_FUSED_SEQ
-        q, k, v = torch.randn(2, 4, s, 16), torch.randn(2, 2, s, 16), torch.randn(2, 2, s, 16)
-        rope = RotaryEmbedding(16)
-        with (through_softmax(path),
-              mock.patch.object(KA, "_fused_attention", wraps=KA._fused_attention) as fused):
-            got = kernels.rope_attention(q, k, v, rope)
-        assert fused.call_count == 1
-        assert_close(got, RA.rope_attention(q, k, v, rope), REDUCTION)
-    finally:
-        torch.set_num_threads(threads)
+    s = KA.CPU_FUSED_SEQ_ONE_THREAD if path == "avx512f" else KA.CPU_FUSED_SEQ
+    q, k, v = torch.randn(2, 4, s, 16), torch.randn(2, 2, s, 16), torch.randn(2, 2, s, 16)
+    rope = RotaryEmbedding(16)
+    with (torch_threads(1), through_softmax(path),
+          mock.patch.object(KA, "_fused_attention", wraps=KA._fused_attention) as fused):
+        got = kernels.rope_attention(q, k, v, rope)
+    assert fused.call_count == 1
+    assert_close(got, RA.rope_attention(q, k, v, rope), REDUCTION)
 
 
 def test_fused_path_only_where_it_measured_faster() -> None:
     """CPU fp32, not causal, up to CPU_FUSED_SEQ positions (without a mask CPU_FUSED_SEQ_TWO_THREADS
-    at 2 threads, CPU_FUSED_SEQ_ONE_THREAD at 1 where kernels._softmax runs),
+    at 2 threads, CPU_FUSED_SEQ_ONE_THREAD at 1 where kernels._softmax's AVX-512F kernel runs),
     one table for all batch rows, nothing to differentiate, no autocast
     (evidence/fused-attention-zen4.txt)."""
     rope = RotaryEmbedding(8)
@@ -162,22 +180,18 @@ def test_fused_path_only_where_it_measured_faster() -> None:
         q, k, v = (torch.empty(2, 2, s, 8, dtype=dtype, requires_grad=n in grad) for n in "qkv")
         return KA._fuses(q, k, v, emb, causal, mask, positions)
 
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with torch_threads(2):
         assert fuses(KA.CPU_FUSED_SEQ_TWO_THREADS) and not fuses(KA.CPU_FUSED_SEQ_TWO_THREADS + 1)
         mask = torch.ones(KA.CPU_FUSED_SEQ + 1, KA.CPU_FUSED_SEQ + 1, dtype=torch.bool)
         assert fuses(KA.CPU_FUSED_SEQ, mask=mask[1:, 1:]) and not fuses(KA.CPU_FUSED_SEQ + 1, mask=mask)
-        torch.set_num_threads(1)
+    with torch_threads(1):
         assert fuses(KA.CPU_FUSED_SEQ_ONE_THREAD) == (KA._softmax_in_c() == "avx512f")
         assert not fuses(KA.CPU_FUSED_SEQ_ONE_THREAD + 1)
         for path in [p for p in ISAS if p != "avx512f"] + ["torch"]:  # 128 at 1 thread, as measured
             with through_softmax(path):
                 assert fuses(KA.CPU_FUSED_SEQ) and not fuses(KA.CPU_FUSED_SEQ + 1)
-        torch.set_num_threads(3)
+    with torch_threads(3):
         assert fuses(KA.CPU_FUSED_SEQ) and not fuses(KA.CPU_FUSED_SEQ + 1)
-    finally:
-        torch.set_num_threads(threads)
     assert not fuses(causal=True) and not fuses(dtype=torch.float64) and not fuses(dtype=torch.bfloat16)
     assert fuses(positions=torch.arange(8)) and not fuses(positions=torch.arange(8).expand(2, 8))
     assert not fuses(positions=list(range(8)))  # refused by the rotation's own checks, with its message
@@ -429,19 +443,6 @@ def test_module_does_not_change_the_rope_cache_in_state_dicts() -> None:
 # -- the fused path's softmax (kernels.attention._softmax_: kernels._softmax's AVX-512F or AVX2
 # kernel where the CPU runs one, else torch.softmax): float64's softmax, exact zeros for masked
 # scores, NaN rows where torch.softmax gives them; the C part refuses what it cannot take --------
-
-C = KA._c_softmax
-ISAS = () if C is None else C.ISAS  # the C kernels this CPU runs, widest first
-runs_c = pytest.mark.skipif(not ISAS, reason="kernels._softmax not built, or none of its kernels runs here")
-# each softmax test runs through every C kernel this CPU runs and through torch.softmax ("torch")
-SOFTMAX_PATHS = pytest.mark.parametrize("path", [*ISAS, "torch"])
-EACH_ISA = pytest.mark.parametrize("isa", [pytest.param(isa) for isa in ISAS] or
-                                   [pytest.param("avx512f", marks=runs_c)])
-
-
-def through_softmax(path: str):
-    """``_softmax_`` goes through ``path``: one of the C kernels, or torch.softmax."""
-    return mock.patch.object(KA, "_c_softmax", None) if path == "torch" else mock.patch.object(C, "ISA", path)
 
 
 def test_softmax_kernels_are_the_cpus() -> None:

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels import checks
-from kernels.rope import RotaryEmbedding, _c_rotates, c_tables, rotate_into
+from kernels.rope import RotaryEmbedding, _c_rotates, c_tables, c_team, rotate_into
 
 try:
     from kernels import _softmax as _c_softmax
@@ -218,10 +218,7 @@ def _softmax_(scores: Tensor) -> Tensor:
     isa = _softmax_in_c()
     if not isa:
         return torch.softmax(scores, -1, out=scores)  # in place: each row is read before it is written
-    # torch's grain for elementwise ops (as kernels.rope.rotate_into): fewer elements a thread
-    # cost more in the team's start than they save
-    threads = max(1, min(torch.get_num_threads(), _c_softmax.MAX_THREADS, scores.numel() // 32768))
-    _c_softmax.softmax_(scores.numpy(), threads, isa)
+    _c_softmax.softmax_(scores.numpy(), c_team(scores.numel(), _c_softmax.MAX_THREADS), isa)
     return scores
 
 

@@ -141,16 +141,24 @@ def c_tables(cos: Tensor, sin: Tensor, s: int) -> tuple[Tensor, Tensor]:
     return tuple(t.detach().reshape(-1, s, t.shape[-1]).contiguous() for t in (cos, sin))
 
 
+GRAIN = 32768  # torch's own grain for elementwise ops (at::internal::GRAIN_SIZE)
+
+
+def c_team(numel: int, most: int) -> int:
+    """Threads of torch's team a C pass over ``numel`` elements takes: at most ``most`` (the C
+    part's own limit), and one per GRAIN elements: fewer a thread cost more in the team's start
+    than they save."""
+    return max(1, min(torch.get_num_threads(), most, numel // GRAIN))
+
+
 def rotate_into(x: Tensor, out: Tensor, cos: Tensor, sin: Tensor, *, x_pairs: bool, out_pairs: bool,
                 inverse: bool = False) -> Tensor:
     """kernels._rope's one pass: x (B, H, S, D), where ``_c_rotates``, rotated into ``out`` (a
     C-contiguous float32 tensor of x's shape), pairs read and written in the layouts named
     (interleaved where ``*_pairs``, else half-split), by -angle where ``inverse``; cos, sin as
     ``c_tables`` returns them. Returns ``out``."""
-    # torch's own grain for elementwise ops (at::internal::GRAIN_SIZE): fewer elements a thread
-    # cost more in the team's start than they save
-    threads = max(1, min(torch.get_num_threads(), _c.MAX_THREADS, x.numel() // 32768))
-    _c.turn(x.detach().numpy(), out.numpy(), cos.numpy(), sin.numpy(), x_pairs, out_pairs, inverse, threads)
+    _c.turn(x.detach().numpy(), out.numpy(), cos.numpy(), sin.numpy(), x_pairs, out_pairs, inverse,
+            c_team(x.numel(), _c.MAX_THREADS))
     return out
 
 
