@@ -1,5 +1,6 @@
-"""The library's C parts (kernels/_nontemporal.c, kernels/_rope.c, kernels/_softmax.c): each is built
-where there is a compiler, and its threads are torch's OpenMP team."""
+"""The library's C parts (kernels/_nontemporal.c, kernels/_rope.c, kernels/_softmax.c,
+kernels/_standardize.c): each is built where there is a compiler, and its threads are torch's
+OpenMP team."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from perfgate.timing import openmp_runtime, torch_openmp_runtime
 
-MODULES = ["kernels._nontemporal", "kernels._rope", "kernels._softmax"]
+MODULES = ["kernels._nontemporal", "kernels._rope", "kernels._softmax", "kernels._standardize"]
 
 
 def _module(name: str):

@@ -1,6 +1,7 @@
 """kernels.Standardizer == scikit-learn's StandardScaler (reference.standardize): statistics,
-transform, inverse; chunked partial_fit == one fit; offsets, constant columns, n=1, fp16; no
-autograd graph kept by a fit, transform differentiable in X; one test per refused input."""
+transform, inverse, by the C passes (kernels._standardize) and by the torch ops; chunked
+partial_fit == one fit; offsets, constant columns, n=1, fp16; no autograd graph kept by a fit,
+transform differentiable in X; one test per refused input."""
 
 from __future__ import annotations
 
@@ -20,20 +21,28 @@ from kernels import standardize
 from kernels.standardize import Standardizer
 from reference.standardize import Standardizer as Reference
 
-# Rows per CPU block for the tests that draw it: None keeps the kernel's own (one block at these
-# sizes), 1 is a block per row.
-BLOCK_ROWS = st.sampled_from([None, 1, 3, 64])
+# How the CPU passes run, for the tests that draw it: in C (where kernels._standardize is built) or
+# by torch ops, with rows per C chunk or torch block; None keeps the kernel's own (one at these
+# sizes), 1 is one per row.
+IN_C = [True, False] if standardize._c is not None else [False]
+PATHS = [(c, rows) for c in IN_C for rows in (None, 1, 3, 64)]
+Path = tuple[bool, int | None]
 
 
 @contextlib.contextmanager
-def blocks_of(rows: int | None, x: torch.Tensor) -> Iterator[None]:
-    """The kernel's CPU row blocks set to ``rows`` rows of x's (N, D) in its accumulation dtype."""
-    if rows is None:
-        yield
-        return
+def passes(path: Path, x: torch.Tensor) -> Iterator[None]:
+    """The CPU passes in C or in torch ops (``path[0]``), by chunks or blocks of ``path[1]`` rows of
+    x's (N, D) in its accumulation dtype."""
+    in_c, rows = path
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    with mock.patch.object(standardize, "BLOCK_BYTES", rows * x.shape[1] * acc.itemsize):
-        assert len(standardize._blocks(x, acc)) == -(-x.shape[0] // rows)
+    with contextlib.ExitStack() as stack:
+        if not in_c:
+            stack.enter_context(mock.patch.object(standardize, "_c", None))
+        if rows is not None:
+            name = "CHUNK_BYTES" if in_c else "BLOCK_BYTES"
+            stack.enter_context(mock.patch.object(standardize, name, rows * x.shape[1] * acc.itemsize))
+            assert in_c or len(standardize._blocks(x, acc)) == -(-x.shape[0] // rows)
+        assert standardize._in_c(x) == (in_c and x.dtype == acc)
         yield
 
 
@@ -54,10 +63,10 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, kind: str, dtype: torch
     assert_close(actual.double(), expected.double(), kind, dtype=dtype)
 
 
-@given(data(), BLOCK_ROWS)
-def test_fit_transform_inverse_equal_sklearn(x: torch.Tensor, rows: int | None) -> None:
-    """Any row blocking (a block per row to one block) gives sklearn's statistics and transform."""
-    with blocks_of(rows, x):
+@given(data(), st.sampled_from(PATHS))
+def test_fit_transform_inverse_equal_sklearn(x: torch.Tensor, path: Path) -> None:
+    """Either path, any row chunking (one per row to one), gives sklearn's statistics and transform."""
+    with passes(path, x):
         got, want = Standardizer().fit(x), Reference().fit(x)
         assert got.n_samples_seen_ == want.n_samples_seen_ == x.shape[0]
         _close(got.mean_, want.mean_, REDUCTION, x.dtype)
@@ -74,12 +83,12 @@ def test_fit_transform_inverse_equal_sklearn(x: torch.Tensor, rows: int | None) 
         _close(got.inverse_transform(z), x, REDUCTION, x.dtype)
 
 
-@given(data(), st.lists(st.integers(1, 299), max_size=4), BLOCK_ROWS)
-def test_chunked_partial_fit_equals_one_fit(x: torch.Tensor, cuts: list[int], rows: int | None) -> None:
-    """partial_fit chunks (blocked by ``rows`` inside each) equal one unblocked fit."""
+@given(data(), st.lists(st.integers(1, 299), max_size=4), st.sampled_from(PATHS))
+def test_chunked_partial_fit_equals_one_fit(x: torch.Tensor, cuts: list[int], path: Path) -> None:
+    """partial_fit chunks (each passed as ``path`` says) equal one fit."""
     bounds = sorted({c for c in cuts if c < x.shape[0]} | {0, x.shape[0]})
     chunked = Standardizer()
-    with blocks_of(rows, x):
+    with passes(path, x):
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             chunked.partial_fit(x[a:b])
     whole = Standardizer().fit(x)
@@ -123,7 +132,7 @@ def test_n1_and_constant_columns_get_scale_one() -> None:
 def test_half_precision_accumulates_in_fp32(dtype, rows: int | None) -> None:
     """Statistics in fp32, and the transform computed in fp32 then cast, in one block or many."""
     x = (10 + 3 * torch.randn(20000, 6)).to(dtype)
-    with blocks_of(rows, x):
+    with passes((False, rows), x):  # the torch ops: the C passes take float32 and float64 only
         s = Standardizer().fit(x)
         z = s.transform(x)
     want = Reference().fit(x.double())
@@ -181,15 +190,15 @@ NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf")}
 
 @pytest.mark.parametrize("method", ["fit", "partial_fit", "transform", "inverse_transform"])
 @pytest.mark.parametrize("value", list(NON_FINITE))
-@pytest.mark.parametrize("rows", [None, 2])
-def test_nan_and_inf_are_refused_never_silent_statistics(method: str, value: str, rows: int | None) -> None:
+@pytest.mark.parametrize("path", [(c, rows) for c in IN_C for rows in (None, 2)])
+def test_nan_and_inf_are_refused_never_silent_statistics(method: str, value: str, path: Path) -> None:
     """scikit-learn skips NaN in fit and passes them through transform (and raises on inf): this
     class refuses both everywhere, with a message saying so, whichever row (and row block) holds them."""
     s = Standardizer().fit(torch.randn(6, 3))
     for row in (0, 4, 5):
         x = torch.randn(6, 3)
         x[row, 1] = NON_FINITE[value]
-        with blocks_of(rows, x), pytest.raises(ValueError, match="NaN or inf in X; this Standardizer refuses NaN"):
+        with passes(path, x), pytest.raises(ValueError, match="NaN or inf in X; this Standardizer refuses NaN"):
             getattr(s, method)(x)
 
 
@@ -279,6 +288,9 @@ def test_bad_out_is_refused() -> None:
                          (torch.empty(4, 20).T, "contiguous"), ([1.0], "out must be a torch.Tensor")):
         with pytest.raises((ValueError, TypeError), match=message):
             scaler.transform(x, out=out)
+    pair = torch.randn(40, 4)  # two halves of one storage: the C pass would read X while writing out
+    with pytest.raises(ValueError, match="nor a view of X's memory"):
+        scaler.transform(pair[:20], out=pair[20:])
     with pytest.raises(ValueError, match="float32 or float64"):
         scaler16 = Standardizer().fit(x.half())
         scaler16.transform(x.half(), out=torch.empty_like(x.half()))
@@ -292,3 +304,82 @@ def test_out_with_an_x_that_requires_grad_is_refused() -> None:
     with torch.no_grad():
         buf = scaler.transform(x, out=torch.empty(20, 4))
     torch.testing.assert_close(buf, scaler.transform(x).detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("path", [(c, None) for c in IN_C])
+def test_squares_that_overflow_are_refused(path: Path) -> None:
+    """fp32 values 3e19 apart have finite means and squares past fp32's range: refused, not inf."""
+    x = torch.tensor([[0.0], [3e19], [-3e19]])
+    with passes(path, x), pytest.raises(ValueError, match="NaN or inf in X"):
+        Standardizer().fit(x)
+
+
+needs_c = pytest.mark.skipif(standardize._c is None, reason="kernels._standardize is not built (no C compiler)")
+
+
+@needs_c
+@given(data())
+def test_the_c_passes_equal_the_torch_ops(x: torch.Tensor) -> None:
+    """The C statistics equal the torch ops' within the reduction tolerance, and its transform gives
+    the same bits with the same statistics."""
+    c = Standardizer().fit(x)
+    with passes((False, None), x):
+        ops = Standardizer().fit(x)
+        want = c.transform(x)
+    for name in ("mean_", "var_", "scale_"):
+        _close(getattr(c, name), getattr(ops, name), REDUCTION, x.dtype)
+    assert torch.equal(c.transform(x), want)
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_c_passes_split_over_any_team(dtype: torch.dtype) -> None:
+    """Rows split over 1 to 7 threads (and more threads than rows): the statistics within the
+    reduction tolerance of float64's, the transform torch's bits."""
+    x = (3.0 + torch.randn(301, 37, dtype=torch.float64)).to(dtype)
+    shift = x[0].clone()
+    truth = x.double() - shift.double()
+    dmean, scale = truth.mean(0).to(dtype), truth.std(0).to(dtype)
+    want = ((x - shift) - dmean) / scale  # torch's three ops
+    for threads, chunk in ((1, 1), (2, 16), (3, 64), (7, 1000), (256, 5)):
+        mean, var = torch.empty((2, 37), dtype=dtype)
+        standardize._c.moments(x.numpy(), shift.numpy(), mean.numpy(), var.numpy(), chunk, threads)
+        _close(mean, truth.mean(0), REDUCTION, dtype)
+        _close(var, truth.var(0, unbiased=False), REDUCTION, dtype)
+        out = torch.empty_like(x)
+        stats = (shift.numpy(), dmean.numpy(), scale.numpy())
+        assert standardize._c.transform(x.numpy(), out.numpy(), *stats, threads)
+        assert torch.equal(out, want)
+
+
+@needs_c
+def test_strided_x() -> None:
+    """Rows at any stride take the C passes; columns at another stride take the torch ops; both
+    give what a contiguous copy gives."""
+    wide = 5.0 + torch.randn(200, 60)
+    for x, in_c in ((wide[:, 5:45], True), (wide[::3, :1], True), (wide.T[:40].T, True), (wide[:, ::2], False)):
+        assert standardize._in_c(x) == in_c
+        dense = x.contiguous()
+        got, want = Standardizer().fit(x), Standardizer().fit(dense)
+        _close(got.var_, want.var_, REDUCTION, torch.float32)
+        assert torch.equal(got.transform(x), got.transform(dense))
+
+
+@needs_c
+def test_the_c_module_refuses_what_it_cannot_take() -> None:
+    moments, transform = standardize._c.moments, standardize._c.transform
+    x, v = torch.randn(8, 3).numpy(), torch.zeros(3).numpy()
+    calls = {
+        "int buffer": (lambda: moments(x.astype("int32"), v, v, v, 4, 1), TypeError, "x must be a float32"),
+        "mixed formats": (lambda: moments(x, v.astype("float64"), v, v, 4, 1), TypeError,
+                          "every buffer must hold x's format"),
+        "columns strided": (lambda: moments(torch.randn(8, 6)[:, ::2].numpy(), v, v, v, 4, 1), ValueError,
+                            "unit stride"),
+        "short statistics": (lambda: moments(x, v[:2], v, v, 4, 1), ValueError, "x's 3 columns, got 2"),
+        "no chunk": (lambda: moments(x, v, v, v, 0, 1), ValueError, "chunk must be at least 1"),
+        "no threads": (lambda: transform(x, x.copy(), v, v, v, 0), ValueError, "threads must be 1..256"),
+        "out's shape": (lambda: transform(x, x[:4].copy(), v, v, v, 1), ValueError, "out must have x's shape"),
+    }
+    for call, error, message in calls.values():
+        with pytest.raises(error, match=message):
+            call()

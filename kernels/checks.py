@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
@@ -140,4 +140,9 @@ def finite(named: Mapping[str, Tensor], *, error: type[Exception] = ValueError, 
     """Every value of every tensor is finite; else ``error`` naming the first that holds NaN or inf."""
     bad = nonfinite(named)
     if bad:
-        raise error(f"NaN or inf in {bad[0]}{'; ' + hint if hint else ''}")
+        refuse_nonfinite(bad[0], error=error, hint=hint)
+
+
+def refuse_nonfinite(name: str, *, error: type[Exception] = ValueError, hint: str = "") -> NoReturn:
+    """Raise ``finite``'s error for ``name``, found to hold NaN or inf by other means (a C pass)."""
+    raise error(f"NaN or inf in {name}{'; ' + hint if hint else ''}")

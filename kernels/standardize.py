@@ -8,7 +8,11 @@ reference row (a copy of the first sample seen) before the sums, so a large comm
 plus unit noise) never enters a sum of squares; fp16/bf16 inputs accumulate in fp32, fp64 in fp64.
 On the CPU, fit and transform work through X in row blocks of about ``BLOCK_BYTES`` (2 MiB): each
 block's passes run while it is in cache, so X is read from memory once per call (the block
-statistics merged by the same Chan update) and the result written once.
+statistics merged by the same Chan update) and the result written once. Where kernels._standardize
+is built (a C compiler at install), float32 and float64 X on the CPU take its passes instead, each
+one pass over X split over torch's threads: the statistics of chunks of about ``CHUNK_BYTES``
+(each read twice while in cache, the corrected two-pass formula, the chunks merged in float64),
+and the transform's three ops per element with the same rounding as torch's, so the same bits.
 
 Autograd: the statistics are data, never part of a graph. ``fit``/``partial_fit`` read X
 detached (fitting on a tensor that requires grad keeps neither its graph nor its storage alive),
@@ -33,10 +37,18 @@ import torch
 from torch import Tensor
 
 from kernels import checks, hugepages
+from kernels.rope import c_team
+
+try:  # the one-pass CPU statistics and transform, compiled at install where there is a C compiler
+    from kernels import _standardize as _c
+except ImportError:
+    _c = None
 
 # Bytes of a row block on the CPU: a few times the per-core L2, well inside the last-level cache
 # (evidence/standardize-blocks-zen3.txt).
 BLOCK_BYTES = 2 << 20
+# Bytes of a chunk of the C statistics, read twice in a row: inside any x86 core's L2 cache.
+CHUNK_BYTES = 128 << 10
 
 _NOT_FINITE = ("this Standardizer refuses NaN and inf (scikit-learn's StandardScaler would skip NaN as missing "
                "values and raise on inf): drop or impute them first; values whose squares or sums overflow "
@@ -129,6 +141,11 @@ class Standardizer:
         # finiteness check) run on a block still in cache, X is read and the result written once
         # a fresh result in huge pages: writing it faults 2 MiB at a time (kernels.hugepages)
         result = hugepages.empty(tuple(X.shape), like=X) if out is None else out
+        if _in_c(X):  # one pass in C, the same bits as the ops below; its own finiteness check
+            if not _c.transform(X.detach().numpy(), result.numpy(), self._shift.numpy(), self._dmean.numpy(),
+                                self.scale_.numpy(), c_team(X.numel(), _c.MAX_THREADS)):
+                checks.refuse_nonfinite("X", hint=_NOT_FINITE)
+            return result
         blocks = _blocks(X, acc)
         # fp16/bf16: each block is computed in fp32 in one reused buffer, then cast into the result
         work = None if X.dtype == acc else torch.empty((blocks[0].stop, X.shape[1]), dtype=acc, device=X.device)
@@ -160,11 +177,16 @@ def _check_out(x: Tensor, out: Tensor, acc: torch.dtype) -> None:
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if x.dtype != acc:
         raise ValueError(f"out= needs X in float32 or float64 (the result is computed in {acc}), got {x.dtype}")
-    if not out.is_contiguous() or out.data_ptr() == x.data_ptr():
-        raise ValueError("out must be a contiguous tensor of its own (not X itself)")
+    if not out.is_contiguous() or _shares_memory(out, x):
+        raise ValueError("out must be a contiguous tensor of its own (not X itself, nor a view of X's memory)")
     if torch.is_grad_enabled() and x.requires_grad:
         raise ValueError("out= results carry no gradient and X requires grad: call transform(X) without out=, "
                          "or under torch.no_grad()")
+
+
+def _shares_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether a and b are views of one storage (the passes read X while they write out)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _blocks(x: Tensor, acc: torch.dtype) -> list[slice]:
@@ -177,12 +199,28 @@ def _blocks(x: Tensor, acc: torch.dtype) -> list[slice]:
     return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
 
 
+def _in_c(x: Tensor) -> bool:
+    """Whether kernels._standardize takes x (N, D) (read detached): built, a plain float32 or
+    float64 CPU tensor whose columns are at unit stride, not under a torch.func transform or a
+    trace (torch.compile, torch.export: the torch ops trace)."""
+    return (_c is not None and type(x) is torch.Tensor and x.device.type == "cpu" and x.layout == torch.strided
+            and x.dtype in (torch.float32, torch.float64) and (x.stride(1) == 1 or x.shape[1] == 1)
+            and not (x.is_neg() or torch.compiler.is_compiling()
+                     or torch._C._functorch.is_functorch_wrapped_tensor(x)))
+
+
 def _moments(x: Tensor, shift: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Column mean and variance (ddof 0) of x - shift, x (N, D), in ``acc``: two passes over each
-    row block (its mean, then its squared deviations from it), the blocks merged by Chan et al.'s
-    pairwise formula (exact in exact arithmetic; the tests draw the block size, down to a row).
-    torch.var_mean over dim 0 is no substitute on the CPU: its reduction is strided
-    (evidence/from-the-code.md)."""
+    """Column mean and variance (ddof 0) of x - shift, x (N, D), in ``acc``. In C where ``_in_c``
+    (module note), else by torch ops in two passes over each row block (its mean, then its squared
+    deviations from it), the blocks merged by Chan et al.'s pairwise formula (exact in exact
+    arithmetic; the tests draw the block size, down to a row). torch.var_mean over dim 0 is no
+    substitute on the CPU: its reduction is strided (evidence/from-the-code.md)."""
+    if _in_c(x):
+        mean, var = torch.empty((2, x.shape[1]), dtype=acc)
+        rows = max(1, CHUNK_BYTES // (x.shape[1] * acc.itemsize))
+        threads = c_team(x.numel(), _c.MAX_THREADS)
+        _c.moments(x.detach().numpy(), shift.numpy(), mean.numpy(), var.numpy(), rows, threads)
+        return mean, var
     blocks = _blocks(x, acc)
     work = torch.empty((blocks[0].stop, x.shape[1]), dtype=acc, device=x.device)  # one block, reused
     means, m2s = [], []
