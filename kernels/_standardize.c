@@ -10,8 +10,9 @@
    Each thread takes a contiguous share of the rows and works through it a chunk at a time, while
    the chunk is in cache: the chunk's mean m of d, then the sums of e = d - m and of e^2 (the
    corrected two-pass formula: m2 = sum e^2 - (sum e)^2 / n, which also takes back the rounding of
-   m), in x's precision. The chunks, then the threads in order, are merged in double by Chan et
-   al.'s pairwise update. NaN and inf reach the mean or the variance, as do squares that overflow.
+   m), in x's precision, four rows at a time (the sums loaded and stored once for the four). The
+   chunks, then the threads in order, are merged in double by Chan et al.'s pairwise update. NaN
+   and inf reach the mean or the variance, as do squares that overflow.
 
    transform(x, out, shift, dmean, scale, threads) -> bool
        out[r, c] = ((x[r, c] - shift[c]) - dmean[c]) / scale[c], each operation rounded in x's
@@ -59,6 +60,11 @@ static void merge(Running *r, Py_ssize_t D, double nb, const double *mb, const d
     r->n = n;
 }
 
+/* Rows r to r + 3 of x as x0 to x3. */
+#define ROWS4(T)                                                                                       \
+    const T *restrict x0 = (const T *)(x + r * rs), *restrict x1 = (const T *)(x + (r + 1) * rs);     \
+    const T *restrict x2 = (const T *)(x + (r + 2) * rs), *restrict x3 = (const T *)(x + (r + 3) * rs);
+
 /* The kernels of one element type T (float, double), named NAME_f32 or NAME_f64 by SUFFIX; MAXV
    and FABS: the type's largest finite value and absolute value. */
 #define KERNELS(T, SUFFIX, MAXV, FABS)                                                                     \
@@ -72,14 +78,32 @@ static void merge(Running *r, Py_ssize_t D, double nb, const double *mb, const d
             const Py_ssize_t b = a + chunk < r1 ? a + chunk : r1;                                      \
             const T rows = (T)(b - a);                                                                 \
             for (Py_ssize_t c = 0; c < D; c++) s[c] = 0, u[c] = 0, q[c] = 0;                           \
-            /* the chunk's mean of d = x - shift */                                                   \
-            for (Py_ssize_t r = a; r < b; r++) {                                                       \
+            /* the chunk's mean of d = x - shift, four rows at a time (s loaded and stored once for four) */ \
+            Py_ssize_t r = a;                                                                          \
+            for (; r + 4 <= b; r += 4) {                                                               \
+                ROWS4(T)                                                                               \
+                for (Py_ssize_t c = 0; c < D; c++) {                                                   \
+                    const T d0 = x0[c] - shift[c], d1 = x1[c] - shift[c];                              \
+                    const T d2 = x2[c] - shift[c], d3 = x3[c] - shift[c];                              \
+                    s[c] += (d0 + d1) + (d2 + d3);                                                     \
+                }                                                                                      \
+            }                                                                                          \
+            for (; r < b; r++) {                                                                       \
                 const T *restrict xr = (const T *)(x + r * rs);                                        \
                 for (Py_ssize_t c = 0; c < D; c++) s[c] += xr[c] - shift[c];                           \
             }                                                                                          \
             for (Py_ssize_t c = 0; c < D; c++) s[c] /= rows;                                           \
             /* the sums of e = d - mean and of e^2, the chunk read again from cache */                \
-            for (Py_ssize_t r = a; r < b; r++) {                                                       \
+            for (r = a; r + 4 <= b; r += 4) {                                                          \
+                ROWS4(T)                                                                               \
+                for (Py_ssize_t c = 0; c < D; c++) {                                                   \
+                    const T e0 = (x0[c] - shift[c]) - s[c], e1 = (x1[c] - shift[c]) - s[c];            \
+                    const T e2 = (x2[c] - shift[c]) - s[c], e3 = (x3[c] - shift[c]) - s[c];            \
+                    u[c] += (e0 + e1) + (e2 + e3);                                                     \
+                    q[c] += (e0 * e0 + e1 * e1) + (e2 * e2 + e3 * e3);                                 \
+                }                                                                                      \
+            }                                                                                          \
+            for (; r < b; r++) {                                                                       \
                 const T *restrict xr = (const T *)(x + r * rs);                                        \
                 for (Py_ssize_t c = 0; c < D; c++) {                                                   \
                     const T e = (xr[c] - shift[c]) - s[c];                                             \
