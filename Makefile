@@ -24,7 +24,7 @@ install: $(STAMP)
 # (kernels.nontemporal's streaming stores), kernels/_rope.c (kernels.rope's one-pass rotation),
 # kernels/_softmax.c (the fused attention's softmax), kernels/_standardize.c (kernels.standardize's passes), and perfgate's perfgate/src/perfgate/_roundtrip.c (the thread-placement probe); a change to any
 # installs again.
-$(STAMP): pyproject.toml perfgate/pyproject.toml constraints.txt scripts/install.py kernels/_nontemporal.c kernels/_rope.c kernels/_softmax.c kernels/_standardize.c perfgate/src/perfgate/_roundtrip.c
+$(STAMP): pyproject.toml perfgate/pyproject.toml constraints.txt scripts/install.py kernels/_nontemporal.c kernels/_rope.c kernels/_softmax.c kernels/_standardize.c kernels/_clones.h perfgate/src/perfgate/_roundtrip.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) scripts/install.py -c constraints.txt -e ./perfgate -e '.[test]'
 	touch $(STAMP)

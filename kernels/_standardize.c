@@ -32,16 +32,7 @@
 
 #define MAX_THREADS 256
 
-/* On x86-64 Linux the loops are compiled for AVX-512, AVX2 and the baseline, and the loader picks
-   the widest the CPU has (an ifunc); elsewhere they are compiled once for the baseline. */
-#if defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
-#endif
-#ifndef CLONES
-#define CLONES
-#endif
+#include "_clones.h" /* CLONES: the loops compiled for AVX-512, AVX2 and the baseline, the widest picked at load */
 
 /* A thread's running statistics: the rows merged so far and, per column, their mean and sum of
    squared deviations. */
