@@ -7,8 +7,6 @@ import copy
 import platform
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
 
@@ -21,6 +19,7 @@ from hypothesis import strategies as st
 import kernels
 import kernels.attention as KA
 import reference.attention as RA
+from correctness_tests.conftest import torch_threads
 from correctness_tests.tolerances import ELEMENTWISE, REDUCTION, assert_close, assert_dicts_close
 from kernels.rope import RotaryEmbedding
 
@@ -39,18 +38,6 @@ EACH_ISA = pytest.mark.parametrize("isa", [pytest.param(isa) for isa in ISAS] or
 def through_softmax(path: str):
     """``_softmax_`` goes through ``path``: one of the C kernels, or torch.softmax."""
     return mock.patch.object(KA, "_c_softmax", None) if path == "torch" else mock.patch.object(C, "ISA", path)
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """torch's intra-op threads set to ``n`` within, restored after (the fused path's lengths
-    depend on them)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @st.composite

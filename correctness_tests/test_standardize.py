@@ -16,6 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from correctness_tests.conftest import torch_threads
 from correctness_tests.tolerances import ELEMENTWISE, REDUCTION, assert_as_accurate, assert_close
 from kernels import standardize
 from kernels.standardize import Standardizer
@@ -288,9 +289,13 @@ def test_bad_out_is_refused() -> None:
                          (torch.empty(4, 20).T, "contiguous"), ([1.0], "out must be a torch.Tensor")):
         with pytest.raises((ValueError, TypeError), match=message):
             scaler.transform(x, out=out)
-    pair = torch.randn(40, 4)  # two halves of one storage: the C pass would read X while writing out
-    with pytest.raises(ValueError, match="nor a view of X's memory"):
-        scaler.transform(pair[:20], out=pair[20:])
+    # memory X also spans, through another tensor of the same buffer: the C pass would read X
+    # while writing out
+    shared = torch.randn(30, 4).numpy()
+    with pytest.raises(ValueError, match="nor overlapping X's memory"):
+        scaler.transform(torch.from_numpy(shared[:20]), out=torch.from_numpy(shared[10:]))
+    pair = torch.randn(40, 4)  # two halves of one storage that do not meet: taken
+    assert torch.equal(scaler.transform(pair[:20], out=pair[20:]), scaler.transform(pair[:20]))
     with pytest.raises(ValueError, match="float32 or float64"):
         scaler16 = Standardizer().fit(x.half())
         scaler16.transform(x.half(), out=torch.empty_like(x.half()))
@@ -309,9 +314,19 @@ def test_out_with_an_x_that_requires_grad_is_refused() -> None:
 @pytest.mark.parametrize("path", [(c, None) for c in IN_C])
 def test_squares_that_overflow_are_refused(path: Path) -> None:
     """fp32 values 3e19 apart have finite means and squares past fp32's range: refused, not inf."""
-    x = torch.tensor([[0.0], [3e19], [-3e19]])
+    x = torch.tensor([[0.0], [3e19], [-3e19], [1.0], [2.0], [3.0], [4.0], [5.0], [6.0]])  # both row loops
     with passes(path, x), pytest.raises(ValueError, match="NaN or inf in X"):
         Standardizer().fit(x)
+    with passes(path, x), pytest.raises(ValueError, match="NaN or inf in X"):
+        Standardizer().fit(x[:3])
+
+
+@pytest.mark.parametrize("path", [(c, None) for c in IN_C])
+def test_a_finite_x_whose_result_overflows_is_refused(path: tuple[bool, int | None]) -> None:
+    """A scale of 1e-10 takes X = 1e30 to 1e40, past fp32's range: refused, never inf."""
+    fit = torch.tensor([[1e-10], [-1e-10]] * 4)
+    with passes(path, fit), pytest.raises(ValueError, match="NaN or inf in X"):
+        Standardizer().fit(fit).transform(torch.tensor([[0.0]] * 8 + [[1e30]]))
 
 
 needs_c = pytest.mark.skipif(standardize._c is None, reason="kernels._standardize is not built (no C compiler)")
@@ -376,10 +391,70 @@ def test_the_c_module_refuses_what_it_cannot_take() -> None:
         "columns strided": (lambda: moments(torch.randn(8, 6)[:, ::2].numpy(), v, v, v, 4, 1), ValueError,
                             "unit stride"),
         "short statistics": (lambda: moments(x, v[:2], v, v, 4, 1), ValueError, "x's 3 columns, got 2"),
-        "no chunk": (lambda: moments(x, v, v, v, 0, 1), ValueError, "chunk must be at least 1"),
+        "no chunk": (lambda: moments(x, v, v, v, 0, 1), ValueError, "chunk must be 1..16777216 rows"),
+        "a huge chunk": (lambda: moments(x, v, v, v, 2**63 - 1, 2), ValueError, "chunk must be 1..16777216 rows"),
         "no threads": (lambda: transform(x, x.copy(), v, v, v, 0), ValueError, "threads must be 1..256"),
         "out's shape": (lambda: transform(x, x[:4].copy(), v, v, v, 1), ValueError, "out must have x's shape"),
     }
     for call, error, message in calls.values():
         with pytest.raises(error, match=message):
             call()
+
+
+@needs_c
+def test_the_team_split_through_the_standardizer() -> None:
+    """X large enough for two threads of torch's team (``c_team``): the statistics equal the torch
+    ops', and a NaN in the second thread's rows is refused in fit and in transform."""
+    x = 3.0 + torch.randn(4000, 40)
+    with torch_threads(2):
+        assert standardize.c_team(x.numel(), standardize._c.MAX_THREADS) == 2
+        got = Standardizer().fit(x)
+        with passes((False, None), x):
+            want = Standardizer().fit(x)
+        _close(got.var_, want.var_, REDUCTION, torch.float32)
+        bad = x.clone()
+        bad[3999, 7] = float("nan")
+        for call in (lambda: Standardizer().fit(bad), lambda: got.transform(bad)):
+            with pytest.raises(ValueError, match="NaN or inf in X"):
+                call()
+
+
+@pytest.mark.parametrize("fit_dtype, x_dtype", [(torch.float64, torch.float32), (torch.float32, torch.float64)])
+def test_x_of_another_float_dtype_than_the_fit(fit_dtype: torch.dtype, x_dtype: torch.dtype) -> None:
+    """A fit in one dtype and a transform or partial_fit in the other take the torch ops (the C
+    passes take one dtype throughout): the transform is the torch ops' bits, the merged
+    statistics sklearn's."""
+    x = 2.0 + torch.randn(50, 6, dtype=torch.float64)
+    got = Standardizer().fit(x.to(fit_dtype))
+    z = got.transform(x.to(x_dtype))
+    with passes((False, None), x):
+        assert torch.equal(z, got.transform(x.to(x_dtype)))
+    got.partial_fit(x.to(x_dtype))
+    want = Reference().fit(torch.cat([x.to(fit_dtype).double(), x.to(x_dtype).double()]))
+    _close(got.var_, want.var_, REDUCTION, torch.float32)
+
+
+def test_x_and_out_at_unaligned_addresses() -> None:
+    """float32 at an odd byte address (a buffer the user wrapped) takes the torch ops, and gives
+    what an aligned copy gives."""
+    def unaligned(n: int) -> torch.Tensor:
+        return torch.frombuffer(bytearray(4 * n + 1), dtype=torch.float32, offset=1, count=n)
+
+    x = unaligned(4000).view(1000, 4).copy_(5.0 + torch.randn(1000, 4))
+    assert x.data_ptr() % 4 and not standardize._in_c(x)
+    dense = x.clone()
+    got, want = Standardizer().fit(x), Standardizer().fit(dense)
+    _close(got.var_, want.var_, REDUCTION, torch.float32)
+    out = unaligned(4000).view(1000, 4)
+    assert torch.equal(got.transform(x, out=out), got.transform(dense))
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:FutureWarning")  # still in use
+def test_a_traced_transform_replays_on_new_x() -> None:
+    """torch.jit.trace records the torch ops, not the C pass (a constant to the tracer)."""
+    s = Standardizer().fit(3.0 + torch.randn(100, 5))
+    with torch.no_grad():
+        traced = torch.jit.trace(lambda t: s.transform(t), (torch.randn(100, 5),), check_trace=False)
+        y = torch.randn(100, 5)
+        assert torch.equal(traced(y), s.transform(y))

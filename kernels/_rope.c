@@ -26,7 +26,7 @@
 
 #define MAX_THREADS 256
 
-#include "_clones.h" /* CLONES: the loops compiled for AVX-512, AVX2 and the baseline, the widest picked at load */
+#include "_clones.h" /* CLONES: loops compiled for AVX-512, AVX2 and the baseline, the widest picked at load */
 
 typedef struct {
     const char *x;                     /* bytes: strides are in bytes */

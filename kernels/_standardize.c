@@ -6,7 +6,7 @@
        shift      (D,) C-contiguous buffer of x's format
        mean, var  (D,) writable C-contiguous buffers of x's format: the column mean and variance
                   (ddof 0) of d = x - shift
-       chunk      rows of a chunk (>= 1)
+       chunk      rows of a chunk, 1 to 2^24
    Each thread takes a contiguous share of the rows and works through it a chunk at a time, while
    the chunk is in cache: the chunk's mean m of d, then the sums of e = d - m and of e^2 (the
    corrected two-pass formula: m2 = sum e^2 - (sum e)^2 / n, which also takes back the rounding of
@@ -31,8 +31,10 @@
 #include <stdlib.h>
 
 #define MAX_THREADS 256
+#define MAX_CHUNK (1 << 24) /* the most rows a chunk has: counted exactly in float32 */
+#define LINE 64             /* bytes of a cache line: each thread's scratch starts on one of its own */
 
-#include "_clones.h" /* CLONES: the loops compiled for AVX-512, AVX2 and the baseline, the widest picked at load */
+#include "_clones.h" /* CLONES: loops compiled for AVX-512, AVX2 and the baseline, the widest picked at load */
 
 /* A thread's running statistics: the rows merged so far and, per column, their mean and sum of
    squared deviations. */
@@ -66,7 +68,7 @@ static void merge(Running *r, Py_ssize_t D, double nb, const double *mb, const d
                                         T *restrict s, T *restrict u, T *restrict q,                  \
                                         double *restrict mb, double *restrict m2b, Running *run) {    \
         for (Py_ssize_t a = r0; a < r1; a += chunk) {                                                  \
-            const Py_ssize_t b = a + chunk < r1 ? a + chunk : r1;                                      \
+            const Py_ssize_t b = r1 - a > chunk ? a + chunk : r1;                                      \
             const T rows = (T)(b - a);                                                                 \
             for (Py_ssize_t c = 0; c < D; c++) s[c] = 0, u[c] = 0, q[c] = 0;                           \
             /* the chunk's mean of d = x - shift, four rows at a time (s loaded and stored once for four) */ \
@@ -195,46 +197,51 @@ static PyObject *moments(PyObject *self, PyObject *args) {
         release(v, got);
         return NULL;
     }
-    if (chunk < 1) {
+    if (chunk < 1 || chunk > MAX_CHUNK) {
         release(v, 4);
-        return PyErr_Format(PyExc_ValueError, "chunk must be at least 1 row, got %zd", chunk);
+        return PyErr_Format(PyExc_ValueError, "chunk must be 1..%d rows, got %zd", MAX_CHUNK, chunk);
     }
     const Py_ssize_t N = v[0].shape[0], D = v[0].shape[1], size = v[0].itemsize;
     const int f64 = v[0].format[0] == 'd';
-    /* per thread: Running's mean and m2, the chunk's mean and m2 (doubles), s, u, q (elements) */
-    char *scratch = malloc((size_t)threads * D * (4 * sizeof(double) + 3 * size) + 1);
-    Running *runs = malloc((size_t)threads * sizeof(Running));
-    if (scratch == NULL || runs == NULL) {
-        free(scratch), free(runs), release(v, 4);
+    /* per thread, from a cache line of its own: its Running (one line), the running mean and m2 and
+       the chunk's mean and m2 (4 D doubles), then s, u, q (3 D elements) */
+    const size_t stride = (LINE + (size_t)D * (4 * sizeof(double) + 3 * size) + LINE - 1) / LINE * LINE;
+    char *scratch = aligned_alloc(LINE, (size_t)threads * stride);
+    if (scratch == NULL) {
+        release(v, 4);
         return PyErr_NoMemory();
     }
     Py_BEGIN_ALLOW_THREADS
     #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (Py_ssize_t t = 0; t < threads; t++) {
-        double *d = (double *)(scratch + (size_t)t * D * (4 * sizeof(double) + 3 * size));
+        Running *run = (Running *)(scratch + t * stride);
+        double *d = (double *)(scratch + t * stride + LINE);
         char *e = (char *)(d + 4 * D);
-        runs[t] = (Running){0.0, d, d + D};
+        *run = (Running){0.0, d, d + D};
         const Py_ssize_t r0 = N * t / threads, r1 = N * (t + 1) / threads;
         for (Py_ssize_t c = 0; c < D; c++) d[c] = 0, d[D + c] = 0;
         if (f64)
             moments_f64(v[0].buf, v[0].strides[0], r0, r1, D, v[1].buf, chunk, (double *)e, (double *)e + D,
-                        (double *)e + 2 * D, d + 2 * D, d + 3 * D, &runs[t]);
+                        (double *)e + 2 * D, d + 2 * D, d + 3 * D, run);
         else
             moments_f32(v[0].buf, v[0].strides[0], r0, r1, D, v[1].buf, chunk, (float *)e, (float *)e + D,
-                        (float *)e + 2 * D, d + 2 * D, d + 3 * D, &runs[t]);
+                        (float *)e + 2 * D, d + 2 * D, d + 3 * D, run);
     }
     /* the threads' statistics merged in order into the first's */
-    for (Py_ssize_t t = 1; t < threads; t++)
-        if (runs[t].n > 0) merge(&runs[0], D, runs[t].n, runs[t].mean, runs[t].m2);
+    Running *all = (Running *)scratch;
+    for (Py_ssize_t t = 1; t < threads; t++) {
+        const Running *run = (const Running *)(scratch + t * stride);
+        if (run->n > 0) merge(all, D, run->n, run->mean, run->m2);
+    }
     for (Py_ssize_t c = 0; c < D; c++) {
-        const double mean = runs[0].mean[c], var = runs[0].m2[c] / (N > 0 ? (double)N : 1.0);
+        const double mean = all->mean[c], var = all->m2[c] / (N > 0 ? (double)N : 1.0);
         if (f64)
             ((double *)v[2].buf)[c] = mean, ((double *)v[3].buf)[c] = var;
         else
             ((float *)v[2].buf)[c] = (float)mean, ((float *)v[3].buf)[c] = (float)var;
     }
     Py_END_ALLOW_THREADS
-    free(scratch), free(runs), release(v, 4);
+    free(scratch), release(v, 4);
     Py_RETURN_NONE;
 }
 

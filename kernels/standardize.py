@@ -141,7 +141,7 @@ class Standardizer:
         # finiteness check) run on a block still in cache, X is read and the result written once
         # a fresh result in huge pages: writing it faults 2 MiB at a time (kernels.hugepages)
         result = hugepages.empty(tuple(X.shape), like=X) if out is None else out
-        if _in_c(X):  # one pass in C, the same bits as the ops below; its own finiteness check
+        if _in_c(X, result, self._shift, self._dmean, self.scale_):  # one pass in C: the same bits as below
             if not _c.transform(X.detach().numpy(), result.numpy(), self._shift.numpy(), self._dmean.numpy(),
                                 self.scale_.numpy(), c_team(X.numel(), _c.MAX_THREADS)):
                 checks.refuse_nonfinite("X", hint=_NOT_FINITE)
@@ -177,16 +177,21 @@ def _check_out(x: Tensor, out: Tensor, acc: torch.dtype) -> None:
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if x.dtype != acc:
         raise ValueError(f"out= needs X in float32 or float64 (the result is computed in {acc}), got {x.dtype}")
-    if not out.is_contiguous() or _shares_memory(out, x):
-        raise ValueError("out must be a contiguous tensor of its own (not X itself, nor a view of X's memory)")
+    if not out.is_contiguous() or _overlaps(out, x):
+        raise ValueError("out must be a contiguous tensor of its own (not X itself, nor overlapping X's memory)")
     if torch.is_grad_enabled() and x.requires_grad:
         raise ValueError("out= results carry no gradient and X requires grad: call transform(X) without out=, "
                          "or under torch.no_grad()")
 
 
-def _shares_memory(a: Tensor, b: Tensor) -> bool:
-    """Whether a and b are views of one storage (the passes read X while they write out)."""
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+def _overlaps(a: Tensor, b: Tensor) -> bool:
+    """Whether the bytes a and b span meet (the passes read X while they write out); both nonempty."""
+    def span(t: Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _blocks(x: Tensor, acc: torch.dtype) -> list[slice]:
@@ -199,14 +204,18 @@ def _blocks(x: Tensor, acc: torch.dtype) -> list[slice]:
     return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
 
 
-def _in_c(x: Tensor) -> bool:
-    """Whether kernels._standardize takes x (N, D) (read detached): built, a plain float32 or
-    float64 CPU tensor whose columns are at unit stride, not under a torch.func transform or a
-    trace (torch.compile, torch.export: the torch ops trace)."""
-    return (_c is not None and type(x) is torch.Tensor and x.device.type == "cpu" and x.layout == torch.strided
-            and x.dtype in (torch.float32, torch.float64) and (x.stride(1) == 1 or x.shape[1] == 1)
-            and not (x.is_neg() or torch.compiler.is_compiling()
-                     or torch._C._functorch.is_functorch_wrapped_tensor(x)))
+def _in_c(x: Tensor, *like: Tensor) -> bool:
+    """Whether kernels._standardize takes x (N, D) (read detached) with the tensors ``like`` (the
+    statistics, the result): built, plain float32 or float64 CPU tensors of one dtype, each at an
+    address its dtype aligns, x's columns at unit stride; not under a torch.func transform or a
+    trace (torch.compile, torch.export, torch.jit.trace: the torch ops trace, a C call would be
+    recorded as a constant)."""
+    every = (x, *like)
+    return (_c is not None and x.dtype in (torch.float32, torch.float64) and (x.stride(1) == 1 or x.shape[1] == 1)
+            and all(type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided
+                    and t.dtype == x.dtype and t.data_ptr() % t.element_size() == 0 and not t.is_neg()
+                    and not torch._C._functorch.is_functorch_wrapped_tensor(t) for t in every)
+            and not (torch.compiler.is_compiling() or torch.jit.is_tracing()))
 
 
 def _moments(x: Tensor, shift: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -215,7 +224,7 @@ def _moments(x: Tensor, shift: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor
     deviations from it), the blocks merged by Chan et al.'s pairwise formula (exact in exact
     arithmetic; the tests draw the block size, down to a row). torch.var_mean over dim 0 is no
     substitute on the CPU: its reduction is strided (evidence/from-the-code.md)."""
-    if _in_c(x):
+    if _in_c(x, shift):
         mean, var = torch.empty((2, x.shape[1]), dtype=acc)
         rows = max(1, CHUNK_BYTES // (x.shape[1] * acc.itemsize))
         threads = c_team(x.numel(), _c.MAX_THREADS)
