@@ -294,6 +294,8 @@ def test_bad_out_is_refused() -> None:
     shared = torch.randn(30, 4).numpy()
     with pytest.raises(ValueError, match="nor overlapping X's memory"):
         scaler.transform(torch.from_numpy(shared[:20]), out=torch.from_numpy(shared[10:]))
+    with pytest.raises(ValueError, match="out must not overlap the fitted statistics"):
+        scaler.transform(x[:1], out=scaler.scale_.view(1, 4))
     pair = torch.randn(40, 4)  # two halves of one storage that do not meet: taken
     assert torch.equal(scaler.transform(pair[:20], out=pair[20:]), scaler.transform(pair[:20]))
     with pytest.raises(ValueError, match="float32 or float64"):
@@ -447,6 +449,7 @@ def test_x_and_out_at_unaligned_addresses() -> None:
     _close(got.var_, want.var_, REDUCTION, torch.float32)
     out = unaligned(4000).view(1000, 4)
     assert torch.equal(got.transform(x, out=out), got.transform(dense))
+    assert torch.equal(got.transform(dense, out=out), got.transform(dense))  # X aligned, out not
 
 
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
@@ -458,3 +461,18 @@ def test_a_traced_transform_replays_on_new_x() -> None:
         traced = torch.jit.trace(lambda t: s.transform(t), (torch.randn(100, 5),), check_trace=False)
         y = torch.randn(100, 5)
         assert torch.equal(traced(y), s.transform(y))
+
+
+def test_torch_func_over_fit_and_transform() -> None:
+    """torch.func.grad through fit and transform takes the torch ops (a wrapper has no storage for
+    the C passes) and gives autograd's gradient."""
+    x = 3.0 + torch.randn(50, 4, dtype=torch.float64)
+
+    def loss(t: torch.Tensor) -> torch.Tensor:
+        s = Standardizer().fit(t)
+        return s.transform(t).square().sum() + s.mean_.sum()
+
+    got = torch.func.grad(loss)(x)
+    leaf = x.clone().requires_grad_(True)
+    loss(leaf).backward()
+    torch.testing.assert_close(got, leaf.grad)

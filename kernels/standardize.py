@@ -132,7 +132,7 @@ class Standardizer:
         requires grad (out= arguments carry no gradient)."""
         acc = self._fitted(X)
         if out is not None:
-            _check_out(X, out, acc)
+            _check_out(X, out, acc, (self._shift, self._dmean, self.scale_, self.mean_, self.var_))
         if torch.is_grad_enabled() and X.requires_grad:  # the differentiable path: whole tensors
             result = torch.sub(X.to(acc), self._shift).sub_(self._dmean).div_(self.scale_).to(X.dtype)
             _finite([result], acc)
@@ -170,7 +170,8 @@ class Standardizer:
         return self.fit(X).transform(X)
 
 
-def _check_out(x: Tensor, out: Tensor, acc: torch.dtype) -> None:
+def _check_out(x: Tensor, out: Tensor, acc: torch.dtype, stats: tuple[Tensor, ...]) -> None:
+    """``out`` a result buffer for X: like X, of its own memory, meeting neither X nor ``stats``."""
     checks.tensor(out, "out", shape="like X")
     if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
         raise ValueError(f"out must be {tuple(x.shape)} {x.dtype} on {x.device} (like X), got "
@@ -179,6 +180,8 @@ def _check_out(x: Tensor, out: Tensor, acc: torch.dtype) -> None:
         raise ValueError(f"out= needs X in float32 or float64 (the result is computed in {acc}), got {x.dtype}")
     if not out.is_contiguous() or _overlaps(out, x):
         raise ValueError("out must be a contiguous tensor of its own (not X itself, nor overlapping X's memory)")
+    if any(_overlaps(out, t) for t in stats):
+        raise ValueError("out must not overlap the fitted statistics (mean_, var_, scale_): pass one of its own")
     if torch.is_grad_enabled() and x.requires_grad:
         raise ValueError("out= results carry no gradient and X requires grad: call transform(X) without out=, "
                          "or under torch.no_grad()")
@@ -210,12 +213,13 @@ def _in_c(x: Tensor, *like: Tensor) -> bool:
     address its dtype aligns, x's columns at unit stride; not under a torch.func transform or a
     trace (torch.compile, torch.export, torch.jit.trace: the torch ops trace, a C call would be
     recorded as a constant)."""
-    every = (x, *like)
-    return (_c is not None and x.dtype in (torch.float32, torch.float64) and (x.stride(1) == 1 or x.shape[1] == 1)
-            and all(type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided
-                    and t.dtype == x.dtype and t.data_ptr() % t.element_size() == 0 and not t.is_neg()
-                    and not torch._C._functorch.is_functorch_wrapped_tensor(t) for t in every)
-            and not (torch.compiler.is_compiling() or torch.jit.is_tracing()))
+    if _c is None or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    # the address last: a torch.func wrapper (or a meta tensor) has no storage to ask
+    return (x.dtype in (torch.float32, torch.float64) and (x.stride(1) == 1 or x.shape[1] == 1)
+            and all(type(t) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+                    and t.device.type == "cpu" and t.layout == torch.strided and t.dtype == x.dtype
+                    and not t.is_neg() and t.data_ptr() % t.element_size() == 0 for t in (x, *like)))
 
 
 def _moments(x: Tensor, shift: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor]:
