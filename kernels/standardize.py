@@ -137,8 +137,6 @@ class Standardizer:
             result = torch.sub(X.to(acc), self._shift).sub_(self._dmean).div_(self.scale_).to(X.dtype)
             _finite([result], acc)
             return result
-        # row blocks written into the result: each block's arithmetic and its column sum (the
-        # finiteness check) run on a block still in cache, X is read and the result written once
         # a fresh result in huge pages: writing it faults 2 MiB at a time (kernels.hugepages)
         result = hugepages.empty(tuple(X.shape), like=X) if out is None else out
         if _in_c(X, result, self._shift, self._dmean, self.scale_):  # one pass in C: the same bits as below
@@ -146,6 +144,8 @@ class Standardizer:
                                 self.scale_.numpy(), c_team(X.numel(), _c.MAX_THREADS)):
                 checks.refuse_nonfinite("X", hint=_NOT_FINITE)
             return result
+        # row blocks written into the result: each block's arithmetic and its column sum (the
+        # finiteness check) run on a block still in cache, X is read and the result written once
         blocks = _blocks(X, acc)
         # fp16/bf16: each block is computed in fp32 in one reused buffer, then cast into the result
         work = None if X.dtype == acc else torch.empty((blocks[0].stop, X.shape[1]), dtype=acc, device=X.device)
