@@ -324,7 +324,7 @@ def test_squares_that_overflow_are_refused(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", [(c, None) for c in IN_C])
-def test_a_finite_x_whose_result_overflows_is_refused(path: tuple[bool, int | None]) -> None:
+def test_a_finite_x_whose_result_overflows_is_refused(path: Path) -> None:
     """A scale of 1e-10 takes X = 1e30 to 1e40, past fp32's range: refused, never inf."""
     fit = torch.tensor([[1e-10], [-1e-10]] * 4)
     with passes(path, fit), pytest.raises(ValueError, match="NaN or inf in X"):

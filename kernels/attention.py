@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels import checks
-from kernels.rope import RotaryEmbedding, _c_rotates, c_tables, c_team, rotate_into
+from kernels._team import c_team
+from kernels.rope import RotaryEmbedding, _c_rotates, c_tables, rotate_into
 
 try:
     from kernels import _softmax as _c_softmax

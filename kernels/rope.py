@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from kernels import checks
+from kernels._team import c_team
 
 try:
     from kernels import _rope as _c
@@ -139,16 +140,6 @@ def _c_rotates(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
 def c_tables(cos: Tensor, sin: Tensor, s: int) -> tuple[Tensor, Tensor]:
     """cos, sin (S, D/2) or (B or 1, 1, S, D/2) as the C pass takes them: (T, S, D/2), C-contiguous."""
     return tuple(t.detach().reshape(-1, s, t.shape[-1]).contiguous() for t in (cos, sin))
-
-
-GRAIN = 32768  # torch's own grain for elementwise ops (at::internal::GRAIN_SIZE)
-
-
-def c_team(numel: int, most: int) -> int:
-    """Threads of torch's team a C pass over ``numel`` elements takes: at most ``most`` (the C
-    part's own limit), and one per GRAIN elements: fewer a thread cost more in the team's start
-    than they save."""
-    return max(1, min(torch.get_num_threads(), most, numel // GRAIN))
 
 
 def rotate_into(x: Tensor, out: Tensor, cos: Tensor, sin: Tensor, *, x_pairs: bool, out_pairs: bool,

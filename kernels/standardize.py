@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from kernels import checks, hugepages
-from kernels.rope import c_team
+from kernels._team import c_team
 
 try:  # the one-pass CPU statistics and transform, compiled at install where there is a C compiler
     from kernels import _standardize as _c
