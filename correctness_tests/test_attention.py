@@ -358,6 +358,127 @@ def test_module_under_bf16_autocast_with_a_float_mask() -> None:
     assert_close(got.double(), ref(x.double(), attn_mask=mask.double()), REDUCTION, dtype=torch.bfloat16)
 
 
+def _module_pair(dim: int, heads: int, kv: int, **kw) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """kernels' RopeSelfAttention and the reference's, with the same parameters."""
+    mod, ref = kernels.RopeSelfAttention(dim, heads, kv, **kw), RA.RopeSelfAttention(dim, heads, kv, **kw)
+    ref.load_state_dict(mod.state_dict())  # the RoPE cache is not in the state dict
+    return mod, ref
+
+
+def _trained(mod: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The module's output and the gradients of x and of every parameter for ``grad``."""
+    x = x.detach().requires_grad_(True)
+    out = mod(x)
+    names = ["x", *(n for n, _ in mod.named_parameters())]
+    return {"out": out, **dict(zip(names, torch.autograd.grad(out, [x, *mod.parameters()], grad), strict=True))}
+
+
+@SOFTMAX_PATHS
+@given(dim_heads=st.sampled_from([(32, 4, 4), (48, 6, 2), (64, 4, 1), (192, 6, 6)]), b=st.integers(1, 3),
+       s=st.integers(1, 40), interleaved=st.booleans(), bias=st.booleans(), threads=st.integers(1, 3))
+def test_module_training_path_equals_reference_module(path, dim_heads, b, s, interleaved, bias, threads) -> None:
+    """The projected attention (module note): the module's output and the gradients of x and every
+    parameter equal the reference module's and the unfused path's; grouped heads, either pair
+    layout, every softmax kernel, any threads."""
+    dim, heads, kv = dim_heads
+    torch.manual_seed(s)
+    mod, ref = _module_pair(dim, heads, kv, interleaved=interleaved, bias=bias)
+    x, grad = torch.randn(b, s, dim), torch.randn(b, s, dim)
+    with (torch_threads(threads), through_softmax(path),
+          mock.patch.object(KA._ProjectedAttention, "apply", wraps=KA._ProjectedAttention.apply) as fused):
+        got = _trained(mod, x, grad)
+        assert fused.call_count == 1
+        with mock.patch.object(KA, "_trains_fused", lambda *a: False):
+            unfused = _trained(mod, x, grad)
+    assert fused.call_count == 1
+    assert_dicts_close(got, _trained(ref, x, grad), REDUCTION)
+    assert_dicts_close(got, unfused, REDUCTION)
+
+
+def test_module_training_path_at_its_longest() -> None:
+    """S = CPU_MATH_MAX_SEQ, grouped heads; one position more takes SDPA."""
+    mod, ref = _module_pair(64, 8, 2)
+    for s, taken in ((KA.CPU_MATH_MAX_SEQ, 1), (KA.CPU_MATH_MAX_SEQ + 1, 0)):
+        x, grad = torch.randn(2, s, 64), torch.randn(2, s, 64)
+        with mock.patch.object(KA._ProjectedAttention, "apply", wraps=KA._ProjectedAttention.apply) as fused:
+            got = _trained(mod, x, grad)
+        assert fused.call_count == taken
+        assert_dicts_close(got, _trained(ref, x, grad), REDUCTION)
+
+
+class OwnAttend(kernels.RopeSelfAttention):
+    """A module subclass attending its own way (the reference's attention)."""
+
+    attend = staticmethod(RA.rope_attention)
+
+
+def test_module_training_path_only_where_it_applies() -> None:
+    """A gradient to build, CPU fp32, not causal, no mask, S in 1..CPU_MATH_MAX_SEQ, the module's own
+    attention and rotation, kernels._rope built, no autocast, nothing traced or transformed."""
+    x = torch.randn(2, 8, 32)
+
+    def takes(mod=None, x=x, mask=None, **kw) -> bool:
+        mod = kernels.RopeSelfAttention(32, 4, **kw) if mod is None else mod
+        return KA._trains_fused(mod, mod.qkv(x), mask)
+
+    assert takes() and takes(n_kv_heads=2, interleaved=True)
+    assert not takes(causal=True) and not takes(mask=torch.ones(8, 8, dtype=torch.bool))
+    assert not takes(x=x.double(), mod=kernels.RopeSelfAttention(32, 4).double())
+    assert not takes(x=x[:, :0]) and not takes(x=torch.randn(1, KA.CPU_MATH_MAX_SEQ + 1, 32))
+    assert not takes(mod=OwnAttend(32, 4))
+    doubled = kernels.RopeSelfAttention(32, 4)
+    doubled.rope = Doubled(8)
+    assert not takes(mod=doubled)
+    frozen = kernels.RopeSelfAttention(32, 4).requires_grad_(False)
+    assert not takes(mod=frozen) and takes(mod=frozen, x=x.requires_grad_(True))
+    with torch.no_grad():
+        assert not takes()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not takes()
+    with mock.patch("kernels.rope._c", None):
+        assert not takes()
+
+
+def test_module_training_path_differentiates_twice() -> None:
+    """create_graph through the projected attention (a gradient penalty): its backward recomputes
+    the attention in differentiable torch ops, and the second derivatives equal the reference's."""
+    torch.manual_seed(0)
+    mod, ref = _module_pair(48, 6, 2)
+    x, grad = torch.randn(2, 7, 48), torch.randn(2, 7, 48)
+
+    def penalty_grads(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+        xs = x.clone().requires_grad_(True)
+        (gx,) = torch.autograd.grad((m(xs) * grad).sum(), xs, create_graph=True)
+        names = [n for n, _ in m.named_parameters()]
+        return dict(zip(names, torch.autograd.grad(gx.square().sum(), list(m.parameters())), strict=True))
+
+    with mock.patch.object(KA._ProjectedAttention, "apply", wraps=KA._ProjectedAttention.apply) as fused:
+        got = penalty_grads(mod)
+    assert fused.call_count == 1
+    assert_dicts_close(got, penalty_grads(ref), REDUCTION)
+
+
+def test_module_under_torch_func_and_forward_ad_takes_the_torch_ops() -> None:
+    """torch.func.grad over the parameters (functional_call) and a forward-mode tangent of x are
+    followed by the differentiable path, and equal the reference's."""
+    torch.manual_seed(0)
+    mod, ref = _module_pair(32, 4, 2)
+    x = torch.randn(2, 6, 32)
+
+    def loss(m: torch.nn.Module):
+        return lambda params: torch.func.functional_call(m, params, (x,)).square().sum()
+
+    with mock.patch.object(KA._ProjectedAttention, "apply", wraps=KA._ProjectedAttention.apply) as fused:
+        got = torch.func.grad(loss(mod))(dict(mod.named_parameters()))
+        with fwAD.dual_level():
+            tangent = fwAD.unpack_dual(mod(fwAD.make_dual(x.requires_grad_(True), torch.ones_like(x)))).tangent
+    assert fused.call_count == 0
+    assert_dicts_close(got, torch.func.grad(loss(ref))(dict(ref.named_parameters())), REDUCTION)
+    with fwAD.dual_level():
+        want = fwAD.unpack_dual(ref(fwAD.make_dual(x, torch.ones_like(x)))).tangent
+    assert_close(tangent, want, REDUCTION)
+
+
 def test_value_head_dim_may_differ_and_offset_positions_pass_through() -> None:
     q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
     v = torch.randn(1, 2, 5, 4)

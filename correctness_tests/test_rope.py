@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import kernels.rope as K
 import reference.rope as R
-from correctness_tests.tolerances import ELEMENTWISE, REDUCTION, assert_close
+from correctness_tests.tolerances import ELEMENTWISE, REDUCTION, assert_close, assert_dicts_close
 
 needs_c = pytest.mark.skipif(K._c is None, reason="kernels._rope is not built (no C compiler at install)")
 # each rotation test runs through the C part ("c", where built) and through torch ops ("torch")
@@ -98,23 +98,30 @@ def _model(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_pairs: bool,
 @settings(max_examples=100, deadline=None, derandomize=True)
 @given(b=st.integers(1, 3), h=st.integers(1, 4), s=st.integers(1, 70), half=st.integers(1, 40),
        x_pairs=st.booleans(), out_pairs=st.booleans(), inverse=st.booleans(), per_batch=st.booleans(),
-       layout=st.sampled_from(["bhsd", "bshd", "gaps"]), threads=st.integers(1, 8))
+       layout=st.sampled_from(["bhsd", "bshd", "gaps"]), out_layout=st.sampled_from(["bhsd", "bshd", "gaps"]),
+       threads=st.integers(1, 8))
 def test_the_c_rotation_is_two_products_and_a_sum_each_rounded(b, h, s, half, x_pairs, out_pairs, inverse,
-                                                              per_batch, layout, threads) -> None:
-    """Bit for bit, on any layout of x, either pair layout in and out, by +-angle, per-batch
-    tables, the rows split over any number of threads; IEEE specials included."""
+                                                              per_batch, layout, out_layout, threads) -> None:
+    """Bit for bit, on any layout of x and of out (a view into a larger buffer, whose other
+    elements stay as they were), either pair layout in and out, by +-angle, per-batch tables, the
+    rows split over any number of threads; IEEE specials included."""
     d = 2 * half
-    x = {"bhsd": lambda: torch.randn(b, h, s, d), "bshd": lambda: torch.randn(b, s, h, d).transpose(1, 2),
-         "gaps": lambda: torch.randn(b, 2 * h, s, d + 3)[:, ::2, :, 1 : d + 1]}[layout]()
+    views = {"bhsd": lambda t: t.view(b, h, s, d), "bshd": lambda t: t.view(b, s, h, d).transpose(1, 2),
+             "gaps": lambda t: t.view(b, 2 * h, s, d + 3)[:, ::2, :, 1 : d + 1]}
+    x = views[layout](torch.randn(b * 2 * h * s * (d + 3)) if layout == "gaps" else torch.randn(b * h * s * d))
     x[0, 0, 0, :2] = torch.tensor([float("inf"), -0.0])
     x[-1, -1, -1, -1] = float("nan")
     angles = torch.rand(b if per_batch else 1, 1, s, half, dtype=torch.float64) * 100
     cos, sin = angles.cos().float(), angles.sin().float()
     want = _model(x, cos, sin, x_pairs, out_pairs, inverse)
-    got = torch.empty(x.shape)  # the C part itself, at the thread count drawn
+    buffer = torch.full((b * 2 * h * s * (d + 3) if out_layout == "gaps" else x.numel(),), 7.0)
+    got = views[out_layout](buffer)  # the C part itself, at the thread count drawn
     K._c.turn(x.numpy(), got.numpy(), cos[:, 0].contiguous().numpy(), sin[:, 0].contiguous().numpy(), x_pairs,
               out_pairs, inverse, threads)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    untouched = torch.ones_like(buffer, dtype=torch.bool)
+    views[out_layout](untouched).fill_(False)
+    assert bool((buffer[untouched] == 7.0).all())
     # and through kernels.rope's wrapper, its tables (S, D/2) or (B, 1, S, D/2)
     got = K._turn(x, cos if per_batch else cos[0, 0], sin if per_batch else sin[0, 0], x_pairs=x_pairs,
                   out_pairs=out_pairs, inverse=inverse)
@@ -171,6 +178,33 @@ def test_second_derivatives_equal_reference(path, interleaved, paired) -> None:
     assert_close(got, _second_derivative(want_fn, x, w), REDUCTION)
 
 
+@PATHS
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("paired", [False, True])
+def test_torch_func_transforms_and_forward_ad_equal_reference(path, interleaved, paired) -> None:
+    """torch.func.grad, vmap (per-sample gradients: vmap of grad), jacrev and a forward-mode tangent
+    through the rotation, against the reference's rotation (pairs made neighbours for ``paired``)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 2, 5, 8), torch.randn(3, 2, 5, 8)
+    rope, ref = K.RotaryEmbedding(8, interleaved=interleaved), R.RotaryEmbedding(8, interleaved=interleaved)
+    ours = rope.paired if paired else rope
+    theirs = (lambda x: torch.stack([ref(x)[..., :4], ref(x)[..., 4:]], -1).flatten(-2)) if paired and not \
+        interleaved else ref
+
+    def transforms(rotate) -> dict[str, torch.Tensor]:
+        loss = lambda x: (rotate(x) * w).square().sum()
+        per_sample = torch.func.vmap(torch.func.grad(lambda xi: (rotate(xi[None]) * w[:1]).square().sum()))(x)
+        with torch.autograd.forward_ad.dual_level():
+            dual = torch.autograd.forward_ad.make_dual(x, w)
+            tangent = torch.autograd.forward_ad.unpack_dual(rotate(dual)).tangent
+        return {"grad": torch.func.grad(loss)(x), "vmap of grad": per_sample, "tangent": tangent,
+                "jacrev": torch.func.jacrev(rotate)(x[:1, :1, :2])}
+
+    with through(path):
+        got = transforms(ours)
+    assert_dicts_close(got, transforms(theirs), ELEMENTWISE)
+
+
 @pytest.mark.parametrize("paired", [False, True])
 def test_a_traced_rotation_runs_the_torch_ops(paired) -> None:
     """torch.compile(fullgraph=True) and torch.export trace the rotation (the C part is opaque to
@@ -203,6 +237,8 @@ def test_the_c_part_refuses_buffers_it_cannot_rotate() -> None:
         turn(x[0].numpy(), out[0].numpy(), table.numpy(), table.numpy())
     with pytest.raises(ValueError, match="out must have x's shape"):
         turn(x.numpy(), out[:, :2].contiguous().numpy(), table.numpy(), table.numpy())
+    with pytest.raises(ValueError, match="both a unit stride"):  # out's pairs must be its rows' neighbours
+        turn(x.numpy(), torch.empty(2, 3, 5, 16)[..., ::2].numpy(), table.numpy(), table.numpy())
     with pytest.raises(ValueError, match=r"cos and sin must be \(1 or B, S, D/2\)"):
         turn(x.numpy(), out.numpy(), torch.randn(3, 5, 4).numpy(), torch.randn(3, 5, 4).numpy())
     with pytest.raises(ValueError, match="threads must be"):

@@ -10,8 +10,9 @@
 
    turn(x, out, cos, sin, x_pairs, out_pairs, inverse, threads)
        x         float32 buffer of 4 dims (B, H, S, D), any strides, the last one element
-       out       C-contiguous float32 buffer of the same shape, overlapping neither x nor the
-                 tables (the caller's to guarantee: kernels/rope.py passes a fresh one)
+       out       float32 buffer of the same shape, any strides, the last one element,
+                 overlapping neither x nor the tables (the caller's to guarantee: kernels/rope.py
+                 passes a fresh one, or a view of one)
        cos, sin  C-contiguous float32 buffers (T, S, D/2), T = 1 (shared) or B (per batch row)
        x_pairs, out_pairs   1 where that tensor's pairs are interleaved, 0 where half-split
    The B*H*S rows split over an OpenMP team: with -fopenmp the module resolves libgomp.so.1 to
@@ -30,9 +31,10 @@
 
 typedef struct {
     const char *x;                     /* bytes: strides are in bytes */
-    float *out;
+    char *out;
     const float *cos, *sin;
     Py_ssize_t B, H, S, D, sb, sh, ss; /* x's shape and byte strides of its first three dims */
+    Py_ssize_t ob, oh, os;             /* out's byte strides of its first three dims */
     Py_ssize_t tables;                 /* T: 1 or B */
     int x_pairs, out_pairs;
     float sign;                        /* +1, or -1 for the inverse rotation */
@@ -60,7 +62,8 @@ static inline __attribute__((always_inline)) void row(const float *restrict x, f
         for (Py_ssize_t r = r0; r < r1; r++) {                                                  \
             const float *x = (const float *)(j->x + b * j->sb + hh * j->sh + s * j->ss);        \
             const Py_ssize_t t = (j->tables == 1 ? 0 : b) * j->S + s;                           \
-            row(x, j->out + r * j->D, j->cos + t * h, j->sin + t * h, h, j->sign, XP, OP);      \
+            float *o = (float *)(j->out + b * j->ob + hh * j->oh + s * j->os);                  \
+            row(x, o, j->cos + t * h, j->sin + t * h, h, j->sign, XP, OP);                       \
             if (++s == j->S) {                                                                  \
                 s = 0;                                                                          \
                 if (++hh == j->H) hh = 0, b++;                                                  \
@@ -100,7 +103,7 @@ static PyObject *turn(PyObject *self, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "threads must be 1..%d, got %zd", MAX_THREADS, threads);
     Py_buffer x, out, c, n;
     if (get(xo, &x, PyBUF_STRIDES, "x") < 0) return NULL;
-    if (get(oo, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, "out") < 0) { PyBuffer_Release(&x); return NULL; }
+    if (get(oo, &out, PyBUF_STRIDES | PyBUF_WRITABLE, "out") < 0) { PyBuffer_Release(&x); return NULL; }
     if (get(co, &c, PyBUF_C_CONTIGUOUS, "cos") < 0) { PyBuffer_Release(&x); PyBuffer_Release(&out); return NULL; }
     if (get(so, &n, PyBUF_C_CONTIGUOUS, "sin") < 0) {
         PyBuffer_Release(&x); PyBuffer_Release(&out); PyBuffer_Release(&c); return NULL;
@@ -115,8 +118,8 @@ static PyObject *turn(PyObject *self, PyObject *args) {
         int same = 1;
         for (int d = 0; d < 4; d++) same &= out.shape[d] == x.shape[d];
         for (int d = 0; d < 3; d++) same &= n.shape[d] == c.shape[d];
-        if (!same || D % 2 || (D && x.strides[3] != 4))
-            PyErr_Format(PyExc_ValueError, "out must have x's shape, x an even D with unit stride");
+        if (!same || D % 2 || (D && (x.strides[3] != 4 || out.strides[3] != 4)))
+            PyErr_Format(PyExc_ValueError, "out must have x's shape, x an even D, both a unit stride on it");
         else if (c.shape[1] != S || c.shape[2] != D / 2 || (T != 1 && T != B))
             PyErr_Format(PyExc_ValueError, "cos and sin must be (1 or B, S, D/2) = (1 or %zd, %zd, %zd), "
                                "got (%zd, %zd, %zd)", B, S, D / 2, c.shape[0], c.shape[1], c.shape[2]);
@@ -124,8 +127,8 @@ static PyObject *turn(PyObject *self, PyObject *args) {
             bad = 0;
     }
     if (!bad) {
-        Job job = {x.buf, out.buf, c.buf, n.buf, B, H, S, D, x.strides[0], x.strides[1], x.strides[2], T,
-                   x_pairs, out_pairs, inverse ? -1.0f : 1.0f};
+        Job job = {x.buf, out.buf, c.buf, n.buf, B, H, S, D, x.strides[0], x.strides[1], x.strides[2],
+                   out.strides[0], out.strides[1], out.strides[2], T, x_pairs, out_pairs, inverse ? -1.0f : 1.0f};
         const Py_ssize_t rows = B * H * S;
         if (threads > rows) threads = rows > 0 ? rows : 1;
         Py_BEGIN_ALLOW_THREADS

@@ -26,6 +26,16 @@ evidence/fused-attention-zen4.txt (Zen 4, 1 and 2 threads): faster than rotating
 level or slower beyond, and a mask masked chunk by chunk slower than SDPA's own from 256 positions.
 A training forward keeps the unfused paths, whose rotation is differentiable.
 
+RopeSelfAttention in training (a gradient to build) on CPU in float32, without the causal mask or
+a mask, over at most ``CPU_MATH_MAX_SEQ`` positions, attends through ``_ProjectedAttention``: one
+autograd node from the qkv projection's output to the output projection's input, instead of a
+graph of the split, the rotations, the scores, their scale, the softmax and the products. Its
+forward reads q and k from their strided views of the projection (the C rotation), its backward
+writes the rotated-back dq and dk and dv straight into the projection's gradient, in its layout:
+no cat of the heads' gradients and no transposed copy of it, no scale pass, and no rotation
+backward in torch ops (k's gradient from torch's matmul is transposed, a layout the C pass does
+not read). Measured faster at every shape it takes (evidence/attention_training.py).
+
 And causal on CPU over 384 to 512 positions (``CPU_CAUSAL_SEQ``; fp32, bf16, fp16): torch's flash CPU
 kernel scores each block of queries against a whole block of up to 512 keys and masks the ones past
 the query afterwards, so up to 512 positions causal costs what full attention does. There one SDPA
@@ -44,7 +54,7 @@ from torch import Tensor, nn
 
 from kernels import checks
 from kernels._team import c_team
-from kernels.rope import RotaryEmbedding, _c_rotates, c_tables, rotate_into
+from kernels.rope import RotaryEmbedding, _c_rotates, c_built, c_tables, rotate_into
 
 try:
     from kernels import _softmax as _c_softmax
@@ -184,10 +194,7 @@ def _fuses(q: Tensor, k: Tensor, v: Tensor, rope: nn.Module, causal: bool, mask:
     records the C parts). The C pass must also rotate q and k (``_c_rotates``, checked with the
     tables)."""
     if (torch.compiler.is_compiling() or torch.jit.is_tracing() or causal or q.device.type != "cpu"
-            or q.dtype != torch.float32):
-        return False
-    if not isinstance(rope, RotaryEmbedding) or any(  # a subclass rotating its own way rotates through it
-            getattr(type(rope), f) is not getattr(RotaryEmbedding, f) for f in ("forward", "paired", "tables")):
+            or q.dtype != torch.float32 or not _rotates_ours(rope)):
         return False
     threads = torch.get_num_threads()
     limit = (CPU_FUSED_SEQ_TWO_THREADS if threads == 2 else
@@ -196,13 +203,26 @@ def _fuses(q: Tensor, k: Tensor, v: Tensor, rope: nn.Module, causal: bool, mask:
     if q.shape[2] > (limit if mask is None else CPU_FUSED_SEQ) or not one_table:  # a mask: up to 128 only
         return False
     tensors = (q, k, v) if mask is None else (q, k, v, mask)
-    if any(type(t) is not torch.Tensor for t in tensors) or torch.is_autocast_enabled("cpu"):
-        return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    # the C pass and the out= ops record nothing a forward-mode tangent or a torch.func transform
-    # could follow: those take the differentiable path
-    return not any(fwAD.unpack_dual(t).tangent is not None or torch._C._functorch.is_functorch_wrapped_tensor(t)
+    return _plain(tensors)
+
+
+def _rotates_ours(rope: nn.Module) -> bool:
+    """Whether ``rope`` is a RotaryEmbedding rotating as ours does: a subclass rotating its own way
+    rotates through its own methods."""
+    return isinstance(rope, RotaryEmbedding) and all(
+        getattr(type(rope), f) is getattr(RotaryEmbedding, f) for f in ("forward", "paired", "tables"))
+
+
+def _plain(tensors: tuple[Tensor, ...]) -> bool:
+    """Whether a path of C passes and out= ops may take these: plain tensors, no autocast, no
+    forward-mode tangent and no torch.func transform (the C passes and the out= ops record nothing
+    either could follow: those take the differentiable torch ops)."""
+    if any(type(t) is not torch.Tensor for t in tensors) or torch.is_autocast_enabled("cpu"):
+        return False
+    # a transform's tensor first: vmap's batched tensors have no dual to unpack
+    return not any(torch._C._functorch.is_functorch_wrapped_tensor(t) or fwAD.unpack_dual(t).tangent is not None
                    for t in tensors)
 
 
@@ -308,6 +328,82 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, ca
                                           enable_gqa=bool(k.shape[1] != q.shape[1]))  # a bool while jit-traced too
 
 
+def _trains_fused(module: RopeSelfAttention, qkv: Tensor, attn_mask: Tensor | None) -> bool:
+    """Whether RopeSelfAttention's forward takes ``_ProjectedAttention`` (module note): a gradient to
+    build, float32 on the CPU, not causal, no mask, S at most CPU_MATH_MAX_SEQ (where the explicit
+    attention measured faster than SDPA), the module's own attention and a RotaryEmbedding rotating
+    as ours, kernels._rope built, and nothing traced (torch.compile, torch.export, torch.jit.trace)
+    or transformed (torch.func, forward-mode AD): those take the differentiable torch ops."""
+    s = qkv.shape[1]
+    if (not (torch.is_grad_enabled() and qkv.requires_grad) or torch.compiler.is_compiling()
+            or torch.jit.is_tracing() or module.causal or attn_mask is not None or not 0 < s <= CPU_MATH_MAX_SEQ
+            or qkv.device.type != "cpu" or qkv.dtype != torch.float32 or not qkv.numel()):
+        return False
+    ours = type(module).attend is RopeSelfAttention.attend and _rotates_ours(module.rope)
+    return ours and c_built() and _plain((qkv,))
+
+
+def _heads(qkv: Tensor, h: int, hk: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q (B, H, S, D), k and v (B, H_kv, S, D): strided views of the projection qkv (B, S, (H + 2 H_kv) D)."""
+    b, s = qkv.shape[:2]
+    return qkv.view(b, s, h + 2 * hk, d).transpose(1, 2).split([h, hk, hk], dim=1)
+
+
+class _ProjectedAttention(torch.autograd.Function):
+    """softmax(R(q) R(k)^T / sqrt(D)) v over the heads of one projection, for RopeSelfAttention's
+    training forward (module note): qkv (B, S, (H + 2 H_kv) D) -> (B, S, H D), the layout the
+    output projection takes; the backward returns qkv's gradient in qkv's own layout.
+
+    Forward: q and k rotated by the C pass (pairs made neighbours) from their strided views into
+    buffers of their own, scored by one batched matmul (the scale its alpha), turned into
+    probabilities P in place, multiplied by v. Saved: rotated q and k, P, and qkv (v is read from
+    it again). Backward: dv = P^T do, dP = do v^T, dS = P (dP - rowsum(dP P)) (torch's softmax
+    backward), dq = dS k / sqrt(D) and dk = dS^T q / sqrt(D) (the scale their alpha), rotated back
+    by the C pass straight into their heads of qkv's gradient. Differentiated again
+    (create_graph), the backward recomputes the attention with the differentiable torch ops."""
+
+    @staticmethod
+    def forward(ctx, qkv: Tensor, rope: RotaryEmbedding, h: int, hk: int) -> Tensor:
+        b, s, _ = qkv.shape
+        d, g = rope.head_dim, h // hk
+        n = b * hk  # kv heads; the g q heads of one are rows of one matmul (grouped-query attention)
+        q, k, v = _heads(qkv, h, hk, d)
+        cos, sin = c_tables(*rope.tables(q), s)
+        rq = rotate_into(q, qkv.new_empty(b, h, s, d), cos, sin, x_pairs=rope.interleaved, out_pairs=True)
+        rk = rotate_into(k, qkv.new_empty(b, hk, s, d), cos, sin, x_pairs=rope.interleaved, out_pairs=True)
+        p = torch.baddbmm(qkv.new_empty(n, g * s, s), rq.view(n, g * s, d), rk.view(n, s, d).mT, beta=0,
+                          alpha=d**-0.5)
+        _softmax_(p)
+        out = torch.bmm(p, v.reshape(n, s, d))
+        ctx.save_for_backward(qkv, rq, rk, p, cos, sin)
+        ctx.rope, ctx.h, ctx.hk = rope, h, hk
+        return out.view(b, h, s, d).transpose(1, 2).reshape(b, s, h * d)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        qkv, rq, rk, p, cos, sin = ctx.saved_tensors
+        rope, h, hk = ctx.rope, ctx.h, ctx.hk
+        if torch.is_grad_enabled():  # create_graph: the attention again, in differentiable torch ops
+            with torch.enable_grad():
+                q, k, v = _heads(qkv, h, hk, rope.head_dim)
+                out = rope_attention(q, k, v, rope).transpose(1, 2).reshape(grad.shape)
+            return torch.autograd.grad(out, qkv, grad, create_graph=True)[0], None, None, None
+        b, s, _ = qkv.shape
+        d, g, n = rope.head_dim, h // hk, b * hk
+        do = grad.reshape(b, s, h, d).transpose(1, 2).reshape(n, g * s, d)
+        v = _heads(qkv, h, hk, d)[2].reshape(n, s, d)
+        dqkv = torch.empty_like(qkv)
+        dq, dk, dv = _heads(dqkv, h, hk, d)  # views of the gradient, written in place
+        dv.copy_(torch.bmm(p.mT, do).view(b, hk, s, d))
+        ds = torch.ops.aten._softmax_backward_data(torch.bmm(do, v.mT), p, -1, p.dtype)
+        scale = d**-0.5
+        dq_ = torch.baddbmm(qkv.new_empty(n, g * s, d), ds, rk.view(n, s, d), beta=0, alpha=scale)
+        dk_ = torch.baddbmm(qkv.new_empty(n, s, d), ds.mT, rq.view(n, g * s, d), beta=0, alpha=scale)
+        rotate_into(dq_.view(b, h, s, d), dq, cos, sin, x_pairs=True, out_pairs=rope.interleaved, inverse=True)
+        rotate_into(dk_.view(b, hk, s, d), dk, cos, sin, x_pairs=True, out_pairs=rope.interleaved, inverse=True)
+        return dqkv, None, None, None
+
+
 def check_module(dim: int, n_heads: int, n_kv_heads: int | None, causal: bool, bias: bool) -> int:
     """Refuse settings no RopeSelfAttention can have; returns n_kv_heads (default n_heads)."""
     checks.integer(dim, "dim", low=1)
@@ -352,8 +448,9 @@ class RopeSelfAttention(nn.Module):
     def forward(self, x: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         check_module_input(x, self.proj.in_features, self.qkv.weight)
         b, s, dim = x.shape
-        heads = self.n_heads + 2 * self.n_kv_heads
-        q, k, v = self.qkv(x).view(b, s, heads, self.head_dim).transpose(1, 2).split(
-            [self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
+        qkv = self.qkv(x)
+        if _trains_fused(self, qkv, attn_mask):
+            return self.proj(_ProjectedAttention.apply(qkv, self.rope, self.n_heads, self.n_kv_heads))
+        q, k, v = _heads(qkv, self.n_heads, self.n_kv_heads, self.head_dim)
         out = self.attend(q, k, v, self.rope, causal=self.causal, attn_mask=attn_mask)
         return self.proj(out.transpose(1, 2).reshape(b, s, dim))

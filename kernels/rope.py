@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
 from kernels import checks
@@ -81,13 +82,21 @@ def check_rotate(x: Tensor, head_dim: int, offset: int, positions: Tensor | None
 
 
 class _Rotate(torch.autograd.Function):
-    """y = R(angle) x per pair; dx = R(-angle) dy. cos/sin (S or B*S rows, D/2) in fp32."""
+    """y = R(angle) x per pair; dx = R(-angle) dy. cos/sin (S or B*S rows, D/2) in fp32. A tensor a
+    torch.func transform or forward-mode AD follows is rotated by ``_rotate``'s torch ops instead
+    (``_followed``); the Function is written for transforms too (``setup_context``, a generated
+    vmap rule), for one applied to a plain tensor while a transform is active."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-        ctx.save_for_backward(cos, sin)
-        ctx.interleaved = interleaved
+    def forward(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
         return _rotate(x, cos, sin, interleaved)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
+        _, cos, sin, ctx.interleaved = inputs
+        ctx.save_for_backward(cos, sin)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -99,18 +108,18 @@ class _Rotate(torch.autograd.Function):
 
 class _RotatePaired(torch.autograd.Function):
     """y = P R(angle) x for half-split pairs, P moving pair i's two features to 2i, 2i + 1;
-    dx = R(-angle) P^T dy."""
+    dx = R(-angle) P^T dy (torch.func and forward-mode AD: as ``_Rotate``)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return _paired(x, cos, sin)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
+        _, cos, sin = inputs
         ctx.save_for_backward(cos, sin)
-        xf = x.to(cos.dtype)
-        out = _turn(xf, cos, sin, x_pairs=False, out_pairs=True)
-        if out is None:
-            h = x.shape[-1] // 2
-            turned = torch.complex(xf[..., :h], xf[..., h:]).mul_(torch.complex(cos, sin))  # in place
-            out = torch.view_as_real(turned).flatten(-2)
-        return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -123,18 +132,48 @@ class _RotatePaired(torch.autograd.Function):
         return out.to(grad.dtype), None, None
 
 
+def _transformed(x: Tensor) -> bool:
+    """Whether x is a torch.func transform's tensor (vmap's batched, grad's wrapped): only torch ops
+    that the transform follows may touch it (no C pass, no out=)."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(x)
+
+
+def _followed(x: Tensor) -> bool:
+    """Whether a torch.func transform or forward-mode AD follows x (a transform's tensor, or a dual
+    with a tangent): it is rotated by torch ops, which both differentiate."""
+    if torch.compiler.is_compiling():  # a traced graph (torch.compile, torch.export) records the Function
+        return False
+    return _transformed(x) or fwAD.unpack_dual(x).tangent is not None  # unpack_dual fails on vmap's tensors
+
+
+def _paired(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """P R(angle) x for half-split pairs (``RotaryEmbedding.paired``): one pass of kernels._rope
+    where it applies, else one complex multiply of the halves."""
+    xf = x.to(cos.dtype)
+    out = _turn(xf, cos, sin, x_pairs=False, out_pairs=True)
+    if out is None:
+        h = x.shape[-1] // 2
+        out = torch.view_as_real(torch.complex(xf[..., :h], xf[..., h:]) * torch.complex(cos, sin)).flatten(-2)
+    return out.to(x.dtype)
+
+
 def _c_rotates(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
     """Whether kernels._rope rotates x (B, H, S, D) with these tables: built, a plain float32 CPU
     tensor with a unit-stride last dim and 4-byte alignment, no lazy negation or conjugation, no
     result autograd must differentiate (create_graph: the torch ops are), no graph being traced
     (torch.compile, torch.export: the torch ops trace)."""
-    if _c is None or torch.compiler.is_compiling() or not (
+    if _c is None or torch.compiler.is_compiling() or _followed(x) or not (
             type(x) is torch.Tensor and x.device.type == "cpu" and x.layout == torch.strided
             and x.dtype == cos.dtype == sin.dtype == torch.float32 and x.ndim == 4 and x.numel()
             and x.stride(-1) == 1 and x.data_ptr() % 4 == 0
             and not (x.is_neg() or x.is_conj() or cos.is_neg() or sin.is_neg())):
         return False
     return not (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad))
+
+
+def c_built() -> bool:
+    """Whether kernels._rope was built by the install (a C compiler was found)."""
+    return _c is not None
 
 
 def c_tables(cos: Tensor, sin: Tensor, s: int) -> tuple[Tensor, Tensor]:
@@ -145,7 +184,8 @@ def c_tables(cos: Tensor, sin: Tensor, s: int) -> tuple[Tensor, Tensor]:
 def rotate_into(x: Tensor, out: Tensor, cos: Tensor, sin: Tensor, *, x_pairs: bool, out_pairs: bool,
                 inverse: bool = False) -> Tensor:
     """kernels._rope's one pass: x (B, H, S, D), where ``_c_rotates``, rotated into ``out`` (a
-    C-contiguous float32 tensor of x's shape), pairs read and written in the layouts named
+    float32 tensor of x's shape with a unit-stride last dim, overlapping neither x nor the tables:
+    a fresh tensor or a view of one), pairs read and written in the layouts named
     (interleaved where ``*_pairs``, else half-split), by -angle where ``inverse``; cos, sin as
     ``c_tables`` returns them. Returns ``out``."""
     _c.turn(x.detach().numpy(), out.numpy(), cos.numpy(), sin.numpy(), x_pairs, out_pairs, inverse,
@@ -193,7 +233,8 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, *, inverse: 
         return out if x.dtype == ct else out.to(x.dtype)
     h = x.shape[-1] // 2
     a, b = xf[..., :h], xf[..., h:]
-    if torch.compiler.is_compiling():  # no out= into halves in a traced graph: the compiler fuses these
+    if torch.compiler.is_compiling() or _followed(xf):  # no out= into halves in a traced graph (the
+        # compiler fuses these), under a torch.func transform or forward-mode AD
         out = torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
         return out if x.dtype == ct else out.to(x.dtype)
     out = torch.empty(xf.shape, dtype=ct, device=x.device)
@@ -283,6 +324,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: Tensor, *, offset: int = 0, positions: Tensor | None = None) -> Tensor:
         cos, sin = self.tables(x, offset, positions)
+        if _followed(x):  # torch ops, which the transform or forward-mode AD follows
+            return _rotate(x, cos, sin, self.interleaved)
         return _Rotate.apply(x, cos, sin, self.interleaved)
 
     def paired(self, x: Tensor, *, offset: int = 0, positions: Tensor | None = None) -> Tensor:
@@ -293,7 +336,7 @@ class RotaryEmbedding(nn.Module):
         if self.interleaved:
             return self(x, offset=offset, positions=positions)
         cos, sin = self.tables(x, offset, positions)
-        return _RotatePaired.apply(x, cos, sin)
+        return _paired(x, cos, sin) if _followed(x) else _RotatePaired.apply(x, cos, sin)
 
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, base={self.base}, "

@@ -77,3 +77,37 @@ def test_rope_attention_s128(perf, impl: str, causal: bool) -> None:
 @pytest.mark.parametrize("impl", [*IMPLS, PEER, COMPILED, SDPA_ALONE, GRAPHED])
 def test_rope_attention_s512(perf, impl: str, causal: bool) -> None:
     _time(perf, impl, 512, causal)
+
+
+TRAIN_BATCH = {"smoke": 32, "full": 128}  # the RoPE ViT's batch; its attention layer: S 64, dim 192, 6 heads
+
+
+@pytest.mark.speedup()
+@pytest.mark.speedup(over=PEER)
+@pytest.mark.speedup(over=COMPILED)
+@pytest.mark.parametrize("impl", [*IMPLS, PEER, COMPILED])
+def test_rope_self_attention_training(perf, impl: str) -> None:
+    """RopeSelfAttention's forward and backward in fp32 (the gradients of x and every parameter) at
+    the RoPE ViT's attention layer: the reference module against ours (on CPU the projected
+    attention, kernels/attention.py), the reference compiled, and the peer: rotary-embedding-torch
+    and SDPA between the same two projections, checked against the interleaved reference. No floor:
+    one CPU model has measured it (evidence/attention_training.py)."""
+    torch.manual_seed(0)
+    b, s, dim, heads = TRAIN_BATCH[perf.size], 64, 192, 6
+    x = torch.randn(b, s, dim, device=perf.device, requires_grad=True)
+    grad = torch.randn(b, s, dim, device=perf.device)
+    interleaved = impl == PEER  # the pairs rotary-embedding-torch rotates
+    ours = kernels.RopeSelfAttention(dim, heads, interleaved=interleaved).to(perf.device)
+    ref = reference.RopeSelfAttention(dim, heads, interleaved=interleaved).to(perf.device)
+    ref.load_state_dict(ours.state_dict())
+    if impl == PEER:
+        attend = rotary_attention(dim // heads, perf.device)
+        forward = lambda x: ref.proj(attend(*ref.qkv(x).view(b, s, 3 * heads, -1).transpose(1, 2).split(heads, 1),
+                                            causal=False).transpose(1, 2).reshape(b, s, dim))
+    else:
+        forward = {"optimized": ours, "reference": ref, COMPILED: compiled(ref)}[impl]
+    params = [x, *ref.parameters()] if impl != "optimized" else [x, *ours.parameters()]
+    got = perf(lambda: torch.autograd.grad(forward(x), params, grad), label=f"B{b} S{s} dim {dim} heads {heads}")
+    want = torch.autograd.grad(ref(x), [x, *ref.parameters()], grad)
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, REDUCTION)
