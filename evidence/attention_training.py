@@ -2,7 +2,7 @@
 (kernels.attention._ProjectedAttention) against the unfused path (the same module with autograd
 over the torch ops and the rotation's Function), interleaved in one process.
 
-    python -m evidence.attention_training [cache|default]
+    python -m evidence.attention_training [cache|default] [threads, default 2]
 
 Each row: the module's forward and backward (a gradient for x and every parameter) on x (B, S, dim),
 unfused time over fused, point (95% CI) from 15 interleaved ABBA pairs (perfgate.timing), and each
@@ -25,7 +25,7 @@ import kernels.attention as KA  # noqa: E402
 from evidence.ab import versus  # noqa: E402
 from perfgate.fingerprint import _cpu_model  # noqa: E402
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
 timer = timer_for("cpu")
 SHAPES = [  # (B, S, dim, heads, kv heads)
     (16, 64, 192, 6, 6), (32, 64, 192, 6, 6), (8, 128, 256, 8, 2), (4, 128, 512, 8, 8)]
