@@ -417,9 +417,9 @@ def test_module_training_path_only_where_it_applies() -> None:
     attention and rotation, kernels._rope built, no autocast, nothing traced or transformed."""
     x = torch.randn(2, 8, 32)
 
-    def takes(mod=None, x=x, mask=None, **kw) -> bool:
+    def takes(mod=None, x=x, mask=None, qkv=None, **kw) -> bool:
         mod = kernels.RopeSelfAttention(32, 4, **kw) if mod is None else mod
-        return KA._trains_fused(mod, mod.qkv(x), mask)
+        return KA._trains_fused(mod, mod.qkv(x) if qkv is None else qkv, mask)
 
     assert takes() and takes(n_kv_heads=2, interleaved=True)
     assert not takes(causal=True) and not takes(mask=torch.ones(8, 8, dtype=torch.bool))
@@ -433,10 +433,22 @@ def test_module_training_path_only_where_it_applies() -> None:
     assert not takes(mod=frozen) and takes(mod=frozen, x=x.requires_grad_(True))
     with torch.no_grad():
         assert not takes()
+    own = kernels.RopeSelfAttention(32, 4)
+    own.attend = RA.rope_attention  # an instance's own attention
+    assert not takes(mod=own)
+    fp32 = kernels.RopeSelfAttention(32, 4).qkv(x)  # float32, made outside autocast
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not takes()
+        assert not takes() and not takes(qkv=fp32)
     with mock.patch("kernels.rope._c", None):
         assert not takes()
+    with mock.patch("torch.compiler.is_compiling", lambda: True):
+        assert not takes()
+    with mock.patch("torch.jit.is_tracing", lambda: True):
+        assert not takes()
+    # a torch.func transform active over other inputs: x and the projection stay plain tensors
+    seen, plain = [], kernels.RopeSelfAttention(32, 4)
+    torch.func.vmap(lambda w: seen.append(takes(mod=plain)) or w)(torch.randn(3))
+    assert seen == [False]
 
 
 def test_module_training_path_differentiates_twice() -> None:
@@ -477,6 +489,26 @@ def test_module_under_torch_func_and_forward_ad_takes_the_torch_ops() -> None:
     with fwAD.dual_level():
         want = fwAD.unpack_dual(ref(fwAD.make_dual(x, torch.ones_like(x)))).tangent
     assert_close(tangent, want, REDUCTION)
+    # vmap over a weight of the loss, the module's input unbatched (its tensors plain, a transform active)
+    w = torch.randn(3, 32)
+    per_w = lambda m: torch.func.vmap(lambda wi: (m(x) * wi).sum())(w)
+    assert_close(per_w(mod), per_w(ref), REDUCTION)
+
+
+def test_module_training_path_backward_under_autocast() -> None:
+    """A forward in fp32 (the projected attention) whose backward runs inside an autocast region:
+    the backward keeps the forward's fp32, as autograd does for the unfused ops."""
+    torch.manual_seed(0)
+    mod, ref = _module_pair(48, 6, 2)
+    x = torch.randn(2, 7, 48, requires_grad=True)
+    with mock.patch.object(KA._ProjectedAttention, "apply", wraps=KA._ProjectedAttention.apply) as fused:
+        out = mod(x)
+    assert fused.call_count == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (got,) = torch.autograd.grad(out.sum(), x)
+    (want,) = torch.autograd.grad(ref(x).sum(), x)
+    assert got.dtype == torch.float32  # the projections' backward ran in bf16 (autocast's), its own in fp32
+    assert_close(got, want, REDUCTION, dtype=torch.bfloat16)
 
 
 def test_value_head_dim_may_differ_and_offset_positions_pass_through() -> None:

@@ -205,6 +205,21 @@ def test_torch_func_transforms_and_forward_ad_equal_reference(path, interleaved,
     assert_dicts_close(got, transforms(theirs), ELEMENTWISE)
 
 
+@PATHS
+def test_the_rotation_of_a_plain_tensor_while_a_transform_is_active(path) -> None:
+    """x itself unbatched and unwrapped under vmap (over another input) and torch.func.jvp (the
+    tangent of another input): the rotation's Functions run inside the transform."""
+    torch.manual_seed(0)
+    x, ws = torch.randn(2, 3, 5, 8), torch.randn(4, 2, 3, 5, 8)
+    rope, ref = K.RotaryEmbedding(8), R.RotaryEmbedding(8)
+    with through(path):
+        got = torch.func.vmap(lambda w: (rope(x) * w).sum())(ws)
+        _, tangent = torch.func.jvp(lambda w: rope(x) * w, (ws[0],), (ws[1],))
+    assert_close(got, torch.func.vmap(lambda w: (ref(x) * w).sum())(ws), REDUCTION)
+    assert_close(tangent, ref(x) * ws[1], ELEMENTWISE)
+
+
+
 @pytest.mark.parametrize("paired", [False, True])
 def test_a_traced_rotation_runs_the_torch_ops(paired) -> None:
     """torch.compile(fullgraph=True) and torch.export trace the rotation (the C part is opaque to

@@ -219,7 +219,8 @@ def _plain(tensors: tuple[Tensor, ...]) -> bool:
     """Whether a path of C passes and out= ops may take these: plain tensors, no autocast, no
     forward-mode tangent and no torch.func transform (the C passes and the out= ops record nothing
     either could follow: those take the differentiable torch ops)."""
-    if any(type(t) is not torch.Tensor for t in tensors) or torch.is_autocast_enabled("cpu"):
+    if (any(type(t) is not torch.Tensor for t in tensors) or torch.is_autocast_enabled("cpu")
+            or torch._C._are_functorch_transforms_active()):  # a transform of other inputs
         return False
     # a transform's tensor first: vmap's batched tensors have no dual to unpack
     return not any(torch._C._functorch.is_functorch_wrapped_tensor(t) or fwAD.unpack_dual(t).tangent is not None
@@ -339,7 +340,7 @@ def _trains_fused(module: RopeSelfAttention, qkv: Tensor, attn_mask: Tensor | No
             or torch.jit.is_tracing() or module.causal or attn_mask is not None or not 0 < s <= CPU_MATH_MAX_SEQ
             or qkv.device.type != "cpu" or qkv.dtype != torch.float32 or not qkv.numel()):
         return False
-    ours = type(module).attend is RopeSelfAttention.attend and _rotates_ours(module.rope)
+    ours = module.attend is rope_attention and _rotates_ours(module.rope)  # not a subclass's or instance's own
     return ours and c_built() and _plain((qkv,))
 
 
@@ -349,58 +350,70 @@ def _heads(qkv: Tensor, h: int, hk: int, d: int) -> tuple[Tensor, Tensor, Tensor
     return qkv.view(b, s, h + 2 * hk, d).transpose(1, 2).split([h, hk, hk], dim=1)
 
 
+def _rotated(qkv: Tensor, cos: Tensor, sin: Tensor, rope: RotaryEmbedding, h: int,
+             hk: int) -> tuple[Tensor, Tensor]:
+    """R(q) (B, H, S, D) and R(k) (B, H_kv, S, D), each pair's features made neighbours, rotated by
+    the C pass from their strided views of qkv into tensors of their own; cos, sin as c_tables
+    returns them."""
+    q, k, _ = _heads(qkv, h, hk, rope.head_dim)
+    return tuple(rotate_into(x, qkv.new_empty(x.shape), cos, sin, x_pairs=rope.interleaved, out_pairs=True)
+                 for x in (q, k))
+
+
 class _ProjectedAttention(torch.autograd.Function):
     """softmax(R(q) R(k)^T / sqrt(D)) v over the heads of one projection, for RopeSelfAttention's
     training forward (module note): qkv (B, S, (H + 2 H_kv) D) -> (B, S, H D), the layout the
     output projection takes; the backward returns qkv's gradient in qkv's own layout.
 
     Forward: q and k rotated by the C pass (pairs made neighbours) from their strided views into
-    buffers of their own, scored by one batched matmul (the scale its alpha), turned into
-    probabilities P in place, multiplied by v. Saved: rotated q and k, P, and qkv (v is read from
-    it again). Backward: dv = P^T do, dP = do v^T, dS = P (dP - rowsum(dP P)) (torch's softmax
-    backward), dq = dS k / sqrt(D) and dk = dS^T q / sqrt(D) (the scale their alpha), rotated back
-    by the C pass straight into their heads of qkv's gradient. Differentiated again
-    (create_graph), the backward recomputes the attention with the differentiable torch ops."""
+    tensors of their own, scored by one batched matmul (the scale its alpha), turned into
+    probabilities P in place, multiplied by v. Saved: qkv and P, what the unfused path keeps (its
+    rotated q and k and v are qkv's size). Backward: q and k rotated again, dv = P^T do, dP = do
+    v^T, dS = P (dP - rowsum(dP P)) (torch's softmax backward), dq = dS k / sqrt(D) and dk = dS^T
+    q / sqrt(D) (the scale their alpha), rotated back by the C pass straight into their heads of
+    qkv's gradient; autocast off, as in the forward. Differentiated again (create_graph), the
+    backward recomputes the attention with the differentiable torch ops."""
 
     @staticmethod
     def forward(ctx, qkv: Tensor, rope: RotaryEmbedding, h: int, hk: int) -> Tensor:
         b, s, _ = qkv.shape
         d, g = rope.head_dim, h // hk
         n = b * hk  # kv heads; the g q heads of one are rows of one matmul (grouped-query attention)
-        q, k, v = _heads(qkv, h, hk, d)
-        cos, sin = c_tables(*rope.tables(q), s)
-        rq = rotate_into(q, qkv.new_empty(b, h, s, d), cos, sin, x_pairs=rope.interleaved, out_pairs=True)
-        rk = rotate_into(k, qkv.new_empty(b, hk, s, d), cos, sin, x_pairs=rope.interleaved, out_pairs=True)
+        cos, sin = c_tables(*rope.tables(_heads(qkv, h, hk, d)[0]), s)
+        rq, rk = _rotated(qkv, cos, sin, rope, h, hk)
         p = torch.baddbmm(qkv.new_empty(n, g * s, s), rq.view(n, g * s, d), rk.view(n, s, d).mT, beta=0,
                           alpha=d**-0.5)
         _softmax_(p)
-        out = torch.bmm(p, v.reshape(n, s, d))
-        ctx.save_for_backward(qkv, rq, rk, p, cos, sin)
+        out = torch.bmm(p, _heads(qkv, h, hk, d)[2].reshape(n, s, d))
+        ctx.save_for_backward(qkv, p, cos, sin)
         ctx.rope, ctx.h, ctx.hk = rope, h, hk
         return out.view(b, h, s, d).transpose(1, 2).reshape(b, s, h * d)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        qkv, rq, rk, p, cos, sin = ctx.saved_tensors
+        qkv, p, cos, sin = ctx.saved_tensors
         rope, h, hk = ctx.rope, ctx.h, ctx.hk
-        if torch.is_grad_enabled():  # create_graph: the attention again, in differentiable torch ops
-            with torch.enable_grad():
-                q, k, v = _heads(qkv, h, hk, rope.head_dim)
-                out = rope_attention(q, k, v, rope).transpose(1, 2).reshape(grad.shape)
-            return torch.autograd.grad(out, qkv, grad, create_graph=True)[0], None, None, None
-        b, s, _ = qkv.shape
-        d, g, n = rope.head_dim, h // hk, b * hk
-        do = grad.reshape(b, s, h, d).transpose(1, 2).reshape(n, g * s, d)
-        v = _heads(qkv, h, hk, d)[2].reshape(n, s, d)
-        dqkv = torch.empty_like(qkv)
-        dq, dk, dv = _heads(dqkv, h, hk, d)  # views of the gradient, written in place
-        dv.copy_(torch.bmm(p.mT, do).view(b, hk, s, d))
-        ds = torch.ops.aten._softmax_backward_data(torch.bmm(do, v.mT), p, -1, p.dtype)
-        scale = d**-0.5
-        dq_ = torch.baddbmm(qkv.new_empty(n, g * s, d), ds, rk.view(n, s, d), beta=0, alpha=scale)
-        dk_ = torch.baddbmm(qkv.new_empty(n, s, d), ds.mT, rq.view(n, g * s, d), beta=0, alpha=scale)
-        rotate_into(dq_.view(b, h, s, d), dq, cos, sin, x_pairs=True, out_pairs=rope.interleaved, inverse=True)
-        rotate_into(dk_.view(b, hk, s, d), dk, cos, sin, x_pairs=True, out_pairs=rope.interleaved, inverse=True)
+        with torch.autocast("cpu", enabled=False):  # a backward run under autocast: the forward's dtypes
+            if torch.is_grad_enabled():  # create_graph: the attention again, in differentiable torch ops
+                with torch.enable_grad():
+                    q, k, v = _heads(qkv, h, hk, rope.head_dim)
+                    out = rope_attention(q, k, v, rope).transpose(1, 2).reshape(grad.shape)
+                return torch.autograd.grad(out, qkv, grad, create_graph=True)[0], None, None, None
+            b, s, _ = qkv.shape
+            d, g, n = rope.head_dim, h // hk, b * hk
+            rq, rk = _rotated(qkv, cos, sin, rope, h, hk)
+            do = grad.reshape(b, s, h, d).transpose(1, 2).reshape(n, g * s, d)
+            dqkv = torch.empty_like(qkv)
+            dq, dk, dv = _heads(dqkv, h, hk, d)  # views of the gradient, written in place
+            dv.copy_(torch.bmm(p.mT, do).view(b, hk, s, d))
+            dp = torch.bmm(do, _heads(qkv, h, hk, d)[2].reshape(n, s, d).mT)
+            ds = torch.ops.aten._softmax_backward_data(dp, p, -1, p.dtype)
+            scale = d**-0.5
+            dq_ = torch.baddbmm(qkv.new_empty(n, g * s, d), ds, rk.view(n, s, d), beta=0, alpha=scale)
+            dk_ = torch.baddbmm(qkv.new_empty(n, s, d), ds.mT, rq.view(n, g * s, d), beta=0, alpha=scale)
+            for x, out in ((dq_, dq), (dk_, dk)):  # rotated back, into their heads of the gradient
+                rotate_into(x.view(out.shape), out, cos, sin, x_pairs=True, out_pairs=rope.interleaved,
+                            inverse=True)
         return dqkv, None, None, None
 
 

@@ -141,7 +141,7 @@ def _transformed(x: Tensor) -> bool:
 def _followed(x: Tensor) -> bool:
     """Whether a torch.func transform or forward-mode AD follows x (a transform's tensor, or a dual
     with a tangent): it is rotated by torch ops, which both differentiate."""
-    if torch.compiler.is_compiling():  # a traced graph (torch.compile, torch.export) records the Function
+    if torch.compiler.is_compiling():  # a traced graph records the Function (no forward-mode AD there)
         return False
     return _transformed(x) or fwAD.unpack_dual(x).tangent is not None  # unpack_dual fails on vmap's tensors
 
