@@ -350,13 +350,11 @@ def _heads(qkv: Tensor, h: int, hk: int, d: int) -> tuple[Tensor, Tensor, Tensor
     return qkv.view(b, s, h + 2 * hk, d).transpose(1, 2).split([h, hk, hk], dim=1)
 
 
-def _rotated(qkv: Tensor, cos: Tensor, sin: Tensor, rope: RotaryEmbedding, h: int,
-             hk: int) -> tuple[Tensor, Tensor]:
+def _rotated(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
     """R(q) (B, H, S, D) and R(k) (B, H_kv, S, D), each pair's features made neighbours, rotated by
-    the C pass from their strided views of qkv into tensors of their own; cos, sin as c_tables
-    returns them."""
-    q, k, _ = _heads(qkv, h, hk, rope.head_dim)
-    return tuple(rotate_into(x, qkv.new_empty(x.shape), cos, sin, x_pairs=rope.interleaved, out_pairs=True)
+    the C pass from their strided views of the projection into tensors of their own; cos, sin as
+    c_tables returns them."""
+    return tuple(rotate_into(x, x.new_empty(x.shape), cos, sin, x_pairs=interleaved, out_pairs=True)  # contiguous
                  for x in (q, k))
 
 
@@ -379,12 +377,13 @@ class _ProjectedAttention(torch.autograd.Function):
         b, s, _ = qkv.shape
         d, g = rope.head_dim, h // hk
         n = b * hk  # kv heads; the g q heads of one are rows of one matmul (grouped-query attention)
-        cos, sin = c_tables(*rope.tables(_heads(qkv, h, hk, d)[0]), s)
-        rq, rk = _rotated(qkv, cos, sin, rope, h, hk)
+        q, k, v = _heads(qkv, h, hk, d)
+        cos, sin = c_tables(*rope.tables(q), s)
+        rq, rk = _rotated(q, k, cos, sin, rope.interleaved)
         p = torch.baddbmm(qkv.new_empty(n, g * s, s), rq.view(n, g * s, d), rk.view(n, s, d).mT, beta=0,
                           alpha=d**-0.5)
         _softmax_(p)
-        out = torch.bmm(p, _heads(qkv, h, hk, d)[2].reshape(n, s, d))
+        out = torch.bmm(p, v.reshape(n, s, d))
         ctx.save_for_backward(qkv, p, cos, sin)
         ctx.rope, ctx.h, ctx.hk = rope, h, hk
         return out.view(b, h, s, d).transpose(1, 2).reshape(b, s, h * d)
@@ -401,12 +400,13 @@ class _ProjectedAttention(torch.autograd.Function):
                 return torch.autograd.grad(out, qkv, grad, create_graph=True)[0], None, None, None
             b, s, _ = qkv.shape
             d, g, n = rope.head_dim, h // hk, b * hk
-            rq, rk = _rotated(qkv, cos, sin, rope, h, hk)
+            q, k, v = _heads(qkv, h, hk, d)
+            rq, rk = _rotated(q, k, cos, sin, rope.interleaved)
             do = grad.reshape(b, s, h, d).transpose(1, 2).reshape(n, g * s, d)
             dqkv = torch.empty_like(qkv)
             dq, dk, dv = _heads(dqkv, h, hk, d)  # views of the gradient, written in place
             dv.copy_(torch.bmm(p.mT, do).view(b, hk, s, d))
-            dp = torch.bmm(do, _heads(qkv, h, hk, d)[2].reshape(n, s, d).mT)
+            dp = torch.bmm(do, v.reshape(n, s, d).mT)
             ds = torch.ops.aten._softmax_backward_data(dp, p, -1, p.dtype)
             scale = d**-0.5
             dq_ = torch.baddbmm(qkv.new_empty(n, g * s, d), ds, rk.view(n, s, d), beta=0, alpha=scale)
