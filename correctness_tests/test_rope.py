@@ -208,7 +208,7 @@ def test_torch_func_transforms_and_forward_ad_equal_reference(path, interleaved,
 @PATHS
 def test_the_rotation_of_a_plain_tensor_while_a_transform_is_active(path) -> None:
     """x itself unbatched and unwrapped under vmap (over another input) and torch.func.jvp (the
-    tangent of another input): the rotation's Functions run inside the transform."""
+    tangent of another input): while a transform is active the rotation is torch ops."""
     torch.manual_seed(0)
     x, ws = torch.randn(2, 3, 5, 8), torch.randn(4, 2, 3, 5, 8)
     rope, ref = K.RotaryEmbedding(8), R.RotaryEmbedding(8)

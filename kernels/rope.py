@@ -82,21 +82,16 @@ def check_rotate(x: Tensor, head_dim: int, offset: int, positions: Tensor | None
 
 
 class _Rotate(torch.autograd.Function):
-    """y = R(angle) x per pair; dx = R(-angle) dy. cos/sin (S or B*S rows, D/2) in fp32. A tensor a
-    torch.func transform or forward-mode AD follows is rotated by ``_rotate``'s torch ops instead
-    (``_followed``); the Function is written for transforms too (``setup_context``, a generated
-    vmap rule), for one applied to a plain tensor while a transform is active."""
-
-    generate_vmap_rule = True
+    """y = R(angle) x per pair; dx = R(-angle) dy. cos/sin (S or B*S rows, D/2) in fp32. Under a
+    torch.func transform or forward-mode AD the rotation is ``_rotate``'s torch ops instead
+    (``_followed``): a Function with ``setup_context``, which transforms need, measured 7-13%
+    slower forward and backward (a fixed ~0.1 ms at B8 H8 S512 D64)."""
 
     @staticmethod
-    def forward(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-        return _rotate(x, cos, sin, interleaved)
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
-        _, cos, sin, ctx.interleaved = inputs
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
         ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
+        return _rotate(x, cos, sin, interleaved)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -110,16 +105,10 @@ class _RotatePaired(torch.autograd.Function):
     """y = P R(angle) x for half-split pairs, P moving pair i's two features to 2i, 2i + 1;
     dx = R(-angle) P^T dy (torch.func and forward-mode AD: as ``_Rotate``)."""
 
-    generate_vmap_rule = True
-
     @staticmethod
-    def forward(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        return _paired(x, cos, sin)
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
-        _, cos, sin = inputs
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         ctx.save_for_backward(cos, sin)
+        return _paired(x, cos, sin)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -132,18 +121,12 @@ class _RotatePaired(torch.autograd.Function):
         return out.to(grad.dtype), None, None
 
 
-def _transformed(x: Tensor) -> bool:
-    """Whether x is a torch.func transform's tensor (vmap's batched, grad's wrapped): only torch ops
-    that the transform follows may touch it (no C pass, no out=)."""
-    return torch._C._functorch.is_functorch_wrapped_tensor(x)
-
-
 def _followed(x: Tensor) -> bool:
-    """Whether a torch.func transform or forward-mode AD follows x (a transform's tensor, or a dual
+    """Whether a torch.func transform or forward-mode AD may follow x (a transform active, or a dual
     with a tangent): it is rotated by torch ops, which both differentiate."""
     if torch.compiler.is_compiling():  # a traced graph records the Function (no forward-mode AD there)
         return False
-    return _transformed(x) or fwAD.unpack_dual(x).tangent is not None  # unpack_dual fails on vmap's tensors
+    return torch._C._are_functorch_transforms_active() or fwAD.unpack_dual(x).tangent is not None
 
 
 def _paired(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
