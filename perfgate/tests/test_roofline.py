@@ -59,8 +59,35 @@ def test_a_fused_optimizer_step_writes_its_grads_only_to_unscale_them() -> None:
 
 def test_a_view_or_an_input_returned_moves_nothing_more() -> None:
     x = torch.randn(10, 10)
-    assert count_work(lambda: x.t()).bytes == 400  # read (seen by the view op), nothing written
+    assert count_work(lambda: x.t()).bytes == 0  # a view reads nothing
+    assert count_work(lambda: x.view(-1)[:5]).bytes == 0
     assert count_work(lambda: x).bytes == 0  # no op ran
+
+
+def test_a_slice_counts_its_own_elements_not_its_base() -> None:
+    x = torch.randn(100, 100)
+    assert count_work(lambda: x[0].clone()).bytes == 4 * 100 * 2  # one row read, one written
+    assert count_work(lambda: x[:, 0] * 2).bytes == 4 * 100 * 2  # a strided column: its elements, not its span
+    bias = torch.randn(64)
+    assert count_work(lambda: bias.expand(8, 64).clone()).bytes == 4 * 64 * 9  # a broadcast reads its source once
+
+
+def test_views_of_one_storage_count_as_their_union() -> None:
+    a = torch.randn(1000)
+    halves = a[:500], a[500:]
+    assert count_work(lambda: torch.cat(halves)).bytes == 4 * 1000 * 2  # both halves read: all of a
+    assert count_work(lambda: a[:600] + a[400:]).bytes == 4 * (1000 + 600)  # overlapping: a once, the sum
+    out = torch.empty(1000)
+    assert count_work(lambda: (out[:500].copy_(halves[0]), out[500:].copy_(halves[1]))).bytes == 4 * 1000 * 2
+    qkv = torch.randn(4, 16, 3 * 32)
+    q, k, v = qkv.split(32, -1)  # strided thirds, interleaved row by row
+    assert count_work(lambda: q.contiguous()).bytes == 2 * q.nbytes
+    assert count_work(lambda: (q.contiguous(), k.contiguous(), v.contiguous())).bytes == 2 * qkv.nbytes
+
+
+def test_an_out_that_is_also_an_input_is_read_too() -> None:
+    a, b = torch.randn(1000), torch.randn(1000)
+    assert count_work(lambda: torch.add(a, b, out=a)).bytes == 4 * 1000 * 3  # read a and b, write a
 
 
 def test_setup_is_not_counted_and_cpu_attention_has_flops() -> None:
@@ -84,6 +111,8 @@ def test_a_figure_is_the_least_time_over_the_measured() -> None:
     assert compute.fraction == pytest.approx(0.5) and compute.bound == "compute"
     assert compute.gflops == pytest.approx(50.0)
     assert lim.figure(Work(bytes=0.0), seconds=1.0) is None  # nothing counted: no figure
+    assert lim.figure(Work(bytes=0.0, flops={"float32": 0.0}), seconds=1.0) is None  # an empty matmul's
+    assert count_work(lambda: torch.randn(0, 4) @ torch.randn(4, 4)).total_flops == 0
 
 
 def test_a_limit_a_call_passed_is_measured_again_once_and_never_lowered(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -170,3 +199,22 @@ def test_a_session_prints_and_stores_each_impls_place(pytester: pytest.Pytester)
     assert again.ret == 0, again.stdout.str()
     remeasured = read_limits(stored, section["slug"])
     assert remeasured["gemm_gflops"]["float32"] > 0 and 0 < remeasured["fill_gbps"], again.stdout.str()
+
+
+def test_a_limit_the_tables_median_passes_is_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table's figure is at the row's interleaved pairs' median, the section's at the impl's
+    own rounds': a limit either passes is measured again before any figure is made."""
+    import perfgate.roofline as roofline
+    from perfgate.state import GateState, Measurement, Probes, Settings
+
+    settings = Settings(device="cpu", size="smoke", threads=2, tolerance=0.2, fingerprint={}, slug="s")
+    st = GateState(settings, Probes(None, None, 2), limits=_limits(stream=10.0))
+    work = Work(bytes=1e9)  # 0.1 s at the stored 10 GB/s
+    pairs = [(0.4, 0.08)] * 10  # the pairs' median call: 0.08 s, past the limit
+    st.results["k"] = {"reference": Measurement([0.4] * 10, "smoke", "", None),
+                       "optimized": Measurement([0.2] * 10, "smoke", "", None, paired=pairs, work=work)}
+    row = st._row("k", "optimized")
+    assert row.optimized_ms == pytest.approx(80.0)
+    monkeypatch.setattr(roofline, "_stream", lambda device: {"scale": 12.5, "copy": 11.0, "triad": 11.0, "fill": 8.0})
+    st.recheck_limits([row])  # the own rounds' median (0.2 s, 50%) alone would not have measured it
+    assert st.tally.limits_rose == ["stream 10.0 -> 12.5 GB/s"] and st.limits.stream_gbps == 12.5

@@ -26,8 +26,8 @@ LIMITS_VERSION = 1
 
 @dataclass(frozen=True)
 class Work:
-    """One call's least work: ``bytes`` (every tensor it reads that existed before it, once;
-    every tensor it returns or writes in place, once) and ``flops`` by dtype name, as
+    """One call's least work: ``bytes`` (the elements it reads of tensors that existed before it,
+    once; the elements it returns or writes in place, once) and ``flops`` by dtype name, as
     ``torch.utils.flop_counter`` counts them (matmuls, convolutions, attention)."""
 
     bytes: float
@@ -45,6 +45,59 @@ def _storage(t: Any) -> tuple[int, int] | None:
         return (s.data_ptr(), s.nbytes()) if s.data_ptr() else None
     except (RuntimeError, NotImplementedError):
         return None
+
+
+@dataclass(frozen=True)
+class _Span:
+    """The bytes of its storage one tensor views: ``start`` to ``end`` (its first and one past its
+    last element), ``nbytes`` its elements' bytes (fewer than the span when strided, with gaps)."""
+
+    address: int
+    start: int
+    end: int
+    nbytes: int
+    key: tuple  # offset, shape, strides and element size: one entry per distinct view
+
+
+def _span(t: Any) -> _Span | None:
+    """``t``'s span in its storage; None for an empty tensor or one without a storage."""
+    where = _storage(t) if hasattr(t, "untyped_storage") else None
+    if where is None or t.numel() == 0:
+        return None
+    size = t.element_size()
+    start = t.storage_offset() * size
+    last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))  # torch's strides are >= 0
+    key = (start, tuple(t.shape), tuple(t.stride()), size)
+    return _Span(where[0], start, start + (last + 1) * size, t.numel() * size, key)
+
+
+class _Views:
+    """The distinct views of one storage a call touched. Their bytes: the union of their spans, or
+    the sum of their elements' bytes where that is less (strided views with gaps, broadcasts)."""
+
+    def __init__(self) -> None:
+        self.spans: dict[tuple, _Span] = {}
+
+    def add(self, span: _Span) -> None:
+        self.spans.setdefault(span.key, span)
+
+    def _union(self) -> list[tuple[int, int]]:
+        merged: list[list[int]] = []
+        for s in sorted(self.spans.values(), key=lambda s: s.start):
+            if merged and s.start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], s.end)
+            else:
+                merged.append([s.start, s.end])
+        return [(a, b) for a, b in merged]
+
+    def covers(self, span: _Span) -> bool:
+        return any(a <= span.start and span.end <= b for a, b in self._union())
+
+    def overlaps(self, span: _Span) -> bool:
+        return any(s.start < span.end and span.start < s.end for s in self.spans.values())
+
+    def bytes(self) -> int:
+        return min(sum(b - a for a, b in self._union()), sum(s.nbytes for s in self.spans.values()))
 
 
 def _extra_flops() -> dict[Any, Callable[..., float]]:
@@ -79,16 +132,22 @@ def _written(func: Any, args: tuple, kwargs: dict) -> tuple[set[int], set[int]]:
 
     scale = next((value_of(i) for i, arg in enumerate(schema) if arg.name == "grad_scale"), None)
     unscales = not func._overloadpacket.__name__.startswith("_fused_") or scale is not None
-    writes, pure = set(), set()
-    for i, arg in enumerate(schema):
-        if arg.alias_info is None or not arg.alias_info.is_write or (arg.name == "grads" and not unscales):
-            continue
+    def tensors(i: int) -> list:
         value = value_of(i)
-        for t in value if isinstance(value, (list, tuple)) else [value]:  # a _foreach_ op's lists
-            if isinstance(t, torch.Tensor):
-                writes.add(id(t))
-                if arg.is_out or (i == 0 and func._overloadpacket in overwrites):
-                    pure.add(id(t))
+        return [t for t in (value if isinstance(value, (list, tuple)) else [value])  # a _foreach_ op's lists
+                if isinstance(t, torch.Tensor)]
+
+    writes, pure = set(), set()
+    written = [i for i, arg in enumerate(schema) if arg.alias_info is not None and arg.alias_info.is_write
+               and not (arg.name == "grads" and not unscales)]
+    # an out= whose storage the op also reads (torch.add(a, b, out=a)) is read before it is written
+    read = {_storage(t) for i in range(len(schema)) if i not in written for t in tensors(i)} - {None}
+    for i in written:
+        overwrite = schema[i].is_out or (i == 0 and func._overloadpacket in overwrites)
+        for t in tensors(i):
+            writes.add(id(t))
+            if overwrite and _storage(t) not in read:
+                pure.add(id(t))
     return writes, pure
 
 
@@ -96,30 +155,33 @@ class _Traffic:
     """What one call's ops read, wrote and made, by storage, and their FLOPs by dtype."""
 
     def __init__(self) -> None:
-        self.read: dict[int, int] = {}  # storages that existed before the call, bytes read
-        self.written: dict[int, int] = {}  # of those, bytes written in place
-        self.made: set[int] = set()  # storages the call made, or overwrote before reading
+        self.read: dict[int, _Views] = {}  # storages that existed before the call: the views read
+        self.written: dict[int, _Views] = {}  # of those, the views written in place
+        self.made: dict[int, _Views] = {}  # of those, the views overwritten before being read
+        self.fresh: set[int] = set()  # storages the call allocated
         self.flops: dict[str, float] = {}
 
     def note_inputs(self, tensors: list, writes: set[int], pure: set[int]) -> None:
         for t in tensors:
-            where = _storage(t)
-            if where is None or where[0] in self.made:
+            span = _span(t)
+            if span is None or span.address in self.fresh:
                 continue
-            nbytes = min(t.nbytes, where[1])
-            if id(t) in pure and where[0] not in self.read:  # first touched by an overwrite
-                self.made.add(where[0])
-                self.written[where[0]] = nbytes
+            made = self.made.get(span.address)
+            if made is not None and made.covers(span):  # the call's own data by now
                 continue
-            self.read[where[0]] = max(self.read.get(where[0], 0), nbytes)
+            read = self.read.get(span.address)
+            if id(t) in pure and (read is None or not read.overlaps(span)):  # first touched by an overwrite
+                self.made.setdefault(span.address, _Views()).add(span)
+            elif id(t) not in pure:
+                self.read.setdefault(span.address, _Views()).add(span)
             if id(t) in writes:
-                self.written[where[0]] = max(self.written.get(where[0], 0), nbytes)
+                self.written.setdefault(span.address, _Views()).add(span)
 
     def note_outputs(self, values: list) -> None:
         for t in values:
             where = _storage(t) if hasattr(t, "untyped_storage") else None
-            if where is not None and where[0] not in self.read:
-                self.made.add(where[0])
+            if where is not None and not any(where[0] in seen for seen in (self.read, self.written, self.made)):
+                self.fresh.add(where[0])
 
 
 def _counter() -> Any:
@@ -130,6 +192,7 @@ def _counter() -> Any:
     from torch.utils.flop_counter import flop_registry
 
     formulae = {**flop_registry, **_extra_flops()}
+    unsafe_views = {torch.ops.aten._unsafe_view.default}  # a view whose schema does not say so
 
     class Counter(TorchDispatchMode, _Traffic):
         def __init__(self) -> None:
@@ -138,6 +201,8 @@ def _counter() -> Any:
 
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
             kwargs = kwargs or {}
+            if func.is_view or func in unsafe_views:  # a view moves nothing; what reads it later counts
+                return func(*args, **kwargs)
             flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             self.note_inputs(flat, *_written(func, args, kwargs))
             out = func(*args, **kwargs)
@@ -154,20 +219,22 @@ def _counter() -> Any:
 
 def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -> Work:
     """``Work`` of one call of ``fn()`` (or ``fn(setup())``, the setup not counted): the call runs
-    once under a dispatch mode that sees each op's tensors. What it returns that it made counts as
-    written; a view of an input, or an input returned as is, does not."""
+    once under a dispatch mode that sees each op's tensors. Per storage, the views an op reads or
+    writes count once each, as the union of their spans (a slice of a cache: the slice; two
+    halves: the whole). What it returns that it made counts as written; a view of an input, or an
+    input returned as is, does not."""
     from torch.utils._pytree import tree_flatten
 
     args = () if setup is None else (setup(),)
     counter = _counter()
     with counter:
         result = fn(*args)
-    outputs: dict[int, int] = {}
+    outputs: dict[int, _Views] = {}
     for t in tree_flatten(result)[0]:
-        where = _storage(t) if hasattr(t, "untyped_storage") else None
-        if where is not None and where[0] in counter.made and where[0] not in counter.written:
-            outputs[where[0]] = max(outputs.get(where[0], 0), min(t.nbytes, where[1]))
-    moved = sum(counter.read.values()) + sum(counter.written.values()) + sum(outputs.values())
+        span = _span(t)
+        if span is not None and span.address in counter.fresh:
+            outputs.setdefault(span.address, _Views()).add(span)
+    moved = sum(v.bytes() for views in (counter.read, counter.written, outputs) for v in views.values())
     return Work(bytes=float(moved), flops=dict(counter.flops))
 
 
@@ -283,7 +350,7 @@ class Limits:
 
     def figure(self, work: Work, seconds: float) -> Figure | None:
         """Where a call of ``work`` taking ``seconds`` sits under this machine's roofline."""
-        if seconds <= 0 or (work.bytes <= 0 and not work.flops):
+        if seconds <= 0 or (work.bytes <= 0 and work.total_flops <= 0):
             return None
         memory = work.bytes / (self.stream_gbps * 1e9)
         compute = sum(f / (self.peak(d) * 1e9) for d, f in work.flops.items() if f > 0)

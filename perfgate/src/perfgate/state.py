@@ -251,18 +251,22 @@ class GateState:
         self.runners.clear()
         if self.limits is not None and self.round_trips():
             self.limits.note_round_trip(min(self.round_trips()))
-        self.recheck_limits()
+        self.recheck_limits(rows)
         for row in rows:
             self._place(row)
         self.rows = rows
         return rows
 
-    def recheck_limits(self) -> None:
+    def recheck_limits(self, rows: list[SpeedupRow]) -> None:
         """Measure again each roofline limit an impl's median call passed (``Limits.recheck``),
-        before any figure is made, so every figure of the session is against the same limits."""
+        before any figure is made, so every figure of the session is against the same limits:
+        the median of its own rounds (the roofline section's) and of each row's interleaved pairs
+        (the table's)."""
         if self.limits is not None:
             calls = [(m.work, median(m.times)) for impls in self.results.values() for m in impls.values()
                      if m.work is not None and m.times]
+            calls += [(m.work, row.optimized_ms / 1e3) for row in rows
+                      if (m := self.results.get(row.kernel, {}).get(row.impl)) is not None and m.work is not None]
             self.tally.limits_rose += self.limits.recheck(calls)
 
     def _place(self, row: SpeedupRow) -> None:
