@@ -347,6 +347,19 @@ class NoGradInside(nn.Module):
         return self.head(h)
 
 
+class ViewsAcrossBatch(nn.Module):
+    """Normalizes each token through a view that folds the batch dim (x.view(-1, d)): samples do
+    not mix, but the view needs the input's rows contiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, 6)
+        h = x.view(-1, 6)
+        return self.fc((h / h.norm(dim=1, keepdim=True)).view(x.shape)).mean(1)
+
+
 def _weight_norm() -> nn.Module:
     """Old-style weight_norm: the Linear's parameters are weight_g and weight_v."""
     import warnings
@@ -376,6 +389,11 @@ AWKWARD = {
     "tied_functional_mT": (lambda: TiedTranspose("mT"), (5, 6), False),
     "shifts_neighbours": (Shifts, (5, 6), False),
     "batch_indexed_position": (BatchIndexedPosition, (5, 3, 6), False),
+    # a batch of 2: the probe runs each sample alone (sample 1 is where these mix)
+    "shifts_neighbours_B2": (Shifts, (2, 6), False),
+    "batch_indexed_position_B2": (BatchIndexedPosition, (2, 3, 6), False),
+    "mixes_samples_B2": (Mixes, (2, 6), False),
+    "views_across_batch": (ViewsAcrossBatch, (5, 3, 6), True),
     "user_forward_hook": (UserHook, (5, 6), True),
     "no_grad_inside_forward": (NoGradInside, (5, 6), False),
 }
@@ -398,7 +416,8 @@ def test_awkward_models_match_reference(name: str, case: str) -> None:
     factory, shape, identity_kept = AWKWARD[case]
     model = factory().double()
     x = torch.randn(*shape, dtype=torch.float64)
-    y = torch.randn(5, 6, dtype=torch.float64) if case in TIED_TO_INPUT else torch.randint(0, 3, (5,))
+    b = shape[0]
+    y = torch.randn(b, 6, dtype=torch.float64) if case in TIED_TO_INPUT else torch.randint(0, 3, (b,))
     p = dict(model=model, loss_fn=_loss, inputs=x, targets=y)
     got, want = _run(kernels, name, p), _run(reference, name, p)
     if isinstance(want, dict):
@@ -539,6 +558,45 @@ def test_bad_inputs_are_refused_clearly(side, name: str) -> None:
         fn(frozen, F.cross_entropy, x, y)
 
 
+@pytest.mark.parametrize("side", [kernels, reference], ids=["kernels", "reference"])
+@pytest.mark.parametrize("name", FUNCS)
+def test_finite_terms_whose_product_overflows_are_refused(side, name: str) -> None:
+    """A layer input of 1e20 and an output gradient near 7e18, each finite in fp32: their product
+    (the weight's per-sample gradient) is not."""
+    fc = nn.Linear(1, 1)
+    with torch.no_grad():
+        fc.weight.fill_(1e-20), fc.bias.zero_()
+    x, y = torch.tensor([[1e20], [1.0], [2.0]]), torch.tensor([[-1e19], [0.0], [0.0]])
+    with pytest.raises(FloatingPointError, match="NaN or inf"):
+        getattr(side, name)(fc, F.mse_loss, x, y)
+    small = torch.tensor([[1e8], [1.0], [2.0]]), torch.tensor([[-1e7], [0.0], [0.0]])
+    got = getattr(side, name)(fc, F.mse_loss, *small)  # gradients near 1e15 (a Gram near 1e30): finite
+    assert all(torch.isfinite(t).all() for t in (got.values() if isinstance(got, dict) else [got]))
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # torch's, on the reentrant call
+@pytest.mark.parametrize("name", FUNCS)
+def test_a_reentrant_checkpoint_is_refused_with_what_works(name: str) -> None:
+    """A Linear inside torch.utils.checkpoint(use_reentrant=True) runs under no_grad in the
+    forward, so it goes through vmap, which cannot transform the checkpoint's Function."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self, reentrant: bool) -> None:
+            super().__init__()
+            self.fc, self.head, self.reentrant = nn.Linear(6, 6), nn.Linear(6, 3), reentrant
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(lambda t: torch.tanh(self.fc(t)), x, use_reentrant=self.reentrant))
+
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with pytest.raises(ValueError, match=r"use_reentrant=False.*reference\.per_sample_grads"):
+        getattr(kernels, name)(Checkpointed(True).double(), F.cross_entropy, x, y)
+    model = Checkpointed(False).double()
+    got, want = (getattr(side, name)(model, F.cross_entropy, x, y) for side in (kernels, reference))
+    assert_dicts_close(got, want, ELEMENTWISE) if isinstance(want, dict) else assert_close(got, want, REDUCTION)
+
+
 @pytest.mark.parametrize("name", FUNCS)
 @pytest.mark.parametrize("arch", ["mlp", "conv"])
 def test_a_loss_that_uses_a_parameter_itself_is_refused(name: str, arch: str) -> None:
@@ -672,7 +730,10 @@ def test_bad_out_is_refused_clearly() -> None:
         "torch.float64": {**good, first: good[first].double()},
         "contiguous": {**good, first: good[first].transpose(1, 2).contiguous().transpose(1, 2)},
         "share memory": {**good, "net.2.weight": good[first].view(-1)[:60].view(4, 3, 5)},
+        "requires grad": {**good, first: good[first].clone().requires_grad_()},
     }
+    with torch.inference_mode():
+        cases["inference tensor"] = {**good, first: torch.zeros_like(good[first])}
     for message, out in cases.items():
         with pytest.raises((ValueError, TypeError), match=message):
             kernels.per_sample_grads(model, F.cross_entropy, x, y, out=out)

@@ -119,21 +119,26 @@ def same_device(named: Mapping[str, Tensor]) -> torch.device:
     return next(iter(by_device))
 
 
+def extremes(named: Mapping[str, Tensor]) -> dict[str, tuple[float, float]]:
+    """(min, max) of each floating, non-empty tensor of ``named`` (others are left out), read with
+    one host sync for all of them; NaN propagates to both."""
+    checked = {n: t for n, t in named.items() if t.is_floating_point() and t.numel()}
+    if not checked:
+        return {}
+    on = next(iter(checked.values())).device
+    # each tensor's min and max, one pass (NaN propagates; inf shows as an extreme), stacked and
+    # read as Python floats: two ops and one sync for all of them
+    found = [m for t in checked.values() for m in torch.aminmax(t.detach())]
+    if len({(m.device, m.dtype) for m in found}) > 1:  # stack needs one device and dtype
+        found = [m.to(on, torch.float64) for m in found]
+    values = torch.stack(found).tolist()
+    return {n: (low, high) for n, low, high in zip(checked, values[::2], values[1::2], strict=True)}
+
+
 def nonfinite(named: Mapping[str, Tensor]) -> list[str]:
     """The names of those of ``named`` holding NaN or inf (floating tensors only; others are finite
     by type), read with one host sync for all of them."""
-    checked = {n: t for n, t in named.items() if t.is_floating_point() and t.numel()}
-    if not checked:
-        return []
-    on = next(iter(checked.values())).device
-    # each tensor's min and max, one pass (NaN propagates; inf shows as an extreme), stacked and
-    # read as Python floats: two ops and one sync for all of them, the test done on the host
-    extremes = [m for t in checked.values() for m in torch.aminmax(t.detach())]
-    if len({(m.device, m.dtype) for m in extremes}) > 1:  # stack needs one device and dtype
-        extremes = [m.to(on, torch.float64) for m in extremes]
-    values = torch.stack(extremes).tolist()
-    return [n for n, low, high in zip(checked, values[::2], values[1::2], strict=True)
-            if not (math.isfinite(low) and math.isfinite(high))]
+    return [n for n, (low, high) in extremes(named).items() if not (math.isfinite(low) and math.isfinite(high))]
 
 
 def finite(named: Mapping[str, Tensor], *, error: type[Exception] = ValueError, hint: str = "") -> None:

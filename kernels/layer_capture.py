@@ -174,15 +174,18 @@ def _probe(model: nn.Module, inputs: Tensor, outputs: Tensor, layers: dict[str, 
            seen: dict[str, list]) -> None:
     """The first and last samples, run as a batch of their own (one forward), must reproduce
     their batched model outputs and every layer input: the last one catches shifts between
-    neighbours and batch-indexed additions such as ``pe[:x.size(0)]``. B=2: sample 0 alone."""
+    neighbours and batch-indexed additions such as ``pe[:x.size(0)]``. B=2: each sample alone
+    (two forwards; the two together are the batch itself)."""
     batch = inputs.shape[0]
-    rows = slice(0, None, batch - 1) if batch > 2 else slice(0, 1)  # a view of the rows: no gather
-    with torch.no_grad():
-        out_p, seen_p = _forward(model, inputs[rows], layers, None)
-    if not isinstance(out_p, Tensor) or any(len(seen_p[n]) != len(seen[n]) for n in layers):
-        raise Fallback("the probe samples call the layers differently")
-    pairs = [(outputs.detach()[rows], out_p)]
-    pairs += [(c[0][rows], cp[0]) for n in layers for c, cp in zip(seen[n], seen_p[n], strict=True)]
+    probes = [slice(0, None, batch - 1)] if batch > 2 else [slice(0, 1), slice(1, 2)]
+    pairs = []
+    for rows in probes:
+        with torch.no_grad():  # the rows copied: a model may view its input across the batch dim
+            out_p, seen_p = _forward(model, inputs[rows].contiguous(), layers, None)
+        if not isinstance(out_p, Tensor) or any(len(seen_p[n]) != len(seen[n]) for n in layers):
+            raise Fallback("the probe samples call the layers differently")
+        pairs += [(outputs.detach()[rows], out_p)]
+        pairs += [(c[0][rows], cp[0]) for n in layers for c, cp in zip(seen[n], seen_p[n], strict=True)]
     if not _all_close(pairs):
         raise Fallback("the probe samples give other layer inputs or outputs: the batch is not in "
                        "dim 0, samples mix, or the forward is random")

@@ -21,6 +21,8 @@ batch of one, so the result does not depend on the loss's reduction.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
@@ -82,13 +84,15 @@ def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Ten
     return names
 
 
+RESULT_HINT = ("the inputs and parameters are finite, so the loss or the model overflowed or divided by zero "
+               "for some sample (e.g. log(0)); compute the loss in a stable form (log_softmax, cross_entropy) "
+               "or in a wider dtype")
+
+
 def check_result(named: dict[str, Tensor]) -> None:
     """Finite results from inputs check_inputs found finite, or FloatingPointError: the loss or
     the model overflowed or divided by zero for some sample (log(0), a softmax of inf)."""
-    checks.finite(named, error=FloatingPointError,
-                  hint="the inputs and parameters are finite, so the loss or the model overflowed or divided by "
-                       "zero for some sample (e.g. log(0)); compute the loss in a stable form (log_softmax, "
-                       "cross_entropy) or in a wider dtype")
+    checks.finite(named, error=FloatingPointError, hint=RESULT_HINT)
 
 
 def _plan(model: nn.Module, names: list[str], randomness: str) -> _Plan:
@@ -156,8 +160,16 @@ def _vmap_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tens
             raise ValueError(f"loss_fn must return a scalar per sample, got shape {tuple(loss.shape)}")
         return loss
 
-    return vmap(grad(loss_one), in_dims=(None, 0, 0), randomness=randomness,
-                chunk_size=chunk_size)(diff, inputs, targets)
+    try:
+        return vmap(grad(loss_one), in_dims=(None, 0, 0), randomness=randomness,
+                    chunk_size=chunk_size)(diff, inputs, targets)
+    except RuntimeError as e:
+        if "setup_context" not in str(e):
+            raise
+        raise ValueError("model calls an autograd.Function torch.func cannot transform (one without "
+                         "setup_context, such as torch.utils.checkpoint(..., use_reentrant=True)), on a path "
+                         "its per-sample gradients take through vmap; use checkpoint(..., use_reentrant=False), "
+                         "or reference.per_sample_grads (a loop of backward passes)") from e
 
 
 def _empty(model: nn.Module, names: list[str]) -> dict[str, Tensor]:
@@ -185,6 +197,13 @@ def check_out(model: nn.Module, names: list[str], batch: int, out: dict[str, Ten
     filled = [t for t in out.values() if t.numel()]
     if len({t.untyped_storage().data_ptr() for t in filled}) != len(filled):
         raise ValueError("out's tensors must not share memory")
+    for n, t in out.items():  # written in place: no autograd history, no inference tensor outside inference mode
+        if t.requires_grad:
+            raise ValueError(f"out[{n!r}] requires grad; pass tensors without autograd history (e.g. the "
+                             "previous call's result, or t.detach())")
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError(f"out[{n!r}] is an inference tensor, which cannot be written outside "
+                             "torch.inference_mode(); allocate it outside inference mode")
 
 
 @torch.enable_grad()  # a gradient computation: works when called under no_grad
@@ -214,19 +233,38 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets:
     plan, terms = _terms(model, loss_fn, inputs, targets, plan)
     with torch.autocast(inputs.device.type, enabled=False):  # gradients in the weights' dtype
         result = _from_terms(plan, terms, inputs.shape[0], out)
-    # Checked where it is cheap: an identity layer's gradient is a product of its captured terms,
-    # finite when they are (only fp16 can overflow), so the terms are read rather than the B x P
-    # result (a pass over it is a measurable share of the call); vmap's gradients are read.
+    # Checked where it is cheap: an identity layer's gradient is a sum of T products of its
+    # captured terms, so the terms are read rather than the B x P result (a pass over it is a
+    # measurable share of the call); vmap's gradients are read.
     checked = {f"the captured {k} of layer {m!r}": t for m, (a, g) in terms.items()
                for k, t in (("inputs", a), ("output gradients", g))}
-    checked.update({f"the per-sample gradient of {n!r}": g for n, g in result.items() if g.dtype == torch.float16})
     if plan.other:
         grads = _vmap_grads(model, loss_fn, inputs, targets, plan.other, randomness, chunk_size)
         for n, g in grads.items():
             result[n] = g if out is None else out[n].copy_(g)
             checked[f"the per-sample gradient of {n!r}"] = result[n]
-    check_result(checked)
+    found = checks.extremes(checked)
+    bad = [n for n, (low, high) in found.items() if not (math.isfinite(low) and math.isfinite(high))]
+    if bad:
+        checks.refuse_nonfinite(bad[0], error=FloatingPointError, hint=RESULT_HINT)
+    check_result(_may_overflow(terms, found, result))
     return out if out is not None else {n: result[n] for n in names}
+
+
+def _may_overflow(terms: dict[str, tuple[Tensor, Tensor]], found: dict[str, tuple[float, float]],
+                  result: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The identity layers' gradients that finite terms could still overflow, by name: where T
+    max|a| max|g| (the weight's) or T max|g| (the bias's) passes the dtype's largest value."""
+    risky = {}
+    for m, (a, g) in terms.items():
+        top = torch.finfo(a.dtype).max
+        big_a, big_g = (max(map(abs, found.get(f"the captured {k} of layer {m!r}", (0.0, 0.0))))
+                        for k in ("inputs", "output gradients"))
+        prefix = f"{m}." if m else ""
+        for n, bound in (("weight", a.shape[1] * big_a * big_g), ("bias", a.shape[1] * big_g)):
+            if prefix + n in result and bound > top:
+                risky[f"the per-sample gradient of {prefix + n!r}"] = result[prefix + n]
+    return risky
 
 
 def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int,
