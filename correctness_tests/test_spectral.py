@@ -167,6 +167,36 @@ def test_randomized_path_refuses_nan_and_inf(bad: float, where: tuple[int, int])
             KS.spectral_features(m)
 
 
+@pytest.mark.parametrize("dtype, scales", [(torch.float32, (1e-30, 1e-20, 1e20, 1e30)),
+                                           (torch.float64, (1e-170, 1e150))])
+def test_the_error_bound_holds_at_any_scale(dtype, scales) -> None:
+    """The bound scales with A: no square to underflow to a negative bound (tiny A) or overflow
+    to inf or NaN (huge A); the values and bounds of c A are c times those of A."""
+    a = _matrix(200, 200, 0.8 ** torch.arange(200, dtype=torch.float64), 4).to(dtype)
+    g = torch.Generator()
+    s1, e1 = KS.topk_singular_values(a, 3, generator=g.manual_seed(0), return_error=True)
+    assert bool((e1 > 0).all())
+    for c in scales:
+        s, err = KS.topk_singular_values(a * c, 3, generator=g.manual_seed(0), return_error=True)
+        assert bool(torch.isfinite(err).all() and (err > 0).all()), (c, err)
+        assert_close(s.double() / c, s1.double(), REDUCTION, dtype=dtype)
+        assert_close(err.double() / c, e1.double(), REDUCTION, dtype=dtype)
+        want = torch.linalg.svdvals((a * c).double())[:3]
+        assert bool((want - s.double() <= err.double() + 1e-5 * want[0]).all())
+
+
+def test_a_finite_a_whose_product_overflows_is_told_apart_from_nan() -> None:
+    huge = torch.randn(200, 200) * 1e37  # finite; A @ G passes float32's largest
+    with pytest.raises(ValueError, match=r"A is finite, but A @ G overflows torch.float32.*float64"):
+        KS.topk_singular_values(huge, 3)
+    assert torch.isfinite(KS.topk_singular_values(huge.double(), 3)).all()
+
+
+def test_layers_with_other_batch_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"weights' layers must share their leading \(batch\) dims"):
+        KS.spectral_features([torch.randn(2, 120, 120), torch.randn(3, 120, 120)])
+
+
 def test_features_of_a_known_spectrum() -> None:
     """diag(4, 2, 1, 0...): 10 values, their shares, gaps, entropy, s_1 / s_10, sum."""
     a = torch.diag(torch.tensor([4.0, 2.0, 1.0] + [0.0] * 9, dtype=torch.float64))

@@ -4,8 +4,9 @@ For A (..., m, n), tall after an optional transpose: Q spans A G for a Gaussian 
 oversample, refined by ``niter`` power iterations (re-orthonormalized each half step); the
 singular values s_i of B = Q^T A (q x n) are the estimates. With R = A - QB, Q^T R = 0, so
 A^T A = B^T B + R^T R and (Weyl) s_i <= sigma_i(A) <= sqrt(s_i^2 + ||R||_2^2). ``return_error``
-returns, per value, sqrt(s_i^2 + ||R||_F^2) - s_i >= sigma_i - s_i >= 0: rigorous, about
-||R||_F^2 / (2 s_i) for values above the tail. It is conservative (||R||_F counts all of the
+returns, per value, sqrt(s_i^2 + ||R||_F^2) - s_i >= sigma_i - s_i >= 0: rigorous in exact
+arithmetic (the computed values also carry their SVD's rounding, a few eps s_1, which neither
+path's bound adds: the exact path's is 0), about ||R||_F^2 / (2 s_i) for values above the tail. It is conservative (||R||_F counts all of the
 discarded tail, and the power iterations make the values far more accurate than this bound),
 so it certifies a steep spectrum (0.7^i: 4e-4 relative on the 10th value) and flags a flat one,
 where the fast path is indeed inexact.
@@ -193,12 +194,23 @@ def topk_singular_values(A: Tensor, k: int, *, oversample: int | None = None, ni
         g = torch.randn(*a.shape[:-2], a.shape[-1], q, dtype=a.dtype, device=a.device, generator=generator)
         y = _times(a, g)
         # every entry of A meets a nonzero Gaussian weight here: a NaN or inf in A makes y non-finite
-        _check_finite(y, "A (or A @ G, overflowed)")
+        if checks.nonfinite({"y": y}):
+            _check_finite(a)
+            raise ValueError(f"A is finite, but A @ G overflows {a.dtype} (entries up to "
+                             f"{a.detach().abs().amax().item():.3g}): pass A scaled down (its singular values "
+                             "scale with it) or in float64")
         basis, z, s = _power_iterations(a, _orthonormal(y), k, niter)
         if not return_error:
             return s.to(out_dtype)
-        tail = torch.linalg.matrix_norm(a - basis @ z.mT).unsqueeze(-1)  # ||R||_F, R = A - Q B
-        err = torch.sqrt(s.square() + tail.square()) - s
+        r = a - basis @ z.mT
+        # ||R||_F, R = A - Q B, over R's largest entry: the squares inside the norm neither underflow
+        # (a tiny A) nor overflow (a huge one)
+        big = r.abs().amax((-2, -1), keepdim=True)
+        tail = (torch.linalg.matrix_norm(r / big.clamp_min(torch.finfo(r.dtype).tiny)) * big[..., 0, 0]).unsqueeze(-1)
+        # sqrt(s^2 + tail^2) - s as tail^2 / (hypot(s, tail) + s): no square to underflow or
+        # overflow, no cancellation; 0 where both are
+        h = torch.hypot(s, tail)
+        err = torch.where(h > 0, tail * (tail / (h + s)), torch.zeros_like(s))
     if out_dtype != a.dtype:  # rounding to fp16/bf16 may cross the truth: widen the bound by it
         rounded = s.to(out_dtype)
         err = (err + (rounded.to(s.dtype) - s).abs()) * (1 + 2 * torch.finfo(out_dtype).eps)  # rounds up
@@ -237,6 +249,10 @@ def features_with(values: Callable[[Tensor, int], Tensor], weights: Tensor | lis
         if not weights:
             raise ValueError("weights is an empty list; pass a (..., m, n) tensor or a list of (B, m_l, n_l) "
                              "layers")
+        leading = {tuple(w.shape[:-2]) if isinstance(w, Tensor) else None for w in weights}
+        if len(leading) > 1:
+            raise ValueError(f"weights' layers must share their leading (batch) dims, got {sorted(map(str, leading))}; "
+                             "pass one (B, m_l, n_l) tensor per layer with the same B")
         return torch.cat([features_with(values, w, k) for w in weights], dim=-1)
     checks.integer(k, "k", low=2)
     _check(weights, 1, None, None, finite=False)  # values() checks finiteness, once
