@@ -256,7 +256,7 @@ def _may_overflow(terms: dict[str, tuple[Tensor, Tensor]], found: dict[str, tupl
     """The identity layers' gradients that finite terms could still overflow, by name: where T
     max|a| max|g| (the weight's) or T max|g| (the bias's) passes the dtype's largest value."""
     risky = {}
-    for m, (a, g) in terms.items():
+    for m, (a, _) in terms.items():
         top = torch.finfo(a.dtype).max
         big_a, big_g = (max(map(abs, found.get(f"the captured {k} of layer {m!r}", (0.0, 0.0))))
                         for k in ("inputs", "output gradients"))

@@ -6,10 +6,10 @@ singular values s_i of B = Q^T A (q x n) are the estimates. With R = A - QB, Q^T
 A^T A = B^T B + R^T R and (Weyl) s_i <= sigma_i(A) <= sqrt(s_i^2 + ||R||_2^2). ``return_error``
 returns, per value, sqrt(s_i^2 + ||R||_F^2) - s_i >= sigma_i - s_i >= 0: rigorous in exact
 arithmetic (the computed values also carry their SVD's rounding, a few eps s_1, which neither
-path's bound adds: the exact path's is 0), about ||R||_F^2 / (2 s_i) for values above the tail. It is conservative (||R||_F counts all of the
-discarded tail, and the power iterations make the values far more accurate than this bound),
-so it certifies a steep spectrum (0.7^i: 4e-4 relative on the 10th value) and flags a flat one,
-where the fast path is indeed inexact.
+path's bound adds: the exact path's is 0), about ||R||_F^2 / (2 s_i) for values above the tail.
+It is conservative (||R||_F counts all of the discarded tail, and the power iterations make the
+values far more accurate than this bound), so it certifies a steep spectrum (0.7^i: 4e-4
+relative on the 10th value) and flags a flat one, where the fast path is indeed inexact.
 
 Defaults: q = 2k (at least 10 extra columns; Halko et al. advise 5-10) and up to 4 power
 iterations, the best time/error trade measured on CPU; the exact ``svdvals`` when min(m, n) <=
@@ -206,7 +206,8 @@ def topk_singular_values(A: Tensor, k: int, *, oversample: int | None = None, ni
         # ||R||_F, R = A - Q B, over R's largest entry: the squares inside the norm neither underflow
         # (a tiny A) nor overflow (a huge one)
         big = r.abs().amax((-2, -1), keepdim=True)
-        tail = (torch.linalg.matrix_norm(r / big.clamp_min(torch.finfo(r.dtype).tiny)) * big[..., 0, 0]).unsqueeze(-1)
+        unit = r / big.clamp_min(torch.finfo(r.dtype).tiny)
+        tail = (torch.linalg.matrix_norm(unit) * big[..., 0, 0]).unsqueeze(-1)
         # sqrt(s^2 + tail^2) - s as tail^2 / (hypot(s, tail) + s): no square to underflow or
         # overflow, no cancellation; 0 where both are
         h = torch.hypot(s, tail)
@@ -251,8 +252,8 @@ def features_with(values: Callable[[Tensor, int], Tensor], weights: Tensor | lis
                              "layers")
         leading = {tuple(w.shape[:-2]) if isinstance(w, Tensor) else None for w in weights}
         if len(leading) > 1:
-            raise ValueError(f"weights' layers must share their leading (batch) dims, got {sorted(map(str, leading))}; "
-                             "pass one (B, m_l, n_l) tensor per layer with the same B")
+            raise ValueError("weights' layers must share their leading (batch) dims, got "
+                             f"{sorted(map(str, leading))}; pass one (B, m_l, n_l) tensor a layer, one B")
         return torch.cat([features_with(values, w, k) for w in weights], dim=-1)
     checks.integer(k, "k", low=2)
     _check(weights, 1, None, None, finite=False)  # values() checks finiteness, once

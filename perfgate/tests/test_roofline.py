@@ -215,6 +215,7 @@ def test_a_limit_the_tables_median_passes_is_measured_again(monkeypatch: pytest.
                        "optimized": Measurement([0.2] * 10, "smoke", "", None, paired=pairs, work=work)}
     row = st._row("k", "optimized")
     assert row.optimized_ms == pytest.approx(80.0)
-    monkeypatch.setattr(roofline, "_stream", lambda device: {"scale": 12.5, "copy": 11.0, "triad": 11.0, "fill": 8.0})
+    rates = {"scale": 12.5, "copy": 11.0, "triad": 11.0, "fill": 8.0}
+    monkeypatch.setattr(roofline, "_stream", lambda device: dict(rates))
     st.recheck_limits([row])  # the own rounds' median (0.2 s, 50%) alone would not have measured it
     assert st.tally.limits_rose == ["stream 10.0 -> 12.5 GB/s"] and st.limits.stream_gbps == 12.5

@@ -66,7 +66,7 @@ def _span(t: Any) -> _Span | None:
         return None
     size = t.element_size()
     start = t.storage_offset() * size
-    last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))  # torch's strides are >= 0
+    last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))  # strides >= 0
     key = (start, tuple(t.shape), tuple(t.stride()), size)
     return _Span(where[0], start, start + (last + 1) * size, t.numel() * size, key)
 
