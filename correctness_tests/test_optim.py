@@ -224,6 +224,12 @@ def test_generator_inside_a_group_and_named_parameters() -> None:
     model = torch.nn.Linear(3, 2)
     assert len(kernels.adamw([{"params": model.parameters(), "lr": 0.1}]).param_groups[0]["params"]) == 2
     assert len(kernels.sgd(model.named_parameters()).param_groups[0]["params"]) == 2
+    w = torch.zeros(3, requires_grad=True)  # a group's params may be one tensor, as torch takes it
+    for make in (kernels.sgd, kernels.adamw):
+        (got,) = make([{"params": w}], lr=0.1).param_groups[0]["params"]
+        assert got is w
+        with pytest.raises(TypeError, match="got a set"):
+            make([{"params": {w}}], lr=0.1)
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])

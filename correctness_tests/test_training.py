@@ -64,6 +64,41 @@ def test_accumulation_equals_one_batch_per_window(k: int, micro: int, size: int)
     assert_close(_params(m1), _params(m2), REDUCTION)
 
 
+@given(k=st.integers(2, 4), sizes=st.lists(st.integers(1, 9), min_size=2, max_size=9))
+def test_micro_batches_of_other_sizes_weigh_by_their_samples(k: int, sizes: list[int]) -> None:
+    """A DataLoader without drop_last ends on a smaller micro-batch: each window's step equals
+    the reference's on the window's samples merged (a mean over samples, not over micro-batches),
+    its loss too."""
+    gen = torch.Generator().manual_seed(3)
+    data = []
+    for n in sizes:
+        x = torch.randn(n, 8, generator=gen)
+        data.append((x, x.reshape(n, 4, 2).sum(-1).argmax(-1)))
+    windows = [data[i : i + k] for i in range(0, len(data), k)]
+    merged = [(torch.cat([x for x, _ in w]), torch.cat([y for _, y in w])) for w in windows]
+    (m1, o1), (m2, o2) = _setup(), _setup()
+    got = train(m1, F.cross_entropy, o1, data, Recipe(accumulation=k))
+    want = ref.train(m2, F.cross_entropy, o2, merged)
+    assert_close(torch.tensor(got.losses), torch.tensor(want.losses), REDUCTION)
+    assert_close(_params(m1), _params(m2), REDUCTION)
+
+
+def test_recipe_auto_leaves_the_callers_random_streams_as_they_were() -> None:
+    """Timing the candidates runs steps (dropout masks among them): a seeded run must draw the
+    same numbers after Recipe.auto as without it."""
+    import random
+
+    import numpy as np
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4))
+    batch = _data(1, 16)[0]
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    Recipe.auto("cpu", model=model, loss_fn=F.cross_entropy, batch=batch)
+    after = (torch.rand(3).tolist(), random.random(), np.random.rand())
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    assert after == (torch.rand(3).tolist(), random.random(), np.random.rand())
+
+
 @pytest.mark.parametrize("recipe", [Recipe(autocast_dtype=torch.bfloat16),
                                     Recipe(autocast_dtype=torch.float16, grad_scaler=True)],
                          ids=["bf16", "fp16+scaler"])
@@ -552,6 +587,29 @@ def test_resume_from_a_checkpoint_continues_the_run_bitwise(tmp_path, recipe: Re
     assert (torch.rand(3).tolist(), random.random(), np.random.rand()) == (draws[0].tolist(), *draws[1:])
     if scaler is not None:
         assert scaler3.get_scale() == scaler.get_scale()
+
+
+def test_a_resumed_multistep_scheduler_decays_where_the_run_would(tmp_path) -> None:
+    """MultiStepLR keeps its milestones in a Counter keyed by epoch (int): JSON would make the
+    keys strings, and the resumed run would never decay."""
+    from kernels.training import load_checkpoint, save_checkpoint
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        model, opt = _setup()
+        return model, opt, torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4], gamma=0.1)
+
+    data = _data(6, 8)
+    model, opt, sched = build()
+    train(model, F.cross_entropy, opt, data, scheduler=sched)
+    model2, opt2, sched2 = build()
+    train(model2, F.cross_entropy, opt2, data[:1], scheduler=sched2)
+    save_checkpoint(tmp_path / "ckpt.safetensors", model2, opt2, scheduler=sched2, step=1)
+    model3, opt3, sched3 = build()
+    load_checkpoint(tmp_path / "ckpt.safetensors", model3, opt3, scheduler=sched3)
+    train(model3, F.cross_entropy, opt3, data[1:], scheduler=sched3)
+    assert sched3.get_last_lr() == sched.get_last_lr() == [pytest.approx(0.1 * 0.01)]
+    assert sched3.state_dict() == sched.state_dict()
+    torch.testing.assert_close(_params(model3), _params(model), atol=0, rtol=0)
 
 
 def test_a_checkpoint_rank_0_cannot_write_leaves_no_cycle_holding_the_model(tmp_path, monkeypatch) -> None:

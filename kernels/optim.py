@@ -40,13 +40,23 @@ Params = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tenso
 FUSED_DEVICES = ("cpu", "cuda")  # where torch has fused AdamW/SGD and we choose it (module note)
 
 
+def _members(params: object, arg: str) -> list:
+    """A group dict's params as torch reads them: one tensor is one parameter (not its rows)."""
+    if isinstance(params, Tensor):
+        return [params]
+    if isinstance(params, set):
+        raise TypeError(f"{arg}'s groups must list their params in an order (a list), got a set: the "
+                        "optimizer state is matched to parameters by position")
+    return list(params)
+
+
 def _groups(params: Params, arg: str) -> list:
     """Parameter groups with their params materialized (a generator inside a group dict would
     otherwise be used up by validation), each a real floating or complex tensor."""
     if isinstance(params, Tensor):
         raise TypeError(f"{arg} must be an iterable of tensors or parameter groups, got a Tensor; "
                         "pass model.parameters() or [tensor]")
-    groups = [dict(g, params=list(g["params"])) if isinstance(g, dict) else g for g in params]
+    groups = [dict(g, params=_members(g["params"], arg)) if isinstance(g, dict) else g for g in params]
     if not groups:
         raise ValueError(f"{arg} is empty: the optimizer has nothing to update")
     for g in groups:

@@ -1,7 +1,8 @@
 """The training-loop engine every workload shares, configured by a ``Recipe``.
 
-One loop: autocast (fp16 + GradScaler, or bf16), gradient accumulation (loss / k, one optimizer
-and scaler step per window, a trailing partial window rescaled to its own size),
+One loop: autocast (fp16 + GradScaler, or bf16), gradient accumulation (one optimizer and
+scaler step per window of k micro-batches, each weighted by its samples: the step is that of the
+window's samples merged, a smaller last micro-batch or a trailing partial window included),
 ``zero_grad(set_to_none=True)``, channels_last and ``torch.compile`` as options, batches moved
 to the device (``non_blocking`` when they come pinned, e.g. from ``DataLoader(pin_memory=True)``;
 workloads preload them on the device), a scheduler stepped once per optimizer step, and steps
@@ -182,6 +183,21 @@ def _keep_faster_compile(eager: Choice, modes: tuple[str, ...], model: nn.Module
     return Choice(keep, step_ms, compile_s)
 
 
+@contextlib.contextmanager
+def _rng_kept(device: str | torch.device):
+    """The caller's torch (CPU and ``device``), Python and NumPy random states, put back on exit:
+    timing steps draws dropout masks a seeded run must not see drawn."""
+    on = torch.device(device)
+    devices = [on.index if on.index is not None else torch.cuda.current_device()] if on.type == "cuda" else []
+    py, npy = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=devices, device_type=on.type if on.type == "cuda" else "cuda"):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+
+
 def _time_step(recipe: Recipe, model: nn.Module, loss_fn: LossFn, batch: tuple[Tensor, Tensor],
                device: str | torch.device, budget_s: float = 0.05, max_repeats: int = 50,
                first_s: list[float] | None = None) -> float:
@@ -191,7 +207,8 @@ def _time_step(recipe: Recipe, model: nn.Module, loss_fn: LossFn, batch: tuple[T
     trial = copy.deepcopy(model).to(device)
     opt = torch.optim.SGD(trial.parameters(), lr=0.0)
     times: list[float] = []
-    with warnings.catch_warnings():  # a fresh GradScaler per timed call may skip its first step: not news here
+    # a fresh GradScaler per timed call may skip its first step: not news here
+    with _rng_kept(device), warnings.catch_warnings():
         warnings.filterwarnings("ignore", r"\d+ of \d+ optimizer steps were skipped", RuntimeWarning)
         t0 = time.perf_counter()
         train(trial, loss_fn, opt, [batch], recipe, device=device)
@@ -206,7 +223,7 @@ def _time_step(recipe: Recipe, model: nn.Module, loss_fn: LossFn, batch: tuple[T
 
 @dataclass
 class TrainResult:
-    losses: list[float]  # one per optimizer step: the mean loss over its micro-batches
+    losses: list[float]  # one per optimizer step: the mean loss over its window's samples
     optimizer_steps: int
     skipped_steps: int  # GradScaler found inf/NaN gradients and did not apply the step
     seconds: float
@@ -274,6 +291,7 @@ class _Steps:
     max_grad_norm: float | None
     data_parallel: bool  # losses (and a trailing window's gradients) are averaged over ranks
     window: list[Tensor] = field(default_factory=list)  # the losses of the window's micro-batches
+    sizes: list[int] = field(default_factory=list)  # their sample counts (the inputs' first dim)
     losses: list[float] = field(default_factory=list)  # one per optimizer step
     norms: list[Tensor] = field(default_factory=list)  # each step's gradient norm before clipping
     skipped: int = 0  # steps the GradScaler skipped
@@ -283,9 +301,15 @@ class _Steps:
         """One optimizer step on the window's accumulated gradients; refuses non-finite ones."""
         recipe, n = self.recipe, len(self.losses) + 1
         grads = [p.grad for p in self.params if p.grad is not None]
-        if len(self.window) < recipe.accumulation and grads:  # trailing window: the loss was divided by k
-            torch._foreach_mul_(grads, recipe.accumulation / len(self.window))
-        loss = torch.stack(self.window).mean()
+        # each micro-batch's loss went in as loss * (n_i / n_0) / k: the window's mean over its
+        # samples once times k n_0 / N (1 for k micro-batches of one size; k / m for a trailing
+        # window of m)
+        k, n0, total = recipe.accumulation, self.sizes[0], sum(self.sizes)
+        if total != k * n0 and grads:
+            torch._foreach_mul_(grads, k * n0 / total)
+        losses = torch.stack(self.window)
+        equal = all(n == n0 for n in self.sizes)
+        loss = losses.mean() if equal else (losses * losses.new_tensor(self.sizes)).sum() / total
         loss = (all_mean_([loss])[0] if self.data_parallel else loss).item()  # every rank reports the global loss
         if not math.isfinite(loss):  # the forward: no scale can fix it (module note)
             raise _loss_not_finite(loss, n, recipe)
@@ -309,6 +333,7 @@ class _Steps:
         self.optimizer.zero_grad(set_to_none=True)
         self.losses.append(loss)
         self.window.clear()
+        self.sizes.clear()
 
 
 def _loss_not_finite(loss: float, n: int, recipe: Recipe) -> FloatingPointError:
@@ -361,7 +386,10 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
     call starts a fresh one. channels_last converts ``model`` in place. ``max_grad_norm``: clip
     the global 2-norm of the optimizer's gradients to it once per optimizer step, on the window's
     accumulated gradient, unscaled first under a GradScaler (``torch.nn.utils.clip_grad_norm_``);
-    the norms before clipping are returned in ``grad_norms``. Each batch must be an (inputs,
+    the norms before clipping are returned in ``grad_norms``. A window's micro-batches count by
+    their samples (the inputs' first dim), for a ``loss_fn`` that is a mean over its batch, as
+    torch's losses are by default: its step and loss are those of its samples as one batch.
+    Each batch must be an (inputs,
     targets) pair of tensors on any device (moved to ``device``, where the model's parameters must
     be); their shapes and dtypes are the model's and loss's business, whose own errors come
     through. An empty ``batches`` trains nothing: the result has 0 optimizer steps.
@@ -400,8 +428,13 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
                 loss = loss_fn(forward(x), y)
             if loss.ndim != 0:
                 raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
-            scaler.scale(loss / k).backward()
+            n = x.shape[0] if x.ndim else 1
+            n0 = steps.sizes[0] if steps.sizes else n
+            # weighted by its samples (a smaller last micro-batch counts for less), exactly loss / k
+            # where the window's micro-batches are of one size
+            scaler.scale(loss / k if n == n0 else loss * (n / n0) / k).backward()
         steps.window.append(loss.detach().float())
+        steps.sizes.append(n)
         if len(steps.window) == k:
             steps.step()
     if steps.window:  # a trailing partial window; under DDP its micro-batches ran under no_sync: all-reduce now
@@ -422,9 +455,35 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
 CHECKPOINT_FORMAT = "kernelgate-checkpoint-1"
 
 
+KEYED = "__keyed__"  # a dict whose keys are not all strings, as [[key, value], ...] (JSON keys are strings)
+
+
+def _keyed(value: object) -> object:
+    """``value`` with every dict whose keys are not all strings (a MultiStepLR's milestones
+    Counter, keyed by epoch) written as ``{KEYED: [[key, value], ...]}``, so its keys come back
+    with their types (``_unkeyed``)."""
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {k: _keyed(v) for k, v in value.items()}
+        return {KEYED: [[k, _keyed(v)] for k, v in value.items()]}
+    if isinstance(value, list | tuple):
+        return [_keyed(v) for v in value]
+    return value
+
+
+def _unkeyed(value: object) -> object:
+    if isinstance(value, dict):
+        if set(value) == {KEYED}:
+            return {(tuple(k) if isinstance(k, list) else k): _unkeyed(v) for k, v in value[KEYED]}
+        return {k: _unkeyed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unkeyed(v) for v in value]
+    return value
+
+
 def _json(value: object, what: str) -> str:
     try:
-        return json.dumps(value)
+        return json.dumps(_keyed(value))
     except TypeError as e:
         raise TypeError(f"{what} holds a value JSON cannot store ({e}); checkpoints keep tensors and "
                         "plain values only (no pickle)") from None
@@ -505,7 +564,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     tensors, meta = read_safetensors(path)
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path} is not a kernelgate checkpoint (format {meta.get('format')!r})")
-    state = json.loads(meta["state"])
+    state = _unkeyed(json.loads(meta["state"]))
     for name, given in (("scheduler", scheduler), ("scaler", scaler)):
         if (state[name] is None) != (given is None):
             have = "holds" if state[name] is not None else "holds no"

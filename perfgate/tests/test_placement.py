@@ -210,11 +210,14 @@ def test_the_probe_reads_torchs_team() -> None:
         pytest.skip("perfgate._roundtrip was not built (no C compiler at install)")
     before = torch.get_num_threads()
     torch.set_num_threads(2)
-    try:
-        readings = [probe.read() for _ in range(5)]
+    readings: list[float] = []
+    try:  # a reading is inf where the host ran the partner thread for none of 50 ms (a busy neighbour)
+        while len([ns for ns in readings if ns != float("inf")]) < 5 and len(readings) < 25:
+            readings.append(probe.read())
     finally:
         torch.set_num_threads(before)
-    assert all(5.0 < ns < 1e6 for ns in readings), readings
+    placed = [ns for ns in readings if ns != float("inf")]
+    assert len(placed) == 5 and all(5.0 < ns < 1e6 for ns in placed), readings
     assert RoundTrip.open(1) is None and RoundTrip.open(None) is None
     if sys.platform.startswith("linux"):
         runtime = timing.openmp_runtime(probe.module.__file__)
