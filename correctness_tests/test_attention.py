@@ -358,6 +358,36 @@ def test_module_under_bf16_autocast_with_a_float_mask() -> None:
     assert_close(got.double(), ref(x.double(), attn_mask=mask.double()), REDUCTION, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype, s", [(torch.float32, 200), (torch.float32, 6), (torch.bfloat16, 6),
+                                      (torch.float64, 20)])
+def test_a_mask_of_one_value_or_one_per_key_equals_reference(dtype: torch.dtype, s: int) -> None:
+    """0-d and (S,) masks broadcast to (B, H, S, S), as the reference takes them; SDPA's own
+    path needed them 2-d."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, s, 8, dtype=dtype) for _ in range(3))
+    keys = torch.rand(s) < 0.7
+    keys[0] = True  # every query keeps a key
+    for mask in (torch.tensor(True), keys, torch.where(keys, 0.0, float("-inf")).to(dtype)):
+        got = kernels.rope_attention(q, k, v, RotaryEmbedding(8), attn_mask=mask)
+        want = RA.rope_attention(q.double(), k.double(), v.double(), RA.RotaryEmbedding(8),
+                                 attn_mask=mask if mask.dtype == torch.bool else mask.double())
+        assert_close(got.double(), want, REDUCTION, dtype=dtype)
+
+
+def test_a_module_grown_under_inference_mode_trains() -> None:
+    mod, ref = _module_pair(32, 4, 4, max_seq_len=8)
+    with torch.inference_mode():
+        mod(torch.randn(1, 16, 32))
+    x, grad = torch.randn(2, 12, 32), torch.randn(2, 12, 32)
+    assert_dicts_close(_trained(mod, x, grad), _trained(ref, x, grad), REDUCTION)
+
+
+def test_a_head_dim_other_than_ropes_is_refused_naming_q() -> None:
+    q = torch.randn(1, 2, 4, 6)
+    with pytest.raises(ValueError, match=r"q has head dim 6, rope was built for 8"):
+        kernels.rope_attention(q, q, q, RotaryEmbedding(8))
+
+
 def _module_pair(dim: int, heads: int, kv: int, **kw) -> tuple[torch.nn.Module, torch.nn.Module]:
     """kernels' RopeSelfAttention and the reference's, with the same parameters."""
     mod, ref = kernels.RopeSelfAttention(dim, heads, kv, **kw), RA.RopeSelfAttention(dim, heads, kv, **kw)

@@ -326,6 +326,32 @@ def test_cache_is_a_non_persistent_buffer_that_follows_the_module() -> None:
         meta(torch.randn(1, 1, 4, 8))
 
 
+def test_a_cache_grown_under_inference_mode_serves_training() -> None:
+    rope = K.RotaryEmbedding(8, max_seq_len=4)
+    with torch.inference_mode():
+        rope(torch.randn(1, 1, 8, 8))  # grows the cache to 8 positions
+    assert rope.max_seq_len == 8 and not rope.cos.is_inference()
+    x = torch.randn(1, 1, 8, 8, requires_grad=True)
+    (gx,) = torch.autograd.grad(rope(x).sum(), x)
+    xr = x.detach().requires_grad_(True)
+    (want,) = torch.autograd.grad(R.RotaryEmbedding(8)(xr).sum(), xr)
+    assert_close(gx, want, ELEMENTWISE)
+
+
+def test_to_empty_after_a_meta_init_keeps_valid_tables() -> None:
+    """meta init, to_empty, load_state_dict: the tables are not in the state dict, so to_empty
+    must not leave them uninitialised."""
+    with torch.device("meta"):
+        model = torch.nn.Module()
+        model.rope = K.RotaryEmbedding(8, 32)
+    model.to_empty(device="cpu")
+    x = torch.randn(1, 2, 30, 8)
+    assert_close(model.rope(x), R.RotaryEmbedding(8)(x), ELEMENTWISE)
+    on_meta = K.RotaryEmbedding(8, 32).to("meta")  # tables on meta: computed anew where they land
+    on_meta.to_empty(device="cpu")
+    assert_close(on_meta(x), R.RotaryEmbedding(8)(x), ELEMENTWISE)
+
+
 @pytest.mark.parametrize("side", [K, R])
 def test_fixed_cache_refuses_positions_beyond_it(side) -> None:
     rope = side.RotaryEmbedding(8, max_seq_len=16, grow=False)

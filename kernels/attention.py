@@ -97,6 +97,8 @@ def combined_mask(attn_mask: Tensor | None, causal: bool, s: int, device: torch.
     that leaves a query row nothing to attend to is refused (softmax over nothing is NaN)."""
     if attn_mask is None:
         return None  # causal alone: SDPA's is_causal
+    if attn_mask.ndim < 2:  # one value, or one per key: as (S, S), which SDPA's kernels all take
+        attn_mask = attn_mask.expand(s, s)
     mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask.to(dtype)
     if causal:
         tril = torch.ones(s, s, dtype=torch.bool, device=device).tril()
@@ -308,6 +310,9 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, ca
     if not (isinstance(rope, nn.Module) and hasattr(rope, "head_dim")):  # kernels' or reference's RotaryEmbedding
         raise TypeError(f"rope must be a RotaryEmbedding (kernels.RotaryEmbedding(head_dim)), "
                         f"got {type(rope).__name__}")
+    if q.shape[-1] != rope.head_dim:
+        raise ValueError(f"q has head dim {q.shape[-1]}, rope was built for {rope.head_dim}; "
+                         f"pass RotaryEmbedding({q.shape[-1]})")
     checks.flag(causal, "causal")
     mask = combined_mask(attn_mask, causal, q.shape[2], q.device, q.dtype)
     # q and k rotated with their pairs made neighbours (the same permutation of both: the scores

@@ -253,15 +253,21 @@ class RotaryEmbedding(nn.Module):
         return self.cos.shape[0]
 
     def _build(self, length: int, device: torch.device) -> None:
-        angles = rope_angles(self.head_dim, torch.arange(length, device=device), self.base)
-        self.cos, self.sin = angles.cos().float(), angles.sin().float()
+        with torch.inference_mode(False):  # grown under inference_mode, the tables still serve training
+            angles = rope_angles(self.head_dim, torch.arange(length, device=device), self.base)
+            self.cos, self.sin = angles.cos().float(), angles.sin().float()
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> RotaryEmbedding:
-        """Follow ``.to(device)`` but not dtype casts: tables rounded to bf16 and back would stay wrong."""
-        cos, sin = self.cos, self.sin
+        """Follow ``.to(device)`` with the tables as they were, whatever ``fn`` does to their values:
+        a dtype cast would round them, ``to_empty`` leave them uninitialised (the buffers are not
+        in the state dict, so no load would mend them). Tables on the meta device are computed anew."""
+        cos, sin, length = self.cos, self.sin, self.max_seq_len
         super()._apply(fn, recurse)
-        if self.cos.dtype != torch.float32:
-            self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
+        device = self.cos.device
+        if cos.device.type == "meta" and device.type != "meta":
+            self._build(length, device)
+        else:
+            self.cos, self.sin = cos.to(device), sin.to(device)
         return self
 
     def _ensure(self, needed: int) -> bool:
