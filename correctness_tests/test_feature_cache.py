@@ -113,6 +113,16 @@ def test_outputs_that_share_memory_are_stored(tmp_path) -> None:
     assert torch.equal(again["all"], base) and torch.equal(again["head"], base[:3])
 
 
+def test_a_transposed_or_channels_last_result_is_stored_as_its_values(tmp_path) -> None:
+    """safetensors stores no strides: a result laid out otherwise is stored row-major, not lost."""
+    t, image = torch.randn(3, 4).t(), torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last)
+    cache = FeatureCache(tmp_path)
+    out = cache.get_or_compute({"k": 1}, lambda: {"t": t, "image": image})
+    assert torch.equal(out["t"], t) and torch.equal(out["image"], image)
+    again = FeatureCache(tmp_path).get_or_compute({"k": 1}, lambda: {})
+    assert torch.equal(again["t"], t) and torch.equal(again["image"], image)
+
+
 def _files(directory) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 

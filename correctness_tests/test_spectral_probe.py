@@ -37,6 +37,18 @@ def test_features_go_through_the_cache(tmp_path) -> None:
     assert x.shape == (60, 2 * 32)
 
 
+def test_the_cache_key_names_the_device(tmp_path, monkeypatch) -> None:
+    """The features' test matrices come from a generator on cfg.device, so they differ by device:
+    features cached on one device are not another's."""
+    import kernels.feature_cache as FC
+
+    keys = []
+    real = FC.key_hash
+    monkeypatch.setattr(FC, "key_hash", lambda key: keys.append(key) or real(key))
+    P.run(replace(P.optimized_method(SMALL, FeatureCache(tmp_path)), recipe=Recipe()), SMALL)
+    assert keys and keys[0]["device"] == "cpu"
+
+
 def test_reference_and_optimized_both_train() -> None:
     for method in (P.reference_method(), replace(P.optimized_method(SMALL, None), recipe=Recipe())):
         r = P.run(method, SMALL)

@@ -331,6 +331,23 @@ def test_a_finite_x_whose_result_overflows_is_refused(path: Path) -> None:
         Standardizer().fit(fit).transform(torch.tensor([[0.0]] * 8 + [[1e30]]))
 
 
+@pytest.mark.parametrize("path", [(c, rows) for c in IN_C for rows in (None, 3)])
+def test_a_finite_result_whose_sums_overflow_is_kept_on_every_path(path: Path) -> None:
+    """Values of 1e37 stay finite standardized, though a block's column sum passes fp32's largest:
+    kept on every path (the C pass tests each value; the torch ops' sums, where one overflows,
+    have the values read), and the same bits on each."""
+    s = Standardizer().fit(torch.randn(100, 2, generator=torch.Generator().manual_seed(0)))
+    x = torch.full((100, 2), 1e37)
+    with passes(path, x):
+        got = s.transform(x)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, (x - s.mean_) / s.scale_)
+    bad = x.clone()
+    bad[57, 1] = float("inf")
+    with passes(path, bad), pytest.raises(ValueError, match="NaN or inf in X"):
+        s.transform(bad)
+
+
 needs_c = pytest.mark.skipif(standardize._c is None, reason="kernels._standardize is not built (no C compiler)")
 
 

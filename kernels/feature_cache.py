@@ -258,7 +258,9 @@ class FeatureCache:
         if not isinstance(out, Mapping):
             raise TypeError(f"compute() must return a dict[str, Tensor], got {type(out).__name__}")
         _storable(out, "compute()'s result")
-        tensors = {k: v.detach().to("cpu").clone() for k, v in out.items()}  # own storage: views may share
+        # own storage (views may share one), row-major (safetensors stores no strides): a transposed
+        # or channels_last result is stored as its values
+        tensors = {k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format) for k, v in out.items()}
         try:
             write_safetensors(path, tensors, {"format": FORMAT, "key": digest})
         except OSError as e:  # the result is computed: return it rather than lose it

@@ -27,7 +27,8 @@ StandardScaler ignores NaN in fit as missing values (per-feature sample counts) 
 through transform, and raises on inf; this class supports no missing values and refuses both,
 in fit (checked on the merged statistics, which every value of X reaches: one sync per call)
 and in transform / inverse_transform (checked on column sums of the result, one per row block,
-and one sync; this also catches results that overflow, e.g. a cast back to fp16). A call that raises
+and one sync; this also catches results that overflow, e.g. a cast back to fp16; a sum that
+overflows where every value is finite is told apart by a look at the values). A call that raises
 leaves the standardizer as it was.
 """
 
@@ -135,7 +136,7 @@ class Standardizer:
             _check_out(X, out, acc, (self._shift, self._dmean, self.scale_, self.mean_, self.var_))
         if torch.is_grad_enabled() and X.requires_grad:  # the differentiable path: whole tensors
             result = torch.sub(X.to(acc), self._shift).sub_(self._dmean).div_(self.scale_).to(X.dtype)
-            _finite([result], acc)
+            _finite([result], acc, result)
             return result
         # a fresh result in huge pages: writing it faults 2 MiB at a time (kernels.hugepages)
         result = hugepages.empty(tuple(X.shape), like=X) if out is None else out
@@ -156,14 +157,14 @@ class Standardizer:
             if work is not None:
                 result[rows].copy_(block)
             sums.append(result[rows].sum(0, dtype=acc))
-        _finite(sums, acc)
+        _finite(sums, acc, result)
         return result
 
     def inverse_transform(self, X: Tensor) -> Tensor:
         """X * scale_ + mean_, returned in X's dtype; differentiable w.r.t. X."""
         acc = self._fitted(X)
         result = torch.mul(X.to(acc), self.scale_).add_(self._dmean).add_(self._shift).to(X.dtype)
-        _finite([result], acc)
+        _finite([result], acc, result)
         return result
 
     def fit_transform(self, X: Tensor) -> Tensor:
@@ -250,7 +251,12 @@ def _moments(x: Tensor, shift: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor
     return mean, m2 / n
 
 
-def _finite(results: list[Tensor], acc: torch.dtype) -> None:
-    """NaN/inf in X (or an overflow) reach the result's sums: one reduction per block, one sync,
-    cheaper than an elementwise isfinite or aminmax pass over the result (docs/kernels/spectral.md)."""
-    checks.finite({"X": torch.stack([r.detach().sum(dtype=acc) for r in results])}, hint=_NOT_FINITE)
+def _finite(results: list[Tensor], acc: torch.dtype, result: Tensor) -> None:
+    """NaN/inf in X (or an overflow) reach the sums of ``results`` (``result`` or its blocks' sums):
+    one reduction per block, one sync, cheaper than an elementwise isfinite or aminmax pass over
+    the result (docs/kernels/spectral.md). A sum of finite values near the dtype's largest can
+    overflow too: only where one did is ``result`` itself read, and refused if it is not finite
+    (as the C pass, which tests each value, would)."""
+    if checks.nonfinite({"X": torch.stack([r.detach().sum(dtype=acc) for r in results])}) and \
+            not bool(torch.isfinite(result.detach()).all()):
+        checks.refuse_nonfinite("X", hint=_NOT_FINITE)

@@ -200,8 +200,10 @@ def _features(cfg: Config, method: Method) -> tuple[Tensor, float, bool]:
     data["used_layers"] = layer_indices(cfg)
     code = {name: hashlib.sha256(inspect.getsource(sys.modules[name]).encode()).hexdigest()
             for name in (method.values.__module__, __name__)}  # the features' code and the data generator's
+    # the device: its generator draws other test matrices, so the randomized features differ by device
     key = {"workload": "spectral_probe", "data": data, "features": f"{method.values.__module__}."
-           f"{method.values.__qualname__}", "code": code, "torch": torch.__version__}
+           f"{method.values.__qualname__}", "code": code, "torch": torch.__version__,
+           "device": torch.device(cfg.device).type}
     t0, spent = time.perf_counter(), []
 
     def compute() -> dict[str, Tensor]:
