@@ -145,6 +145,25 @@ def test_sum_reduction_changes_scores_where_gradients_are_tiny() -> None:
     assert not torch.allclose(mean_scores, sum_scores)
 
 
+def test_the_reduction_is_told_where_the_first_samples_cannot_tell_it() -> None:
+    """Mean and sum agree on samples whose losses are 0 (fitted exactly) or on one sample: the
+    reduction is read from samples of nonzero loss further on, or in the memory."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1).double()
+    x = torch.randn(16, 3, dtype=torch.float64)
+    with torch.no_grad():
+        y = model(x) + 1e-4 * torch.randn(16, 1, dtype=torch.float64)
+        y[:4] = model(x[:4])  # the first four fitted exactly
+    mse_sum = lambda o, t: F.mse_loss(o, t, reduction="sum")  # noqa: E731
+    for loss in (F.mse_loss, mse_sum):
+        got, want = kernels.ocs_scores(model, loss, x, y), reference.ocs_scores(model, loss, x, y)
+        assert_close(got, want, REDUCTION, scale=2.0)
+        memory = (x[1:5], y[1:5])  # a stream of one: its own loss tells nothing
+        got = kernels.ocs_scores(model, loss, x[5:6], y[5:6], memory=memory)
+        want = reference.ocs_scores(model, loss, x[5:6], y[5:6], memory=memory)
+        assert_close(got, want, REDUCTION, scale=2.0)
+
+
 def test_known_value_without_memory() -> None:
     """Two samples with orthogonal gradients of equal norm: sim = cos(g, E_i) = 1/sqrt(2), div =
     (1 + 0) / 2, so every score is 1/sqrt(2) - 1/2 exactly (up to rounding)."""

@@ -202,3 +202,35 @@ def test_bad_input_is_refused() -> None:
         darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, autocast_dtype=torch.float16)
     with pytest.raises(TypeError, match="inner must be a torch.nn.Module"):
         darts_hypergradient(lambda x: x, inner, outer, w.parameters(), lr=lr)
+
+
+@pytest.mark.parametrize("scale", [1e-40, 1e-25, 1e40])
+def test_v_of_any_size_is_measured_in_float64(scale: float) -> None:
+    """eps = alpha / |v|: |v| taken in fp32 read 0 for a small fp64 v (the result zeros, as if
+    the outer loss were flat) and inf for a large one (refused as not finite)."""
+    model, inner, outer, w, theta, lr = problem()
+    scaled = lambda f: scale * outer(f)  # noqa: E731
+    exact = exact_hypergradient(model, inner, scaled, w.parameters(), lr=lr, at=theta)
+    got = darts_hypergradient(model, inner, scaled, w.parameters(), lr=lr, at=theta)
+    assert _rel(got, exact) < 1e-4
+
+
+def test_live_dropout_draws_the_same_masks_at_both_points() -> None:
+    """Different masks at theta +- eps v would add their difference / (2 eps) to the result."""
+    model, inner, outer, w, theta, lr = problem()
+    drop = nn.Dropout(0.5).train()
+    held = lambda f: inner(lambda x: drop(f(x)))  # noqa: E731
+    results = []
+    for a in (1e-2, 1e-4):  # one mask draw for both: the results differ by the truncation only
+        torch.manual_seed(7)
+        results.append(_flat(darts_hypergradient(model, held, outer, w.parameters(), lr=lr, alpha=a, at=theta)))
+    assert ((results[0] - results[1]).norm() / results[0].norm()).item() < 1e-3  # no 1/alpha noise
+
+
+def test_a_tensor_as_outer_params_and_half_precision_inner_parameters_are_refused() -> None:
+    model, inner, outer, w, theta, lr = problem()
+    with pytest.raises(TypeError, match=r"got a Tensor; pass \[w\]"):
+        darts_hypergradient(model, inner, outer, w.net[0].weight, lr=lr, at=theta)
+    model, inner, outer, w, theta, lr = problem(torch.bfloat16)
+    with pytest.raises(TypeError, match=r"inner parameter '0.weight' is torch.bfloat16.*fp32 or fp64"):
+        darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, at=theta)

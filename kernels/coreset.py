@@ -58,14 +58,39 @@ def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Ten
     names = per_sample.check_inputs(model, loss_fn, inputs, targets)  # types, sizes, device, dtype, NaN/inf
     if memory is not None:
         _check_memory(inputs, targets, memory)
-    return loss_reduction(model, loss_fn, inputs, targets), names
+    return loss_reduction(model, loss_fn, inputs, targets, memory), names
 
 
-def loss_reduction(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, probe: int = 4) -> str:
-    """'mean' or 'sum': how ``loss_fn`` reduces per-sample losses, checked on the first samples.
-    g and r are the batch gradients of ``loss_fn``, so any other reduction (class weights, a
-    per-sample weighting) is refused rather than scored as something else."""
+def loss_reduction(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
+                   memory: Memory | None = None, probe: int = 4, reach: int = 64) -> str:
+    """'mean' or 'sum': how ``loss_fn`` reduces per-sample losses, checked on the first ``probe``
+    samples, or where fewer than two of their losses are nonzero (mean and sum then agree: a
+    stream of one, samples the model fits exactly), on ``probe`` samples of nonzero loss among
+    the first ``reach`` of the stream and the memory. Where even those are fewer than two, the
+    scores are the same either way up to the cosines' floor, and torch's default 'mean' is
+    taken. g and r are the batch gradients of ``loss_fn``, so any other reduction (class
+    weights, a per-sample weighting) is refused rather than scored as something else."""
     x, y = inputs[:probe], targets[:probe]
+    batch, each = _losses(model, loss_fn, x, y)
+    if int((each != 0).sum()) < 2:
+        xs, ys = inputs[:reach], targets[:reach]
+        if memory is not None:
+            xs, ys = torch.cat([xs, memory[0][:reach]]), torch.cat([ys, memory[1][:reach]])
+        _, wide = _losses(model, loss_fn, xs, ys)
+        rows = wide.abs().argsort(descending=True, stable=True)[:probe].sort().values.to(xs.device)
+        if int((wide[rows.cpu()] != 0).sum()) < 2:
+            return "mean"
+        batch, each = _losses(model, loss_fn, xs[rows], ys[rows])
+    tol = 1e-3 * each.abs().sum() + 1e-30
+    for name, value in (("mean", each.mean()), ("sum", each.sum())):
+        if (batch - value).abs() <= tol:
+            return name
+    raise ValueError("loss_fn must reduce per-sample losses by their mean (e.g. F.cross_entropy) or sum; on the "
+                     f"first {len(x)} samples it gave {batch.item():.6g}, their mean is {each.mean().item():.6g}")
+
+
+def _losses(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """``loss_fn`` on the batch (x, y) and on each of its samples alone, in float64."""
     with torch.no_grad():
         out = model(x)
         batch = loss_fn(out, y).double()
@@ -74,12 +99,7 @@ def loss_reduction(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: T
         each = torch.stack([loss_fn(out[i : i + 1], y[i : i + 1]) for i in range(len(x))]).double()
     checks.finite({"the model's loss on the first samples": each}, error=FloatingPointError,
                   hint="OCS scores would be NaN")
-    tol = 1e-3 * each.abs().sum() + 1e-30
-    for name, value in (("mean", each.mean()), ("sum", each.sum())):
-        if (batch - value).abs() <= tol:
-            return name
-    raise ValueError("loss_fn must reduce per-sample losses by their mean (e.g. F.cross_entropy) or sum; on the "
-                     f"first {len(x)} samples it gave {batch.item():.6g}, their mean is {each.mean().item():.6g}")
+    return batch.cpu(), each.cpu()
 
 
 def _check_memory(inputs: Tensor, targets: Tensor, memory: Memory) -> None:

@@ -21,8 +21,10 @@ Truncation error O(eps^2) (central difference) on smooth networks, rounding O(u 
 eps): alpha = 0.01 (Betty's default) balances them in fp32 (measured in
 correctness_tests/test_hypergrad.py). On ReLU networks theta +- eps v crosses kinks and the error
 falls only about as eps (evidence/from-the-code.md). The difference of two nearly equal
-gradients is why the evaluations at theta +- eps v run in fp32 with autocast disabled, whatever
-``autocast_dtype`` does to the v pass.
+gradients is why the evaluations at theta +- eps v run with autocast disabled, whatever
+``autocast_dtype`` does to the v pass, on parameters that must be fp32 or fp64 (in bf16 or fp16
+theta +- eps v would round most of the perturbation away), and why both draw the same random
+numbers (dropout: the RNG state before the first is restored for the second).
 """
 
 from __future__ import annotations
@@ -91,11 +93,42 @@ def _mean_grad(fns: list[LossClosure], forward: Forward, wrt: list[Tensor], name
     return total
 
 
+def _size(v: list[Tensor]) -> float:
+    """|v| over all of v's tensors, in float64: fp32 and bf16 squares stay inside its range; fp64
+    ones that left it (values under 1e-154 or over 1e154) are taken over v's largest magnitude."""
+    def size(scale: float) -> float:
+        parts = [torch.linalg.vector_norm(t / scale if scale != 1.0 else t, dtype=torch.float64) for t in v]
+        return scale * torch.linalg.vector_norm(torch.stack(parts)).item()
+
+    norm = size(1.0)
+    if norm == 0.0 or math.isinf(norm):
+        big = torch.stack([t.detach().abs().amax().double() for t in v if t.numel()]).max().item()
+        if 0.0 < big < math.inf:
+            norm = size(big)
+    return norm
+
+
+def _rng_states(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """The CPU generator's state, and ``device``'s where it is a CUDA device."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_states(device: torch.device, states: tuple[Tensor, Tensor | None]) -> None:
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1], device)
+
+
 def _check(inner: nn.Module, outer: list[Tensor], lr: float, alpha: float) -> list[tuple[str, Tensor]]:
     checks.module(inner, "inner")
     named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("inner has no parameters that require grad")
+    low = [(n, p.dtype) for n, p in named if p.dtype not in (torch.float32, torch.float64)]
+    if low:
+        raise TypeError(f"inner parameter {low[0][0]!r} is {low[0][1]}: theta +- eps v needs fp32 or fp64 "
+                        "parameters (in half precision the perturbation rounds away); keep the parameters "
+                        "in fp32 and pass autocast_dtype=torch.bfloat16 for the v pass")
     if not outer or not all(isinstance(w, Tensor) and w.requires_grad for w in outer):
         raise ValueError("outer_params must be a non-empty iterable of tensors that require grad")
     checks.same_device({**{f"inner parameter {n!r}": p for n, p in named},
@@ -140,6 +173,8 @@ def darts_hypergradient(
     differences are averaged, so every rank returns the hypergradient of the global batches.
     ``at`` is keyed by the wrapped module's names (``unwrap(inner).named_parameters()``).
     """
+    if isinstance(outer_params, Tensor):  # list() would split it into rows, none of them in the graph
+        raise TypeError("outer_params must be an iterable of tensors, got a Tensor; pass [w]")
     outer = list(outer_params)
     data_parallel = isinstance(inner, DistributedDataParallel) and active()
     inner = unwrap(inner)
@@ -172,14 +207,17 @@ def darts_hypergradient(
         v = _mean_grad(outer_fns, forward_at(leaves), leaves, "outer_loss")
     if data_parallel:
         all_mean_(v)  # v of the global meta batch: every rank perturbs along the same direction
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in v])).item()
+    norm = _size(v)
     if not math.isfinite(norm):
         raise FloatingPointError(f"the outer loss's gradient v is not finite (|v| = {norm}); check the meta batch")
     if norm == 0.0:  # the outer loss is flat in theta': the hypergradient is exactly zero
         return [torch.zeros_like(w) for w in outer]
     eps = alpha / norm
-    with torch.autocast(after[0].device.type, enabled=False):
+    device = after[0].device
+    with torch.autocast(device.type, enabled=False):
+        drawn = _rng_states(device)  # the same dropout masks at theta + eps v and theta - eps v
         plus = _mean_grad(inner_fns, forward_at(torch._foreach_add(before, v, alpha=eps)), outer, "inner_loss")
+        _set_rng_states(device, drawn)
         minus = _mean_grad(inner_fns, forward_at(torch._foreach_add(before, v, alpha=-eps)), outer, "inner_loss")
     torch._foreach_sub_(plus, minus)
     torch._foreach_mul_(plus, -lr / (2 * eps))
