@@ -258,5 +258,5 @@ def _finite(results: list[Tensor], acc: torch.dtype, result: Tensor) -> None:
     overflow too: only where one did is ``result`` itself read, and refused if it is not finite
     (as the C pass, which tests each value, would)."""
     if checks.nonfinite({"X": torch.stack([r.detach().sum(dtype=acc) for r in results])}) and \
-            not bool(torch.isfinite(result.detach()).all()):
+            checks.nonfinite({"X": result}):
         checks.refuse_nonfinite("X", hint=_NOT_FINITE)
