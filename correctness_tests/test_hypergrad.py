@@ -193,6 +193,8 @@ def test_bad_input_is_refused() -> None:
         darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, alpha=math.inf)
     with pytest.raises(ValueError, match="at is missing"):
         darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, at={})
+    with pytest.raises(TypeError, match=r"at\['0.weight'\] must be a tensor"):
+        darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, at={**theta, "0.weight": [[0.0]]})
     with pytest.raises(ValueError, match="scalar"):
         darts_hypergradient(model, inner, lambda f: f(torch.zeros(2, 5, dtype=torch.float64)), w.parameters(),
                             lr=lr)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
 FORMAT = "kernelgate-feature-cache-1"
@@ -195,9 +195,9 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict[s
     """The tensors and metadata ``write_safetensors`` wrote; ValueError when the file does not
     parse or its tensors fail the recorded checksum (truncated, corrupted, edited)."""
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="pt") as f:  # one open: a file replaced meanwhile is not mixed in
             meta = f.metadata() or {}
-        tensors = load_file(str(path))
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
     except FileNotFoundError:
         raise
     except Exception as e:  # noqa: BLE001 - the caller decides what an unreadable file means

@@ -191,6 +191,10 @@ def darts_hypergradient(
         missing = [n for n in names if n not in at]
         if missing:
             raise ValueError(f"at is missing inner parameters {missing[:3]}{'...' if len(missing) > 3 else ''}")
+        wrong = [n for n in names if not isinstance(at[n], Tensor)]
+        if wrong:
+            raise TypeError(f"at[{wrong[0]!r}] must be a tensor (the parameter before the step), got "
+                            f"{type(at[wrong[0]]).__name__}")
         before = [at[n].detach() for n in names]
         bad = [n for n, b, a in zip(names, before, after, strict=True)
                if b.shape != a.shape or b.device != a.device or b.dtype != a.dtype]
