@@ -112,8 +112,18 @@ def case_hypergradient(dp: DataParallel | None) -> tuple[nn.Module, TrainResult,
     return both, TrainResult([], cfg.steps, 0, 0.0), counter.rounds
 
 
-CASES = {"sgd": case_sgd, "accumulation": case_accumulation, "sampler": case_sampler,
+def case_uneven(dp: DataParallel | None) -> tuple[nn.Module, TrainResult, int]:
+    """Accumulation 2 over micro-batches of 16, 16, 16 and 8 (a loader's short last batch): each
+    weighs by its samples, on every rank alike."""
+    model, counter = _prepare(_mlp(), dp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = _data(7 * GLOBAL_BATCH // 2, seed=4)
+    batches = list(zip(x.split(GLOBAL_BATCH), y.split(GLOBAL_BATCH), strict=True))
+    return model, train(model, F.cross_entropy, opt, _local(batches, dp), Recipe(accumulation=2)), counter.rounds
+
+
+CASES = {"sgd": case_sgd, "accumulation": case_accumulation, "uneven": case_uneven, "sampler": case_sampler,
          "hypergradient": case_hypergradient}
 # DDP's gradient all-reduce rounds in each case: one per optimizer step, none more; the trailing
 # window of "accumulation" (1 micro-batch) is all-reduced by the engine itself, not by DDP's hook
-ALL_REDUCES = {"sgd": 4, "accumulation": 2, "sampler": 6, "hypergradient": 2}
+ALL_REDUCES = {"sgd": 4, "accumulation": 2, "uneven": 2, "sampler": 6, "hypergradient": 2}

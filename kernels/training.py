@@ -305,12 +305,16 @@ class _Steps:
         # samples once times k n_0 / N (1 for k micro-batches of one size; k / m for a trailing
         # window of m)
         k, n0, total = recipe.accumulation, self.sizes[0], sum(self.sizes)
-        if total != k * n0 and grads:
-            torch._foreach_mul_(grads, k * n0 / total)
         losses = torch.stack(self.window)
         equal = all(n == n0 for n in self.sizes)
         loss = losses.mean() if equal else (losses * losses.new_tensor(self.sizes)).sum() / total
-        loss = (all_mean_([loss])[0] if self.data_parallel else loss).item()  # every rank reports the global loss
+        if self.data_parallel:  # one all-reduce: every rank reports the global loss and scales alike
+            sizes = loss.new_tensor([n0, total])
+            all_mean_([loss, sizes])
+            n0, total = sizes.tolist()  # the ranks' means: their ratio is sum n0 / sum N
+        if abs(total - k * n0) > 1e-6 * total and grads:
+            torch._foreach_mul_(grads, k * n0 / total)
+        loss = loss.item()
         if not math.isfinite(loss):  # the forward: no scale can fix it (module note)
             raise _loss_not_finite(loss, n, recipe)
         if not recipe.grad_scaler and checks.nonfinite({str(j): g for j, g in enumerate(grads)}):  # one sync
