@@ -57,11 +57,15 @@ def test_a_fused_optimizer_step_writes_its_grads_only_to_unscale_them() -> None:
     assert adamw.bytes == 4 * n * 7 + 4  # read p g m v, write p m v; the step read (torch.optim adds to it)
 
 
-def test_a_view_or_an_input_returned_moves_nothing_more() -> None:
+def test_a_view_counts_its_own_elements_and_an_input_returned_nothing() -> None:
+    """A view stands for what reads it outside the dispatcher (a C pass through .numpy())."""
     x = torch.randn(10, 10)
-    assert count_work(lambda: x.t()).bytes == 0  # a view reads nothing
-    assert count_work(lambda: x.view(-1)[:5]).bytes == 0
+    assert count_work(lambda: x.t()).bytes == 400  # all of x, once
+    assert count_work(lambda: x.view(-1)[:5]).bytes == 400  # the first view is all of x; its slice inside it
+    assert count_work(lambda: x[2:4]).bytes == 80  # the rows, not the base
     assert count_work(lambda: x).bytes == 0  # no op ran
+    out = torch.empty(10, 10)
+    assert count_work(lambda: out.detach().numpy().__setitem__(slice(None), 1.0)).bytes == 400  # seen as read
 
 
 def test_a_slice_counts_its_own_elements_not_its_base() -> None:

@@ -159,6 +159,7 @@ class _Traffic:
         self.written: dict[int, _Views] = {}  # of those, the views written in place
         self.made: dict[int, _Views] = {}  # of those, the views overwritten before being read
         self.fresh: set[int] = set()  # storages the call allocated
+        self.viewed: dict[int, _Views] = {}  # views made of storages that existed before the call
         self.flops: dict[str, float] = {}
 
     def note_inputs(self, tensors: list, writes: set[int], pure: set[int]) -> None:
@@ -176,6 +177,18 @@ class _Traffic:
                 self.read.setdefault(span.address, _Views()).add(span)
             if id(t) in writes:
                 self.written.setdefault(span.address, _Views()).add(span)
+
+    def note_views(self, views: list) -> None:
+        for t in views:
+            span = _span(t)
+            if span is not None and span.address not in self.fresh:
+                self.viewed.setdefault(span.address, _Views()).add(span)
+
+    def viewed_only(self) -> list[_Views]:
+        """The views made of storages no op read or wrote: what read them did so outside the
+        dispatcher (a C pass through ``.numpy()``), so they count as read."""
+        touched = set(self.read) | set(self.written) | set(self.made)
+        return [views for address, views in self.viewed.items() if address not in touched]
 
     def note_outputs(self, values: list) -> None:
         for t in values:
@@ -201,8 +214,13 @@ def _counter() -> Any:
 
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
             kwargs = kwargs or {}
-            if func.is_view or func in unsafe_views:  # a view moves nothing; what reads it later counts
-                return func(*args, **kwargs)
+            if func.is_view or func in unsafe_views:
+                # a view moves nothing itself, but it stands for what reads it outside the dispatcher
+                # (a C pass through .numpy(), a peer's numpy): its own elements count as read, not
+                # its base's (a row of a cache is the row)
+                out = func(*args, **kwargs)
+                self.note_views([t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
+                return out
             flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             self.note_inputs(flat, *_written(func, args, kwargs))
             out = func(*args, **kwargs)
@@ -221,8 +239,10 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
     """``Work`` of one call of ``fn()`` (or ``fn(setup())``, the setup not counted): the call runs
     once under a dispatch mode that sees each op's tensors. Per storage, the views an op reads or
     writes count once each, as the union of their spans (a slice of a cache: the slice; two
-    halves: the whole). What it returns that it made counts as written; a view of an input, or an
-    input returned as is, does not."""
+    halves: the whole). A view made during the call of a storage no op reads or writes counts its
+    own elements as read: it stands for what reads it outside the dispatcher (a C pass through
+    ``.numpy()``). What it returns that it made counts as written; an input returned as is does
+    not."""
     from torch.utils._pytree import tree_flatten
 
     args = () if setup is None else (setup(),)
@@ -234,7 +254,8 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
         span = _span(t)
         if span is not None and span.address in counter.fresh:
             outputs.setdefault(span.address, _Views()).add(span)
-    moved = sum(v.bytes() for views in (counter.read, counter.written, outputs) for v in views.values())
+    moved = sum(v.bytes() for views in (counter.read, counter.written, outputs) for v in views.values()) \
+        + sum(v.bytes() for v in counter.viewed_only())
     return Work(bytes=float(moved), flops=dict(counter.flops))
 
 
