@@ -150,6 +150,9 @@ def test_data_parallel_cli_measures_both_process_counts(tmp_path: Path) -> None:
     (["--repeats", "0"], "--repeats >= 1"),
     (["--processes", "one"], "comma-separated integers"),
     (["--workloads", "resnet"], "unknown ['resnet']"),
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--batch", "-4"], "--batch must be >= 1, got -4"),
+    (["--device", "bogus"], "device must be cpu, cuda or cuda:N"),
 ])
 def test_data_parallel_cli_refuses_bad_arguments(args: list[str], message: str, capsys) -> None:
     from workloads.cli.data_parallel import main

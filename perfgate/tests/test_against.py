@@ -436,3 +436,77 @@ def test_the_import_check_names_the_compiled_modules_revs_library_loads(tmp_path
     assert compiled_modules(["_bisect"]) == ["_bisect"] and compiled_modules(["mylib"]) == []
     note = "REV's copy loaded no mylib._bisect, which this tree's library did"
     assert ("warn", note) in report_lines([], "HEAD (abc)", 2, 1.0, 0.05, notes=[note])
+
+
+def test_a_worker_lost_while_a_slower_row_is_timed_again_leaves_its_failure_standing(monkeypatch,
+                                                                                     tmp_path) -> None:
+    """This tree 1.3x slower; one fresh worker dies while the row is timed again: the first
+    stretch's verdict stands (a failure), as a failed rebuild's does, never 'not comparable'."""
+    import random
+    import types
+
+    import perfgate.against as A
+    from perfgate.abrun import Budget
+    from perfgate.workers import WorkerGone
+
+    pools = []
+
+    class Worker:
+        def __init__(self, side: str, index: int) -> None:
+            self.side, self.index, self.name = side, index, f"{side}{index}"
+
+    class FakePool:
+        def __init__(self, hellos, per_side) -> None:
+            self.per_side, self.n, self.blocks = per_side, len(pools), 0
+            self.workers = [Worker(side, i) for side in ("rev", "this") for i in range(per_side)]
+            self.rng = random.Random(self.n)
+            pools.append(self)
+
+        def start(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+        def side(self, name: str) -> list:
+            return [w for w in self.workers if w.side == name]
+
+        def ask(self, w, op, timeout, **kw) -> dict:
+            if op == "build":
+                return {"ok": True, "warm_s": 0.001, "builds": 1}
+            if op == "drop":
+                return {"ok": True}
+            self.blocks += 1
+            if self.n == 1 and self.blocks == 5:  # a worker of the fresh pool dies while timing again
+                self.workers.remove(w)
+                raise WorkerGone(f"{w.name} died (exit -9)")
+            t = (1.0 if w.side == "rev" else 1.3) * (1 + 0.01 * self.rng.random())
+            return {"ok": True, "times": [t], "share": None}
+
+    monkeypatch.setattr(A, "Pool", FakePool)
+    for side in ("rev", "this"):  # the test exists at REV and here
+        (tmp_path / side).mkdir()
+        (tmp_path / side / "test_k.py").write_text("def test_k(perf):\n    pass\n")
+    ag = A.Against.__new__(A.Against)
+    ag.per_side, ag.tolerance, ag.rows, ag.notes, ag.problem = 2, 0.05, [], [], ""
+    item = types.SimpleNamespace(path=tmp_path / "this" / "test_k.py", originalname="test_k",
+                                 nodeid="test_k.py::test_k", module=types.SimpleNamespace(__name__="test_k"),
+                                 callspec=types.SimpleNamespace(params={}))
+    state = types.SimpleNamespace(results={"k": {"optimized": types.SimpleNamespace(label="")}},
+                                  settings=types.SimpleNamespace(size="smoke", contended=0.05))
+    ag._compare({}, [(item, "k", "optimized")], tmp_path / "rev", tmp_path / "this", state,
+                Budget(seconds=0.0, extend_s=1.0))
+    (row,) = ag.rows
+    assert A.judge(row, 0.05) == "FAIL" and ag.failed() == [row], (row.reason, row.outcome)
+    assert any("was not timed again" in note for note in ag.notes)
+
+
+def test_an_incomplete_comparison_never_closes_on_a_pass_line() -> None:
+    from perfgate.abrun import ABRow, judge
+    from perfgate.against import report_lines
+
+    row = ABRow("k", "optimized", "smoke", "t::x", reason="every this worker is gone")
+    judge(row, 0.05)
+    lines = report_lines([row], "HEAD~1", 2, 10.0, 0.05, problem="every this worker is gone")
+    assert lines[-1][0] == "fail" and "incomplete" in lines[-1][1]
+    assert not any(style == "pass" for style, _ in lines)

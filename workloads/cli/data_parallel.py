@@ -21,7 +21,7 @@ from pathlib import Path
 
 from workloads import data_parallel as workload
 from workloads.cli.options import add_common, describe, parse_args, save
-from workloads.common import markdown, mib
+from workloads.common import check_device, markdown, mib
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -79,7 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(workload.WORKLOADS))
     if unknown:
         parser.error(f"--workloads: unknown {unknown}; choose from {', '.join(workload.WORKLOADS)}")
-    batches = {name: args.batch or workload.DEFAULT_BATCH[name] for name in names}
+    if args.batch is not None and args.batch < 1:
+        parser.error(f"--batch must be >= 1, got {args.batch}")
+    try:  # before any run: a device this host lacks is one line, not a traceback from a launched process
+        check_device(args.device)
+    except ValueError as e:
+        parser.error(str(e))
+    batches = {name: workload.DEFAULT_BATCH[name] if args.batch is None else args.batch for name in names}
     if any(n < 1 or b % n for n in counts for b in batches.values()) or args.steps < 1 or args.repeats < 1:
         parser.error(f"--processes must be >= 1, each dividing the global batch ({batches}); --steps and "
                      "--repeats >= 1")

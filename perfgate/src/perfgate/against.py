@@ -249,8 +249,9 @@ class Against:
                 try:  # a rebuild that fails leaves the first verdict standing, unconfirmed
                     if comparer.build(ABRow(row.kernel, row.impl, row.size, row.nodeid), request):
                         comparer.confirm(row)
-                except WorkerGone as exc:
-                    row.reason = f"timed again: {exc}"
+                except WorkerGone as exc:  # as a failed rebuild: the first verdict stands, unconfirmed
+                    self.notes.append(f"{row.kernel} [{row.impl}] was not timed again ({exc}): its first "
+                                      "stretch's verdict stands")
                     _check_sides(pool)
                 comparer.drop(row)
 
@@ -306,6 +307,9 @@ def report_lines(rows: list[ABRow], label: str, per_side: int, seconds: float, t
     failed = [r for r in rows if r.outcome == "FAIL"]
     if failed:
         out.append(("fail", f"against {label}: {len(failed)} row(s) slower than REV"))
+    elif problem:  # the session fails on it: no closing line may read as a pass
+        out.append(("fail", f"against {label}: the comparison is incomplete, no verdict on the rows it "
+                            "could not time"))
     else:
         unresolved = sum(r.outcome == "unresolved" for r in rows)
         faster = sum(r.outcome == "faster" for r in rows)
