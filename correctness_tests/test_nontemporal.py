@@ -191,3 +191,15 @@ def test_per_sample_grads_streams_its_outer_products(calls: list, monkeypatch: p
     monkeypatch.setattr(nontemporal, "_nontemporal", None)
     want = kernels.per_sample_grads(model, F.cross_entropy, x, y)
     assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_a_forward_mode_tangent_is_never_dropped_by_the_c_part() -> None:
+    """A dual input is torch.mul's to differentiate or refuse; the C part would return no tangent."""
+    import torch.autograd.forward_ad as fwAD
+
+    g, a = torch.randn(2, 3, 1), torch.randn(2, 1, 5)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(g, torch.ones_like(g))
+        assert not nontemporal._streamable(dual, a, torch.zeros(2, 3, 5))
+        with pytest.raises(RuntimeError, match="forward AD"):
+            nontemporal.outer(dual, a, torch.zeros(2, 3, 5), stream=True)

@@ -493,3 +493,34 @@ def test_torch_func_over_fit_and_transform() -> None:
     leaf = x.clone().requires_grad_(True)
     loss(leaf).backward()
     torch.testing.assert_close(got, leaf.grad)
+
+
+def test_out_written_in_c_is_seen_by_autograd_and_bad_outs_are_refused() -> None:
+    """A saved out= overwritten by transform: the backward that needs it must refuse, on the C
+    pass as on the torch ops (its version counter); an out needing grad, or an inference tensor
+    outside inference mode, is refused before anything is written."""
+    x = torch.randn(64, 8)
+    s = Standardizer().fit(x)
+    out, w = torch.zeros(64, 8), torch.ones(8, requires_grad=True)
+    z = (out[0] * w).sum()
+    s.transform(x, out=out)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward()
+    with pytest.raises(ValueError, match="out requires grad"):
+        s.transform(x, out=torch.zeros(64, 8, requires_grad=True))
+    with torch.inference_mode():
+        frozen = torch.zeros(64, 8)
+    with pytest.raises(ValueError, match="out is an inference tensor"):
+        s.transform(x, out=frozen)
+
+
+def test_forward_mode_ad_through_transform() -> None:
+    """The C pass would drop a tangent: a dual X takes the differentiable torch ops (d/dX = 1/scale_)."""
+    import torch.autograd.forward_ad as fwAD
+
+    x = torch.randn(64, 8)
+    s = Standardizer().fit(x)
+    with fwAD.dual_level():
+        got = fwAD.unpack_dual(s.transform(fwAD.make_dual(x, torch.ones_like(x)))).tangent
+    assert got is not None
+    torch.testing.assert_close(got, (1 / s.scale_).expand(64, 8))

@@ -119,6 +119,13 @@ def same_device(named: Mapping[str, Tensor]) -> torch.device:
     return next(iter(by_device))
 
 
+def tangent(*tensors: Tensor) -> bool:
+    """Whether any of ``tensors`` carries a forward-mode AD tangent (a C pass would drop it)."""
+    import torch.autograd.forward_ad as fwAD
+
+    return fwAD._current_level >= 0 and any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
+
+
 def extremes(named: Mapping[str, Tensor]) -> dict[str, tuple[float, float]]:
     """(min, max) of each floating, non-empty tensor of ``named`` (others are left out), read with
     one host sync for all of them; NaN propagates to both."""

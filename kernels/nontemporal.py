@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from kernels import checks
+
 try:
     from kernels import _nontemporal
 except ImportError:  # not built (no C compiler at install): torch.mul everywhere
@@ -79,6 +81,8 @@ def _streamable(g: Tensor, a: Tensor, out: Tensor) -> bool:
     if out.requires_grad or (torch.is_grad_enabled() and (g.requires_grad or a.requires_grad)):
         return False
     if out.is_inference() and not torch.is_inference_mode_enabled():
+        return False
+    if checks.tangent(g, a, out):  # forward-mode AD: torch.mul differentiates (or refuses), a C pass would not
         return False
     shared = out.untyped_storage().data_ptr() in (g.untyped_storage().data_ptr(), a.untyped_storage().data_ptr())
     return out.is_contiguous() and out.numel() > 0 and not shared

@@ -134,7 +134,7 @@ class Standardizer:
         acc = self._fitted(X)
         if out is not None:
             _check_out(X, out, acc, (self._shift, self._dmean, self.scale_, self.mean_, self.var_))
-        if torch.is_grad_enabled() and X.requires_grad:  # the differentiable path: whole tensors
+        if (torch.is_grad_enabled() and X.requires_grad) or checks.tangent(X):  # the differentiable path
             result = torch.sub(X.to(acc), self._shift).sub_(self._dmean).div_(self.scale_).to(X.dtype)
             _finite([result], acc, result)
             return result
@@ -144,6 +144,8 @@ class Standardizer:
             if not _c.transform(X.detach().numpy(), result.numpy(), self._shift.numpy(), self._dmean.numpy(),
                                 self.scale_.numpy(), c_team(X.numel(), _c.MAX_THREADS)):
                 checks.refuse_nonfinite("X", hint=_NOT_FINITE)
+            if out is not None:  # written in place, as the torch ops' out= would count it: a saved out is stale
+                torch.autograd.graph.increment_version(result)
             return result
         # row blocks written into the result: each block's arithmetic and its column sum (the
         # finiteness check) run on a block still in cache, X is read and the result written once
@@ -186,6 +188,11 @@ def _check_out(x: Tensor, out: Tensor, acc: torch.dtype, stats: tuple[Tensor, ..
     if torch.is_grad_enabled() and x.requires_grad:
         raise ValueError("out= results carry no gradient and X requires grad: call transform(X) without out=, "
                          "or under torch.no_grad()")
+    if out.requires_grad:
+        raise ValueError("out requires grad; pass a tensor without autograd history (e.g. the previous result)")
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError("out is an inference tensor, which cannot be written outside torch.inference_mode(); "
+                         "allocate it outside inference mode")
 
 
 def _overlaps(a: Tensor, b: Tensor) -> bool:
