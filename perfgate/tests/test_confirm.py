@@ -126,3 +126,38 @@ def test_no_second_stretch_without_the_budget_for_one(pytester: pytest.Pytester)
                                         "3.00x (the whole interval is)"])
     rows = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"]
     assert [r["confirmed"] for r in rows] == [0, 0]
+
+
+@pytest.mark.parametrize(("again", "fails"), [(2.0, True), (1.0, False)])
+def test_a_failure_the_extension_brings_is_timed_again(again: float, fails: bool) -> None:
+    """A row straddling its floor is extended; where the extension's pairs (a host state that
+    halved the kernel's speed) pull it under, it is timed again, as any failure is, and fails
+    only if that stretch misses too."""
+    import types
+
+    import numpy as np
+
+    from perfgate.state import Floors, GateState, Measurement, Probes, Settings, Visits
+
+    rng = np.random.default_rng(1)
+    paired = [(float(3.05 * (1 + 0.1 * rng.standard_normal())), 1.0) for _ in range(20)]
+    settings = Settings(device="cpu", size="smoke", threads=1, tolerance=0.2, fingerprint={}, slug="x",
+                        extend_s=60.0)
+    st = GateState(settings, Probes(timer=types.SimpleNamespace(cost=lambda t: t * 1e-3), host=None, threads=1),
+                   floors=Floors())
+    st.floors.speed[("k", "optimized")] = 3.0
+    st.results = {"k": {"reference": Measurement([3.0] * 5, "smoke", "", None),
+                        "optimized": Measurement([1.0] * 5, "smoke", "", None, paired=paired)}}
+    st.later.timers[("k", "optimized")] = Visits("k", "optimized", None, None, (1, 1), [])
+    calls: list[int] = []
+
+    def time_pairs(later, pairs: int) -> None:  # the extension slow; the stretch timed again at ``again``
+        m = st.results["k"]["optimized"]
+        m.paired += [(3.05, 2.0 if len(calls) < 2 else again)] * pairs
+        calls.append(pairs)
+
+    st._time_pairs = time_pairs
+    assert st._row("k", "optimized").outcome == "unresolved"
+    (row,) = st.compute_rows()
+    assert row.extended > 0 and row.confirmed > 0, (calls, row.extended, row.confirmed)
+    assert (row.outcome == "FAIL") == fails, (row.outcome, row.failures, row.unresolved)
