@@ -142,7 +142,8 @@ def test_cli_quick_and_bad_flags(tmp_path, capsys) -> None:
     assert spectral_probe_cli.main(quick) == 0
     assert "Spectral probe: 100 samples x 1 of 4 layers of 32x32" in capsys.readouterr().out  # 0.25 x 4 layers
     for bad in (["--ablation", "--cache-dir", str(tmp_path)], ["--sample-layers", "0"], ["--num-workers", "-1"],
-                ["--seeds", "-1"], ["--cache-dir", str(tmp_path / "f"), "--no-cache"]):
+                ["--seeds", "-1"], ["--cache-dir", str(tmp_path / "f"), "--no-cache"],
+                ["--seeds", "1", "--cache-dir", str(tmp_path)], ["--seeds", "1", "--output-dir", str(tmp_path)]):
         with pytest.raises(SystemExit) as exc:
             spectral_probe_cli.main(bad)
         assert exc.value.code == 2, bad

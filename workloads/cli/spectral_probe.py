@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                      "--cache-dir and --no-cache apply to the plain run")
     if args.seeds < 0:
         parser.error(f"--seeds must be >= 0, got {args.seeds}")
+    if args.seeds and (args.cache_dir or args.no_cache or args.output_dir):
+        parser.error("--seeds computes every seed's features afresh and prints its table; --cache-dir, "
+                     "--no-cache and --output-dir apply to the plain run and --ablation")
     given = {"samples": args.samples, "max_epochs": args.max_epochs, "sample_layers": args.sample_layers}
     sizes = {k: v for k, v in given.items() if v is not None}
     try:
