@@ -148,11 +148,30 @@ def nonfinite(named: Mapping[str, Tensor]) -> list[str]:
     return [n for n, (low, high) in extremes(named).items() if not (math.isfinite(low) and math.isfinite(high))]
 
 
-def finite(named: Mapping[str, Tensor], *, error: type[Exception] = ValueError, hint: str = "") -> None:
-    """Every value of every tensor is finite; else ``error`` naming the first that holds NaN or inf."""
-    bad = nonfinite(named)
+def finite_extremes(named: Mapping[str, Tensor], *, error: type[Exception] = ValueError,
+                    hint: str = "") -> dict[str, tuple[float, float]]:
+    """``finite``, returning the (min, max) it read (``extremes``) for the caller's own bounds."""
+    found = extremes(named)
+    bad = [n for n, (low, high) in found.items() if not (math.isfinite(low) and math.isfinite(high))]
     if bad:
         refuse_nonfinite(bad[0], error=error, hint=hint)
+    return found
+
+
+def finite(named: Mapping[str, Tensor], *, error: type[Exception] = ValueError, hint: str = "") -> None:
+    """Every value of every tensor is finite; else ``error`` naming the first that holds NaN or inf."""
+    finite_extremes(named, error=error, hint=hint)
+
+
+def writable(t: Tensor, name: str) -> None:
+    """An ``out=`` tensor a kernel writes in place (C passes too): no autograd history, and no
+    inference tensor outside inference mode (torch's own out= ops refuse both, less clearly)."""
+    if t.requires_grad:
+        raise ValueError(f"{name} requires grad; pass a tensor without autograd history (e.g. the previous "
+                         "call's result, or t.detach())")
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(f"{name} is an inference tensor, which cannot be written outside torch.inference_mode(); "
+                         "allocate it outside inference mode")
 
 
 def refuse_nonfinite(name: str, *, error: type[Exception] = ValueError, hint: str = "") -> NoReturn:

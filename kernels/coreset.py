@@ -77,10 +77,11 @@ def loss_reduction(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: T
         if memory is not None:
             xs, ys = torch.cat([xs, memory[0][:reach]]), torch.cat([ys, memory[1][:reach]])
         _, wide = _losses(model, loss_fn, xs, ys)
-        rows = wide.abs().argsort(descending=True, stable=True)[:probe].sort().values.to(xs.device)
-        if int((wide[rows.cpu()] != 0).sum()) < 2:
+        rows = wide.abs().argsort(descending=True, stable=True)[:probe].sort().values  # on the CPU, as wide
+        if int((wide[rows] != 0).sum()) < 2:
             return "mean"
-        batch, each = _losses(model, loss_fn, xs[rows], ys[rows])
+        on = rows.to(xs.device)
+        batch, each = _losses(model, loss_fn, xs[on], ys[on])
     tol = 1e-3 * each.abs().sum() + 1e-30
     for name, value in (("mean", each.mean()), ("sum", each.sum())):
         if (batch - value).abs() <= tol:

@@ -108,17 +108,6 @@ def _size(v: list[Tensor]) -> float:
     return norm
 
 
-def _rng_states(device: torch.device) -> tuple[Tensor, Tensor | None]:
-    """The CPU generator's state, and ``device``'s where it is a CUDA device."""
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def _set_rng_states(device: torch.device, states: tuple[Tensor, Tensor | None]) -> None:
-    torch.set_rng_state(states[0])
-    if states[1] is not None:
-        torch.cuda.set_rng_state(states[1], device)
-
-
 def _check(inner: nn.Module, outer: list[Tensor], lr: float, alpha: float) -> list[tuple[str, Tensor]]:
     checks.module(inner, "inner")
     named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
@@ -219,9 +208,11 @@ def darts_hypergradient(
     eps = alpha / norm
     device = after[0].device
     with torch.autocast(device.type, enabled=False):
-        drawn = _rng_states(device)  # the same dropout masks at theta + eps v and theta - eps v
-        plus = _mean_grad(inner_fns, forward_at(torch._foreach_add(before, v, alpha=eps)), outer, "inner_loss")
-        _set_rng_states(device, drawn)
+        # the same dropout masks at theta + eps v and theta - eps v: the first's draws are put back
+        cuda = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            plus = _mean_grad(inner_fns, forward_at(torch._foreach_add(before, v, alpha=eps)), outer, "inner_loss")
         minus = _mean_grad(inner_fns, forward_at(torch._foreach_add(before, v, alpha=-eps)), outer, "inner_loss")
     torch._foreach_sub_(plus, minus)
     torch._foreach_mul_(plus, -lr / (2 * eps))

@@ -21,8 +21,6 @@ batch of one, so the result does not depend on the loss's reduction.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
@@ -197,13 +195,8 @@ def check_out(model: nn.Module, names: list[str], batch: int, out: dict[str, Ten
     filled = [t for t in out.values() if t.numel()]
     if len({t.untyped_storage().data_ptr() for t in filled}) != len(filled):
         raise ValueError("out's tensors must not share memory")
-    for n, t in out.items():  # written in place: no autograd history, no inference tensor outside inference mode
-        if t.requires_grad:
-            raise ValueError(f"out[{n!r}] requires grad; pass tensors without autograd history (e.g. the "
-                             "previous call's result, or t.detach())")
-        if t.is_inference() and not torch.is_inference_mode_enabled():
-            raise ValueError(f"out[{n!r}] is an inference tensor, which cannot be written outside "
-                             "torch.inference_mode(); allocate it outside inference mode")
+    for n, t in out.items():
+        checks.writable(t, f"out[{n!r}]")
 
 
 @torch.enable_grad()  # a gradient computation: works when called under no_grad
@@ -243,10 +236,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets:
         for n, g in grads.items():
             result[n] = g if out is None else out[n].copy_(g)
             checked[f"the per-sample gradient of {n!r}"] = result[n]
-    found = checks.extremes(checked)
-    bad = [n for n, (low, high) in found.items() if not (math.isfinite(low) and math.isfinite(high))]
-    if bad:
-        checks.refuse_nonfinite(bad[0], error=FloatingPointError, hint=RESULT_HINT)
+    found = checks.finite_extremes(checked, error=FloatingPointError, hint=RESULT_HINT)
     check_result(_may_overflow(terms, found, result))
     return out if out is not None else {n: result[n] for n in names}
 

@@ -188,11 +188,7 @@ def _check_out(x: Tensor, out: Tensor, acc: torch.dtype, stats: tuple[Tensor, ..
     if torch.is_grad_enabled() and x.requires_grad:
         raise ValueError("out= results carry no gradient and X requires grad: call transform(X) without out=, "
                          "or under torch.no_grad()")
-    if out.requires_grad:
-        raise ValueError("out requires grad; pass a tensor without autograd history (e.g. the previous result)")
-    if out.is_inference() and not torch.is_inference_mode_enabled():
-        raise ValueError("out is an inference tensor, which cannot be written outside torch.inference_mode(); "
-                         "allocate it outside inference mode")
+    checks.writable(out, "out")
 
 
 def _overlaps(a: Tensor, b: Tensor) -> bool:
