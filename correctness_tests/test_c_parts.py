@@ -5,7 +5,9 @@ OpenMP team."""
 from __future__ import annotations
 
 import importlib
+import re
 import shutil
+import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -45,3 +47,21 @@ def test_the_c_parts_threads_are_torchs_openmp_team(name: str) -> None:
     runtime = openmp_runtime(module.__file__)
     assert runtime is not None, "built without -fopenmp (pyproject.toml)"
     assert runtime == torch_openmp_runtime(), runtime
+
+
+# The parts whose results are the same bits on every x86-64 CPU: kernels/_rope.c rounds as torch's
+# complex multiply, kernels/_standardize.c's statistics are one computation whatever clone the loader
+# picks. A fused multiply-add (the AVX-512 clone's, where -ffp-contract=off is missing) rounds once
+# where the other clones round twice.
+@pytest.mark.parametrize("name", ["kernels._rope", "kernels._standardize"])
+def test_the_same_bits_parts_fuse_no_multiply_add(name: str) -> None:
+    module = _module(name)
+    if module is None:
+        pytest.skip(f"{name} is not built (no C compiler at install)")
+    if shutil.which("objdump") is None or not sys.platform.startswith("linux"):
+        pytest.skip("no objdump to read the machine code with")
+    code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", module.__file__], capture_output=True,
+                          text=True, check=True).stdout
+    fused = sorted({line.split()[1] for line in code.splitlines()
+                    if re.search(r"\tv?f(n?)m(add|sub)\w*\s", line)})
+    assert not fused, f"{name} has fused multiply-adds {fused}: build it with -ffp-contract=off (pyproject.toml)"

@@ -147,9 +147,10 @@ def test_the_c_rotation_is_used_only_where_it_applies() -> None:
 def test_rotations_that_the_c_part_leaves_to_torch_equal_reference(path) -> None:
     unaligned = torch.frombuffer(bytearray(4 * 240 + 1), dtype=torch.float32, offset=1, count=240).view(2, 3, 5, 8)
     with through(path):
-        got = K.RotaryEmbedding(8)(unaligned)
+        rope = K.RotaryEmbedding(8)
+        got = rope(unaligned)
         with torch.device("meta"):  # a default device elsewhere: the result stays on x's
-            on_cpu = K.RotaryEmbedding(8).to("cpu")(unaligned.clone())
+            on_cpu = rope(unaligned.clone())
     assert_close(got, R.RotaryEmbedding(8)(unaligned), ELEMENTWISE)
     assert on_cpu.device.type == "cpu"
     assert_close(on_cpu, got, ELEMENTWISE)
@@ -336,6 +337,14 @@ def test_a_cache_grown_under_inference_mode_serves_training() -> None:
     xr = x.detach().requires_grad_(True)
     (want,) = torch.autograd.grad(R.RotaryEmbedding(8)(xr).sum(), xr)
     assert_close(gx, want, ELEMENTWISE)
+
+
+def test_the_tables_are_built_on_the_default_device() -> None:
+    # as the parameters beside them: a model built under ``with torch.device("cuda")`` runs as built
+    with torch.device("meta"):
+        rope, linear = K.RotaryEmbedding(8, 32), torch.nn.Linear(8, 8)
+    assert rope.cos.device == rope.sin.device == linear.weight.device == torch.device("meta")
+    assert K.RotaryEmbedding(8, 32).cos.device == torch.device("cpu")
 
 
 def test_to_empty_after_a_meta_init_keeps_valid_tables() -> None:

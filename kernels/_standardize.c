@@ -20,6 +20,9 @@
        C-contiguous (N, D) buffer of x's format that overlaps neither x nor the statistics (the
        caller's to guarantee); dmean and scale (D,) like shift. Returns whether every result is finite.
 
+   Built with -ffp-contract=off (pyproject.toml): no clone fuses a multiply and an add, so the
+   statistics have the same bits on an AVX-512, an AVX2 and a baseline x86-64 CPU.
+
    The rows split over an OpenMP team: with -fopenmp the module resolves libgomp.so.1 to the copy
    torch loaded, so the team is torch's intra-op pool (as kernels/_nontemporal.c). */
 

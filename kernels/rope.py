@@ -1,14 +1,16 @@
 """Rotary position embedding (RoPE) with cos/sin cached once, rotation in one fused pass.
 
 Position p rotates each pair of features (x_a, x_b) by the angle p * base^(-2i/D), i the pair:
-pairs (i, i + D/2) by default (GPT-NeoX, LLaMA), or (2i, 2i + 1) with ``interleaved=True``
-(GPT-J, BDH). cos and sin are computed once in fp32, positions exact (integers below 2^24), and
-kept as non-persistent buffers: they move with ``.to(device)``, ignore dtype casts (a model cast
-to bf16 keeps fp32 tables) and stay out of state dicts. A longer sequence grows the cache to the
-next power of two, up to ``cache_limit`` positions (default 65,536): one large position id must
-not grow memory without bound, so tables past it are computed per call, rounded alike
-(``grow=False``: it raises instead, for code that must not reallocate; offset calls without a mask
-then need no host sync, explicit positions and masks are checked on the host).
+pairs (i, i + D/2) by default (GPT-NeoX, LLaMA), or (2i, 2i + 1) with ``interleaved=True`` (GPT-J,
+BDH). cos and sin are computed once in fp32, positions exact (integers below 2^24), and kept as
+non-persistent buffers: built on the default device (as ``nn.Linear``'s weights; under
+``torch.device("meta")`` computed anew by ``to_empty``), they move with ``.to(device)``, ignore
+dtype casts (a model cast to bf16 keeps fp32 tables) and stay out of state dicts. A longer
+sequence grows the cache to the next power of two, up to ``cache_limit`` positions (default
+65,536): one large position id must not grow memory without bound, so tables past it are computed
+per call, rounded alike (``grow=False``: it raises instead, for code that must not reallocate;
+offset calls without a mask then need no host sync, explicit positions and masks are checked on
+the host).
 
 The rotation: the textbook form x cos + rotate_half(x) sin (the reference) makes five passes and
 a concatenated copy. Here float32 on the CPU rotates in one pass, reading x once and writing the
@@ -246,7 +248,7 @@ class RotaryEmbedding(nn.Module):
         self.cache_limit = max(checks.integer(cache_limit, "cache_limit", low=1), max_seq_len)
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
-        self._build(max_seq_len, torch.device("cpu"))
+        self._build(max_seq_len, torch.get_default_device())
 
     @property
     def max_seq_len(self) -> int:
