@@ -469,6 +469,19 @@ def test_gate_rules() -> None:
     assert gate(row, 0.2) == []
 
 
+def test_a_negative_memory_baseline_loosens_by_the_tolerance() -> None:
+    """A baseline whose optimized impl used more memory than the reference (saved -20%): the
+    tolerance loosens it to -24%, as it loosens a positive one; (1 - tol) x -20% would tighten it
+    to -16% and fail a run that saved -19%, better than the baseline."""
+    row = SpeedupRow(kernel="k", impl="optimized", size="smoke", label="", device="cpu",
+                     reference_ms=4.0, optimized_ms=1.0, speedup=4.0, low=3.5, high=4.5, rounds=(9, 9),
+                     memory_floor=0.0, memory_baseline=1.2, reference_peak_bytes=100, optimized_peak_bytes=119)
+    failures = gate(row, 0.2)
+    assert not any("stored baseline" in f for f in failures), failures  # -19% is over the baseline's -20%
+    row.optimized_peak_bytes = 125  # saves -25%: more than 20% of |-20%| under it
+    assert any("more than 20% under the stored baseline's -20.0%" in f for f in gate(row, 0.2))
+
+
 def test_slug_is_a_safe_folder_name() -> None:
     fp = {"device_type": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "threads": 16,
           "torch": "2.14.1+cu130", "cuda": "13.0", "python": "3.11", "malloc": "n/a", "thp_alloc": False}

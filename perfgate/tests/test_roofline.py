@@ -28,6 +28,15 @@ def test_intermediates_are_not_counted_and_bf16_flops_are_bf16() -> None:
     assert work.flops == {"bfloat16": 2 * 8**3}
 
 
+def test_complex_flops_count_as_real_flops_of_the_matching_real_dtype() -> None:
+    """torch's counter counts a complex matmul's 2mnk as a real one's; each complex multiply-add is
+    4 real multiplies and 4 real adds, so it is 4 x 2mnk real FLOPs at the float32 (complex64) or
+    float64 (complex128) peak."""
+    for dtype, real in ((torch.complex64, "float32"), (torch.complex128, "float64")):
+        a, b = torch.randn(8, 16, dtype=dtype), torch.randn(16, 4, dtype=dtype)
+        assert count_work(lambda a=a, b=b: a @ b).flops == {real: 4 * 2 * 8 * 16 * 4}
+
+
 def test_in_place_updates_count_read_and_written_once() -> None:
     p, g = torch.randn(1000), torch.randn(1000)
     work = count_work(lambda: (p.add_(g, alpha=-0.1), p.mul_(0.9)))  # p read and written once

@@ -144,6 +144,7 @@ REFUSED = {  # an edit of shard 2's JSON -> what the refusal says
     "another fingerprint": lambda d: d["perfgate"]["fingerprint"].update(threads=99),
     "another size": lambda d: d["perfgate"].update(size="full"),
     "another baseline": lambda d: d["perfgate"].update(baseline="abc 2026"),
+    "another require_floors": lambda d: d["perfgate"].update(require_floors=True),
     "measured commit": lambda d: d["commit_info"].update(id="deadbeef"),
     "another plan": lambda d: d["perfgate"]["shard"].update(plan="0" * 16),
     "not written by a sharded run": lambda d: d["perfgate"].update(shard=None),
@@ -183,3 +184,84 @@ def test_plan_balances_stored_durations_and_is_deterministic() -> None:
     assert assignment == plan(list(reversed(units)), weights, 2)  # the collection's order does not matter
     assert plan(units, {}, 5) == {u: i + 1 for i, u in enumerate(units)}
     assert parse(" 2 / 3 ") == (2, 3)
+
+
+# alpha's third impl and beta's reference are deselected: beta's floor goes unmeasured, alpha's is
+# measured (its step has no floor) in the shard that runs alpha
+UNMEASURED = """
+import time
+import pytest
+
+SLEEP = {"reference": 0.008, "optimized": 0.002, "step": 0.004}
+
+@pytest.mark.speedup(cpu=2.0)
+@pytest.mark.parametrize("impl", ["reference", "optimized", "step"])
+def test_alpha(perf, impl):
+    perf(lambda: time.sleep(SLEEP[impl]), label="8ms")
+
+@pytest.mark.speedup(cpu=2.0)
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_beta(perf, impl):
+    perf(lambda: time.sleep(SLEEP[impl]), label="8ms")
+"""
+DESELECT = ["--deselect", "test_suite.py::test_alpha[step]", "--deselect", "test_suite.py::test_beta[reference]"]
+BETA_MISSED = "beta [optimized]: speedup floor 2.00x not measured: reference deselected"
+
+
+def test_a_floor_no_shard_measured_fails_the_merge_under_require_floors(pytester: pytest.Pytester, capsys) -> None:
+    """The merge carries the shards' unmeasured floors and --perf-require-floors: an unsharded run
+    fails on beta's floor, and so does the merge, once; alpha's floor, measured in its shard, is
+    listed by neither shard."""
+    pytester.makepyfile(test_suite=UNMEASURED)
+    whole = _run(pytester, *DESELECT, "--perf-require-floors")
+    assert whole.ret == pytest.ExitCode.TESTS_FAILED
+    whole.stdout.fnmatch_lines([f"GATE FAILED: {BETA_MISSED} (--perf-require-floors)"])
+    shards = _shards(pytester, *DESELECT, "--perf-require-floors")
+    alpha = next(s for s in shards if "test_suite.py::test_alpha" in _section(Path(s))["shard"]["units"])
+    assert _section(Path(alpha))["unmeasured_floors"] == []  # beta's floor is its own shard's to list
+    capsys.readouterr()  # the shards' sessions' output
+    ret, out, _ = _merge(capsys, *shards, "--output", str(pytester.path / "merged.json"))
+    assert ret == 1, out
+    assert out.count("GATE FAILED") == 1 and f"GATE FAILED: {BETA_MISSED} (--perf-require-floors)" in out
+    assert [f["kernel"] for f in _section(pytester.path / "merged.json")["unmeasured_floors"]] == ["beta"]
+    # without the flag the merge names it and passes, as an unsharded run does
+    shards = _shards(pytester, *DESELECT)
+    capsys.readouterr()
+    ret, out, _ = _merge(capsys, *shards)
+    assert ret == 0, out
+    assert f"NOT MEASURED: {BETA_MISSED}" in out and "gate passed" in out
+
+
+def _limits(stream: float) -> dict:
+    return {"version": 1, "slug": "s", "device": "cpu", "stream_gbps": stream, "gemm_gflops": {"float32": 80.0},
+            "gemm_n": {}, "measured": {}}
+
+
+def _placed(kernel: str) -> dict:
+    return {"kernel": kernel, "impl": "optimized", "label": "", "ms": 1.0, "bytes": 1e6, "flops": {},
+            "fraction": 0.5, "bound": "memory", "gbps": 1.0, "gflops": 0.0, "note": ""}
+
+
+def test_a_merge_names_each_shards_roofline_limits_where_they_differ(pytester: pytest.Pytester, capsys) -> None:
+    """Each shard places its impls under its own runner's limits: where those differ, the merged
+    run's report shows every shard's, not the first one's alone."""
+    pytester.makepyfile(test_suite=SUITE.format(gamma=0.002))
+    first, second = _shards(pytester)
+    streams = {first: 30.0, second: 50.0}
+    for path, stream in streams.items():
+        kernels = {r["kernel"] for r in _section(Path(path))["speedups"]}
+        _edited(path, lambda d, s=stream, k=kernels: d["perfgate"].update(
+            roofline={"limits": _limits(s), "impls": [_placed(n) for n in sorted(k)]}), "limits")
+    edited = [p.replace(".json", "-limits.json") for p in streams]
+    merged, page = pytester.path / "merged.json", pytester.path / "merged.md"
+    assert _merge(capsys, *edited, "--output", str(merged))[0] == 0
+    assert report_main([str(merged), "--quiet", "--markdown", str(page)]) == 0
+    text = page.read_text()
+    assert "stream 30.0 GB/s" in text and "stream 50.0 GB/s" in text, text
+    roofline = _section(merged)["roofline"]
+    assert [s["limits"]["stream_gbps"] for s in roofline["shard_limits"]] == [30.0, 50.0]
+    # alike, one line says them
+    same = [_edited(p, lambda d: d["perfgate"]["roofline"].update(limits=_limits(30.0)), "same") for p in edited]
+    assert _merge(capsys, *same, "--output", str(merged))[0] == 0
+    assert report_main([str(merged), "--quiet", "--markdown", str(page)]) == 0
+    assert page.read_text().count("stream 30.0 GB/s") == 1 and "50.0" not in page.read_text()

@@ -189,6 +189,13 @@ class Unmeasured:
         return {"kernel": f.kernel, "impl": f.row, "kind": f.kind, "floor": f.value, "variant": f.variant,
                 "reason": self.reason, "required": self.required}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Unmeasured:
+        """One read back from a run's JSON (``as_dict``): its row name stands as the floor's impl."""
+        floor = Floor(kernel=d["kernel"], impl=d["impl"], over=None, kind=d["kind"], value=d["floor"],
+                      variant=d["variant"], impls=())
+        return cls(floor, d["reason"], d["required"])
+
 
 @dataclass
 class Ledger:

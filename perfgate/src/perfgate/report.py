@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .floors import FloorPolicy
+from .floors import FloorPolicy, Unmeasured
 from .roofline import LIMITS_FILE, PLACED_HEADER, limits_line, placed_cells
 from .session import JSON_KEY
 from .shard import MergeError, merge
@@ -220,15 +220,25 @@ def markdown(runs: list[dict], title: str = "Speedups") -> list[str]:
 
 
 def _roofline_markdown(roofline: dict) -> list[str]:
-    """A run's roofline table, headed by the limits it was measured against (none in older runs)."""
+    """A run's roofline table, headed by the limits it was measured against (none in older runs);
+    a merge of shards whose limits differ, by each shard's."""
     entries, limits = roofline.get("impls") or [], roofline.get("limits")
-    if not limits or not any(e["fraction"] is not None for e in entries):
+    differ = [s for s in roofline.get("shard_limits") or [] if s["limits"]] if limits is None else []
+    if not (limits or differ) or not any(e["fraction"] is not None for e in entries):
         return []
-    return [f"Roofline: this machine's {limits_line(limits)}; each impl's least time (bytes moved at the "
+    where = f"this machine's {limits_line(limits)}" if limits else \
+        "the shards' runners' limits differ, " + "; ".join(_shard_limits(s, entries) for s in differ)
+    return [f"Roofline: {where}; each impl's least time (bytes moved at the "
             "stream bandwidth, FLOPs at the GEMM peak) over its median "
             "([how to read it](perfgate.md#the-roofline-column)).",
             "", "| " + " | ".join(PLACED_HEADER) + " |", "|" + "---|" * len(PLACED_HEADER),
             *("| " + " | ".join(cells) + " |" for cells in placed_cells(entries)), ""]
+
+
+def _shard_limits(shard: dict, entries: list[dict]) -> str:
+    """"shard 2 (alpha, beta): stream 34.1 GB/s, ...": a shard's limits and the kernels it placed."""
+    kernels = dict.fromkeys(e["kernel"] for e in entries if e.get("shard") == shard["shard"])
+    return f"shard {shard['shard']} ({', '.join(kernels)}): {limits_line(shard['limits'])}"
 
 
 def merged_verdict(runs: list[dict], output: Path | None) -> int:
@@ -247,7 +257,18 @@ def merged_verdict(runs: list[dict], output: Path | None) -> int:
         print(f"compared against baseline {section['baseline']}: {matched} of {len(rows)} row(s) have a "
               "stored speedup")
     off = section.get("floors_off", "" if section["floors_applied"] else "(why: not recorded)")
-    lines = verdict(rows, FloorPolicy(off).held_to(), "as measured in its shard")
+    # the declared floors no shard measured, as an unsharded run names them: under --perf-require-floors
+    # those that apply for certain fail the merge
+    unmeasured = [Unmeasured.from_dict(u) for u in section.get("unmeasured_floors", [])]
+    required = [u for u in unmeasured if u.required]
+    for u in unmeasured:
+        if not u.required or not section.get("require_floors"):
+            print(f"{'NOT MEASURED: ' if u.required else 'perfgate: '}{u.line()}")
+    missed = [f"{u.line()} (--perf-require-floors)" for u in required] if section.get("require_floors") else []
+    lines = verdict(rows, FloorPolicy(off).held_to(), "as measured in its shard", missed)
+    if required and not missed:
+        lines.append(("warn", f"perfgate: {len(required)} declared floor(s) not checked (NOT MEASURED above): the "
+                              "verdict covers the rows measured only; --perf-require-floors fails a run on them"))
     for m in section["merged_from"]:
         if m["tests_failed"]:  # an assertion in a perf test: the rows alone would pass it
             lines.append(("fail", f"TESTS FAILED in shard {m['shard']} ({m['path']}): {m['tests_failed']} "

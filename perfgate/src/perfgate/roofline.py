@@ -28,7 +28,8 @@ LIMITS_VERSION = 1
 class Work:
     """One call's least work: ``bytes`` (the elements it reads of tensors that existed before it,
     once; the elements it returns or writes in place, once) and ``flops`` by dtype name, as
-    ``torch.utils.flop_counter`` counts them (matmuls, convolutions, attention)."""
+    ``torch.utils.flop_counter`` counts them (matmuls, convolutions, attention); a complex op's
+    count, which the counter makes as a real op's, is 4x that in its real dtype (complex64: float32)."""
 
     bytes: float
     flops: dict[str, float] = field(default_factory=dict)
@@ -226,9 +227,12 @@ def _counter() -> Any:
             out = func(*args, **kwargs)
             formula = formulae.get(func._overloadpacket)
             if formula is not None:
-                floating = (str(t.dtype).removeprefix("torch.") for t in flat if t.is_floating_point())
-                dtype = next(floating, "float32")
-                self.flops[dtype] = self.flops.get(dtype, 0.0) + float(formula(*args, **kwargs, out_val=out))
+                kind = next((t.dtype for t in flat if t.is_floating_point() or t.is_complex()), torch.float32)
+                flops = float(formula(*args, **kwargs, out_val=out))
+                if kind.is_complex:  # counted as a real op's; a complex multiply-add is 4 real ones
+                    kind, flops = kind.to_real(), 4 * flops
+                dtype = str(kind).removeprefix("torch.")
+                self.flops[dtype] = self.flops.get(dtype, 0.0) + flops
             self.note_outputs(tree_flatten(out)[0])
             return out
 

@@ -52,7 +52,7 @@ class PerfSession:
             self.against = Against(config, o.against, o.against_workers, o.against_tolerance, o.against_budget)
         self.state: GateState | None = None
         self._deselected: list[pytest.Item] = []  # perf tests -k, -m, --deselect or a shard left out
-        self._shard_dropped: set[str] = set()  # node ids --perf-shard left to other shards
+        self._shard_elsewhere: set[str] = set()  # test functions (shard.unit) --perf-shard left to other shards
         self.ledger: Ledger | None = None  # the declared floors and what became of each perf test
         self.floors_unmeasured: list[Unmeasured] = []  # set at the session's end
         why = self._xdist_refusal()
@@ -110,7 +110,7 @@ class PerfSession:
             raise pytest.UsageError(str(exc)) from exc
         kept = [item for item in items if assignment[unit(item.nodeid)] == index]
         dropped = [item for item in items if assignment[unit(item.nodeid)] != index]
-        self._shard_dropped = {item.nodeid for item in dropped}  # their floors are checked in their shards
+        self._shard_elsewhere = {u for u, k in assignment.items() if k != index}  # their shards check their floors
         if dropped:
             self.config.hook.pytest_deselected(items=dropped)
             items[:] = kept
@@ -160,10 +160,12 @@ class PerfSession:
 
     def _list_floors(self, items: list[pytest.Item], state: GateState) -> None:
         """The floors declared on the run's and the deselected perf tests (not on those of other
-        shards, whose floors their shards check) for this device class and size."""
+        shards' test functions, deselected by the shard or before it: their shards check their
+        floors) for this device class and size."""
         from .floors import Ledger, declared
+        from .shard import unit
 
-        left_out = [item for item in self._deselected if item.nodeid not in self._shard_dropped]
+        left_out = [item for item in self._deselected if unit(item.nodeid) not in self._shard_elsewhere]
         floors, nodeids = declared([*items, *left_out], state.settings.device, state.settings.size)
         self.ledger = Ledger(floors, nodeids, deselected={item.nodeid for item in left_out})
         self._deselected = []
@@ -344,6 +346,7 @@ class PerfSession:
             "size": state.settings.size,
             "tolerance": state.settings.tolerance,
             "contended": state.settings.contended,  # the withheld CPU share at which a failing row is unresolved
+            "require_floors": self.options.require_floors,  # a declared floor no row checked fails the run
             "floors_applied": state.floors.policy.applied,  # False: CPU floors not applied (threads, malloc)
             "floors_off": state.floors.policy.off,  # why not, e.g. "at --perf-threads 1"; "" when applied
             "baseline": state.stored.run_id,  # the stored run the rows were compared with (commit, time), or None

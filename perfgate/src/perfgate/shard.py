@@ -10,9 +10,10 @@ seconds it took, setup to teardown, in this fingerprint's newest stored run (in 
 before perfgate recorded them: its benchmarks' timed rounds; equal weights when there is no run).
 The later visits and extensions at a session's end are not in a unit's seconds. Every shard
 computes the same plan from the same collection and stored run; its digest goes into the
-shard's JSON, and the merge refuses shards of different plans, fingerprints, sizes, commits or
-baselines, and a missing or repeated shard. Runners of one kind must be alike in what the
-fingerprint records (GPU or CPU model, torch's threads, torch and CUDA builds).
+shard's JSON, and the merge refuses shards of different plans, fingerprints, sizes, commits,
+baselines or ``--perf-require-floors``, and a missing or repeated shard. Runners of one kind
+must be alike in what the fingerprint records (GPU or CPU model, torch's threads, torch and
+CUDA builds).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from statistics import median
 from .stored import read_run
 
 # What all shards of one merge must share, beyond the plan: a row is comparable only under these.
-SHARED = ("fingerprint", "size", "tolerance", "contended", "floors_applied", "floors_off", "baseline")
+SHARED = ("fingerprint", "size", "tolerance", "contended", "floors_applied", "floors_off", "require_floors",
+          "baseline")
 
 
 class MergeError(ValueError):
@@ -108,16 +110,34 @@ def merge(runs: list[dict], section_key: str) -> dict:
     merged["datetime"] = max(r.get("datetime", "") for r in runs)
     merged["benchmarks"] = [b for i in order for b in runs[i].get("benchmarks", [])]
     durations = {u: t for i in order for u, t in (sections[i].get("durations") or {}).items()}
+    # each shard lists the unmeasured floors of its own test functions, and every shard those of a test
+    # function no shard ran (all of it deselected): each once, none whose row a shard measured
+    measured = {(r["kernel"], r["impl"]) for r in rows}
+    unmeasured = [u for i in order for u in sections[i].get("unmeasured_floors", [])
+                  if (u["kernel"], u["impl"]) not in measured]
+    unmeasured = [u for k, u in enumerate(unmeasured) if u not in unmeasured[:k]]
     merged[section_key] = {**{k: first.get(k) for k in ("slug", *SHARED)}, "speedups": rows,
                            "tests_failed": sum(s.get("tests_failed", 0) for s in sections), "durations": durations,
                            "merged_from": [{"shard": sections[i]["shard"]["index"], "path": runs[i]["_path"],
                                             "tests_failed": sections[i].get("tests_failed", 0)} for i in order],
-                           "shard": None,
-                           # each shard's impls placed under its own runner's limits; the first shard's named
-                           "roofline": {"limits": (first.get("roofline") or {}).get("limits"),
-                                        "impls": [e for i in order for e in (sections[i].get("roofline") or {})
-                                                  .get("impls", [])]}}
+                           "shard": None, "unmeasured_floors": unmeasured, "roofline": _roofline(sections, order)}
     return merged
+
+
+def _roofline(sections: list[dict], order: list[int]) -> dict:
+    """The shards' roofline sections as one: each impl placed under its own runner's limits, so
+    each entry names its shard and ``shard_limits`` holds every shard's; ``limits`` is theirs where
+    all that measured limits read alike (the same figures), None where they differ."""
+    from .roofline import limits_line
+
+    shard_limits, impls = [], []
+    for i in order:
+        roofline, index = sections[i].get("roofline") or {}, sections[i]["shard"]["index"]
+        shard_limits.append({"shard": index, "limits": roofline.get("limits")})
+        impls += [{**e, "shard": index} for e in roofline.get("impls", [])]
+    present = [s["limits"] for s in shard_limits if s["limits"]]  # a shard whose impls did no work has none
+    alike = len({limits_line(v) for v in present}) <= 1
+    return {"limits": present[0] if present and alike else None, "shard_limits": shard_limits, "impls": impls}
 
 
 def _check_alike(runs: list[dict], sections: list[dict]) -> None:
