@@ -88,3 +88,36 @@ def test_bad_inputs_are_refused() -> None:
         as_stored(STORED)
     with pytest.raises(ValueError, match="workers >= 0"):
         loader(STORED, Y, batch=8, workers=-1)
+
+
+def _epochs(workers: int, n: int = 2, dp: DataParallel | None = None) -> list[dict[int, torch.Tensor]]:
+    """``n`` passes over one loader of 32 images labelled 0..31 (so each image names its item):
+    per pass, item -> its augmented image, in the order read."""
+    ld = loader(STORED[:32], torch.arange(32), batch=8, workers=workers, seed=5, dp=dp)
+    return [{int(i): x for xb, yb in ld for x, i in zip(xb, yb, strict=True)} for _ in range(n)]
+
+
+def test_each_epoch_draws_new_augmentations_and_order_with_persistent_workers() -> None:
+    """A second pass over one loader (workers kept between epochs) draws new crops and flips and
+    a new order, and the same ones with 0, 1 or 2 workers."""
+    inline = _epochs(0)
+    first, second = inline
+    assert list(first) != list(second)  # a new order
+    assert sum(not torch.equal(first[i], second[i]) for i in first) >= 24  # new crops and flips
+    for workers in (1, 2):
+        for want, got in zip(inline, _epochs(workers), strict=True):
+            assert list(got) == list(want) and all(torch.equal(got[i], want[i]) for i in want)
+
+
+def test_each_epoch_of_a_data_parallel_share_draws_new_augmentations() -> None:
+    """With ``dp`` (one of 2 ranks, a persistent worker) the passes advance the sampler's epoch:
+    a new share and new draws each epoch, as ``sampler.set_epoch`` asks for them."""
+    dp = DataParallel(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    first, second = _epochs(1, dp=dp)
+    assert list(first) != list(second)
+    both = set(first) & set(second)  # the items this rank reads in both epochs
+    assert both and all(not torch.equal(first[i], second[i]) for i in both)
+    ld = loader(STORED[:32], torch.arange(32), batch=8, workers=1, seed=5, dp=dp)
+    ld.sampler.set_epoch(1)
+    again = {int(i): x for xb, yb in ld for x, i in zip(xb, yb, strict=True)}
+    assert list(again) == list(second) and all(torch.equal(again[i], second[i]) for i in second)

@@ -160,3 +160,26 @@ def test_data_parallel_cli_refuses_bad_arguments(args: list[str], message: str, 
     with pytest.raises(SystemExit):
         main(args)
     assert message in capsys.readouterr().err
+
+
+def test_data_parallel_plot_names_each_process_count(tmp_path: Path, monkeypatch) -> None:
+    """The PNG's bars (Agg, read back before the figure closes) say which process count each run
+    is: the table's first column alone, the workload, named both alike (runs faked, no launch)."""
+    import matplotlib.pyplot as plt
+
+    from workloads import data_parallel
+    from workloads.cli import data_parallel as cli
+
+    def launch(args, name: str, processes: int, row_file: Path) -> data_parallel.Row:
+        return data_parallel.Row(name, processes, 1, 8, 10.0 * processes, 50.0 / processes)
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(cli, "launch", launch)
+    monkeypatch.setattr(plt, "close", lambda fig: (figures.append(fig), close(fig)))
+    assert cli.main(["--workloads", "cifar_resnet", "--batch", "8", "--repeats", "1",
+                     "--output-dir", str(tmp_path)]) == 0
+    (bars,) = [ax for ax in figures[0].axes if ax.get_visible()]
+    labels = [t.get_text() for t in bars.get_yticklabels()]
+    assert labels == ["cifar_resnet, 1 process", "cifar_resnet, 2 processes"]
+    rows = json.loads((tmp_path / "data_parallel.json").read_text())["rows"]
+    assert [r["workload"] for r in rows] == ["cifar_resnet"] * 2  # the table keeps its columns

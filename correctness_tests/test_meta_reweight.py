@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from functools import partial
 
@@ -148,6 +149,33 @@ def test_config_and_cli(capsys, tmp_path, monkeypatch) -> None:
     assert "balanced test accuracy" in out and "+ accumulation 2" in out and "peak MiB" in out
     # the AMP rows where bf16 runs in hardware; elsewhere the line that says they are left out
     assert ("+ AMP + accumulation 2" in out) == (not bf16_emulated("cpu")) == (EMULATED_BF16_NOTE not in out)
+
+
+def test_the_results_json_config_holds_accumulation_and_memory_steps(tmp_path, monkeypatch) -> None:
+    """--accumulation (both tables) and --memory-steps (the memory table's steps) are in the JSON's
+    config: the Config rebuilt from each file is the one its rows ran with (the runs faked: the
+    options and files are what this checks)."""
+    ran = {}
+
+    def accuracy_runs(cfg: M.Config, recipe: Recipe) -> list[M.RunReport]:
+        ran["accuracy"] = cfg
+        return [M.RunReport("r", 1.0, 0.5)]
+
+    def memory_ablation(cfg: M.Config, *args, **kwargs) -> list[M.RunReport]:
+        ran["memory"] = (cfg, args, kwargs)
+        return [M.RunReport("r", 1.0, 0.5, 2.0), M.RunReport("b", 1.0, 0.5, 1.0)]
+
+    monkeypatch.setattr(meta_reweight_cli, "optimized_recipe", lambda cfg, *args: Recipe())
+    monkeypatch.setattr(meta_reweight_cli, "accuracy_runs", accuracy_runs)
+    monkeypatch.setattr(meta_reweight_cli, "memory_ablation", memory_ablation)
+    assert meta_reweight_cli.main(["--steps", "1", "--accumulation", "2", "--memory-steps", "3",
+                                   "--output-dir", str(tmp_path)]) == 0
+    for table, steps in (("accuracy", 1), ("memory", 3)):
+        config = json.loads((tmp_path / f"meta_reweight_{table}.json").read_text())["config"]
+        assert (config.get("accumulation"), config["steps"]) == (2, steps), table
+        rebuilt = M.Config(**{**config, "widths": tuple(config["widths"])})  # widths: a list in JSON
+        assert rebuilt == M.Config(steps=steps, accumulation=2)
+    assert ran["accuracy"] == M.Config(steps=1, accumulation=2) and ran["memory"][0].accumulation == 2
 
 
 def test_memory_table_leaves_emulated_bf16_out_unless_asked(monkeypatch) -> None:

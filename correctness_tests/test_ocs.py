@@ -119,3 +119,23 @@ def test_cli_and_ablation_rows(capsys, tmp_path) -> None:
     assert "selected the same samples at every step" in out
     with pytest.raises(SystemExit):
         main(["--tasks", "0"])
+
+
+def test_the_results_json_config_holds_mnist(tmp_path, monkeypatch) -> None:
+    """--mnist is in the JSON's config: the Config rebuilt from the file is the one the options
+    made, so a run reproduced from it reads the same data (here MNIST's loader and the runs are
+    faked: the options and the file are what this checks)."""
+    import workloads.cli.ocs as ocs_cli
+
+    def run(method: ocs.Method, cfg: ocs.Config, tasks: list) -> ocs.OCSReport:
+        return ocs.OCSReport(method.name, [[0.5]], [1.0], [], [None], torch.zeros(3))
+
+    split = (torch.zeros(20, 1, 28, 28), torch.zeros(20, dtype=torch.int64))
+    monkeypatch.setattr(ocs_cli, "mnist", lambda root: (split, split))
+    monkeypatch.setattr(ocs_cli, "optimized_recipe", lambda cfg, tasks: Recipe())
+    monkeypatch.setattr(ocs_cli, "run", run)
+    root = str(tmp_path / "mnist")
+    assert main(["--tasks", "1", "--passes", "1", "--mnist", root, "--output-dir", str(tmp_path)]) == 0
+    config = json.loads((tmp_path / "ocs.json").read_text())["config"]
+    assert config.get("mnist") == root
+    assert ocs.Config(**config) == ocs.Config(tasks=1, passes=1, mnist=root)

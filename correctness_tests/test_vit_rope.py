@@ -157,3 +157,41 @@ def test_a_run_resumed_from_its_checkpoint_ends_where_the_whole_run_does(tmp_pat
         vit_rope.Config(resume=True, checkpoint=str(tmp_path / "none"))
     with pytest.raises(SystemExit):
         vit_rope_cli.main(["--ablation", "--checkpoint", path])
+
+
+def test_a_bad_checkpoint_is_refused_before_any_run(capsys, monkeypatch, tmp_path) -> None:
+    """--checkpoint that could not be written (a directory, a folder that is a file or missing), a
+    file that is no checkpoint, or, resuming, one with no steps left or another model's weights: a
+    one-line error naming --checkpoint before the reference run, not a traceback after it."""
+    from torch import nn
+
+    from kernels.training import save_checkpoint
+
+    class Started(Exception):
+        """A run began: the checkpoint got past the CLI's checks."""
+
+    def started(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(vit_rope_cli, "run", started)
+    (tmp_path / "file.txt").write_text("a file, not a folder")
+    (tmp_path / "bad.safetensors").write_bytes(b"not a checkpoint")
+    done = tmp_path / "done.safetensors"
+    linear = nn.Linear(2, 2)
+    save_checkpoint(done, linear, torch.optim.SGD(linear.parameters(), lr=0.1), step=99)
+    other = tmp_path / "other.safetensors"  # steps left, but not this ViT's weights
+    save_checkpoint(other, linear, torch.optim.SGD(linear.parameters(), lr=0.1), step=1)
+    argv = ["--steps", "1", "--batch", "8", "--depth", "1", "--checkpoint"]
+    bad = [([str(tmp_path)], "is a directory"), ([str(tmp_path / "file.txt" / "vit.safetensors")], "not a folder"),
+           ([str(tmp_path / "missing" / "vit.safetensors")], "does not exist"),
+           ([str(tmp_path / "bad.safetensors")], "not a kernelgate checkpoint"),
+           ([str(tmp_path / "bad.safetensors"), "--resume"], "not a kernelgate checkpoint"),
+           ([str(done), "--resume"], "nothing left"), ([str(other), "--resume"], "another model's weights")]
+    for args, message in bad:
+        with pytest.raises(SystemExit):
+            vit_rope_cli.main([*argv, *args])
+        err = capsys.readouterr().err
+        assert "--checkpoint" in err and message in err, (args, err)
+    for good in ([str(tmp_path / "new.safetensors")], [str(done)]):  # a new file; a checkpoint started afresh
+        with pytest.raises(Started):
+            vit_rope_cli.main([*argv, *good])

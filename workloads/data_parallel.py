@@ -59,6 +59,12 @@ def summary(runs: list[Row]) -> list[str]:
             f"{times[0]:.1f}-{times[-1]:.1f}", mib(median(peaks) if peaks else None)]
 
 
+def run_name(row: Row) -> str:
+    """A run's label in the PNG: its workload and process count (the table's first column, the
+    workload, is the same for every process count)."""
+    return f"{row.workload}, {row.processes} process{'es' if row.processes > 1 else ''}"
+
+
 WARMUP = 2  # untimed steps before the timed ones
 
 

@@ -66,6 +66,9 @@ class Config:
     widths: tuple[int, ...] = (16, 32, 64, 128)
     seed: int = 0
     device: str = "cpu"
+    # micro-batches per outer step of the optimized runs (checked against batch by optimized_recipe: the
+    # data-parallel runs build per-rank Configs whose batch it need not divide)
+    accumulation: int = 4
 
     def __post_init__(self) -> None:
         require_positive(self, ("max_per_class", "meta_per_class", "test_per_class", "batch", "meta_batch",
@@ -228,8 +231,10 @@ def run(name: str, step: StepFn, ln: Learner, cfg: Config, reweight: bool = True
     return RunReport(name, ms, accuracy, None if peak is None else peak / 2**20)
 
 
-def optimized_recipe(cfg: Config, accumulation: int) -> Recipe:
-    """Recipe.auto with ``accumulation``, timed (on CPU) on the classifier at the micro-batch size."""
+def optimized_recipe(cfg: Config, accumulation: int | None = None) -> Recipe:
+    """Recipe.auto with ``accumulation`` (default ``cfg.accumulation``), timed (on CPU) on the
+    classifier at the micro-batch size."""
+    accumulation = cfg.accumulation if accumulation is None else accumulation
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or not 1 <= accumulation <= cfg.batch:
         raise ValueError(f"accumulation must be an int in [1, batch={cfg.batch}], got {accumulation!r}")
     if cfg.batch % accumulation:

@@ -22,11 +22,13 @@ from workloads.meta_reweight import (
 )
 
 
-def memory_ablation(cfg: Config, accumulation: int = 4, steps: int = 5,
+def memory_ablation(cfg: Config, accumulation: int | None = None, steps: int = 5,
                     emulated_bf16: bool = False) -> list[RunReport]:
-    """Betty's memory table, each row ``steps`` timed outer steps after 2 warm-up steps. Where bf16
+    """Betty's memory table, each row ``steps`` timed outer steps after 2 warm-up steps, the
+    accumulation rows at ``accumulation`` micro-batches (default ``cfg.accumulation``). Where bf16
     is emulated (a CPU without bf16 instructions) the two AMP rows are left out, unless
     ``emulated_bf16``."""
+    accumulation = cfg.accumulation if accumulation is None else accumulation
     cfg = replace(cfg, steps=steps)
     amp = emulated_bf16 or not bf16_emulated(cfg.device)
     rows = [("reference (fp32, exact hypergradient)", reference_step, reference_learner(cfg)),

@@ -64,6 +64,7 @@ class Config:
     classes: int = 10
     seed: int = 0
     device: str = "cpu"
+    mnist: str | None = None  # local MNIST root (torchvision layout) instead of scikit-learn's digits
 
     def __post_init__(self) -> None:
         require_positive(self, ("tasks", "passes", "stream", "select", "memory"))

@@ -43,17 +43,21 @@ def _number(cell: str) -> float:
 def write_results(output_dir: str | Path, stem: str, header: Sequence[str], cells: Sequence[Sequence[str]], *,
                   config: object, device: str, time_column: str | Sequence[str],
                   curves: Mapping[str, Mapping[str, Sequence[float]]] | None = None,
-                  metric_column: str | None = None) -> list[Path]:
+                  metric_column: str | None = None, names: Sequence[str] | None = None) -> list[Path]:
     """Write ``stem``.csv, .json and .png into ``output_dir``; returns their paths.
 
     ``cells``: the table's rows (as printed); ``time_column``: the column of ``header`` plotted per
     run, or several that add up to a run's time (stacked: where it went); ``metric_column``: the
     quality each run kept (its own panel, e.g. accuracy); ``curves``: panel title -> {run name:
-    values per step or epoch}."""
+    values per step or epoch}; ``names``: each run's label in the PNG (default: its row's first
+    cell), for a table whose first column alone does not tell its runs apart."""
     times = [time_column] if isinstance(time_column, str) else list(time_column)
     for name, column in [*(("time_column", c) for c in times), ("metric_column", metric_column)]:
         if column is not None and column not in header:
             raise ValueError(f"{name} {column!r} is not a column of {list(header)}")
+    names = [row[0] for row in cells] if names is None else list(names)
+    if len(names) != len(cells):
+        raise ValueError(f"names must give one label per row of cells ({len(cells)}), got {len(names)}")
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     curves = curves or {}
@@ -67,23 +71,24 @@ def write_results(output_dir: str | Path, stem: str, header: Sequence[str], cell
               "header": list(header), "rows": [dict(zip(header, row, strict=True)) for row in cells],
               "curves": {title: {name: list(v) for name, v in runs.items()} for title, runs in curves.items()}}
     paths[1].write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf8")
-    _plot(paths[2], stem, header, cells, times, metric_column, curves)
+    _plot(paths[2], stem, header, cells, names, times, metric_column, curves)
     return paths
 
 
-def _plot(path: Path, stem: str, header: Sequence[str], cells: Sequence[Sequence[str]], times: list[str],
-          metric_column: str | None, curves: Mapping[str, Mapping[str, Sequence[float]]]) -> None:
+def _plot(path: Path, stem: str, header: Sequence[str], cells: Sequence[Sequence[str]], runs: list[str],
+          times: list[str], metric_column: str | None,
+          curves: Mapping[str, Mapping[str, Sequence[float]]]) -> None:
     """One panel per curve set (its legend under it, off the curves), then where each run's time
     went (a bar per run, stacked when ``times`` has parts, each labelled with its total), then the
     metric each run kept (a dot per run against the first run's, on an axis that shows the
-    difference). Run names are wrapped so no label is cut off; four panels or more go two a row."""
+    difference). ``runs``: the runs' labels, wrapped so none is cut off; four panels or more go two a row."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    names = [textwrap.fill(row[0], 28) for row in cells]
+    names = [textwrap.fill(run, 28) for run in runs]
     panels = len(curves) + 1 + (metric_column is not None)
     cols = 2 if panels >= 4 else panels
     rows = -(-panels // cols)

@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"peak {mib(row.peak_mib)} MiB", flush=True)
     cells = [workload.summary(rs) for rs in runs.values()]
     print("\n".join(markdown(workload.HEADER, cells)))
-    save(args, "data_parallel", workload.HEADER, cells, args, "ms/step (slowest rank)")
+    save(args, "data_parallel", workload.HEADER, cells, args, "ms/step (slowest rank)",
+         names=[workload.run_name(rs[0]) for rs in runs.values()])
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from workloads import meta_reweight as workload
 from workloads.cli.options import add_common, describe, leaves_out_amp, parse_args, save
@@ -26,8 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_steps < 1:
         parser.error(f"--memory-steps must be >= 1, got {args.memory_steps}")
     try:
-        cfg = Config(steps=args.steps, max_per_class=args.max_per_class, device=args.device)
-        recipe = optimized_recipe(cfg, args.accumulation)
+        cfg = Config(steps=args.steps, max_per_class=args.max_per_class, device=args.device,
+                     accumulation=args.accumulation)
+        recipe = optimized_recipe(cfg)
     except ValueError as e:
         parser.error(str(e))
     print(f"Meta-Weight-Net: train {sum(class_counts(cfg))} long-tailed (n_c {class_counts(cfg)}), meta "
@@ -37,15 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     accuracy = [[r.name, f"{r.ms_per_step:.1f}", f"{r.balanced_accuracy:.1%}"] for r in rows]
     print("\n".join(markdown(ACCURACY, accuracy)))
     print()
-    mem = memory_ablation(cfg, args.accumulation, steps=args.memory_steps,
-                          emulated_bf16=not leaves_out_amp(args, cfg.device))
+    mem = memory_ablation(cfg, steps=args.memory_steps, emulated_bf16=not leaves_out_amp(args, cfg.device))
     base = mem[1].peak_mib
     memory = [[r.name, mib(r.peak_mib), "-" if not (base and r.peak_mib) else f"{1 - r.peak_mib / base:.1%}",
                f"{r.ms_per_step:.1f}"] for r in mem]
     print("\n".join(markdown(MEMORY, memory)))
     save(args, "meta_reweight_accuracy", ACCURACY, accuracy, cfg, "ms / outer step",
          metric_column="balanced test accuracy")
-    save(args, "meta_reweight_memory", MEMORY, memory, cfg, "peak MiB")
+    # the memory table's own config: its rows ran --memory-steps steps each, not --steps
+    save(args, "meta_reweight_memory", MEMORY, memory, replace(cfg, steps=args.memory_steps), "peak MiB")
     return 0
 
 

@@ -23,15 +23,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ablation", action="store_true", help="all five rows, not only reference/optimized")
     args = parse_args(parser, argv)
     try:
-        cfg = Config(tasks=args.tasks, passes=args.passes, device=args.device)
+        cfg = Config(tasks=args.tasks, passes=args.passes, device=args.device, mnist=args.mnist)
     except ValueError as e:
         parser.error(str(e))
     try:
-        data = mnist(args.mnist) if args.mnist else digits(cfg.seed)
+        data = mnist(cfg.mnist) if cfg.mnist else digits(cfg.seed)
     except FileNotFoundError as e:
         parser.error(str(e))
     tasks = rotated_tasks(data, cfg.tasks, cfg.degrees, cfg.device)
-    print(f"OCS, rotated {'MNIST' if args.mnist else 'digits'}, {cfg.tasks} tasks x {cfg.passes} passes "
+    print(f"OCS, rotated {'MNIST' if cfg.mnist else 'digits'}, {cfg.tasks} tasks x {cfg.passes} passes "
           f"({-(-len(tasks[0][0][1]) // cfg.stream)} stream batches of up to {cfg.stream}) on "
           f"{describe(cfg.device)}")
     if args.ablation:

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from kernels.feature_cache import read_safetensors
+from kernels.training import CHECKPOINT_FORMAT
 from workloads.common import EMULATED_BF16_NOTE, bf16_emulated
 from workloads.output import machine, write_results
 
@@ -55,13 +60,63 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     return args
 
 
+def check_checkpoint(parser: argparse.ArgumentParser, path: str | None, resume: bool, total_steps: int,
+                     model: nn.Module | None = None) -> None:
+    """``--checkpoint PATH`` checked before any run, a one-line error when it would fail only at
+    the first save or at the resume (after the reference run's time): a file in a writable folder;
+    an existing file must be a kernelgate checkpoint (it is replaced, or with ``resume`` read),
+    and with ``resume`` one with steps left of ``total_steps`` and, given ``model``, its weights'
+    names and shapes."""
+    if path is None:
+        return
+    where = Path(path)
+    folder = where.parent
+    if where.is_dir():
+        parser.error(f"--checkpoint {path} is a directory: name a file in it, e.g. {where / 'run.safetensors'}")
+    if not folder.exists():
+        parser.error(f"--checkpoint {path}: its folder {folder} does not exist: create it, or name a file "
+                     "in an existing folder")
+    if not folder.is_dir():
+        parser.error(f"--checkpoint {path}: {folder} is not a folder: name a file in a folder")
+    # a file made and removed in the folder: what the atomic save does first (permissions, a read-only disk)
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        parser.error(f"--checkpoint {path}: cannot write in {folder} ({e.strerror or e}): name a file in a "
+                     "writable folder")
+    if not where.exists():
+        return
+    try:
+        tensors, meta = read_safetensors(where)
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"format {meta.get('format')!r}")
+        step = int(json.loads(meta["state"])["step"])
+    except (ValueError, KeyError, OSError) as e:
+        hint = ("resume from a checkpoint this workload saved" if resume
+                else "name a new file (this one would be replaced)")
+        parser.error(f"--checkpoint {path} is not a kernelgate checkpoint ({e}): {hint}")
+    if not resume:
+        return
+    if step >= total_steps:
+        parser.error(f"--checkpoint {path} is at step {step}: nothing left of {total_steps} steps to resume; "
+                     "leave out --resume to start afresh, or ask for more --steps")
+    if model is not None:
+        # the weights the run would load: another --depth or width is refused now, not after the reference run
+        saved = {k.removeprefix("model/"): tuple(v.shape) for k, v in tensors.items() if k.startswith("model/")}
+        if saved != {k: tuple(v.shape) for k, v in model.state_dict().items()}:
+            parser.error(f"--checkpoint {path} holds another model's weights: resume with the options it was "
+                         "saved with (--depth), or leave out --resume to start afresh")
+
+
 def save(args: argparse.Namespace, stem: str, header: Sequence[str], cells: Sequence[Sequence[str]], config: Any,
          time_column: str | Sequence[str], curves: Mapping[str, Mapping[str, Sequence[float]]] | None = None,
-         metric_column: str | None = None) -> None:
-    """With ``--output-dir``: write the run's results there (workloads.output) and say where."""
+         metric_column: str | None = None, names: Sequence[str] | None = None) -> None:
+    """With ``--output-dir``: write the run's results there (workloads.output) and say where;
+    ``names``: the runs' labels in the PNG (default: each row's first cell)."""
     if args.output_dir:
         paths = write_results(args.output_dir, stem, header, cells, config=config, device=config.device,
-                              time_column=time_column, curves=curves, metric_column=metric_column)
+                              time_column=time_column, curves=curves, metric_column=metric_column, names=names)
         print("wrote " + ", ".join(str(p) for p in paths))
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from kernels.models import RopeViT
 from workloads import vit_rope as workload
-from workloads.cli.options import add_common, describe, leaves_out_amp, parse_args, save
+from workloads.cli.options import add_common, check_checkpoint, describe, leaves_out_amp, parse_args, save
 from workloads.common import progress
 from workloads.vit_rope import (
     HEADER,
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
                      save_every=args.save_every, resume=args.resume)
     except ValueError as e:
         parser.error(str(e))
+    # the checkpoint's path (and, resuming, its file) now: a bad one would fail after the reference run
+    resumed_model = RopeViT(cfg.dim, cfg.heads, cfg.depth) if cfg.resume else None
+    check_checkpoint(parser, cfg.checkpoint, cfg.resume, cfg.steps + cfg.warmup_steps, resumed_model)
     data = f"CIFAR-10 from {cfg.cifar}" if cfg.cifar else "synthetic CIFAR"
     clipped = f"clipped at {cfg.max_grad_norm:g}" if cfg.max_grad_norm else "no clipping"
     print(f"RoPE ViT (D {cfg.dim}, {cfg.heads} heads, depth {cfg.depth}) on {data}, {cfg.steps} steps "
