@@ -12,11 +12,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
 import pytest
 
-from perfgate.against import COMPILED, IMPORT_CHECK, compiled_modules, report_lines
+from perfgate.against import COMPILED, IMPORT_CHECK, compiled_files, compiled_modules, report_lines
 from perfgate.report import main as report_main
 
 LIBRARY = """
@@ -434,8 +435,25 @@ def test_the_import_check_names_the_compiled_modules_revs_library_loads(tmp_path
                           text=True, check=True)
     assert done.stdout.splitlines()[-1] == COMPILED + json.dumps(["mylib._bisect"])
     assert compiled_modules(["_bisect"]) == ["_bisect"] and compiled_modules(["mylib"]) == []
-    note = "REV's copy loaded no mylib._bisect, which this tree's library did"
+    note = "REV's copy loaded no mylib._bisect, which this tree's library has"
     assert ("warn", note) in report_lines([], "HEAD (abc)", 2, 1.0, 0.05, notes=[note])
+
+
+def test_the_import_check_loads_the_compiled_modules_a_library_imports_when_first_used(tmp_path: Path) -> None:
+    """A C part the package does not import at its own import (kernels._standardize: at a first
+    fit) is REV's too: no note says REV's rows ran without it; one that does not load is left out."""
+    if not str(getattr(_bisect, "__file__", "")).endswith(".so"):
+        pytest.skip("this CPython has _bisect built in, not as a shared library to copy")
+    (tmp_path / "mylib" / "sub").mkdir(parents=True)
+    for init in ("mylib/__init__.py", "mylib/sub/__init__.py"):
+        (tmp_path / init).write_text("")
+    suffix = next(s for s in EXTENSION_SUFFIXES if _bisect.__file__.endswith(s))
+    shutil.copy(_bisect.__file__, tmp_path / "mylib" / "sub" / f"_bisect{suffix}")
+    (tmp_path / "mylib" / f"_broken{suffix}").write_bytes(b"not a shared library")
+    assert compiled_files(tmp_path, ["mylib"]) == ["mylib._broken", "mylib.sub._bisect"]
+    done = subprocess.run([sys.executable, "-c", IMPORT_CHECK, str(tmp_path), "mylib"], capture_output=True,
+                          text=True, check=True)
+    assert done.stdout.splitlines()[-1] == COMPILED + json.dumps(["mylib.sub._bisect"])
 
 
 def test_a_worker_lost_while_a_slower_row_is_timed_again_leaves_its_failure_standing(monkeypatch,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import importlib
 import json
 import subprocess
 import sys
@@ -35,10 +36,13 @@ BUILD_INI = "perfgate_against_build"
 # imports the library packages REV has, from REV's copy only (abworker.RootFinder), in a fresh
 # process, and prints the compiled modules they loaded
 COMPILED = "perfgate compiled modules: "  # the import check's line, found among what the library prints
+# then each compiled module found in REV's packages, as a library may import one only when it is first
+# used: the line names those that load
 IMPORT_CHECK = ("import importlib, json, sys; from pathlib import Path; from perfgate.abworker import RootFinder; "
-                "from perfgate.against import COMPILED, compiled_modules; "
+                "from perfgate.against import COMPILED, compiled_files, compiled_modules, try_import; "
                 "sys.meta_path.insert(0, RootFinder(Path(sys.argv[1]), sys.argv[2:])); "
                 "[importlib.import_module(name) for name in sys.argv[2:]]; "
+                "[try_import(name) for name in compiled_files(Path(sys.argv[1]), sys.argv[2:])]; "
                 "print(COMPILED + json.dumps(compiled_modules(sys.argv[2:])))")
 
 
@@ -47,6 +51,24 @@ def compiled_modules(packages: list[str]) -> list[str]:
     return sorted(name for name, module in list(sys.modules.items())
                   if name.split(".")[0] in packages
                   and str(getattr(module, "__file__", None) or "").endswith(tuple(EXTENSION_SUFFIXES)))
+
+
+def compiled_files(root: Path, packages: list[str]) -> list[str]:
+    """The compiled extensions for this interpreter under ``root``'s ``packages``, as module names
+    (``kernels/_rope.cpython-311-x86_64-linux-gnu.so``: ``kernels._rope``), loaded or not."""
+    names = set()
+    for package in packages:
+        for path in (root / package).rglob("*"):
+            suffix = next((s for s in EXTENSION_SUFFIXES if path.name.endswith(s)), None)
+            if suffix is not None and path.is_file():
+                names.add(".".join(path.relative_to(root).with_name(path.name.removesuffix(suffix)).parts))
+    return sorted(names)
+
+
+def try_import(name: str) -> None:
+    """Import ``name`` if it loads; one that does not is left out of ``compiled_modules``."""
+    with contextlib.suppress(Exception):
+        importlib.import_module(name)
 
 
 def default_library(rootdir: Path, test_paths: set[Path]) -> list[str]:
@@ -153,9 +175,10 @@ class Against:
         # a C part this tree's library loaded and REV's did not: REV's rows run without it
         found = [line.removeprefix(COMPILED) for line in done.stdout.splitlines() if line.startswith(COMPILED)]
         theirs = set(json.loads(found[-1])) if found else set()
-        self.notes = [f"REV's copy loaded no {name}, which this tree's library did (a compiled module not built "
-                      f"there, or one REV predates): REV's rows run without it"
-                      for name in compiled_modules(self.library) if name not in theirs]
+        # this tree's: those loaded here so far, and those built in its packages (loaded when first used)
+        ours = set(compiled_modules(self.library)) | set(compiled_files(self.config.rootpath, self.library))
+        self.notes = [f"REV's copy loaded no {name}, which this tree's library has (a compiled module not built "
+                      f"there, or one REV predates): REV's rows run without it" for name in sorted(ours - theirs)]
 
     def close(self) -> None:
         """Remove REV's copy (idempotent): at unconfigure, and on a refusal."""
