@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import _bisect
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -528,3 +529,50 @@ def test_an_incomplete_comparison_never_closes_on_a_pass_line() -> None:
     lines = report_lines([row], "HEAD~1", 2, 10.0, 0.05, problem="every this worker is gone")
     assert lines[-1][0] == "fail" and "incomplete" in lines[-1][1]
     assert not any(style == "pass" for style, _ in lines)
+
+
+def test_a_row_timed_late_gets_its_share_of_the_extension_budget(monkeypatch) -> None:
+    """``--perf-against-budget`` is the extensions' seconds: rows before a straddling one that
+    spent far more than it on their own planned pairs leave it the extension the first row gets."""
+    import random
+    import types
+
+    import perfgate.abrun as A
+
+    clock = [0.0]
+    monkeypatch.setattr(A, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class Worker:
+        def __init__(self, side: str, index: int) -> None:
+            self.side, self.index, self.name = side, index, f"{side}{index}"
+
+    class FakePool:
+        """Blocks of ``block_s`` each on the fake clock; this tree ``slower`` times REV's at log noise."""
+        per_side = 2
+
+        def __init__(self, block_s: float, slower: float, noise: float) -> None:
+            self.block_s, self.slower, self.noise, self.rng = block_s, slower, noise, random.Random(1)
+            self.workers = [Worker(side, i) for side in ("rev", "this") for i in range(2)]
+
+        def side(self, name: str) -> list[Worker]:
+            return [w for w in self.workers if w.side == name]
+
+        def ask(self, worker: Worker, op: str, timeout: float, **kwargs) -> dict:
+            clock[0] += self.block_s
+            base = 1.0 if worker.side == "rev" else self.slower
+            return {"ok": True, "times": [base * math.exp(self.rng.gauss(0.0, self.noise))], "share": None}
+
+    def late_pairs(rows_before: int) -> int:
+        budget = A.Budget(seconds=0.0, extend_s=50.0, total_s=100.0)
+        comparer = A.Comparer(FakePool(30.0, 1.0, 0.001), 0.05, budget)
+        comparer.blocks = {"rev": (1, 0, 0.01), "this": (1, 0, 0.01)}
+        for k in range(rows_before):  # each clearly unchanged, its 7 pairs 420 s on the clock
+            comparer.time_row(A.ABRow("early", "optimized", "smoke", f"t::early{k}"), rows_left=rows_before + 1)
+        comparer.pool = FakePool(0.05, 1.045, 0.08)  # this tree 4.5% slower: its interval straddles 0.952
+        row = A.ABRow("late", "optimized", "smoke", "t::late")
+        comparer.time_row(row, rows_left=1)
+        return len(row.rev_times)
+
+    first = late_pairs(0)
+    assert first > A.MIN_PAIRS
+    assert late_pairs(2) == first

@@ -158,7 +158,7 @@ class Comparer:
         self.blocks: dict[str, tuple[int, int, float]] = {}
         self.copies: dict[tuple[str, int], int] = {}  # (side, worker index) -> copies of the row it built
         self.generation = 0  # the pool's: a fresh pool's units are new ones
-        self.deadline: float | None = None  # when budget.total_s is spent, from the first row timed
+        self.extended_s = 0.0  # of budget.total_s: the seconds the rows' extensions have taken
 
     def use(self, pool: Pool) -> None:
         """Time on ``pool`` from now on (fresh workers: new units)."""
@@ -228,8 +228,6 @@ class Comparer:
         loads: list[tuple[float, float]] = []
         got = Stretch(row.rev_times, row.this_times, row.rev_units, row.this_units)
         t0 = time.perf_counter()
-        if self.deadline is None:
-            self.deadline = t0 + self.budget.total_s
         self.pairs(row, MIN_PAIRS, got, loads)
         pair_s = (time.perf_counter() - t0) / MIN_PAIRS
         planned = max(MIN_PAIRS, min(MAX_PAIRS, math.ceil(self.budget.seconds / max(pair_s, 1e-6))))
@@ -240,9 +238,12 @@ class Comparer:
                 if high < line or low >= line:
                     break
             self.pairs(row, min(step, planned - len(got)), got, loads)
+        # the extension's share of what the rows before it left of total_s (their planned pairs and
+        # builds are not the budget's: a row timed late gets its share as the first did)
         now = time.perf_counter()
-        self._extend(row, got, loads, pair_s, MAX_PAIRS,
-                     now + min(self.budget.extend_s, max(0.0, self.deadline - now) / max(1, rows_left)))
+        share = max(0.0, self.budget.total_s - self.extended_s) / max(1, rows_left)
+        self._extend(row, got, loads, pair_s, MAX_PAIRS, now + min(self.budget.extend_s, share))
+        self.extended_s += time.perf_counter() - now
         row.ratio, row.low, row.high = got.interval(0.95)
         wall = sum(w for w, _ in loads)
         row.contention = None if wall <= 0 else sum(w * s for w, s in loads) / wall
