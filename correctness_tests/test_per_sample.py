@@ -310,6 +310,44 @@ class Shifts(nn.Module):
         return torch.cat([h[:1], h[1:] + h[:-1]])
 
 
+class Reorders(nn.Module):
+    """Samples 1 and 2 swap places before the Linear and back after: no sample mixes, but a layer
+    row holds another sample (as a batch sorted by a key inside the model); first and last stay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        order = torch.arange(len(x))
+        if len(x) > 3:
+            order[1], order[2] = 2, 1
+        return self.fc(x[order])[order]  # the swap is its own inverse
+
+
+class Anchored(nn.Module):
+    """Every sample less sample 0 (``h - h[:1]``): sample 0 is zero in any batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.head(h - h[:1])
+
+
+class FlipMixup(nn.Module):
+    """A mixup with the batch flipped: the first and last samples mix with each other alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(0.7 * x + 0.3 * x.flip(0))
+
+
 class BatchIndexedPosition(nn.Module):
     """The tutorial PositionalEncoding fed batch-first data: pe[:x.size(0)] indexes the batch."""
 
@@ -393,6 +431,11 @@ AWKWARD = {
     "shifts_neighbours_B2": (Shifts, (2, 6), False),
     "batch_indexed_position_B2": (BatchIndexedPosition, (2, 3, 6), False),
     "mixes_samples_B2": (Mixes, (2, 6), False),
+    # mixing or a reordering that a probe of the first and last samples together does not see
+    "reorders_samples": (Reorders, (5, 6), False),
+    "anchored_on_sample_0": (Anchored, (5, 6), False),
+    "flip_mixup": (FlipMixup, (5, 6), False),
+    "flip_mixup_B3": (FlipMixup, (3, 6), False),
     "views_across_batch": (ViewsAcrossBatch, (5, 3, 6), True),
     "user_forward_hook": (UserHook, (5, 6), True),
     "no_grad_inside_forward": (NoGradInside, (5, 6), False),
@@ -597,8 +640,20 @@ def test_a_reentrant_checkpoint_is_refused_with_what_works(name: str) -> None:
     assert_dicts_close(got, want, ELEMENTWISE) if isinstance(want, dict) else assert_close(got, want, REDUCTION)
 
 
+class WithAux(nn.Module):
+    """Returns (logits, an auxiliary output): a tuple, so the per-sample gradients go through vmap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = MLP([8, 16, 3])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.net(x)
+        return out, out.tanh()
+
+
 @pytest.mark.parametrize("name", FUNCS)
-@pytest.mark.parametrize("arch", ["mlp", "conv"])
+@pytest.mark.parametrize("arch", ["mlp", "conv", "tuple_output"])
 def test_a_loss_that_uses_a_parameter_itself_is_refused(name: str, arch: str) -> None:
     """Weight decay inside loss_fn: the reference's loop differentiates it, while the identity and
     torch.func differentiate the loss through the model's output only (before this check the
@@ -607,14 +662,16 @@ def test_a_loss_that_uses_a_parameter_itself_is_refused(name: str, arch: str) ->
     torch.manual_seed(0)
     if arch == "mlp":
         model, x = MLP([8, 16, 3]), torch.randn(5, 8)
+    elif arch == "tuple_output":  # the loss reads the tuple's first tensor: refused as for a tensor output
+        model, x = WithAux(), torch.randn(5, 8)
     else:
         model, x = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(32, 3)), torch.randn(5, 1, 6, 6)
     y = torch.randint(0, 3, (5,))
     first = next(model.parameters())
     fn = getattr(kernels, name)
     with pytest.raises(ValueError, match=r"loss_fn reaches model parameter\(s\) \['[^']*0\.weight'\] other than"):
-        fn(model, lambda o, t: F.cross_entropy(o, t) + 0.5 * first.pow(2).sum(), x, y)
-    detached = lambda o, t: F.cross_entropy(o, t) + 0.5 * first.detach().pow(2).sum()  # noqa: E731
+        fn(model, lambda o, t: _loss(o, t) + 0.5 * first.pow(2).sum(), x, y)
+    detached = lambda o, t: _loss(o, t) + 0.5 * first.detach().pow(2).sum()  # noqa: E731
     got, want = fn(model, detached, x, y), getattr(reference, name)(model, detached, x, y)
     if isinstance(want, dict):
         assert_dicts_close(got, want, ELEMENTWISE)
@@ -843,3 +900,18 @@ def test_an_input_shared_by_two_layers_keeps_the_identity(autocast: bool) -> Non
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         terms = capture(model, F.cross_entropy, x, y, {"a": model.a, "b": model.b})
     assert set(terms) == {"a", "b"}
+
+
+@pytest.mark.parametrize("name", FUNCS)
+def test_a_batch_of_one_whose_output_loses_its_batch_dim(name: str) -> None:
+    """``fc(x).squeeze()`` at B=1 returns (C,), not (1, C): the batched pass cannot give its
+    per-sample losses, so vmap computes them (it raised a vmap error about a 0-d tensor)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    loss = lambda o, t: F.cross_entropy(o.reshape(-1, 3), t.reshape(-1))  # noqa: E731
+    squeezed = lambda x: model(x).squeeze()  # noqa: E731
+    wrapped = nn.Sequential()
+    wrapped.fc, wrapped.forward = model, squeezed
+    x, y = torch.randn(1, 4, dtype=torch.float64), torch.tensor([2])
+    got, want = (getattr(side, name)(wrapped, loss, x, y) for side in (kernels, reference))
+    assert_dicts_close(got, want, ELEMENTWISE) if isinstance(want, dict) else assert_close(got, want, REDUCTION)

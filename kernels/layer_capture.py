@@ -4,11 +4,14 @@ The Linear identity g_i(W) = sum_t b_it a_it^T holds only under assumptions a fo
 cannot see, so each is checked and any failure raises ``Fallback`` (the caller then uses vmap,
 which needs none of them):
 
-- the layer sees the batch in dim 0 and samples do not mix: a probe forward of the first and
-  last samples must reproduce their layer inputs (shape and value) and model outputs. This
-  catches time-major layers (T, B, d), cross-sample ops such as ``h - h.mean(0)``, a shift
-  between neighbours, position encodings indexed by the batch, functional dropout. Mixing
-  that leaves both probed samples unchanged is not seen: samples must be independent;
+- the layer sees the batch in dim 0 and samples do not mix: a probe forward of the last, the
+  second and the first samples, in that order, must reproduce their layer inputs (shape and
+  value) and model outputs (a batch of 3 or fewer: each sample alone). This catches time-major
+  layers (T, B, d), cross-sample ops such as ``h - h.mean(0)`` or ``h - h[:1]``, a shift between
+  neighbours, a mixup with the batch flipped, position encodings indexed by the batch, samples
+  reordered inside the model (sorted by a key, say: a layer row then holds another sample),
+  functional dropout. Mixing or reordering that leaves the three probed samples unchanged is
+  not seen, nor mixing in the backward only: samples must be independent;
 - the weight is used by its own module's calls only: in the autograd graph of the per-sample
   losses, every edge into a layer's parameters (or into the nodes its calls made, such as an
   autocast copy of the weight) must come from one of its calls, and a layer never called owns
@@ -31,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import vmap
+from torch.utils._pytree import tree_flatten
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Node = torch.autograd.graph.Node
@@ -95,13 +99,15 @@ def _used_outside(root: Tensor, layers: dict[str, nn.Module], seen: dict[str, li
     return None
 
 
-def loss_parameters(losses: Tensor, outputs: Tensor, model: nn.Module) -> list[str]:
-    """The model's parameters that ``losses`` reach other than through ``outputs``: a loss_fn that
-    uses a parameter itself (weight decay inside the loss), or an activation the forward stored
-    on the model. Per-sample gradients by the identity or by torch.func differentiate the loss
-    through the model's output only, so such a loss must be refused, not computed without them."""
+def loss_parameters(losses: Tensor, outputs: object, model: nn.Module) -> list[str]:
+    """The model's parameters that ``losses`` reach other than through ``outputs`` (a tensor, or
+    the tuple or dict a model returns: every tensor in it): a loss_fn that uses a parameter
+    itself (weight decay inside the loss), or an activation the forward stored on the model.
+    Per-sample gradients by the identity or by torch.func differentiate the loss through the
+    model's output only, so such a loss must be refused, not computed without them."""
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-    found, stack, visited = [], [losses.grad_fn], {outputs.grad_fn}
+    ends = {t.grad_fn for t in tree_flatten(outputs)[0] if isinstance(t, Tensor)}
+    found, stack, visited = [], [losses.grad_fn], ends
     while stack:
         node = stack.pop()
         if node is None or node in visited:
@@ -172,12 +178,14 @@ def _forward(model: nn.Module, x: Tensor, layers: dict[str, nn.Module],
 
 def _probe(model: nn.Module, inputs: Tensor, outputs: Tensor, layers: dict[str, nn.Module],
            seen: dict[str, list]) -> None:
-    """The first and last samples, run as a batch of their own (one forward), must reproduce
-    their batched model outputs and every layer input: the last one catches shifts between
-    neighbours and batch-indexed additions such as ``pe[:x.size(0)]``. B=2: each sample alone
-    (two forwards; the two together are the batch itself)."""
+    """The last, second and first samples, run in that order as a batch of their own (one
+    forward), must reproduce their batched model outputs and every layer input: the last one
+    catches shifts between neighbours and batch-indexed additions such as ``pe[:x.size(0)]``,
+    the reversed order a reordering inside the model and mixing with a fixed sample (``h[:1]``),
+    the second sample a mixing symmetric under reversal (a flipped batch: its mirror is not the
+    probe's). B <= 3: each sample alone (a forward each; 3 reversed would be the batch itself)."""
     batch = inputs.shape[0]
-    probes = [slice(0, None, batch - 1)] if batch > 2 else [slice(0, 1), slice(1, 2)]
+    probes = [[batch - 1, 1, 0]] if batch > 3 else [[i] for i in range(batch)]
     pairs = []
     for rows in probes:
         with torch.no_grad():  # the rows copied: a model may view its input across the batch dim
@@ -233,6 +241,8 @@ def capture(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
     outputs, seen = _forward(model, inputs, layers, batch)
     if not isinstance(outputs, Tensor):
         raise Fallback("the model's output is not a Tensor")
+    if outputs.ndim == 0 or outputs.shape[0] != batch:  # squeezed at B=1, say: per sample only through vmap
+        raise Fallback(f"the model's output {tuple(outputs.shape)} has no batch dim {batch} first")
     if batch > 1:
         _probe(model, inputs, outputs, layers, seen)
     losses = per_sample_losses(loss_fn, outputs, targets)

@@ -144,8 +144,9 @@ def _vmap_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tens
         on = inputs.device
         with torch.random.fork_rng(devices=[] if on.type == "cpu" else [on], device_type=on.type):
             out = model(inputs[:1])
-        if isinstance(out, Tensor) and out.requires_grad:
-            refuse_loss_parameters(loss_parameters(loss_fn(out, targets[:1]), out, model))
+            loss = loss_fn(out, targets[:1])
+        if isinstance(loss, Tensor):  # a tuple or dict output too: every tensor in it ends the walk
+            refuse_loss_parameters(loss_parameters(loss, out, model))
     params = dict(model.named_parameters())
     diff = {n: params[n].detach() for n in names}
     const = {n: p.detach() for n, p in params.items() if n not in diff}
