@@ -1,8 +1,9 @@
 """Optimizer steps: the fastest correct ``torch.optim`` implementation for the parameters at hand.
 
-``adamw`` and ``sgd`` return plain ``torch.optim.AdamW`` / ``torch.optim.SGD`` objects (with one
-step pre-hook that guards the fused step, see below; GradScaler, LR schedulers, hooks and
-``state_dict`` work as usual) with the implementation chosen per device type: fused on CPU,
+``adamw`` and ``sgd`` return ``torch.optim.AdamW`` / ``torch.optim.SGD`` objects (subclasses that
+add one step pre-hook that guards the fused step, see below, kept by ``copy.deepcopy``, and checks
+on groups added later; GradScaler, LR schedulers, hooks and ``state_dict`` work as usual) with the
+implementation chosen per device type: fused on CPU,
 where it measured fastest for AdamW and SGD in fp32 and bf16 (evidence/from-the-code.md),
 and on CUDA, torch's fastest documented path (not yet measured in this project). Other device
 types get torch's default.
@@ -14,6 +15,15 @@ channels_last, or loaded from a state_dict, mis-steps the same way. Autograd's o
 the parameter's layout, so plain training is unaffected, but these optimizers copy any grad or
 state tensor laid out unlike its parameter into the parameter's layout before each fused step,
 and never choose fused for a parameter that is a strided view (no layout of its own to match).
+A group added with ``add_param_group`` to a fused optimizer must be fusable too (else a
+ValueError: build the optimizer with every group).
+
+Fused SGD with momentum creates its momentum buffers only when no parameter has one (torch
+2.14.1): a parameter whose first gradient comes after step 1 raised a TypeError, and a first step
+a GradScaler skipped kept uninitialised buffers (the weights then went to 1e26 or NaN). So each
+parameter with a gradient and no buffer gets a zero one before the step: with dampening 0 the
+fused update 0 * momentum + d is d, the first step's buffer, exactly; SGD with momentum and
+dampening is not fused.
 
 Hyperparameters are checked before torch sees them, the keyword arguments and every override in
 a parameter-group dict alike (torch checks the keywords only, and lets ``lr=inf``, ``lr=True``,
@@ -23,11 +33,14 @@ number, not a bool, in its range (``HYPERPARAMETERS``), else a ValueError naming
 (with 0 an element whose gradient has been 0 so far steps by 0/0 = NaN), and SGD's ``momentum``
 < 1 (a factor of 1 or more never forgets a gradient: the buffer grows without bound). Numbers are
 stored as Python floats; a tensor ``lr`` or ``betas`` (torch's capturable steps) is checked by
-its value and kept. Groups added later with ``add_param_group`` are torch's, unchecked.
+its value and kept, and each must be representable where the step computes (float32 for all but
+float64 parameters): an ``eps`` that rounds to 0 there, or an ``lr`` or ``weight_decay`` that
+rounds to inf, is refused. Groups added later with ``add_param_group`` are checked alike.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -103,19 +116,36 @@ HYPERPARAMETERS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
 
 def _hyperparameters(kind: str, given: dict[str, Any], groups: list) -> dict[str, Any]:
     """``given`` (the keyword arguments) checked, and in place every group dict's overrides of
-    them; returns the checked keywords. Nesterov's condition is checked per group as it will run."""
+    them (``_group``); returns the checked keywords."""
     rules = HYPERPARAMETERS[kind]
     defaults = {k: rules[k](v, k) for k, v in given.items()}
-    for i, g in enumerate(groups):
-        if isinstance(g, dict):
-            g.update({k: rules[k](g[k], f"params[{i}][{k!r}]") for k in rules if k in g})
-    runs = [{**defaults, **g} for g in groups if isinstance(g, dict)] or [defaults]  # each group as it will run
-    for i, run in enumerate(runs):
-        if kind == "sgd" and run["nesterov"] and (run["momentum"] == 0 or run["dampening"] != 0):
-            where = f"params[{i}] runs with" if run is not defaults else "got"
-            raise ValueError(f"nesterov=True needs momentum > 0 and dampening 0; {where} momentum "
-                             f"{run['momentum']} and dampening {run['dampening']}")
+    dicts = [g for g in groups if isinstance(g, dict)]
+    for i, g in enumerate(dicts):
+        _group(kind, g, defaults, f"params[{i}]")
+    if not dicts:  # plain tensors: one group of the keywords as they are
+        _group(kind, {"params": _tensors(groups)}, defaults, "got")
     return defaults
+
+
+def _group(kind: str, group: dict[str, Any], defaults: dict[str, Any], where: str) -> None:
+    """A group dict's overrides checked in place (``where[key]`` in an error), then the group as
+    it will run: Nesterov's condition, and each number where its step computes (module note)."""
+    rules = HYPERPARAMETERS[kind]
+    group.update({k: rules[k](group[k], f"{where}[{k!r}]") for k in rules if k in group})
+    run = {**defaults, **group}
+    if kind == "sgd" and run["nesterov"] and (run["momentum"] == 0 or run["dampening"] != 0):
+        runs = "got" if where == "got" else f"{where} runs with"
+        raise ValueError(f"nesterov=True needs momentum > 0 and dampening 0; {runs} momentum "
+                         f"{run['momentum']} and dampening {run['dampening']}")
+    if any(p.dtype != torch.float64 for p in _tensors(group["params"])):  # computed in float32
+        for key in ("lr", "eps", "weight_decay"):
+            value = run.get(key)
+            if isinstance(value, float) and value != 0 and float(torch.tensor(value)) in (0.0, math.inf):
+                name = key if where == "got" or key not in group else f"{where}[{key!r}]"
+                raise ValueError(f"{name}={value!r} rounds to {float(torch.tensor(value))} in float32, where the "
+                                 "step computes for float32, bf16 and fp16 parameters; pass a value float32 holds "
+                                 f"({torch.finfo(torch.float32).smallest_normal:g} to "
+                                 f"{torch.finfo(torch.float32).max:g}), or float64 parameters")
 
 
 def _dense(t: Tensor) -> bool:
@@ -144,21 +174,37 @@ def _align(optimizer: torch.optim.Optimizer) -> None:
                     state[key] = _aligned(v, p)  # e.g. the model went channels_last after step 1
 
 
+def _momentum_buffers(optimizer: torch.optim.Optimizer) -> None:
+    """Fused SGD: a zero momentum buffer for each parameter with a gradient and none yet (module note)."""
+    for group in optimizer.param_groups:
+        if group["momentum"] == 0:
+            continue
+        for p in group["params"]:
+            if p.grad is not None and optimizer.state[p].get("momentum_buffer") is None:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 def _guard(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Align layouts before each fused step, closures included (their grads are made inside)."""
+    """Align layouts (and give fused SGD its momentum buffers) before each fused step, closures
+    included (their grads are made inside)."""
     if not optimizer.defaults.get("fused"):
         return optimizer
+
+    def prepare(opt: torch.optim.Optimizer) -> None:
+        _align(opt)
+        if isinstance(opt, torch.optim.SGD):
+            _momentum_buffers(opt)
 
     def pre_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
         # torch passes step's own arguments: args = (optimizer, [closure])
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        _align(opt)
+        prepare(opt)
         if closure is None:
             return None
 
         def aligned_closure() -> Any:
             loss = closure()
-            _align(opt)
+            prepare(opt)
             return loss
 
         return args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": aligned_closure}
@@ -167,12 +213,13 @@ def _guard(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-def implementation(params: list[Tensor]) -> dict[str, bool]:
+def implementation(params: list[Tensor], dampened: bool = False) -> dict[str, bool]:
     """The ``fused``/``foreach`` keywords for these parameters, as measured (module note):
     fused on one CPU or CUDA device for dense real floating parameters; otherwise torch's own
-    default (fused kernels mis-step strided views and do not take complex parameters)."""
+    default (fused kernels mis-step strided views and do not take complex parameters; SGD with
+    momentum and dampening, ``dampened``, has no exact zero buffer to start from)."""
     devices = {p.device.type for p in params}
-    if (devices <= set(FUSED_DEVICES) and len(devices) == 1
+    if (devices <= set(FUSED_DEVICES) and len(devices) == 1 and not dampened
             and all(p.is_floating_point() and _dense(p) for p in params)):
         return {"fused": True}
     return {}
@@ -183,13 +230,53 @@ def _tensors(groups: list) -> list[Tensor]:
     return [p[1] if isinstance(p, tuple) else p for p in ps]
 
 
+def _dampened(defaults: dict[str, Any], groups: list) -> bool:
+    """Whether an SGD group runs with momentum and dampening (no fused step: ``implementation``)."""
+    runs = [{**defaults, **g} for g in groups if isinstance(g, dict)] or [defaults]
+    return any(r.get("momentum", 0) != 0 and r.get("dampening", 0) != 0 for r in runs)
+
+
+class _Chosen:
+    """What kernels adds to torch's optimizer class: the guard again after ``copy.deepcopy`` or
+    unpickling (torch's ``__getstate__`` leaves step hooks out), and a group added later checked
+    as the constructor's are, and refused where the fused step chosen for the first cannot take it."""
+
+    kind: str
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[misc]
+        _guard(self)  # type: ignore[arg-type]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict with 'params', got {type(param_group).__name__}")
+        group = _groups([param_group], "param_group")[0]
+        defaults = self.defaults  # type: ignore[attr-defined]
+        _group(self.kind, group, {k: v for k, v in defaults.items() if k in HYPERPARAMETERS[self.kind]},
+               "param_group")
+        if defaults.get("fused") and not implementation(_tensors([group]), _dampened(defaults, [group])):
+            raise ValueError(f"param_group cannot take the fused step kernels.{self.kind} chose for this "
+                             "optimizer's parameters (a strided view, a complex parameter, another device, or SGD "
+                             "momentum with dampening): build the optimizer with every group, "
+                             f"kernels.{self.kind}([group, ...]), so the choice covers them all")
+        super().add_param_group(group)  # type: ignore[misc]
+
+
+class AdamW(_Chosen, torch.optim.AdamW):
+    kind = "adamw"
+
+
+class SGD(_Chosen, torch.optim.SGD):
+    kind = "sgd"
+
+
 def adamw(params: Params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
           eps: float = 1e-8, weight_decay: float = 1e-2) -> torch.optim.AdamW:
     """torch AdamW (decoupled weight decay, bias correction) with the fastest implementation.
     ``lr``, ``weight_decay`` >= 0, ``eps`` > 0, ``betas`` two numbers in [0, 1) (module note)."""
     groups = _groups(params, "params")
     hyper = _hyperparameters("adamw", dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), groups)
-    return _guard(torch.optim.AdamW(groups, **hyper, **implementation(_tensors(groups))))
+    return _guard(AdamW(groups, **hyper, **implementation(_tensors(groups))))
 
 
 def sgd(params: Params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
@@ -200,4 +287,4 @@ def sgd(params: Params, lr: float = 1e-3, momentum: float = 0.0, dampening: floa
     groups = _groups(params, "params")
     hyper = _hyperparameters("sgd", dict(lr=lr, momentum=momentum, dampening=dampening,
                                          weight_decay=weight_decay, nesterov=nesterov), groups)
-    return _guard(torch.optim.SGD(groups, **hyper, **implementation(_tensors(groups))))
+    return _guard(SGD(groups, **hyper, **implementation(_tensors(groups), _dampened(hyper, groups))))
