@@ -340,7 +340,7 @@ def test_unit_aware_intervals_need_matching_counts() -> None:
 
 
 def _confirmed(first_slow: float, second: list[tuple[float, float]], noise: float, seed: int,
-               settle: bool = True) -> str:
+               settle: bool = True, share: float = 0.0) -> str:
     """The outcome of a row whose first stretch (14 pairs) read this tree ``first_slow`` times
     slower, timed again on a scripted second stretch: pair k of it is this tree ``second[k][0]``
     times slower at log noise ``second[k][1]`` (the last entry repeats), each side on 4 units."""
@@ -359,6 +359,7 @@ def _confirmed(first_slow: float, second: list[tuple[float, float]], noise: floa
                 into.this.append(float(slow * np.exp(rng.normal(0, sd))))
                 into.rev_units.append(100 + k % 4)
                 into.this_units.append(100 + (k + 1) % 4)
+                loads.append((1.0, share))  # the host's withheld share while the pair ran
 
     row = ABRow("k", "optimized", "smoke", "t::k", rev_times=list(np.exp(rng.normal(0, noise, 14))),
                 this_times=list(first_slow * np.exp(rng.normal(0, noise, 14))),
@@ -576,3 +577,33 @@ def test_a_row_timed_late_gets_its_share_of_the_extension_budget(monkeypatch) ->
     first = late_pairs(0)
     assert first > A.MIN_PAIRS
     assert late_pairs(2) == first
+
+
+def test_a_second_stretch_on_a_busy_host_is_no_verdict() -> None:
+    """A row timed again while the host withheld 30% of the CPU: as a first stretch so measured,
+    no verdict (the second stretch's share was measured, then left out: the row FAILed)."""
+    steady = [(1.2, 0.05)]
+    assert [_confirmed(1.2, steady, 0.05, seed) for seed in range(5)] == ["FAIL"] * 5
+    assert [_confirmed(1.2, steady, 0.05, seed, share=0.3) for seed in range(5)] == ["unresolved"] * 5
+
+
+def test_both_sides_time_blocks_of_one_shape() -> None:
+    """Unchanged code whose warm call reads 0.09 s on REV's workers and 0.11 s on this tree's
+    (either side of WARM_S): both sides get the same calls and warming calls a block."""
+    from perfgate.abrun import ABRow, Comparer
+
+    class Worker:
+        def __init__(self, side: str, index: int) -> None:
+            self.side, self.index, self.name = side, index, f"{side}{index}"
+
+    class Pool:
+        per_side = 2
+        workers = [Worker(side, i) for side in ("rev", "this") for i in range(2)]
+
+        def ask(self, worker: Worker, op: str, timeout: float, **kwargs) -> dict:
+            return {"ok": True, "warm_s": 0.09 if worker.side == "rev" else 0.11, "builds": 1}
+
+    comparer = Comparer(Pool(), 0.05, None)
+    assert comparer.build(ABRow("k", "optimized", "smoke", "t::k"), {})
+    (rev_calls, rev_warm, rev_s), (this_calls, this_warm, this_s) = comparer.blocks["rev"], comparer.blocks["this"]
+    assert (rev_calls, rev_warm) == (this_calls, this_warm) and (rev_s, this_s) == (0.09, 0.11)

@@ -184,8 +184,11 @@ class Comparer:
             if not warm[side]:
                 row.reason = f"no {side} worker is left"
                 return False
-            seconds = float(np.median(warm[side]))
-            self.blocks[side] = (*block_calls(seconds), seconds)
+        # one block shape for both sides, from both sides' warm calls: each side's own (one noisy
+        # call a worker) gave unchanged code near WARM_S a warming call on one side and not the other
+        shape = block_calls(float(np.median(warm["rev"] + warm["this"])))
+        for side in ("rev", "this"):
+            self.blocks[side] = (*shape, float(np.median(warm[side])))  # its own seconds: the timeout
         return True
 
     def _block(self, row: ABRow, side: str, loads: list[tuple[float, float]]) -> tuple[float, int]:
@@ -283,6 +286,12 @@ class Comparer:
         until = time.perf_counter() + self.budget.extend_s
         self._extend(row, both, loads, pair_s, first + MAX_PAIRS, until, alone)
         self._settle(row, both, first, loads, pair_s, time.perf_counter() + self.budget.extend_s)
+        # the host's withheld share over the second stretch counts as the first's does: a row
+        # measured again while the host was busy is no verdict either
+        wall = sum(w for w, _ in loads)
+        if wall > 0:
+            second = sum(w * s for w, s in loads) / wall
+            row.contention = second if row.contention is None else max(row.contention, second)
         again = _after(both, first)
         row.confirmed = len(again)
         row.confirm_ratio, row.confirm_low, row.confirm_high = again.interval(0.95)
