@@ -138,10 +138,12 @@ def _all_close(pairs: list[tuple[Tensor, Tensor]]) -> bool:
         return False
     if not pairs:
         return True
-    # each pair's largest error and largest value, read in one sync and compared on the host
-    # (a NaN compares False: not close)
-    norms = [torch.linalg.vector_norm(t, math.inf, dtype=torch.float64) for a, b in pairs for t in (a - b, b)]
-    values = torch.stack(norms).tolist()
+    # each pair's largest error and largest value (exact in any dtype: no sum), read in one sync
+    # and compared on the host (a NaN compares False: not close); foreach ops, a dispatch for all
+    errors = torch._foreach_sub([a for a, _ in pairs], [b for _, b in pairs])
+    norms = torch._foreach_norm([t for e, (_, b) in zip(errors, pairs, strict=True) for t in (e, b)], math.inf)
+    alike = len({n.dtype for n in norms}) == 1
+    values = torch.stack(norms if alike else [n.double() for n in norms]).tolist()
     info = [torch.finfo(b.dtype) for _, b in pairs]
     return all(err <= min(64 * f.eps, f.eps**0.5) * max(scale, f.tiny)
                for err, scale, f in zip(values[::2], values[1::2], info, strict=True))
@@ -188,12 +190,14 @@ def _probe(model: nn.Module, inputs: Tensor, outputs: Tensor, layers: dict[str, 
     probes = [[batch - 1, 1, 0]] if batch > 3 else [[i] for i in range(batch)]
     pairs = []
     for rows in probes:
-        with torch.no_grad():  # the rows copied: a model may view its input across the batch dim
-            out_p, seen_p = _forward(model, inputs[rows].contiguous(), layers, None)
+        index = torch.tensor(rows, device=inputs.device)
+        with torch.no_grad():  # the rows gathered (a copy): a model may view its input across the batch dim
+            out_p, seen_p = _forward(model, inputs.index_select(0, index), layers, None)
         if not isinstance(out_p, Tensor) or any(len(seen_p[n]) != len(seen[n]) for n in layers):
             raise Fallback("the probe samples call the layers differently")
-        pairs += [(outputs.detach()[rows], out_p)]
-        pairs += [(c[0][rows], cp[0]) for n in layers for c, cp in zip(seen[n], seen_p[n], strict=True)]
+        pairs += [(outputs.detach().index_select(0, index), out_p)]
+        pairs += [(c[0].index_select(0, index), cp[0])
+                  for n in layers for c, cp in zip(seen[n], seen_p[n], strict=True)]
     if not _all_close(pairs):
         raise Fallback("the probe samples give other layer inputs or outputs: the batch is not in "
                        "dim 0, samples mix, or the forward is random")
