@@ -458,10 +458,13 @@ def test_the_import_check_loads_the_compiled_modules_a_library_imports_when_firs
     assert done.stdout.splitlines()[-1] == COMPILED + json.dumps(["mylib.sub._bisect"])
 
 
-def test_a_worker_lost_while_a_slower_row_is_timed_again_leaves_its_failure_standing(monkeypatch,
-                                                                                     tmp_path) -> None:
-    """This tree 1.3x slower; one fresh worker dies while the row is timed again: the first
-    stretch's verdict stands (a failure), as a failed rebuild's does, never 'not comparable'."""
+@pytest.mark.parametrize("mode", ["worker lost", "rebuild failed", "ctrl-c"])
+def test_a_slower_row_not_timed_again_leaves_its_failure_standing_unconfirmed(monkeypatch, tmp_path,
+                                                                               mode: str) -> None:
+    """This tree 1.3x slower; one fresh worker dies while the row is timed again, or the fresh
+    pool cannot build it, or Ctrl-C lands among its second stretch's pairs: the first stretch's
+    verdict stands (a failure), judged on its own pairs (none of the second's half-taken), with a
+    note that says it was not timed again; never 'not comparable'."""
     import random
     import types
 
@@ -493,10 +496,14 @@ def test_a_worker_lost_while_a_slower_row_is_timed_again_leaves_its_failure_stan
 
         def ask(self, w, op, timeout, **kw) -> dict:
             if op == "build":
+                if self.n == 1 and mode == "rebuild failed":
+                    return {"ok": False, "reason": "out of memory"}
                 return {"ok": True, "warm_s": 0.001, "builds": 1}
             if op == "drop":
                 return {"ok": True}
             self.blocks += 1
+            if self.n == 1 and self.blocks == 5 and mode == "ctrl-c":
+                raise KeyboardInterrupt
             if self.n == 1 and self.blocks == 5:  # a worker of the fresh pool dies while timing again
                 self.workers.remove(w)
                 raise WorkerGone(f"{w.name} died (exit -9)")
@@ -514,11 +521,26 @@ def test_a_worker_lost_while_a_slower_row_is_timed_again_leaves_its_failure_stan
                                  callspec=types.SimpleNamespace(params={}))
     state = types.SimpleNamespace(results={"k": {"optimized": types.SimpleNamespace(label="")}},
                                   settings=types.SimpleNamespace(size="smoke", contended=0.05))
-    ag._compare({}, [(item, "k", "optimized")], tmp_path / "rev", tmp_path / "this", state,
-                Budget(seconds=0.0, extend_s=1.0))
+    first: list[int] = []
+    judge = A.judge
+
+    def judged(row, *args):  # the first stretch's pairs, as the session judges them
+        first.append(len(row.rev_times))
+        return judge(row, *args)
+
+    monkeypatch.setattr(A, "judge", judged)
+    compare = lambda: ag._compare({}, [(item, "k", "optimized")], tmp_path / "rev",  # noqa: E731
+                                  tmp_path / "this", state, Budget(seconds=0.0, extend_s=1.0))
+    if mode == "ctrl-c":
+        with pytest.raises(KeyboardInterrupt):
+            compare()
+    else:
+        compare()
     (row,) = ag.rows
-    assert A.judge(row, 0.05) == "FAIL" and ag.failed() == [row], (row.reason, row.outcome)
-    assert any("was not timed again" in note for note in ag.notes)
+    assert judge(row, 0.05) == "FAIL" and ag.failed() == [row], (row.reason, row.outcome)
+    assert len(row.rev_times) == len(row.this_times) == len(row.rev_units) == first[0]
+    why = {"worker lost": "died (exit -9)", "rebuild failed": "out of memory", "ctrl-c": "interrupted"}[mode]
+    assert [n for n in ag.notes if "was not timed again" in n and why in n and "unconfirmed" in n], ag.notes
 
 
 def test_an_incomplete_comparison_never_closes_on_a_pass_line() -> None:
@@ -607,3 +629,54 @@ def test_both_sides_time_blocks_of_one_shape() -> None:
     assert comparer.build(ABRow("k", "optimized", "smoke", "t::k"), {})
     (rev_calls, rev_warm, rev_s), (this_calls, this_warm, this_s) = comparer.blocks["rev"], comparer.blocks["this"]
     assert (rev_calls, rev_warm) == (this_calls, this_warm) and (rev_s, this_s) == (0.09, 0.11)
+
+
+def test_a_test_method_is_not_comparable_as_a_method_not_as_new(monkeypatch, tmp_path) -> None:
+    """A perf test written in a class: the workers cannot rebuild it by name, so its row says so
+    (it read 'new in this tree' though REV's file had it)."""
+    import types
+
+    import perfgate.against as A
+    from perfgate.abrun import Budget
+
+    for side in ("rev", "this"):
+        (tmp_path / side).mkdir()
+        (tmp_path / side / "test_k.py").write_text("class TestK:\n    def test_k(self, perf):\n        pass\n")
+    ag = A.Against.__new__(A.Against)
+    ag.per_side, ag.tolerance, ag.rows, ag.notes, ag.problem = 2, 0.05, [], [], ""
+    item = types.SimpleNamespace(path=tmp_path / "this" / "test_k.py", originalname="test_k",
+                                 nodeid="test_k.py::TestK::test_k", cls=type("TestK", (), {}))
+    state = types.SimpleNamespace(results={"k": {"optimized": types.SimpleNamespace(label="")}},
+                                  settings=types.SimpleNamespace(size="smoke", contended=0.05))
+
+    class NoPool:
+        def __init__(self, hellos, per_side) -> None:
+            self.workers = []
+
+        def start(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(A, "Pool", NoPool)
+    ag._compare({}, [(item, "k", "optimized")], tmp_path / "rev", tmp_path / "this", state,
+                Budget(seconds=0.0, extend_s=1.0))
+    (row,) = ag.rows
+    assert "a test method (TestK.test_k)" in row.reason and "new in this tree" not in row.reason
+
+
+def test_a_compiled_module_older_than_its_source_is_named(tmp_path: Path) -> None:
+    """This side times whatever its last install built: a C source edited since is named (REV's
+    copy is built afresh), one built after its last edit is not."""
+    from perfgate.against import stale_builds
+
+    suffix = EXTENSION_SUFFIXES[0]
+    (tmp_path / "mylib").mkdir()
+    for stem, source_first in (("_old", False), ("_fresh", True)):
+        source, built = tmp_path / "mylib" / f"{stem}.c", tmp_path / "mylib" / f"{stem}{suffix}"
+        for path in (source, built) if source_first else (built, source):
+            path.write_text("")
+        later = max(source.stat().st_mtime, built.stat().st_mtime) + 10
+        os.utime(built if source_first else source, (later, later))
+    assert stale_builds(tmp_path, ["mylib"]) == [("mylib._old", tmp_path / "mylib" / "_old.c")]

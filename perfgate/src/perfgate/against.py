@@ -28,7 +28,7 @@ import pytest
 
 from .abrun import ABRow, Budget, Comparer, judge
 from .abworker import Hello
-from .checkout import CheckoutError, Revision, checked_out, resolve
+from .checkout import CheckoutError, Revision, checked_out, resolve, scratch_folder
 from .workers import Pool, WorkerGone
 
 INI = "perfgate_against_library"
@@ -63,6 +63,19 @@ def compiled_files(root: Path, packages: list[str]) -> list[str]:
             if suffix is not None and path.is_file():
                 names.add(".".join(path.relative_to(root).with_name(path.name.removesuffix(suffix)).parts))
     return sorted(names)
+
+
+def stale_builds(root: Path, packages: list[str]) -> list[tuple[str, Path]]:
+    """(module name, source) for each compiled module under ``root``'s ``packages`` whose C or C++
+    source beside it (same stem: ``_rope.c`` for ``_rope.cpython-311-x86_64-linux-gnu.so``) is newer."""
+    stale = []
+    for name in compiled_files(root, packages):
+        *folder, stem = name.split(".")
+        built = [p for p in root.joinpath(*folder).glob(f"{stem}.*") if p.name.endswith(tuple(EXTENSION_SUFFIXES))]
+        for source in (root.joinpath(*folder, stem + ext) for ext in (".c", ".cc", ".cpp")):
+            if source.is_file() and built and source.stat().st_mtime > max(p.stat().st_mtime for p in built):
+                stale.append((name, source))
+    return stale
 
 
 def try_import(name: str) -> None:
@@ -179,6 +192,10 @@ class Against:
         ours = set(compiled_modules(self.library)) | set(compiled_files(self.config.rootpath, self.library))
         self.notes = [f"REV's copy loaded no {name}, which this tree's library has (a compiled module not built "
                       f"there, or one REV predates): REV's rows run without it" for name in sorted(ours - theirs)]
+        # REV's C parts are built afresh; this tree's are whatever its last install left
+        self.notes += [f"this tree's {name} was built before {source.name} last changed: this side times the old "
+                       f"build (rebuild first: make install, or {BUILD_INI}'s command)"
+                       for name, source in stale_builds(self.config.rootpath, self.library)]
 
     def close(self) -> None:
         """Remove REV's copy (idempotent): at unconfigure, and on a refusal."""
@@ -216,8 +233,10 @@ class Against:
         max_time = float(self.config.getoption("benchmark_max_time"))
         budget = Budget(seconds=max_time, extend_s=state.settings.extend_s, total_s=self.budget_s,
                         all_pairs=state.settings.all_visits)
-        scratch = None if self.revision.folder is not None else str(self.root.parents[len(Path(
-            self.revision.prefix).parts)])  # the export's scratch folder: the tests' tmp_path go there
+        # the tests' tmp_path folders go in a scratch folder the session owns (the export's, or one of
+        # its own for a folder REV), so a worker killed before its cleanup leaves nothing a sweep misses
+        scratch = str(self.root.parents[len(Path(self.revision.prefix).parts)] if self.revision.folder is None
+                      else self._exit.enter_context(scratch_folder(self.revision.rev)))
         hellos = {"rev": self._hello("rev", self.root, state, scratch),
                   "this": self._hello("this", rootdir, state, scratch)}
         try:
@@ -249,6 +268,10 @@ class Against:
                 row = ABRow(kernel, impl, state.settings.size, item.nodeid, label=label)
                 self.rows.append(row)
                 relative = Path(item.path).relative_to(rootdir)
+                if getattr(item, "cls", None) is not None:  # a worker rebuilds a module's function by name
+                    row.reason = (f"a test method ({item.cls.__name__}.{item.originalname}): --perf-against "
+                                  "times module-level test functions only")
+                    continue
                 if not defines(rev_root / relative, item.originalname):
                     row.reason = f"new in this tree: {relative} has no {item.originalname} at REV"
                     continue
@@ -266,17 +289,30 @@ class Against:
                 comparer.drop(row)
         if not again:
             return
-        with _started(Pool(hellos, self.per_side)) as pool:
-            comparer.use(pool)
-            for row, request in again:  # timed again, after every other row, before the verdict stands
-                try:  # a rebuild that fails leaves the first verdict standing, unconfirmed
-                    if comparer.build(ABRow(row.kernel, row.impl, row.size, row.nodeid), request):
-                        comparer.confirm(row)
-                except WorkerGone as exc:  # as a failed rebuild: the first verdict stands, unconfirmed
-                    self.notes.append(f"{row.kernel} [{row.impl}] was not timed again ({exc}): its first "
-                                      "stretch's verdict stands")
-                    _check_sides(pool)
-                comparer.drop(row)
+        why = {id(row): "interrupted" for row, _ in again}  # what kept each row from being timed again
+        try:
+            with _started(Pool(hellos, self.per_side)) as pool:
+                comparer.use(pool)
+                for row, request in again:  # timed again, after every other row, before the verdict stands
+                    first = len(row.rev_times)
+                    try:
+                        fresh = ABRow(row.kernel, row.impl, row.size, row.nodeid)
+                        if comparer.build(fresh, request):
+                            comparer.confirm(row)
+                        else:
+                            why[id(row)] = fresh.reason
+                    except WorkerGone as exc:
+                        why[id(row)] = str(exc)
+                        _check_sides(pool)
+                    finally:
+                        if row.confirm_ratio is None:  # not timed again to the end: its first stretch alone
+                            for times in (row.rev_times, row.this_times, row.rev_units, row.this_units):
+                                del times[first:]
+                    comparer.drop(row)
+        finally:  # a rebuild that failed, a worker lost or Ctrl-C: the first verdict stands, unconfirmed
+            self.notes += [f"{row.kernel} [{row.impl}] was not timed again on fresh workers ({why[id(row)]}): "
+                           "its first stretch's verdict stands, unconfirmed"
+                           for row, _ in again if row.confirm_ratio is None]
 
     # -- the report -------------------------------------------------------------------------------
 

@@ -118,16 +118,24 @@ def sweep(tmp: Path | None = None) -> list[Path]:
 
 
 @contextlib.contextmanager
+def scratch_folder(rev: str, tmp: Path | None = None) -> Iterator[Path]:
+    """A folder this session owns (its owner.json names the pid) for the duration of the block:
+    removed however the block ends, or by a later session's ``sweep`` after a SIGKILL."""
+    sweep(tmp)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=tmp))
+    try:
+        (scratch / "owner.json").write_text(json.dumps({"pid": os.getpid(), "rev": rev}), encoding="utf8")
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def checked_out(revision: Revision, tmp: Path | None = None) -> Iterator[Path]:
     """REV's copy of the project root for the duration of the block: the user's folder, or an
     export in a scratch folder that is removed however the block ends."""
     if revision.folder is not None:
         yield revision.folder
         return
-    sweep(tmp)
-    scratch = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=tmp))
-    try:
-        (scratch / "owner.json").write_text(json.dumps({"pid": os.getpid(), "rev": revision.rev}), encoding="utf8")
+    with scratch_folder(revision.rev, tmp) as scratch:
         yield export(revision, scratch)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
