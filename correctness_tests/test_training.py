@@ -664,3 +664,88 @@ def test_bad_checkpoints_are_refused(tmp_path) -> None:
     lam.base_lrs = [object()]  # a state value JSON cannot hold
     with pytest.raises(TypeError, match="JSON cannot store"):
         save_checkpoint(path, model, opt, scheduler=lam)
+
+
+class _TemperedLoss(nn.Module):
+    """Cross-entropy at a learned temperature: a loss module whose parameter the optimizer trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_t = nn.Parameter(torch.zeros(()))
+
+    def forward(self, out: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(out * self.log_t.exp(), y)
+
+
+def test_a_loss_modules_parameters_are_saved_and_resumed(tmp_path) -> None:
+    """An optimizer training a loss module's parameter: the checkpoint holds its value (a resume
+    restarted it from its initial value, the temperature 1.19 in the run and -0.56 resumed, and
+    the losses went apart silently); without loss_fn= the save is refused, naming it."""
+    from kernels.training import load_checkpoint, save_checkpoint
+
+    def build() -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+        model, _ = _setup()
+        loss = _TemperedLoss()
+        return model, loss, torch.optim.SGD([*model.parameters(), *loss.parameters()], lr=0.2, momentum=0.9)
+
+    data = _data(8, 8)
+    model, loss, opt = build()
+    straight = train(model, loss, opt, data).losses
+    model2, loss2, opt2 = build()
+    first = train(model2, loss2, opt2, data[:4]).losses
+    with pytest.raises(ValueError, match="not the model's.*pass it as loss_fn="):
+        save_checkpoint(tmp_path / "ckpt.safetensors", model2, opt2, step=4)
+    save_checkpoint(tmp_path / "ckpt.safetensors", model2, opt2, step=4, loss_fn=loss2)
+    model3, loss3, opt3 = build()
+    with pytest.raises(ValueError, match="holds loss_fn state but loss_fn= was not passed"):
+        load_checkpoint(tmp_path / "ckpt.safetensors", model3, opt3)
+    assert load_checkpoint(tmp_path / "ckpt.safetensors", model3, opt3, loss_fn=loss3) == 4
+    assert first + train(model3, loss3, opt3, data[4:]).losses == straight
+    torch.testing.assert_close(loss3.log_t.detach(), loss.log_t.detach(), atol=0, rtol=0)
+
+
+def test_a_scaler_or_scheduler_that_would_change_nothing_is_refused() -> None:
+    """A disabled GradScaler skips nothing and turned the gradient check off (a NaN gradient
+    reached the weights silently); a scheduler of another optimizer never set this one's lr; a
+    ReduceLROnPlateau raised only after the first step had changed the weights."""
+    model, opt = _setup()
+    before = _params(model).clone()
+    other = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    data = _data(2, 8)
+    with pytest.raises(ValueError, match="scaler is disabled"):
+        train(model, F.cross_entropy, opt, data, Recipe(grad_scaler=True),
+              scaler=torch.amp.GradScaler("cpu", enabled=False))
+    with pytest.raises(ValueError, match="scheduler was built on another optimizer"):
+        train(model, F.cross_entropy, opt, data, scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+    with pytest.raises(ValueError, match="ReduceLROnPlateau, which steps on a metric"):
+        train(model, F.cross_entropy, opt, data, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+    torch.testing.assert_close(_params(model), before, atol=0, rtol=0)
+
+
+def test_sparse_gradients_train_as_torchs_loop_does() -> None:
+    """nn.Embedding(sparse=True) with torch's SGD: the finiteness check reads the stored values
+    (it raised NotImplementedError for aminmax on SparseCPU at the first step)."""
+    def run(side) -> Tensor:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        data = [(torch.randint(0, 10, (5, 2), generator=gen), torch.randint(0, 3, (5,), generator=gen))
+                for _ in range(3)]
+        side.train(model, F.cross_entropy, opt, data)
+        return _params(model)
+
+    import kernels.training as kt
+
+    torch.testing.assert_close(run(kt), run(ref), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("where", [0, 1])
+def test_an_empty_batch_is_refused_by_index(where: int) -> None:
+    """A batch with no samples: its mean loss is 0/0 (a ZeroDivisionError first in a window, a
+    'loss nan' blaming the data later in it)."""
+    model, opt = _setup()
+    data = _data(2, 8)
+    data[where] = (data[where][0][:0], data[where][1][:0])
+    with pytest.raises(ValueError, match=f"batch {where} has no samples"):
+        train(model, F.cross_entropy, opt, data, Recipe(accumulation=2))

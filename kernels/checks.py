@@ -129,6 +129,8 @@ def tangent(*tensors: Tensor) -> bool:
 def extremes(named: Mapping[str, Tensor]) -> dict[str, tuple[float, float]]:
     """(min, max) of each floating, non-empty tensor of ``named`` (others are left out), read with
     one host sync for all of them; NaN propagates to both."""
+    # a sparse tensor by its stored values (its implicit zeros are finite)
+    named = {n: t.coalesce().values() if t.is_sparse else t for n, t in named.items()}
     checked = {n: t for n, t in named.items() if t.is_floating_point() and t.numel()}
     if not checked:
         return {}

@@ -412,6 +412,10 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
     device = _device(device, params)
     if scaler is not None and not recipe.grad_scaler:
         raise ValueError("a scaler was passed but recipe.grad_scaler is False")
+    if scaler is not None and not scaler.is_enabled():  # it would skip nothing, and the grads go unchecked
+        raise ValueError("scaler is disabled (enabled=False, or built for a device this machine lacks, which "
+                         f"disables it with a warning): pass torch.amp.GradScaler({device.type!r}), or none")
+    _check_scheduler(scheduler, optimizer)
     own_scaler = scaler is None
     scaler = torch.amp.GradScaler(device.type, enabled=recipe.grad_scaler) if own_scaler else scaler
     if recipe.channels_last:
@@ -433,6 +437,9 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
             if loss.ndim != 0:
                 raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
             n = x.shape[0] if x.ndim else 1
+            if n == 0:  # its mean loss is 0/0, and it would weigh nothing in the window
+                raise ValueError(f"batch {i} has no samples (inputs of shape {tuple(x.shape)}); leave empty "
+                                 "batches out (a DataLoader with drop_last=True, or a sampler without them)")
             n0 = steps.sizes[0] if steps.sizes else n
             # weighted by its samples (a smaller last micro-batch counts for less), exactly loss / k
             # where the window's micro-batches are of one size
@@ -452,6 +459,22 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
                       "counts them)", RuntimeWarning, stacklevel=2)
     grad_norms = torch.stack(steps.norms).tolist() if steps.norms else []  # one sync for all steps
     return TrainResult(steps.losses, len(steps.losses), steps.skipped, time.perf_counter() - start, grad_norms)
+
+
+def _check_scheduler(scheduler: object, optimizer: torch.optim.Optimizer) -> None:
+    """A scheduler ``train`` can step once per applied step: an LRScheduler of ``optimizer`` that
+    takes no metric (one built on another optimizer would change another's lr)."""
+    if scheduler is None:
+        return
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError("scheduler is a ReduceLROnPlateau, which steps on a metric: pass scheduler=None and "
+                         "call scheduler.step(metric) after each train call (an epoch)")
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        raise TypeError("scheduler must be a torch.optim.lr_scheduler.LRScheduler or None, got "
+                        f"{type(scheduler).__name__}")
+    if scheduler.optimizer is not optimizer:
+        raise ValueError("scheduler was built on another optimizer than the one train steps: its learning rates "
+                         "would never reach the run; build it on this optimizer")
 
 
 # Checkpoint and resume: one safetensors file (every tensor) whose metadata holds the rest as
@@ -499,9 +522,12 @@ def _own(t: Tensor) -> Tensor:
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                    scaler: torch.amp.GradScaler | None = None, step: int = 0) -> None:
+                    scaler: torch.amp.GradScaler | None = None, step: int = 0,
+                    loss_fn: nn.Module | None = None) -> None:
     """Model, optimizer, scheduler, GradScaler and RNG states (torch, CUDA, Python, NumPy) and
     ``step`` in one file at ``path``, replaced atomically (a crash leaves the previous one).
+    ``loss_fn``: a loss module whose parameters the optimizer trains, saved beside the model (an
+    optimizer holding parameters of neither is refused: their values would be lost).
 
     Data parallel: call it on every rank; rank 0 writes (the replicas are equal) and every rank
     returns once the file is complete, or raises when rank 0 could not write it. On several hosts
@@ -511,13 +537,14 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     distinct dropout or augmentation streams)."""
     step = checks.integer(step, "step", low=0)
     checks.module(model, "model")
+    _check_owned(model, loss_fn, optimizer)
     if not active():
-        _write_checkpoint(path, unwrap(model), optimizer, scheduler, scaler, step)
+        _write_checkpoint(path, unwrap(model), optimizer, scheduler, scaler, step, loss_fn)
         return
     error = None
     if rank() == 0:
         try:
-            _write_checkpoint(path, unwrap(model), optimizer, scheduler, scaler, step)
+            _write_checkpoint(path, unwrap(model), optimizer, scheduler, scaler, step, loss_fn)
         except Exception as e:  # every rank learns of it below, so none waits for a file that never comes
             error = e
     if not agree(error is None):  # also the barrier: no rank reads the file before rank 0 has replaced it
@@ -529,10 +556,24 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         raise RuntimeError(f"rank 0 could not write the checkpoint {path} (its error is in rank 0's log)")
 
 
+def _check_owned(model: nn.Module, loss_fn: nn.Module | None, optimizer: torch.optim.Optimizer) -> None:
+    """Every parameter the optimizer steps is the model's or ``loss_fn``'s: a checkpoint holds their values."""
+    if loss_fn is not None:
+        checks.module(loss_fn, "loss_fn")
+    owned = {id(p) for m in (model, loss_fn) if m is not None for p in m.parameters()}
+    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
+    if foreign:
+        raise ValueError(f"the optimizer steps {len(foreign)} parameter(s) that are not the model's "
+                         f"(shapes {[tuple(p.shape) for p in foreign][:4]}): a loss module's? pass it as loss_fn= "
+                         "to save_checkpoint and load_checkpoint, so their values are saved and restored too")
+
+
 def _write_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
                       scheduler: torch.optim.lr_scheduler.LRScheduler | None, scaler: torch.amp.GradScaler | None,
-                      step: int) -> None:
+                      step: int, loss_fn: nn.Module | None = None) -> None:
     tensors = {f"model/{k}": _own(v) for k, v in model.state_dict().items()}
+    if loss_fn is not None:
+        tensors.update({f"loss_fn/{k}": _own(v) for k, v in loss_fn.state_dict().items()})
     opt = optimizer.state_dict()
     plain_state: dict[str, dict] = {}
     for pid, entries in opt["state"].items():
@@ -552,6 +593,7 @@ def _write_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torc
         "optimizer": {"param_groups": opt["param_groups"], "state": plain_state},
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "scaler": None if scaler is None else scaler.state_dict(),
+        "loss_fn": loss_fn is not None,
         "rng": {"python": [py_version, list(py_state), py_gauss],
                 "numpy": [np_kind, np_keys.tolist(), np_pos, np_has_gauss, np_gauss]},
     }
@@ -560,22 +602,29 @@ def _write_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torc
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                    scaler: torch.amp.GradScaler | None = None) -> int:
+                    scaler: torch.amp.GradScaler | None = None, loss_fn: nn.Module | None = None) -> int:
     """Restore what ``save_checkpoint`` wrote into the given objects (built as for a fresh run)
-    and the RNG states; returns the saved ``step``. A checkpoint holding a scheduler or scaler
-    state not asked for (or the reverse) is an error: resuming without it would change the run."""
+    and the RNG states; returns the saved ``step``. A checkpoint holding a scheduler, scaler or
+    loss module state not asked for (or the reverse) is an error: resuming without it would
+    change the run."""
     checks.module(model, "model")
+    if loss_fn is not None:
+        checks.module(loss_fn, "loss_fn")
     tensors, meta = read_safetensors(path)
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path} is not a kernelgate checkpoint (format {meta.get('format')!r})")
     state = _unkeyed(json.loads(meta["state"]))
-    for name, given in (("scheduler", scheduler), ("scaler", scaler)):
+    state["loss_fn"] = state.get("loss_fn") or None  # True where saved
+    for name, given in (("scheduler", scheduler), ("scaler", scaler), ("loss_fn", loss_fn)):
         if (state[name] is None) != (given is None):
             have = "holds" if state[name] is not None else "holds no"
             raise ValueError(f"{path} {have} {name} state but {name}= was "
                              f"{'not ' if given is None else ''}passed; resume with the run's own {name}")
     weights = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
     unwrap(model).load_state_dict(weights)
+    if loss_fn is not None:
+        loss_fn.load_state_dict({k.removeprefix("loss_fn/"): v for k, v in tensors.items()
+                                 if k.startswith("loss_fn/")})
     opt_state: dict[int, dict] = {int(pid): dict(v) for pid, v in state["optimizer"]["state"].items()}
     for key, v in tensors.items():
         if key.startswith("optimizer/"):
