@@ -750,3 +750,16 @@ def test_the_c_softmax_refuses_thread_counts_out_of_range(threads: int) -> None:
 def test_the_c_softmax_refuses_a_kernel_it_does_not_have(isa: str) -> None:
     with pytest.raises(ValueError, match="isa must name a kernel"):
         C.softmax_(torch.zeros(2, 3).numpy(), 1, isa)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_default_device_elsewhere_leaves_the_result_on_qs(causal: bool) -> None:
+    """Under ``torch.device("meta")`` (as ``set_default_device("cuda")`` with a CPU model) the
+    fused path allocated its output and work buffer on the default device (a TypeError there)."""
+    torch.manual_seed(0)
+    rope, q, k, v = RotaryEmbedding(8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    want = RA.rope_attention(q, k, v, rope, causal=causal)
+    with torch.no_grad(), torch.device("meta"):
+        got = kernels.rope_attention(q, k, v, rope, causal=causal)
+    assert got.device.type == "cpu"
+    assert_close(got, want, REDUCTION)

@@ -278,10 +278,10 @@ def _fused_attention(q: Tensor, k: Tensor, v: Tensor, tables: tuple, interleaved
     g = h // hk
     cos, sin = c_tables(*tables, s)
     per = max(1, FUSED_BYTES // ((g * s * d + s * d + g * s * s) * q.element_size()))  # units a chunk
-    out = torch.empty(b, h, s, dv, dtype=q.dtype)
+    out = torch.empty(b, h, s, dv, dtype=q.dtype, device=q.device)  # q's device, whatever the default
     # one allocation a call for every chunk's rotated q and k and its scores, each chunk a view
     most = min(per, b * hk)
-    work = torch.empty(most * (g + 1) * s * d + most * g * s * s, dtype=q.dtype)
+    work = torch.empty(most * (g + 1) * s * d + most * g * s * s, dtype=q.dtype, device=q.device)
     scores = work[most * (g + 1) * s * d :].view(most, g * s, s)
     full = None if mask is None else mask.expand(b, h, s, s)
     for rows, heads in _units(b, hk, per):

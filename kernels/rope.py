@@ -63,11 +63,13 @@ def check_settings(head_dim: int, max_seq_len: int, base: float) -> None:
     checks.number(base, "base", low=1, low_open=True)
 
 
-def check_rotate(x: Tensor, head_dim: int, offset: int, positions: Tensor | None) -> None:
+def check_rotate(x: Tensor, head_dim: int, offset: int, positions: Tensor | None) -> int:
+    """The checks of a rotation's arguments; returns ``offset`` as a Python int (a numpy integer or
+    a 0-d tensor is one too)."""
     checks.tensor(x, "x", ndim=4, floating=True, shape="(B, H, S, D)")
     if x.shape[-1] != head_dim:
         raise ValueError(f"x has head dim {x.shape[-1]}, the embedding was built for {head_dim}")
-    checks.integer(offset, "offset", low=0)
+    offset = checks.integer(offset, "offset", low=0)
     if positions is not None:
         checks.tensor(positions, "positions", ndim=(1, 2), dtypes=(torch.int32, torch.int64),
                       shape="(S,) or (B, S)")
@@ -81,6 +83,7 @@ def check_rotate(x: Tensor, head_dim: int, offset: int, positions: Tensor | None
             raise ValueError(f"positions are on {positions.device}, x on {x.device}")
         if positions.numel() and int(positions.min()) < 0:
             raise ValueError("positions must be >= 0")
+    return offset
 
 
 class _Rotate(torch.autograd.Function):
@@ -292,7 +295,9 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """cos, sin (S, D/2) or (B, 1, S, D/2) in the compute dtype for x (B, H, S, D)."""
-        check_rotate(x, self.head_dim, offset, positions)
+        offset = check_rotate(x, self.head_dim, offset, positions)
+        if self.cos.device.type == "meta" and x.device.type != "meta":  # built under meta and never moved
+            self._build(self.max_seq_len, x.device)  # (load_state_dict(assign=True) leaves these alone)
         if self.cos.device != x.device:
             raise ValueError(f"x is on {x.device}, the embedding's cache on {self.cos.device}: move the "
                              "module with .to(device)")
