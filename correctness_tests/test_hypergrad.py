@@ -236,3 +236,15 @@ def test_a_tensor_as_outer_params_and_half_precision_inner_parameters_are_refuse
     model, inner, outer, w, theta, lr = problem(torch.bfloat16)
     with pytest.raises(TypeError, match=r"inner parameter '0.weight' is torch.bfloat16.*fp32 or fp64"):
         darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, at=theta)
+
+
+def test_outer_params_inside_the_inner_model_are_refused() -> None:
+    """DARTS's architecture weights kept as a parameter of the inner model, passed as outer_params:
+    each was perturbed as theta and held fixed as w at once, and its hypergradient came back zero
+    (0.0113 exact); alone it raised autograd's 'does not require grad'."""
+    model, inner, outer, w, theta, lr = problem()
+    model.alpha = nn.Parameter(torch.zeros(2, dtype=next(model.parameters()).dtype))
+    theta = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for outer_params in ([model.alpha, *w.parameters()], [model.alpha]):
+        with pytest.raises(ValueError, match=r"outer_params\[0\] is inner's parameter 'alpha'"):
+            darts_hypergradient(model, inner, outer, outer_params, lr=lr, at=theta)

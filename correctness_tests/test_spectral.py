@@ -235,3 +235,13 @@ def test_features_follow_values_that_match_reference_within_the_bound(r, shapes,
         assert bool(((true - s).abs() <= KS._pad(err, 10) + 1e-5 * true[:, :1]).all())
         signal = slice(32 * i, 32 * i + min(r, k))  # the values above the noise floor
         assert_close(got[:, signal], want[:, signal], REDUCTION, scale=true[:, 0].max().item())
+
+
+def test_a_generator_or_a_layer_of_another_type_is_refused_by_name() -> None:
+    """torch's randn said 'invalid combination of arguments' for a seed given as generator=, and a
+    list with a non-tensor layer was told its layers' batch dims differ."""
+    a = torch.randn(200, 150)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator .* got int"):
+        KS.topk_singular_values(a, 10, generator=0)
+    with pytest.raises(TypeError, match=r"weights\[1\] is a str, not a tensor"):
+        KS.spectral_features([torch.randn(2, 5, 5), "x"])

@@ -120,6 +120,16 @@ def _check(inner: nn.Module, outer: list[Tensor], lr: float, alpha: float) -> li
                         "in fp32 and pass autocast_dtype=torch.bfloat16 for the v pass")
     if not outer or not all(isinstance(w, Tensor) and w.requires_grad for w in outer):
         raise ValueError("outer_params must be a non-empty iterable of tensors that require grad")
+    # an outer parameter inside inner would be perturbed as theta and held fixed as w at once: its
+    # hypergradient came back zero (DARTS's architecture weights kept in the model, say)
+    mine = {id(p): n for n, p in inner.named_parameters()}
+    inside = [(i, mine[id(w)]) for i, w in enumerate(outer) if id(w) in mine]
+    if inside:
+        i, name = inside[0]
+        raise ValueError(f"outer_params[{i}] is inner's parameter {name!r}: outer parameters must live outside "
+                         "inner (a weighting network's), since every inner parameter is perturbed as theta; "
+                         "keep them in a module of their own, or freeze them in inner (requires_grad_(False)) "
+                         "and pass a copy the inner loss reads")
     checks.same_device({**{f"inner parameter {n!r}": p for n, p in named},
                         **{f"outer_params[{i}]": w for i, w in enumerate(outer)}})
     checks.number(lr, "lr", low=0, low_open=True)

@@ -180,6 +180,9 @@ def topk_singular_values(A: Tensor, k: int, *, oversample: int | None = None, ni
     computed exactly; module note). ``generator`` seeds the random test matrix (device of A).
     """
     _check(A, k, oversample, niter, finite=False)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError("generator must be a torch.Generator (on A's device) or None, got "
+                        f"{type(generator).__name__}")
     out_dtype = A.dtype
     a = A.float() if A.dtype in (torch.float16, torch.bfloat16) else A
     m, n = a.shape[-2:]
@@ -250,7 +253,11 @@ def features_with(values: Callable[[Tensor, int], Tensor], weights: Tensor | lis
         if not weights:
             raise ValueError("weights is an empty list; pass a (..., m, n) tensor or a list of (B, m_l, n_l) "
                              "layers")
-        leading = {tuple(w.shape[:-2]) if isinstance(w, Tensor) else None for w in weights}
+        for i, w in enumerate(weights):
+            if not isinstance(w, Tensor):
+                raise TypeError(f"weights[{i}] is a {type(w).__name__}, not a tensor: pass a list of "
+                                "(B, m_l, n_l) layers")
+        leading = {tuple(w.shape[:-2]) for w in weights}
         if len(leading) > 1:
             raise ValueError("weights' layers must share their leading (batch) dims, got "
                              f"{sorted(map(str, leading))}; pass one (B, m_l, n_l) tensor a layer, one B")
