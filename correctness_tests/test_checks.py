@@ -218,8 +218,11 @@ def _spectral(name: str) -> dict[str, Any]:
         range_msg = "k must be an int >= 2, got int 1"
         empty = R(lambda: f([]), ValueError, "weights is an empty list")
     k = 2 if name == "topk_singular_values" else 10
+    # spectral_features reads a list as its layers: a nested list is a list of non-tensor layers
+    listed = ("A must be a torch.Tensor" if name == "topk_singular_values"
+              else r"weights\[0\] is a list, not a tensor: pass weights as a \(\.\.\., m, n\) tensor")
     return {
-        "non_tensor": R(lambda: f(a.tolist(), k), TypeError, "A must be a torch.Tensor"),
+        "non_tensor": R(lambda: f(a.tolist(), k), TypeError, listed),
         "wrong_rank": R(lambda: f(a[0], k), ValueError, r"A must be .*\(\.\.\., m, n\)"),
         "wrong_dtype": R(lambda: f(a.long(), k), TypeError, "A must be a floating"),
         "wrong_device": NA("one tensor argument: computed on its own device"),

@@ -255,8 +255,8 @@ def features_with(values: Callable[[Tensor, int], Tensor], weights: Tensor | lis
                              "layers")
         for i, w in enumerate(weights):
             if not isinstance(w, Tensor):
-                raise TypeError(f"weights[{i}] is a {type(w).__name__}, not a tensor: pass a list of "
-                                "(B, m_l, n_l) layers")
+                raise TypeError(f"weights[{i}] is a {type(w).__name__}, not a tensor: pass weights as a "
+                                "(..., m, n) tensor or a list of (B, m_l, n_l) layer tensors")
         leading = {tuple(w.shape[:-2]) for w in weights}
         if len(leading) > 1:
             raise ValueError("weights' layers must share their leading (batch) dims, got "
