@@ -140,9 +140,10 @@ def _group(kind: str, group: dict[str, Any], defaults: dict[str, Any], where: st
     if any(p.dtype != torch.float64 for p in _tensors(group["params"])):  # computed in float32
         for key in ("lr", "eps", "weight_decay"):
             value = run.get(key)
-            if isinstance(value, float) and value != 0 and float(torch.tensor(value)) in (0.0, math.inf):
+            rounded = float(torch.tensor(value, dtype=torch.float32)) if isinstance(value, float) else None
+            if rounded is not None and value != 0 and rounded in (0.0, math.inf):
                 name = key if where == "got" or key not in group else f"{where}[{key!r}]"
-                raise ValueError(f"{name}={value!r} rounds to {float(torch.tensor(value))} in float32, where the "
+                raise ValueError(f"{name}={value!r} rounds to {rounded} in float32, where the "
                                  "step computes for float32, bf16 and fp16 parameters; pass a value float32 holds "
                                  f"({torch.finfo(torch.float32).smallest_normal:g} to "
                                  f"{torch.finfo(torch.float32).max:g}), or float64 parameters")

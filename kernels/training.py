@@ -238,6 +238,12 @@ def check_max_grad_norm(max_grad_norm: float | None) -> float | None:
     return checks.number(max_grad_norm, "max_grad_norm (None: no clipping)", low=0, low_open=True)
 
 
+def _foreign(optimizer: torch.optim.Optimizer, *owners: object) -> list[Tensor]:
+    """The optimizer's parameters that none of ``owners`` (the nn.Modules among them) holds."""
+    owned = {id(p) for m in owners if isinstance(m, nn.Module) for p in m.parameters()}
+    return [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
+
+
 def check_parameters(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer) -> list[Tensor]:
     """The optimizer's parameters, refused unless they train ``model`` (module note): every one
     the model's (or ``loss_fn``'s, when it is an nn.Module) and at least one of them trainable; a
@@ -246,9 +252,8 @@ def check_parameters(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.O
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    owners = [m for m in (model, loss_fn) if isinstance(m, nn.Module)]
-    owned = {id(p): p for m in owners for p in m.parameters()}
-    foreign = sum(id(p) not in owned for p in params)
+    owned = {id(p): p for m in (model, loss_fn) if isinstance(m, nn.Module) for p in m.parameters()}
+    foreign = len(_foreign(optimizer, model, loss_fn))
     if foreign:
         raise ValueError(f"the optimizer holds {foreign} of its {len(params)} parameters that are not the model's "
                          "(nor loss_fn's, when loss_fn is an nn.Module): it was built on another model or a copy "
@@ -560,8 +565,7 @@ def _check_owned(model: nn.Module, loss_fn: nn.Module | None, optimizer: torch.o
     """Every parameter the optimizer steps is the model's or ``loss_fn``'s: a checkpoint holds their values."""
     if loss_fn is not None:
         checks.module(loss_fn, "loss_fn")
-    owned = {id(p) for m in (model, loss_fn) if m is not None for p in m.parameters()}
-    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
+    foreign = _foreign(optimizer, model, loss_fn)
     if foreign:
         raise ValueError(f"the optimizer steps {len(foreign)} parameter(s) that are not the model's "
                          f"(shapes {[tuple(p.shape) for p in foreign][:4]}): a loss module's? pass it as loss_fn= "

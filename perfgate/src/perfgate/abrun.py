@@ -148,6 +148,12 @@ class Budget:
     all_pairs: bool = False  # the stopping rule off (perfgate.fidelity's comparison)
 
 
+def _withheld(loads: list[tuple[float, float]]) -> float | None:
+    """The host's withheld CPU share over (wall seconds, share) readings, wall-weighted; None without any."""
+    wall = sum(w for w, _ in loads)
+    return None if wall <= 0 else sum(w * s for w, s in loads) / wall
+
+
 class Comparer:
     """Times the rows of one session against REV on a started ``pool``."""
 
@@ -248,8 +254,7 @@ class Comparer:
         self._extend(row, got, loads, pair_s, MAX_PAIRS, now + min(self.budget.extend_s, share))
         self.extended_s += time.perf_counter() - now
         row.ratio, row.low, row.high = got.interval(0.95)
-        wall = sum(w for w, _ in loads)
-        row.contention = None if wall <= 0 else sum(w * s for w, s in loads) / wall
+        row.contention = _withheld(loads)
 
     def _extend(self, row: ABRow, got: Stretch, loads: list[tuple[float, float]], pair_s: float, cap: int,
                 until: float, decided: Callable[[], bool] = lambda: False) -> None:
@@ -288,9 +293,8 @@ class Comparer:
         self._settle(row, both, first, loads, pair_s, time.perf_counter() + self.budget.extend_s)
         # the host's withheld share over the second stretch counts as the first's does: a row
         # measured again while the host was busy is no verdict either
-        wall = sum(w for w, _ in loads)
-        if wall > 0:
-            second = sum(w * s for w, s in loads) / wall
+        second = _withheld(loads)
+        if second is not None:
             row.contention = second if row.contention is None else max(row.contention, second)
         again = _after(both, first)
         row.confirmed = len(again)
