@@ -84,7 +84,7 @@ def test_per_sample_grad_gram(perf, impl: str) -> None:
 
 @pytest.mark.speedup(cpu={"smoke": 8.0, "full": 20.0}, cuda={"full": 10.0})
 @pytest.mark.speedup(cpu={"smoke": 3.0}, over="peer: opacus norms")
-@pytest.mark.speedup(cpu={"smoke": 0.9}, over="peer: opacus ghost clipping")
+@pytest.mark.speedup(cpu={"smoke": 0.75}, over="peer: opacus ghost clipping")
 @pytest.mark.parametrize("impl", [*IMPLS, "peer: opacus norms", "peer: opacus ghost clipping"])
 def test_per_sample_grad_norms(perf, impl: str) -> None:
     fn = PEERS.get(impl) or IMPLS[impl].per_sample_grad_norms

@@ -29,9 +29,9 @@ def rotate(rope: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return rope(x)
 
 
-@pytest.mark.speedup()
-@pytest.mark.speedup(over=ROTATION)
-@pytest.mark.speedup(over=COMPILED)
+@pytest.mark.speedup(cpu={"smoke": 4.3})
+@pytest.mark.speedup(cpu={"smoke": 6.0}, over=ROTATION)
+@pytest.mark.speedup(cpu={"smoke": 38.0}, over=COMPILED)
 @pytest.mark.parametrize("impl", ["reference", "optimized", ROTATION, COMPILED])
 def test_rope_rotation(perf, impl: str) -> None:
     torch.manual_seed(0)
