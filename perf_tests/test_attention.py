@@ -82,7 +82,7 @@ def test_rope_attention_s512(perf, impl: str, causal: bool) -> None:
 TRAIN_BATCH = {"smoke": 32, "full": 128}  # the RoPE ViT's batch; its attention layer: S 64, dim 192, 6 heads
 
 
-@pytest.mark.speedup(cpu={"smoke": 1.0})
+@pytest.mark.speedup(cpu={"smoke": 0.95})
 @pytest.mark.speedup(cpu={"smoke": 1.0}, over=PEER)
 @pytest.mark.speedup(cpu={"smoke": 1.1}, over=COMPILED)
 @pytest.mark.parametrize("impl", [*IMPLS, PEER, COMPILED])
