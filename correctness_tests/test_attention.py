@@ -124,15 +124,18 @@ def test_fused_path_equals_reference(p: dict, budget: int, strided: bool, where:
     assert_close(got, want, REDUCTION)
 
 
-def test_fused_path_at_its_longest_and_at_the_default_chunks() -> None:
-    """S = CPU_FUSED_SEQ_TWO_THREADS at 2 threads, grouped heads, the module's chunk size; a mask
-    there takes SDPA."""
-    s = KA.CPU_FUSED_SEQ_TWO_THREADS
-    q, k, v = torch.randn(2, 4, s, 16), torch.randn(2, 2, s, 16), torch.randn(2, 2, s, 16)
+@SOFTMAX_PATHS
+def test_fused_path_at_its_longest_and_at_the_default_chunks(path: str) -> None:
+    """S = CPU_FUSED_SEQ_TWO_THREADS at 2 threads, the module's chunk size: grouped heads but through
+    kernels._softmax's AVX2 kernel (where they stop at CPU_FUSED_SEQ, and the heads here are one a
+    kv head); a mask there takes SDPA."""
+    s, groups = (KA.CPU_FUSED_SEQ_TWO_THREADS, 1 if path == "avx2" else 2)
+    q, k, v = torch.randn(2, 2 * groups, s, 16), torch.randn(2, 2, s, 16), torch.randn(2, 2, s, 16)
     mask = torch.rand(2, 1, s, s) < 0.5
     mask[..., 0] = True
     rope = RotaryEmbedding(16)
-    with torch_threads(2), mock.patch.object(KA, "_fused_attention", wraps=KA._fused_attention) as fused:
+    with (torch_threads(2), through_softmax(path),
+          mock.patch.object(KA, "_fused_attention", wraps=KA._fused_attention) as fused):
         got = kernels.rope_attention(q, k, v, rope)
         assert fused.call_count == 1
         masked = kernels.rope_attention(q, k, v, rope, attn_mask=mask)
@@ -157,9 +160,9 @@ def test_fused_path_at_one_thread_up_to_its_longest(path: str) -> None:
 
 def test_fused_path_only_where_it_measured_faster() -> None:
     """CPU fp32, not causal, up to CPU_FUSED_SEQ positions (without a mask CPU_FUSED_SEQ_TWO_THREADS
-    at 2 threads, CPU_FUSED_SEQ_ONE_THREAD at 1 where kernels._softmax's AVX-512F kernel runs),
-    one table for all batch rows, nothing to differentiate, no autocast
-    (evidence/fused-attention-zen4.txt)."""
+    at 2 threads, for grouped heads not where kernels._softmax's AVX2 kernel runs, and
+    CPU_FUSED_SEQ_ONE_THREAD at 1 where its AVX-512F kernel runs), one table for all batch rows, nothing to
+    differentiate, no autocast (evidence/fused-attention-zen4.txt, fused-attention-zen3.txt)."""
     rope = RotaryEmbedding(8)
 
     def fuses(s: int = 8, dtype: torch.dtype = torch.float32, *, causal: bool = False, mask=None,
@@ -171,6 +174,13 @@ def test_fused_path_only_where_it_measured_faster() -> None:
         assert fuses(KA.CPU_FUSED_SEQ_TWO_THREADS) and not fuses(KA.CPU_FUSED_SEQ_TWO_THREADS + 1)
         mask = torch.ones(KA.CPU_FUSED_SEQ + 1, KA.CPU_FUSED_SEQ + 1, dtype=torch.bool)
         assert fuses(KA.CPU_FUSED_SEQ, mask=mask[1:, 1:]) and not fuses(KA.CPU_FUSED_SEQ + 1, mask=mask)
+        # grouped-query heads (4 q heads over 2 kv heads) past 128: not with the AVX2 softmax
+        for path in [*ISAS, "torch"]:
+            with through_softmax(path):
+                grouped = [KA._fuses(torch.empty(2, 4, s, 8), *(torch.empty(2, 2, s, 8) for _ in "kv"), rope,
+                                     False, None, None) for s in (KA.CPU_FUSED_SEQ, KA.CPU_FUSED_SEQ + 1,
+                                                                  KA.CPU_FUSED_SEQ_TWO_THREADS)]
+                assert grouped == [True, path != "avx2", path != "avx2"], (path, grouped)
     with torch_threads(1):
         assert fuses(KA.CPU_FUSED_SEQ_ONE_THREAD) == (KA._softmax_in_c() == "avx512f")
         assert not fuses(KA.CPU_FUSED_SEQ_ONE_THREAD + 1)
