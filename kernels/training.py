@@ -238,9 +238,13 @@ def check_max_grad_norm(max_grad_norm: float | None) -> float | None:
     return checks.number(max_grad_norm, "max_grad_norm (None: no clipping)", low=0, low_open=True)
 
 
-def _foreign(optimizer: torch.optim.Optimizer, *owners: object) -> list[Tensor]:
-    """The optimizer's parameters that none of ``owners`` (the nn.Modules among them) holds."""
-    owned = {id(p) for m in owners if isinstance(m, nn.Module) for p in m.parameters()}
+def _owned(*owners: object) -> dict[int, Tensor]:
+    """The parameters of ``owners`` (the nn.Modules among them), by id."""
+    return {id(p): p for m in owners if isinstance(m, nn.Module) for p in m.parameters()}
+
+
+def _foreign(optimizer: torch.optim.Optimizer, owned: dict[int, Tensor]) -> list[Tensor]:
+    """The optimizer's parameters that are not in ``owned`` (``_owned``)."""
     return [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
 
 
@@ -252,8 +256,8 @@ def check_parameters(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.O
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    owned = {id(p): p for m in (model, loss_fn) if isinstance(m, nn.Module) for p in m.parameters()}
-    foreign = len(_foreign(optimizer, model, loss_fn))
+    owned = _owned(model, loss_fn)
+    foreign = len(_foreign(optimizer, owned))
     if foreign:
         raise ValueError(f"the optimizer holds {foreign} of its {len(params)} parameters that are not the model's "
                          "(nor loss_fn's, when loss_fn is an nn.Module): it was built on another model or a copy "
@@ -565,7 +569,7 @@ def _check_owned(model: nn.Module, loss_fn: nn.Module | None, optimizer: torch.o
     """Every parameter the optimizer steps is the model's or ``loss_fn``'s: a checkpoint holds their values."""
     if loss_fn is not None:
         checks.module(loss_fn, "loss_fn")
-    foreign = _foreign(optimizer, model, loss_fn)
+    foreign = _foreign(optimizer, _owned(model, loss_fn))
     if foreign:
         raise ValueError(f"the optimizer steps {len(foreign)} parameter(s) that are not the model's "
                          f"(shapes {[tuple(p.shape) for p in foreign][:4]}): a loss module's? pass it as loss_fn= "
