@@ -40,10 +40,13 @@ lint: $(STAMP)
 
 # The tests that time nothing on every core (pytest-xdist, one torch thread a worker: two 2-thread
 # OpenMP teams on 2 vCPUs spin against each other; worksteal: an idle worker takes queued tests from
-# the busy one, so a long test left at the end does not hold the run), then the timed ones (perf
-# sessions, clocks, host-load readings; marker `timed`) alone, so no other test shares the CPUs.
+# the busy one, so a long test left at the end does not hold the run); then the paced ones (perf
+# sessions whose timed calls sleep, ratios set by the test; marker `paced`) one a core, with nothing
+# CPU-bound beside them; then the timed ones (real kernels, clocks, bandwidth, host-load readings;
+# marker `timed`) alone, so no other test shares the CPUs.
 correctness: $(STAMP)
-	OMP_NUM_THREADS=1 $(PYTEST) correctness_tests perfgate/tests -q -m "not timed" -n auto --dist worksteal
+	OMP_NUM_THREADS=1 $(PYTEST) correctness_tests perfgate/tests -q -m "not timed and not paced" -n auto --dist worksteal
+	$(PYTEST) correctness_tests perfgate/tests -q -m paced -n auto --dist worksteal
 	$(PYTEST) correctness_tests perfgate/tests -q -m timed
 
 # The perf suite at smoke size, gated by its speedup floors. No baseline compare here: memory-bound

@@ -28,7 +28,11 @@ def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pyte
     hold no hypothesis test, and the plugin imports hypothesis in each fresh process (0.75 s).
     Its inline sessions read no thread placement: where this host ran torch's two threads apart
     (a busy neighbour), a verdict a test expects would turn "unresolved"; the placement's own
-    tests give their sessions readings of their own (test_placement.py, split_host)."""
+    tests give their sessions readings of their own (test_placement.py, split_host).
+    Run in a pytest-xdist worker (make correctness's paced tests), its sessions are not one: the
+    worker's variables would turn pytest-benchmark off in them."""
     pytester.plugins.append("no:hypothesispytest")
     monkeypatch.setattr(timing.RoundTrip, "open", staticmethod(lambda threads: None))
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)
     return pytester

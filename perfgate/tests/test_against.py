@@ -95,7 +95,7 @@ def _rows(pytester: pytest.Pytester) -> dict[str, dict]:
     return {r["kernel"]: r for r in against["rows"]}
 
 
-@pytest.mark.timed
+@pytest.mark.paced
 def test_a_slower_row_fails_a_faster_one_is_reported_and_new_ones_are_not_comparable(
         project: pytest.Pytester, capsys: pytest.CaptureFixture) -> None:
     # HEAD gains a test of a function its library lacks; this tree, uncommitted: slow_work 1.3x
@@ -132,7 +132,7 @@ def test_a_slower_row_fails_a_faster_one_is_reported_and_new_ones_are_not_compar
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.timed
+@pytest.mark.paced
 def test_a_baseline_drop_that_rev_shares_is_not_this_changes(project: pytest.Pytester) -> None:
     """A baseline saved when slow_work slept 4 ms (2x over its reference), HEAD's slow_work now
     8 ms, a clean tree against HEAD with --benchmark-compare: the stored baseline reads a 50% drop,
@@ -151,7 +151,7 @@ def test_a_baseline_drop_that_rev_shares_is_not_this_changes(project: pytest.Pyt
     assert _left(project) == []
 
 
-@pytest.mark.timed
+@pytest.mark.paced
 def test_unchanged_code_passes_against_head(project: pytest.Pytester) -> None:
     # as make bench runs it: --perf-gated-only times what the comparison needs, not the references
     result = project.runpytest(*FAST, "--perf-gated-only", "--perf-against", "HEAD", "--benchmark-json=out.json")
@@ -183,7 +183,7 @@ def test_a_revision_whose_library_does_not_import_stops_the_session(project: pyt
     assert _left(project) == []
 
 
-@pytest.mark.timed
+@pytest.mark.paced
 def test_ctrl_c_in_the_comparison_leaves_nothing_behind(project: pytest.Pytester,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while the first row is compared (the in-process session's comparer raises it): the

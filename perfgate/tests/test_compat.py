@@ -10,7 +10,7 @@ import pytest
 from pytest_benchmark import session as benchmark_session
 from pytest_benchmark.utils import load_storage
 
-pytestmark = pytest.mark.timed  # perf sessions and clocks: run alone (make correctness)
+pytestmark = pytest.mark.paced  # perf sessions whose timed calls sleep: one a core (make correctness)
 
 
 def test_benchmark_session_has_what_compat_uses() -> None:

@@ -94,7 +94,7 @@ def test_the_second_stretch_survives_a_json_round_trip() -> None:
         assert (back.outcome, back.failures, back.unresolved) == (row.outcome, row.failures, row.unresolved)
 
 
-@pytest.mark.timed
+@pytest.mark.paced
 def test_a_session_times_a_failure_again_and_fails_only_what_repeats(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_twice=SUITE)
     result = pytester.runpytest(*FAST, "--benchmark-json=out.json")
@@ -116,7 +116,7 @@ def test_a_session_times_a_failure_again_and_fails_only_what_repeats(pytester: p
         assert row["rounds"][0] - 7 >= row["confirmed"] >= 7 and row["visits"] == 2 + bool(row["extended"]), row
 
 
-@pytest.mark.timed
+@pytest.mark.paced
 def test_no_second_stretch_without_the_budget_for_one(pytester: pytest.Pytester) -> None:
     """--perf-extend 0: no pairs at the session's end, so a missed floor fails as measured."""
     pytester.makepyfile(test_twice=SUITE)

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-pytestmark = pytest.mark.timed  # perf sessions and clocks: run alone (make correctness)
+pytestmark = pytest.mark.paced  # perf sessions whose timed calls sleep: one a core (make correctness)
 
 FAST = ["--perf-device", "cpu", "--benchmark-max-time=0.1", "--benchmark-min-rounds=8", "-p", "no:cacheprovider",
         "--perf-contended=inf"]

@@ -74,7 +74,7 @@ def test_the_plugin_is_active_when_loaded(pytester: pytest.Pytester) -> None:
     assert "--device" not in {ln.split()[0].rstrip(",=") for ln in result.stdout.lines if ln.strip()}
 
 
-@pytest.mark.timed  # a pytest-benchmark session: it times its benchmarks
+@pytest.mark.paced  # a pytest-benchmark session: it times its benchmarks (a sum of 100 ints)
 def test_pytest_benchmark_saves_and_compares_where_it_documents(pytester: pytest.Pytester) -> None:
     """--benchmark-save=foo writes .benchmarks/<machine id>/0001_foo.json (pytest-benchmark's
     layout), and --benchmark-compare compares against it, with no perfgate section."""
@@ -126,7 +126,7 @@ def test_lookup(perf, impl):
 """
 
 
-@pytest.mark.timed
+@pytest.mark.paced
 def test_a_project_without_torch_gets_a_working_gate(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(NO_TORCH_CONFTEST)
     pytester.makepyfile(test_plain_pair=PLAIN_PAIR)
@@ -146,7 +146,7 @@ def test_a_project_without_torch_gets_a_working_gate(pytester: pytest.Pytester) 
     failed.stdout.fnmatch_lines(["*GATE FAILED*lookup*"])
 
 
-@pytest.mark.timed
+@pytest.mark.paced
 def test_a_perf_session_moves_the_storage_to_its_fingerprint(pytester: pytest.Pytester) -> None:
     """The one change perfgate makes, and only in a session with a perf test: baselines are kept
     per fingerprint and size."""

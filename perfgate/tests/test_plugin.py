@@ -18,7 +18,7 @@ from perfgate.fingerprint import slug
 from perfgate.report import main as report_main
 from perfgate.stats import SpeedupRow, gate, speedup_interval
 
-pytestmark = pytest.mark.timed  # perf sessions and clocks: run alone (make correctness)
+pytestmark = pytest.mark.paced  # perf sessions whose timed calls sleep: one a core (make correctness)
 
 SUITE = """
 import time

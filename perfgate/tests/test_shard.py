@@ -13,7 +13,7 @@ import pytest
 from perfgate.report import main as report_main
 from perfgate.shard import parse, plan, stored_weights
 
-pytestmark = pytest.mark.timed  # perf sessions and clocks: run alone (make correctness)
+pytestmark = pytest.mark.paced  # perf sessions whose timed calls sleep: one a core (make correctness)
 
 # Four test functions, one parametrized over a second argument: its rows must stay in one shard.
 SUITE = """

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.timed  # perf sessions and clocks: run alone (make correctness)
+pytestmark = pytest.mark.paced  # perf sessions whose timed calls sleep: one a core (make correctness)
 
 # --perf-contended=inf: these suites test the rules on speedups set by design; a busy CI host must
 # not turn their designed failures unresolved (test_contention.py tests that rule)

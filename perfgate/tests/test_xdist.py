@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.timed  # perf sessions and clocks: run alone (make correctness)
+pytestmark = pytest.mark.paced  # perf sessions whose timed calls sleep: one a core (make correctness)
 
 FAST = ["--benchmark-max-time=0.1", "--benchmark-min-rounds=8", "-p", "no:cacheprovider", "-p", "no:xdist"]
 
