@@ -1,5 +1,6 @@
 """pytester's inline runs unload the modules first imported inside them: perfgate.inline.preload
-imports once what each session would otherwise load again (a C extension cannot load twice)."""
+imports once, at configure, what each session would otherwise load again (a C extension cannot load
+twice)."""
 
 import contextlib
 import copy
@@ -10,7 +11,13 @@ import pytest
 from perfgate import timing
 from perfgate.inline import preload
 
-preload()
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Preload in the process that runs the tests: not in a pytest-xdist controller (-n, and no
+    ``workerinput``), which runs none (its workers preload for themselves)."""
+    if not getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
+        preload()
+
 
 # pytest-benchmark reads the CPU with py-cpuinfo, which runs CPUID in a fresh Python process (0.2 s)
 # in every session that saves a run or writes JSON: one reading serves this process's sessions.
