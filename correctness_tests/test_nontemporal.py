@@ -159,6 +159,11 @@ def test_pays_past_the_last_level_cache(monkeypatch: pytest.MonkeyPatch) -> None
         return
     monkeypatch.setattr(nontemporal, "last_level_cache", lambda: 32 << 20)
     assert nontemporal.pays((32 << 20) + 1) and not nontemporal.pays(32 << 20)
+    monkeypatch.setattr(nontemporal, "last_level_cache", lambda: 8 << 20)
+    assert nontemporal.pays((8 << 20) + 1) and not nontemporal.pays(8 << 20)
+    # a guest's sysfs reports its host socket's whole L3: no more than CACHE_CAP of it counts
+    monkeypatch.setattr(nontemporal, "last_level_cache", lambda: 480 << 20)
+    assert nontemporal.pays(nontemporal.CACHE_CAP + 1) and not nontemporal.pays(nontemporal.CACHE_CAP)
     monkeypatch.setattr(nontemporal, "last_level_cache", lambda: 0)  # size unknown: never
     assert not nontemporal.pays(1 << 40)
 

@@ -8,7 +8,9 @@ times per_sample_grads (fresh result and out=) with the streaming stores and wit
 (kernels.nontemporal's C part switched off) against torch.func's vmap(grad), on the OCS MLP
 784-256-256-10 at B=64 and B=256, 2 threads, each with its result's bytes over its time, and that
 as a share of a memset's rate over the same result in the same rounds (the write bandwidth of this
-run). Medians of 48 calls a row, rows interleaved.
+run). Part 3 times the call streamed and by torch.mul at batch sizes whose results straddle
+kernels.nontemporal.CACHE_CAP (streaming forced on and off, whatever the cap says), fresh result and
+out=. Medians of 48 calls a row (part 3: 15 rounds), rows interleaved.
 """
 
 import sys
@@ -30,6 +32,18 @@ from workloads.common import vmap_grads  # noqa: E402
 torch.set_num_threads(2)
 C = nontemporal._nontemporal
 assert C is not None and C.NONTEMPORAL, "kernels._nontemporal is not built with streaming stores here"
+
+
+def streaming(on: bool, fn):
+    """fn with kernels.nontemporal.pays answering ``on`` whatever the result's size."""
+    def call():
+        real = nontemporal.pays
+        nontemporal.pays = lambda nbytes: on
+        try:
+            return fn()
+        finally:
+            nontemporal.pays = real
+    return call
 
 
 def without_c(fn):
@@ -90,3 +104,18 @@ for batch in (64, 256):
         rate = nbytes / t / 1e6
         print(f"   B={batch:3d} {name:20s} {t:7.2f} ms  {ms['vmap(grad)'] / t:5.2f}x  {nbytes / 1e6:6.1f} MB "
               f"{rate:5.1f} GB/s  {ms['memset of the result'] / t:4.0%}")
+
+# where streaming starts to pay in the whole call: the cap is the most of the last-level cache a
+# result counts on keeping, so results on either side of it, each way
+print(f"\n3. per_sample_grads streamed and by torch.mul, forced, around CACHE_CAP = "
+      f"{nontemporal.CACHE_CAP >> 20} MiB (torch.mul / streamed)")
+for batch in (8, 16, 24, 32, 48, 64):
+    fns, nbytes = rows(batch)
+    ms = medians({"fresh, streamed": streaming(True, fns["fresh, streamed"]),
+                  "fresh, torch.mul": streaming(False, fns["fresh, streamed"]),
+                  "out=, streamed": streaming(True, fns["out=, streamed"]),
+                  "out=, torch.mul": streaming(False, fns["out=, streamed"])},
+                 rounds=15, calls=max(2, 128 // batch))
+    print(f"   B={batch:3d} {nbytes / 1e6:6.1f} MB  " + "  ".join(f"{k} {t:5.2f} ms" for k, t in ms.items())
+          + f"  fresh {ms['fresh, torch.mul'] / ms['fresh, streamed']:.2f}x, out= "
+          f"{ms['out=, torch.mul'] / ms['out=, streamed']:.2f}x")

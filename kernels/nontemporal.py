@@ -29,6 +29,11 @@ except ImportError:  # not built (no C compiler at install): torch.mul everywher
 
 CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 THREAD_BYTES = 8 << 20  # output bytes a team thread gets at the least: 300-500 us of writing at 17-28 GB/s
+# The most of the last-level cache a result can count on keeping for its reader. A virtual machine's
+# sysfs reports its host socket's whole L3, which the host's other tenants share (480 MiB on a
+# 2-vCPU Intel Xeon guest, where a 35 MB result was already written 1.4x faster streamed); the AMD
+# hosts measured report 32 MiB, their core complex's own L3 (docs/kernels/per_sample.md).
+CACHE_CAP = 32 << 20
 
 
 @functools.cache
@@ -46,9 +51,10 @@ def last_level_cache() -> int:
 
 
 def pays(nbytes: int) -> bool:
-    """Streaming stores pay for a result of ``nbytes``: it is larger than the last-level cache
-    (unknown size: never), and this build has them."""
-    return _nontemporal is not None and _nontemporal.NONTEMPORAL and 0 < last_level_cache() < nbytes
+    """Streaming stores pay for a result of ``nbytes``: it is larger than the last-level cache,
+    or than ``CACHE_CAP`` of a larger one (unknown size: never), and this build has them."""
+    return (_nontemporal is not None and _nontemporal.NONTEMPORAL
+            and 0 < min(last_level_cache(), CACHE_CAP) < nbytes)
 
 
 def outer(g: Tensor, a: Tensor, out: Tensor, *, stream: bool) -> Tensor:
