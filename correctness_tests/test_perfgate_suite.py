@@ -167,14 +167,18 @@ def test_supersede_marks_a_rows_points_of_older_commits_only() -> None:
         pytest.skip("not a git checkout with history")
     head, parent = (subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], capture_output=True,
                                    text=True, check=True).stdout.strip() for rev in ("HEAD", "HEAD~1"))
-    runs = [{"commit": parent, "speedups": {"k[a]::opt vs p": 0.9, "k[b]::opt vs p": 0.8, "k[a]::opt": 2.0}},
-            {"commit": head, "speedups": {"k[a]::opt vs p": 1.5}}]
+    runs = [{"commit": parent, "size": "smoke",
+             "speedups": {"k[a]::opt vs p": 0.9, "k[b]::opt vs p": 0.8, "k[a]::opt": 2.0}},
+            {"commit": head, "size": "smoke", "speedups": {"k[a]::opt vs p": 1.5}},
+            {"commit": parent, "size": "full", "speedups": {"k[a]::opt": 3.0}}]
     evidence = {"runs": runs}
     assert supersede(evidence, "k::opt vs p", head, "measured before the change") == 2
     assert runs[0]["superseded"] == dict.fromkeys(["k[a]::opt vs p", "k[b]::opt vs p"],
                                                   f"measured before the change ({head})")
     assert "superseded" not in runs[1]  # the change's own commit stays
     assert supersede(evidence, "k[b]::opt", head, "x") == 0  # no such row in that run
+    assert supersede(evidence, "k::opt", head, "x", size="full") == 1  # one size's runs only
+    assert runs[2]["superseded"] == {"k[a]::opt": f"x ({head})"} and "k[a]::opt" not in runs[0]["superseded"]
 
 
 def test_a_row_timed_apart_stands_by_its_pairs_near_or_is_left_out() -> None:

@@ -4,11 +4,12 @@ from (correctness_tests/test_perfgate_suite.py checks every floor against them).
     python evidence/floor_evidence.py add bench.json --commit abc1234 [--source "make test, clean clone"]
     python evidence/floor_evidence.py table    # floors.md's table: each floor beside its evidence
     python evidence/floor_evidence.py supersede "per_sample_grads::optimized vs vmap" --before 16c6a29 \
-        --why "measured before the streaming stores"
+        --why "measured before the streaming stores" [--size smoke]
 
 A row's points measured on code older than a change to what the row times are kept, but marked
 superseded (the run's "superseded" map: key -> why), and no floor is held to them: they measured
-another kernel. The change's own commit and its descendants stay.
+another kernel. The change's own commit and its descendants stay. ``--size`` limits it to one
+size's runs.
 
 The CPU model, thread count and size come from the run's own fingerprint.
 """
@@ -82,15 +83,16 @@ def _older(commit: str, change: str) -> bool:
     return not same and git("merge-base", "--is-ancestor", commit, change).returncode == 0
 
 
-def supersede(evidence: dict, row: str, before: str, why: str) -> int:
+def supersede(evidence: dict, row: str, before: str, why: str, size: str | None = None) -> int:
     """Mark ``row`` ("kernel::impl"; a kernel without its parametrization matches every one) in
-    every run of a commit older than ``before`` as superseded; returns how many points it marked."""
+    every run of a commit older than ``before`` (of ``size`` only, where given) as superseded;
+    returns how many points it marked."""
     kernel, impl = row.rsplit("::", 1)
     marked = 0
     for run in evidence["runs"]:
         keys = [k for k in run["speedups"] if k.rsplit("::", 1)[1] == impl
                 and (k.rsplit("::", 1)[0] == kernel or k.split("[")[0] == kernel)]
-        if keys and _older(run["commit"], before):
+        if keys and (size is None or run["size"] == size) and _older(run["commit"], before):
             for key in keys:
                 run.setdefault("superseded", {})[key] = f"{why} ({before})"
                 marked += 1
@@ -109,15 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     old.add_argument("row", help="'kernel::impl' as the runs key it, e.g. 'per_sample_grads::optimized vs vmap'")
     old.add_argument("--before", required=True, help="the commit that changed what the row times")
     old.add_argument("--why", required=True, help="what that commit changed")
+    old.add_argument("--size", choices=("smoke", "full"), help="only that size's runs (default: every size)")
     args = parser.parse_args(argv)
     if args.command == "table":
         print("\n".join(table()))
         return 0
     evidence = json.loads(EVIDENCE.read_text(encoding="utf8"))
     if args.command == "supersede":
-        marked = supersede(evidence, args.row, args.before, args.why)
+        marked = supersede(evidence, args.row, args.before, args.why, args.size)
         if not marked:
-            raise SystemExit(f"no point of {args.row!r} was measured before {args.before}")
+            raise SystemExit(f"no point of {args.row!r} was measured before {args.before}"
+                             + (f" at size {args.size}" if args.size else ""))
         EVIDENCE.write_text(json.dumps(evidence, indent=1) + "\n", encoding="utf8")
         print(f"{EVIDENCE}: {marked} point(s) of {args.row} superseded")
         return 0
