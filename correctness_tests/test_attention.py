@@ -727,6 +727,28 @@ def test_the_c_softmax_raises_no_overflow_for_lanes_past_the_row(isa: str, score
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
 
 
+@EACH_ISA
+def test_the_c_softmax_computes_no_underflow_for_masked_scores(isa: str, tmp_path) -> None:
+    """Masked (-inf) scores and scores more than 104 below their row's max get exactly 0 without an
+    exp that underflows: on Intel CPUs each underflowing result takes a microcode assist (rows of
+    30% masked scores ran 6x slower than torch.softmax's), so a process with underflow traps on
+    survives such rows, and gets torch.softmax's probabilities."""
+    script = tmp_path / "trap.py"
+    script.write_text(
+        "import ctypes, ctypes.util, torch\n"
+        "from kernels import _softmax\n"
+        "libm = ctypes.CDLL(ctypes.util.find_library('m'))\n"
+        "x = torch.randn(5, 37).masked_fill(torch.rand(5, 37) < 0.4, float('-inf'))\n"
+        "x[:, 0], x[:, 1], x[:, 2] = 1.0, -150.0, -1e30  # a kept score, and two far below it\n"
+        "want, got = torch.softmax(x, -1), x.clone()\n"
+        "libm.feenableexcept(0x10)  # FE_UNDERFLOW\n"
+        f"_softmax.softmax_(got.numpy(), 1, {isa!r})\n"
+        "libm.fedisableexcept(0x10)\n"
+        "assert torch.allclose(got, want) and (got[want == 0] == 0).all() and (got[:, 1:3] == 0).all()\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
 @runs_c
 def test_the_c_softmax_serves_the_fused_path() -> None:
     torch.manual_seed(0)

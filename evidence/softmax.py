@@ -12,7 +12,9 @@ Time: each chunk of scores the fused path makes (kernels/attention.py, FUSED_BYT
 4-64 heads a chunk at S=512-64), torch.softmax(out=) over each kernel this CPU runs, 1 and 2
 threads, point (95% CI) and the two medians of 15 interleaved ABBA pairs (evidence/ab.py). Then
 the whole of rope_attention (B8 H8 D64, 2 threads, the fused path) with torch.softmax over it
-with each kernel.
+with each kernel. Then masked scores: the chunks at S=128 and 64 with 30% of their scores -inf
+(each call copies them in first, both sides), and rope_attention at S=128 with a boolean mask
+keeping 70% of the keys, torch.softmax over each kernel.
 """
 
 import sys
@@ -82,3 +84,35 @@ for s in (128, 512):
 
     for isa in _c_softmax.ISAS:
         print(f"   S={s:3d}, {isa:7s}: {versus(timer, attend(None), attend(isa))}", flush=True)
+
+print("\ntorch.softmax / kernels._softmax, 30% of the scores masked (-inf), 2 threads (a copy in first)")
+torch.set_num_threads(2)
+for s in (128, 64):
+    heads = min(64, max(1, FUSED_BYTES // ((2 * s * 64 + s * s) * 4)))
+    src = torch.randn(heads, s, s).masked_fill(torch.rand(heads, s, s) < 0.3, float("-inf"))
+    src[..., 0] = 0.0  # every row keeps a key
+    x = src.clone()
+    for isa in _c_softmax.ISAS:
+        f = ours(isa, 2)
+        line = versus(timer, lambda x=x, src=src: torch.softmax(x.copy_(src), -1, out=x),
+                      lambda x=x, src=src, f=f: f(x.copy_(src)), calls=(20, 20))
+        print(f"   S={s:3d}, {heads:2d} heads, {isa:7s}: {line}", flush=True)
+
+print("\nrope_attention with a boolean mask (70% of the keys kept), torch.softmax / each kernel, B8 H8 D64, "
+      "2 threads")
+q, k, v = (torch.randn(8, 8, 128, 64) for _ in range(3))
+mask = torch.rand(8, 1, 128, 128) < 0.7
+mask[..., 0] = True
+
+
+def masked(isa: str | None):
+    def run() -> torch.Tensor:
+        off = mock.patch.object(KA, "_c_softmax", None)
+        with off if isa is None else mock.patch.object(_c_softmax, "ISA", isa):
+            return kernels.rope_attention(q, k, v, rope, attn_mask=mask)
+
+    return run
+
+
+for isa in _c_softmax.ISAS:
+    print(f"   S=128, {isa:7s}: {versus(timer, masked(None), masked(isa))}", flush=True)

@@ -1,13 +1,18 @@
 /* kernels._softmax: softmax over the last dim of a float32 buffer, in place, with AVX-512F or AVX2.
 
    Each row in three passes over the row, which stays in the L1 cache between them: its max m,
-   then y = exp(x - m) written back and summed, then y / sum. exp(t) for t <= 0: t clamped to
-   -104 (below it exp rounds to 0 in float32), t = k ln2 + r with k = round(t / ln2) (ln2 in two
-   parts, Cody-Waite), exp(r) by Cephes' degree-7 polynomial for expf (within about 1 ulp on
-   |r| <= ln2 / 2), then scaled by 2^k exactly (AVX-512F: vscalefps; AVX2: two normal factors
-   2^(k - k/2) 2^(k/2)), which rounds a result below the normal floats once, to a subnormal or 0.
-   So a masked score (-inf) gets exactly 0, and a row with a NaN, with +inf, or with nothing but
-   -inf gets NaN throughout, as torch.softmax gives. Lanes past a row's end compute exp(0).
+   then y = exp(x - m) written back and summed, then y / sum. exp(t) for t <= 0: 0 below -104
+   (where exp rounds to 0 in float32), a masked score's -inf among them, set, not computed; else
+   t = k ln2 + r with k = round(t / ln2) (ln2 in two parts, Cody-Waite), exp(r) by Cephes'
+   degree-7 polynomial for expf (within about 1 ulp on |r| <= ln2 / 2), then scaled by 2^k exactly
+   (AVX-512F: vscalefps; AVX2: two normal factors 2^(k - k/2) 2^(k/2)), which rounds a result
+   below the normal floats once, to a subnormal or 0. Such a result takes a microcode assist on
+   Intel CPUs (floating-point underflow with flush-to-zero off), each instruction that makes one
+   tens of times the cost of a plain one: a masked score computed that way made a row of 30%
+   masked scores 6x slower than torch.softmax's on an Intel Xeon (evidence/softmax.py), so it
+   is not computed. So a masked score (-inf) gets exactly 0, and a row with a NaN, with +inf, or
+   with nothing but -inf gets NaN throughout, as torch.softmax gives. Lanes past a row's end
+   compute exp(0).
 
    softmax_(x, threads, isa)  x: writable C-contiguous float32 buffer of at least one dim; its rows
                               (the last dim) split over `threads` OpenMP threads; isa one of ISAS
@@ -35,7 +40,7 @@
 #define LOG2E 1.44269504088896341f
 #define LN2_HI 0.693359375f /* ln2 = LN2_HI + LN2_LO, LN2_HI exact in few bits (Cody-Waite) */
 #define LN2_LO -2.12194440e-4f
-#define FLOOR -104.0f /* exp below it rounds to 0 in float32 */
+#define FLOOR -104.0f /* exp below it rounds to 0 in float32: those lanes are set to 0 */
 /* Cephes' expf: exp(r) = 1 + r + r^2 (P0 r^5 + P1 r^4 + ... + P5) */
 #define P0 1.9875691500e-4f
 #define P1 1.3981999507e-3f
@@ -69,10 +74,12 @@
 
 /* exp(t) lane by lane for t <= 0 or NaN (module note). */
 __attribute__((target("avx512f"))) static inline __m512 exp16(__m512 t) {
-    t = _mm512_max_ps(_mm512_set1_ps(FLOOR), t); /* the second operand when either is NaN: NaN stays */
+    /* lanes below FLOOR compute exp(0) and are zeroed: no underflow (module note); NaN stays live */
+    const __mmask16 live = _mm512_cmp_ps_mask(t, _mm512_set1_ps(FLOOR), _CMP_NLT_UQ);
+    t = _mm512_maskz_mov_ps(live, t);
     __m512 k, p;
     EXP_PARTS(512, ROUND512, t, k, p);
-    return _mm512_scalef_ps(p, k);
+    return _mm512_maskz_scalef_ps(live, p, k);
 }
 
 /* Softmax of one row of n floats in place. */
@@ -112,13 +119,15 @@ TARGET_AVX2_FMA static inline __m256 pow2(__m256i e) {
 /* exp(t) lane by lane for t <= 0 or NaN (module note): as exp16, 2^k in two normal factors (pow2
    takes exponents up to 127: a t above 0 would wrap into the sign bit, not overflow). */
 TARGET_AVX2_FMA static inline __m256 exp8(__m256 t) {
-    t = _mm256_max_ps(_mm256_set1_ps(FLOOR), t); /* the second operand when either is NaN: NaN stays */
+    /* lanes below FLOOR compute exp(0) and are zeroed: no underflow (module note); NaN stays live */
+    const __m256 live = _mm256_cmp_ps(t, _mm256_set1_ps(FLOOR), _CMP_NLT_UQ);
+    t = _mm256_and_ps(t, live);
     __m256 k, p;
     EXP_PARTS(256, ROUND256, t, k, p);
     /* k in [-150, 0]: k/2 (rounded down) and k - k/2 both in [-75, 0], each factor a normal float;
        p 2^(k/2) is exact, so the product rounds once (a NaN lane's bits do not matter: p is NaN) */
     const __m256i ki = _mm256_cvtps_epi32(k), half = _mm256_srai_epi32(ki, 1);
-    return _mm256_mul_ps(_mm256_mul_ps(p, pow2(half)), pow2(_mm256_sub_epi32(ki, half)));
+    return _mm256_and_ps(_mm256_mul_ps(_mm256_mul_ps(p, pow2(half)), pow2(_mm256_sub_epi32(ki, half))), live);
 }
 
 /* Lanes [0, n) of 8 as a vector mask (all bits set in a lane that is in). */
