@@ -14,6 +14,7 @@ out=. Medians of 48 calls a row (part 3: 15 rounds), rows interleaved.
 """
 
 import sys
+from unittest import mock
 
 from perfgate.timing import configure_malloc
 
@@ -36,24 +37,12 @@ assert C is not None and C.NONTEMPORAL, "kernels._nontemporal is not built with 
 
 def streaming(on: bool, fn):
     """fn with kernels.nontemporal.pays answering ``on`` whatever the result's size."""
-    def call():
-        real = nontemporal.pays
-        nontemporal.pays = lambda nbytes: on
-        try:
-            return fn()
-        finally:
-            nontemporal.pays = real
-    return call
+    return mock.patch.object(nontemporal, "pays", lambda nbytes: on)(fn)
 
 
 def without_c(fn):
-    def call():
-        nontemporal._nontemporal = None
-        try:
-            return fn()
-        finally:
-            nontemporal._nontemporal = C
-    return call
+    """fn with kernels.nontemporal's C part switched off (torch.mul everywhere)."""
+    return mock.patch.object(nontemporal, "_nontemporal", None)(fn)
 
 
 print(f"{_cpu_model()}, malloc {mode}, {torch.get_num_threads()} threads, "

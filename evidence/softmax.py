@@ -68,22 +68,25 @@ for threads in (2, 1):
             line = versus(timer, lambda x=x: torch.softmax(x, -1, out=x), lambda x=x, f=f: f(x), calls=(20, 20))
             print(f"   {threads} thread(s), S={s:3d}, {heads:2d} heads, {isa:7s}: {line}", flush=True)
 
+rope = kernels.RotaryEmbedding(64, interleaved=True)
+
+
+def attend(isa: str | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
+    """rope_attention through kernels._softmax's ``isa`` kernel, or through torch.softmax (None)."""
+    def run() -> torch.Tensor:
+        off = mock.patch.object(KA, "_c_softmax", None)
+        with off if isa is None else mock.patch.object(_c_softmax, "ISA", isa):
+            return kernels.rope_attention(q, k, v, rope, attn_mask=mask)
+
+    return run
+
+
 print("\nrope_attention with torch.softmax / with each kernel, B8 H8 D64, 2 threads")
 torch.set_num_threads(2)
-rope = kernels.RotaryEmbedding(64, interleaved=True)
 for s in (128, 512):
     q, k, v = (torch.randn(8, 8, s, 64) for _ in range(3))
-
-    def attend(isa: str | None, q=q, k=k, v=v):
-        def run() -> torch.Tensor:
-            off = mock.patch.object(KA, "_c_softmax", None)
-            with off if isa is None else mock.patch.object(_c_softmax, "ISA", isa):
-                return kernels.rope_attention(q, k, v, rope)
-
-        return run
-
     for isa in _c_softmax.ISAS:
-        print(f"   S={s:3d}, {isa:7s}: {versus(timer, attend(None), attend(isa))}", flush=True)
+        print(f"   S={s:3d}, {isa:7s}: {versus(timer, attend(None, q, k, v), attend(isa, q, k, v))}", flush=True)
 
 print("\ntorch.softmax / kernels._softmax, 30% of the scores masked (-inf), 2 threads (a copy in first)")
 torch.set_num_threads(2)
@@ -103,16 +106,6 @@ print("\nrope_attention with a boolean mask (70% of the keys kept), torch.softma
 q, k, v = (torch.randn(8, 8, 128, 64) for _ in range(3))
 mask = torch.rand(8, 1, 128, 128) < 0.7
 mask[..., 0] = True
-
-
-def masked(isa: str | None):
-    def run() -> torch.Tensor:
-        off = mock.patch.object(KA, "_c_softmax", None)
-        with off if isa is None else mock.patch.object(_c_softmax, "ISA", isa):
-            return kernels.rope_attention(q, k, v, rope, attn_mask=mask)
-
-    return run
-
-
 for isa in _c_softmax.ISAS:
-    print(f"   S=128, {isa:7s}: {versus(timer, masked(None), masked(isa))}", flush=True)
+    line = versus(timer, attend(None, q, k, v, mask), attend(isa, q, k, v, mask))
+    print(f"   S=128, {isa:7s}: {line}", flush=True)
