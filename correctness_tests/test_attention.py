@@ -40,6 +40,15 @@ def through_softmax(path: str):
     return mock.patch.object(KA, "_c_softmax", None) if path == "torch" else mock.patch.object(C, "ISA", path)
 
 
+AMD = "AuthenticAMD"  # the vendor whose fused-path lengths are the longest (CPU_FUSED_SEQ_TWO_THREADS)
+VENDORS = ("AuthenticAMD", "GenuineIntel", "")  # "": a CPU /proc/cpuinfo names no vendor of
+
+
+def on_cpu(vendor: str):
+    """kernels.attention chooses its path as on a CPU of ``vendor``."""
+    return mock.patch.object(KA.cpu, "vendor", lambda: vendor)
+
+
 @st.composite
 def problems(draw: st.DrawFn, dtypes=(torch.float32, torch.float64)) -> dict:
     b, hk, groups = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
@@ -126,15 +135,15 @@ def test_fused_path_equals_reference(p: dict, budget: int, strided: bool, where:
 
 @SOFTMAX_PATHS
 def test_fused_path_at_its_longest_and_at_the_default_chunks(path: str) -> None:
-    """S = CPU_FUSED_SEQ_TWO_THREADS at 2 threads, the module's chunk size: grouped heads but through
-    kernels._softmax's AVX2 kernel (where they stop at CPU_FUSED_SEQ, and the heads here are one a
-    kv head); a mask there takes SDPA."""
-    s, groups = (KA.CPU_FUSED_SEQ_TWO_THREADS, 1 if path == "avx2" else 2)
+    """S = the longest CPU_FUSED_SEQ_TWO_THREADS (AMD's) at 2 threads, the module's chunk size:
+    grouped heads but through kernels._softmax's AVX2 kernel (where they stop at CPU_FUSED_SEQ, and
+    the heads here are one a kv head); a mask there takes SDPA."""
+    s, groups = (KA.CPU_FUSED_SEQ_TWO_THREADS[AMD], 1 if path == "avx2" else 2)
     q, k, v = torch.randn(2, 2 * groups, s, 16), torch.randn(2, 2, s, 16), torch.randn(2, 2, s, 16)
     mask = torch.rand(2, 1, s, s) < 0.5
     mask[..., 0] = True
     rope = RotaryEmbedding(16)
-    with (torch_threads(2), through_softmax(path),
+    with (torch_threads(2), through_softmax(path), on_cpu(AMD),
           mock.patch.object(KA, "_fused_attention", wraps=KA._fused_attention) as fused):
         got = kernels.rope_attention(q, k, v, rope)
         assert fused.call_count == 1
@@ -146,12 +155,12 @@ def test_fused_path_at_its_longest_and_at_the_default_chunks(path: str) -> None:
 
 @SOFTMAX_PATHS
 def test_fused_path_at_one_thread_up_to_its_longest(path: str) -> None:
-    """At 1 thread, S = CPU_FUSED_SEQ_ONE_THREAD where kernels._softmax's AVX-512F kernel runs
-    (CPU_FUSED_SEQ with its AVX2 kernel or torch.softmax), grouped heads."""
-    s = KA.CPU_FUSED_SEQ_ONE_THREAD if path == "avx512f" else KA.CPU_FUSED_SEQ
+    """At 1 thread, S = the longest CPU_FUSED_SEQ_ONE_THREAD (AMD's) where kernels._softmax's
+    AVX-512F kernel runs (CPU_FUSED_SEQ with its AVX2 kernel or torch.softmax), grouped heads."""
+    s = KA.CPU_FUSED_SEQ_ONE_THREAD[AMD] if path == "avx512f" else KA.CPU_FUSED_SEQ
     q, k, v = torch.randn(2, 4, s, 16), torch.randn(2, 2, s, 16), torch.randn(2, 2, s, 16)
     rope = RotaryEmbedding(16)
-    with (torch_threads(1), through_softmax(path),
+    with (torch_threads(1), through_softmax(path), on_cpu(AMD),
           mock.patch.object(KA, "_fused_attention", wraps=KA._fused_attention) as fused):
         got = kernels.rope_attention(q, k, v, rope)
     assert fused.call_count == 1
@@ -159,10 +168,11 @@ def test_fused_path_at_one_thread_up_to_its_longest(path: str) -> None:
 
 
 def test_fused_path_only_where_it_measured_faster() -> None:
-    """CPU fp32, not causal, up to CPU_FUSED_SEQ positions (without a mask CPU_FUSED_SEQ_TWO_THREADS
-    at 2 threads, for grouped heads not where kernels._softmax's AVX2 kernel runs, and
-    CPU_FUSED_SEQ_ONE_THREAD at 1 where its AVX-512F kernel runs), one table for all batch rows, nothing to
-    differentiate, no autocast (evidence/fused-attention-zen4.txt, fused-attention-zen3.txt)."""
+    """CPU fp32, not causal, up to CPU_FUSED_SEQ positions (without a mask the CPU vendor's
+    CPU_FUSED_SEQ_TWO_THREADS at 2 threads, for grouped heads not where kernels._softmax's AVX2 kernel
+    runs, and its CPU_FUSED_SEQ_ONE_THREAD at 1 where the AVX-512F kernel runs; CPU_FUSED_SEQ on a
+    CPU of no vendor measured), one table for all batch rows, nothing to differentiate, no autocast
+    (evidence/fused-attention-zen4.txt, fused-attention-zen3.txt, fused-attention-xeon.txt)."""
     rope = RotaryEmbedding(8)
 
     def fuses(s: int = 8, dtype: torch.dtype = torch.float32, *, causal: bool = False, mask=None,
@@ -170,25 +180,29 @@ def test_fused_path_only_where_it_measured_faster() -> None:
         q, k, v = (torch.empty(2, 2, s, 8, dtype=dtype, requires_grad=n in grad) for n in "qkv")
         return KA._fuses(q, k, v, emb, causal, mask, positions)
 
-    with torch_threads(2):
-        assert fuses(KA.CPU_FUSED_SEQ_TWO_THREADS) and not fuses(KA.CPU_FUSED_SEQ_TWO_THREADS + 1)
-        mask = torch.ones(KA.CPU_FUSED_SEQ + 1, KA.CPU_FUSED_SEQ + 1, dtype=torch.bool)
-        assert fuses(KA.CPU_FUSED_SEQ, mask=mask[1:, 1:]) and not fuses(KA.CPU_FUSED_SEQ + 1, mask=mask)
-        # grouped-query heads (4 q heads over 2 kv heads) past 128: not with the AVX2 softmax
-        for path in [*ISAS, "torch"]:
-            with through_softmax(path):
-                grouped = [KA._fuses(torch.empty(2, 4, s, 8), *(torch.empty(2, 2, s, 8) for _ in "kv"), rope,
-                                     False, None, None) for s in (KA.CPU_FUSED_SEQ, KA.CPU_FUSED_SEQ + 1,
-                                                                  KA.CPU_FUSED_SEQ_TWO_THREADS)]
-                assert grouped == [True, path != "avx2", path != "avx2"], (path, grouped)
-    with torch_threads(1):
-        assert fuses(KA.CPU_FUSED_SEQ_ONE_THREAD) == (KA._softmax_in_c() == "avx512f")
-        assert not fuses(KA.CPU_FUSED_SEQ_ONE_THREAD + 1)
-        for path in [p for p in ISAS if p != "avx512f"] + ["torch"]:  # 128 at 1 thread, as measured
-            with through_softmax(path):
-                assert fuses(KA.CPU_FUSED_SEQ) and not fuses(KA.CPU_FUSED_SEQ + 1)
-    with torch_threads(3):
-        assert fuses(KA.CPU_FUSED_SEQ) and not fuses(KA.CPU_FUSED_SEQ + 1)
+    def longest(limits: dict[str, int], vendor: str) -> int:
+        return limits.get(vendor, KA.CPU_FUSED_SEQ)
+
+    for vendor in VENDORS:
+        two, one = longest(KA.CPU_FUSED_SEQ_TWO_THREADS, vendor), longest(KA.CPU_FUSED_SEQ_ONE_THREAD, vendor)
+        with on_cpu(vendor), torch_threads(2):
+            assert fuses(two) and not fuses(two + 1), vendor
+            mask = torch.ones(KA.CPU_FUSED_SEQ + 1, KA.CPU_FUSED_SEQ + 1, dtype=torch.bool)
+            assert fuses(KA.CPU_FUSED_SEQ, mask=mask[1:, 1:]) and not fuses(KA.CPU_FUSED_SEQ + 1, mask=mask)
+            # grouped-query heads (4 q heads over 2 kv heads) past 128: not with the AVX2 softmax
+            for path in [*ISAS, "torch"]:
+                with through_softmax(path):
+                    grouped = [KA._fuses(torch.empty(2, 4, s, 8), *(torch.empty(2, 2, s, 8) for _ in "kv"), rope,
+                                         False, None, None) for s in (KA.CPU_FUSED_SEQ, two)]
+                    assert grouped == [True, path != "avx2" or two == KA.CPU_FUSED_SEQ], (vendor, path, grouped)
+        with on_cpu(vendor), torch_threads(1):
+            assert fuses(one) == (KA._softmax_in_c() == "avx512f" or one == KA.CPU_FUSED_SEQ), vendor
+            assert not fuses(one + 1) and fuses(KA.CPU_FUSED_SEQ), vendor
+            for path in [p for p in ISAS if p != "avx512f"] + ["torch"]:  # 128 at 1 thread, as measured
+                with through_softmax(path):
+                    assert fuses(KA.CPU_FUSED_SEQ) and not fuses(KA.CPU_FUSED_SEQ + 1)
+        with on_cpu(vendor), torch_threads(3):
+            assert fuses(KA.CPU_FUSED_SEQ) and not fuses(KA.CPU_FUSED_SEQ + 1)
     assert not fuses(causal=True) and not fuses(dtype=torch.float64) and not fuses(dtype=torch.bfloat16)
     assert fuses(positions=torch.arange(8)) and not fuses(positions=torch.arange(8).expand(2, 8))
     assert not fuses(positions=list(range(8)))  # refused by the rotation's own checks, with its message

@@ -14,18 +14,23 @@ heads become extra query rows of their kv head (no repeated k, v).
 
 Without the causal mask in float32 on the CPU, with nothing to differentiate (inference, or q, k, v
 and the mask needing no gradient), up to ``CPU_FUSED_SEQ`` = 128 positions, or without a mask
-``CPU_FUSED_SEQ_TWO_THREADS`` = 512 at 2 threads (grouped-query heads: not where kernels._softmax's
-AVX2 kernel runs) and ``CPU_FUSED_SEQ_ONE_THREAD`` = 256 at 1 where its AVX-512F kernel runs, the
+longer on the CPUs where that measured faster (``CPU_FUSED_SEQ_TWO_THREADS``,
+``CPU_FUSED_SEQ_ONE_THREAD``, by the vendor /proc/cpuinfo names): on AMD 512 at 2 threads
+(grouped-query heads: not where kernels._softmax's AVX2 kernel runs) and 256 at 1 where its
+AVX-512F kernel runs, on Intel 192 at 2 threads, the
 rotation and the attention are fused a chunk of heads at a time: each chunk's q and k are rotated by
 the C pass (kernels/_rope.c) into a buffer of their own, scored by one batched matmul (the scale its
 alpha), masked, turned into probabilities in place (by kernels/_softmax.c's AVX-512F or AVX2 kernel
 where the CPU runs one, else torch.softmax) and multiplied by v; a chunk's rotated q and k and
 scores take at most ``FUSED_BYTES`` = 5 MiB (one kv head's where that is more). The rotated q and k
 are read from the caches they were written to instead of from memory, and no (B, H, S, S) scores are
-written whole. The lengths are from evidence/fused-attention-zen4.txt (Zen 4, 1 and 2 threads):
-faster than rotating first up to them, level or slower beyond, and a mask masked chunk by chunk
-slower than SDPA's own from 256 positions; grouped-query heads with the AVX2 softmax read 0.88-0.96x
-at 256 and 0.95x at 512 positions on a Zen 3 (evidence/fused-attention-zen3.txt, two runs).
+written whole. The lengths are from evidence/fused-attention-zen4.txt (Zen 4, 1 and 2 threads) and
+evidence/fused-attention-xeon.txt (Intel Xeon, three runs): faster than rotating first up to them,
+level or slower beyond, and a mask masked chunk by chunk slower than SDPA's own from 256 positions;
+grouped-query heads with the AVX2 softmax read 0.88-0.96x at 256 and 0.95x at 512 positions on a
+Zen 3 (evidence/fused-attention-zen3.txt, two runs). On the Xeon the chunks' matmuls and softmax
+take longer than SDPA's flash kernel at every length, which the rotations read from the caches repay
+up to 192 positions (128 at 1 thread) and not beyond (evidence/fused_attention_parts.py).
 A training forward keeps the unfused paths, whose rotation is differentiable.
 
 RopeSelfAttention in training (a gradient to build) on CPU in float32, without the causal mask or
@@ -54,7 +59,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import checks
+from kernels import checks, cpu
 from kernels._team import c_team
 from kernels.rope import RotaryEmbedding, _c_rotates, c_built, c_tables, rotate_into
 
@@ -182,16 +187,18 @@ def _blocked_causal(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, block:
 
 
 CPU_FUSED_SEQ = 128  # the longest S of the fused path (module note)
-CPU_FUSED_SEQ_TWO_THREADS = 512  # ... at 2 threads
-CPU_FUSED_SEQ_ONE_THREAD = 256  # ... at 1 thread, where kernels._softmax's AVX-512F kernel runs
+# ... without a mask, by the CPU's vendor as measured (module note; any other: CPU_FUSED_SEQ): at 2 threads,
+CPU_FUSED_SEQ_TWO_THREADS = {"AuthenticAMD": 512, "GenuineIntel": 192}
+# ... and at 1 thread where kernels._softmax's AVX-512F kernel runs
+CPU_FUSED_SEQ_ONE_THREAD = {"AuthenticAMD": 256}
 FUSED_BYTES = 5 << 20  # a chunk's rotated q and k and its scores, at most one kv head's over it
 
 
 def _fuses(q: Tensor, k: Tensor, v: Tensor, rope: nn.Module, causal: bool, mask: Tensor | None,
            positions: object) -> bool:
     """Whether the fused CPU path takes this call (module note): float32 on the CPU without the
-    causal mask, S at most CPU_FUSED_SEQ (without a mask, CPU_FUSED_SEQ_TWO_THREADS at 2 threads,
-    for grouped-query heads not where kernels._softmax's AVX2 kernel runs, and
+    causal mask, S at most CPU_FUSED_SEQ (without a mask, this CPU vendor's CPU_FUSED_SEQ_TWO_THREADS
+    at 2 threads, for grouped-query heads not where kernels._softmax's AVX2 kernel runs, and its
     CPU_FUSED_SEQ_ONE_THREAD at 1 where its AVX-512F kernel runs), a
     RotaryEmbedding whose rotation is ours, one table for every batch row, plain tensors, nothing to
     differentiate (no gradient to build, no forward-mode tangent, no torch.func transform) and no
@@ -201,11 +208,12 @@ def _fuses(q: Tensor, k: Tensor, v: Tensor, rope: nn.Module, causal: bool, mask:
     if (torch.compiler.is_compiling() or torch.jit.is_tracing() or causal or q.device.type != "cpu"
             or q.dtype != torch.float32 or not _rotates_ours(rope)):
         return False
-    threads, isa = torch.get_num_threads(), _softmax_in_c()
+    threads, isa, vendor = torch.get_num_threads(), _softmax_in_c(), cpu.vendor()
     # grouped-query heads past 128 positions at 2 threads with the AVX2 softmax: slower fused (module note)
     grouped_avx2 = isa == "avx2" and k.shape[1] != q.shape[1]
-    limit = (CPU_FUSED_SEQ_TWO_THREADS if threads == 2 and not grouped_avx2 else
-             CPU_FUSED_SEQ_ONE_THREAD if threads == 1 and isa == "avx512f" else CPU_FUSED_SEQ)
+    limit = (CPU_FUSED_SEQ_TWO_THREADS.get(vendor, CPU_FUSED_SEQ) if threads == 2 and not grouped_avx2 else
+             CPU_FUSED_SEQ_ONE_THREAD.get(vendor, CPU_FUSED_SEQ) if threads == 1 and isa == "avx512f" else
+             CPU_FUSED_SEQ)
     one_table = positions is None or (isinstance(positions, Tensor) and positions.ndim == 1)
     if q.shape[2] > (limit if mask is None else CPU_FUSED_SEQ) or not one_table:  # a mask: up to 128 only
         return False
