@@ -26,6 +26,8 @@ EXCEPTIONS: dict[str, str] = {
                               "(test_nontemporal.py): no slow counterpart; its effect is per_sample's rows",
     "kernels/hugepages.py": "an allocation with no slow counterpart: tested by the advice it leaves "
                             "(test_hugepages.py); its effect is per_sample's rows under --perf-malloc default",
+    "kernels/cpu.py": "reads the CPU's vendor for kernels.attention's path lengths: no slow counterpart; "
+                      "tested on written cpuinfo files (test_cpu.py); its effect is attention's rows",
     "kernels/feature_cache.py": "a cache has no slow counterpart: its test compares cached to recomputed; "
                                 "timed as spectral_probe's cached rerun",
     "kernels/training.py": "timed as the workloads' steps (perf_tests/test_cifar_resnet.py, ...)",
