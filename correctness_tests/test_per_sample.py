@@ -372,6 +372,46 @@ class UserHook(nn.Module):
         return self.head(torch.tanh(self.fc(x)))
 
 
+class Gate(nn.Module):
+    """A learned scalar gate (one parameter), the child module of a Linear below."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.s * x
+
+
+class ForwardOnTheInstance(nn.Module):
+    """A Linear whose forward is set on the instance, as a wrapper library may: it uses the weight a
+    second time through a child module's gate, so its output is not F.linear(x, W, b) and its
+    weight's gradient is not the identity's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(6, 5), nn.Linear(5, 3)
+        fc = self.fc
+        fc.gate = Gate()
+        fc.forward = lambda x: F.linear(x, fc.weight, fc.bias) + fc.gate(F.linear(x, fc.weight))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc(x)))
+
+
+class ChildOfLinear(nn.Module):
+    """A Linear holding a child module whose parameter nn.Linear's forward never uses: the identity
+    serves the Linear's weight and bias, the child's parameter gets its zero gradients elsewhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(6, 5), nn.Linear(5, 3)
+        self.fc.gate = Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc(x)))
+
+
 class NoGradInside(nn.Module):
     """A Linear run under no_grad inside forward: its gradients are zeros."""
 
@@ -438,6 +478,8 @@ AWKWARD = {
     "flip_mixup_B3": (FlipMixup, (3, 6), False),
     "views_across_batch": (ViewsAcrossBatch, (5, 3, 6), True),
     "user_forward_hook": (UserHook, (5, 6), True),
+    "forward_on_the_instance": (ForwardOnTheInstance, (5, 6), True),  # the head keeps it
+    "child_of_linear": (ChildOfLinear, (5, 6), True),
     "no_grad_inside_forward": (NoGradInside, (5, 6), False),
 }
 TIED_TO_INPUT = ("tied_functional", "tied_functional_T", "tied_functional_mT")

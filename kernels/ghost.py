@@ -98,7 +98,7 @@ class GhostTerms:
             for mname, m in self.plan.linear.items():
                 prefix = f"{mname}." if mname else ""
                 a, g = self.terms.get(mname, (None, None))
-                for n, p in m.named_parameters():
+                for n, p in m.named_parameters(recurse=False):
                     if p.requires_grad:
                         out[prefix + n] = (torch.zeros_like(p) if a is None else
                                            g.flatten(0, 1).T @ a.flatten(0, 1) if n == "weight" else g.sum((0, 1)))

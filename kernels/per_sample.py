@@ -3,7 +3,9 @@
 Sample i's gradient is g_i = d/dtheta loss_fn(model(x_i[None]), y_i[None]): its own loss, as a
 batch of one, so the result does not depend on the loss's reduction.
 
-- ``nn.Linear`` layers use the layer identity: g_i(W) = sum_t b_it a_it^T, with a the layer input
+- ``nn.Linear`` layers (the class itself, running its own forward: not one set on the instance,
+  which may compute anything) use the layer identity on their own weight and bias (a child
+  module's parameters go through vmap): g_i(W) = sum_t b_it a_it^T, with a the layer input
   and b the gradient of the layer output (t runs over extra token dims and repeated calls).
   One batched forward and one backward to the layer outputs give every a and b
   (``kernels.layer_capture``, which checks the identity's assumptions on every call and falls
@@ -105,7 +107,7 @@ def _plan(model: nn.Module, names: list[str], randomness: str) -> _Plan:
     for mname, m in model.named_modules():
         if not _has_identity(m):
             continue
-        own = list(m.named_parameters())
+        own = list(m.named_parameters(recurse=False))  # a child module's parameters are not the identity's
         if any(p.requires_grad for _, p in own) and all(counts[id(p)] == 1 for _, p in own):  # tied: vmap
             linear[mname] = m
             covered.update(f"{mname}.{n}" if mname else n for n, _ in own)
@@ -113,11 +115,13 @@ def _plan(model: nn.Module, names: list[str], randomness: str) -> _Plan:
 
 
 def _has_identity(m: nn.Module) -> bool:
-    """A plain Linear whose own parameters are its weight and bias (weight_norm's g/v are not)."""
+    """A plain Linear computing nn.Linear's own forward (none set on the instance, as a wrapper may
+    set one that uses the weight again or a child module) whose own parameters are its weight and
+    bias (weight_norm's g/v are not)."""
     if type(m) is not nn.Linear:  # most modules: nothing more to look at
         return False
     own = {n for n, _ in m.named_parameters(recurse=False)}
-    return own <= {"weight", "bias"} and isinstance(m.weight, nn.Parameter)
+    return own <= {"weight", "bias"} and isinstance(m.weight, nn.Parameter) and "forward" not in vars(m)
 
 
 def _terms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
@@ -289,7 +293,7 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
     for mname, m in plan.linear.items():  # layers never called get zero gradients
         if mname not in terms:
             prefix = f"{mname}." if mname else ""
-            for n, p in m.named_parameters():
+            for n, p in m.named_parameters(recurse=False):
                 if p.requires_grad:
                     z = into.get(prefix + n)
                     out[prefix + n] = z.zero_() if z is not None else p.new_zeros((batch, *p.shape))
