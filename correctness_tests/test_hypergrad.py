@@ -167,6 +167,34 @@ def test_leaves_the_module_untouched() -> None:
     assert all(p.grad is None for p in w.parameters())
 
 
+def test_a_layer_registered_twice_keeps_its_parameters() -> None:
+    """One Linear applied twice under two names in the inner model: both the kernel and the
+    reference leave the model holding its own Parameters (torch's functional_call, left to itself,
+    put the perturbed tensors in their place), and they agree, as on any other model."""
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 5)
+    model = nn.Sequential(layer, nn.Tanh(), layer, nn.Tanh(), nn.Linear(5, 3)).double()
+    w = MetaWeightNet().double()
+    x, y = torch.randn(32, 5, dtype=torch.float64), torch.randint(0, 3, (32,))
+    xm, ym = torch.randn(20, 5, dtype=torch.float64), torch.randint(0, 3, (20,))
+    theta = {n: p.detach().clone() for n, p in model.named_parameters()}
+    l0 = F.cross_entropy(model(x), y, reduction="none").detach()
+    inner = lambda f: reweighted_loss(F.cross_entropy(f(x), y, reduction="none"), w, l0)
+    outer = lambda f: F.cross_entropy(f(xm), ym)
+    grads = torch.autograd.grad(inner(model), list(model.parameters()))
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p -= 0.5 * g
+    own = dict(model.named_parameters(remove_duplicate=False))
+    fd = darts_hypergradient(model, inner, outer, w.parameters(), lr=0.5, at=theta)
+    assert all(q is own[n] for n, q in model.named_parameters(remove_duplicate=False))
+    exact = exact_hypergradient(model, inner, outer, w.parameters(), lr=0.5, at=theta)
+    assert all(q is own[n] for n, q in model.named_parameters(remove_duplicate=False))
+    scale = _flat(exact).abs().max().item()
+    for got, want in zip(fd, exact, strict=True):
+        assert_close(got, want, FINITE_DIFFERENCE, scale=scale)
+
+
 def test_flat_outer_loss_gives_zero_and_nan_is_refused() -> None:
     model, inner, _, w, theta, lr = problem()
     zero = darts_hypergradient(model, inner, lambda f: f(torch.zeros(1, 5, dtype=torch.float64)).sum() * 0,

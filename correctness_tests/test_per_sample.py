@@ -918,6 +918,27 @@ class _SharedInput(nn.Module):
         return self.a(x) + self.b(x)
 
 
+@pytest.mark.parametrize("side", [kernels, reference], ids=["kernels", "reference"])
+@pytest.mark.parametrize("name", FUNCS)
+def test_a_layer_registered_twice_keeps_its_parameters(side, name: str) -> None:
+    """One Linear applied twice under two names (nn.Sequential(layer, act, layer, ...)): the call
+    leaves the model holding its own Parameters (torch's functional_call, left to itself, put its
+    tensors in their place), and kernels and reference agree."""
+    torch.manual_seed(0)
+    layer = nn.Linear(6, 6)
+    model = nn.Sequential(layer, nn.Tanh(), layer, nn.Tanh(), nn.Linear(6, 3)).double()
+    x, y = torch.randn(5, 6, dtype=torch.float64), torch.randint(0, 3, (5,))
+    own = dict(model.named_parameters(remove_duplicate=False))
+    p = dict(model=model, loss_fn=F.cross_entropy, inputs=x, targets=y)
+    got = _run(side, name, p)
+    assert all(q is own[n] for n, q in model.named_parameters(remove_duplicate=False))
+    want = _run(reference if side is kernels else kernels, name, p)
+    if isinstance(want, dict):
+        assert_dicts_close(got, want, ELEMENTWISE)
+    else:
+        assert_close(got, want, REDUCTION)
+
+
 def test_a_layer_never_called_owns_its_parameters() -> None:
     """Its weight used by F.linear elsewhere: vmap, and the reference's gradients (the first graph
     check gave it zero gradients, 3.83 off in sum)."""

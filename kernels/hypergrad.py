@@ -34,10 +34,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 from torch.nn.parallel import DistributedDataParallel
 
 from kernels import checks
+from kernels._stateless import functional_call
 from kernels.distributed import active, all_mean_, unwrap
 
 Forward = Callable[..., Tensor]  # the inner module's forward at some parameters

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
+from torch.func import grad, vmap
 
 from kernels import checks, hugepages, nontemporal
+from kernels._stateless import functional_call
 from kernels.ghost import GhostTerms
 from kernels.ghost import Plan as _Plan
 from kernels.layer_capture import BARE_LOSSES, Fallback, LossFn, capture, loss_parameters, refuse_loss_parameters

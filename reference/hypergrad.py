@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
+from kernels._stateless import functional_call
 from kernels.hypergrad import LossClosure
 
 
