@@ -11,12 +11,13 @@ through the inner model), obviously correct.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 
-from kernels._stateless import functional_call
 from kernels.hypergrad import LossClosure
 
 
@@ -40,9 +41,12 @@ def exact_hypergradient(
     named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
     buffers = {n: b.clone() for n, b in inner.named_buffers()}
     theta = {n: at[n].detach().clone().requires_grad_() for n, _ in named}
+    # the calls run a copy of the model: torch's functional_call leaves a layer registered under two
+    # names holding the call's tensors, and the caller's model must keep its own
+    model = copy.deepcopy(inner)
 
     def forward(params: dict[str, Tensor]):
-        return lambda *args, **kwargs: functional_call(inner, ({**params, **buffers}), args, kwargs)
+        return lambda *args, **kwargs: functional_call(model, ({**params, **buffers}), args, kwargs)
 
     grads = torch.autograd.grad(_mean(inner_loss, forward(theta)), list(theta.values()), create_graph=True)
     stepped = {n: p.detach() - lr * (g - g.detach()) for (n, p), g in zip(named, grads, strict=True)}
