@@ -918,16 +918,30 @@ class _SharedInput(nn.Module):
         return self.a(x) + self.b(x)
 
 
+def _registered_twice(kind: str) -> tuple[nn.Module, set[str]]:
+    """A model with one layer applied twice under two names, and the layers the identity takes:
+    the Linear itself ("linear"), or a LayerNorm between Linears, whose parameters vmap takes."""
+    if kind == "linear":
+        layer = nn.Linear(6, 6)
+        return nn.Sequential(layer, nn.Tanh(), layer, nn.Tanh(), nn.Linear(6, 3)).double(), {"0", "4"}
+    norm = nn.LayerNorm(6)
+    return nn.Sequential(nn.Linear(6, 6), norm, nn.Linear(6, 6), norm, nn.Linear(6, 3)).double(), {"0", "2", "4"}
+
+
 @pytest.mark.parametrize("side", [kernels, reference], ids=["kernels", "reference"])
 @pytest.mark.parametrize("name", FUNCS)
-def test_a_layer_registered_twice_keeps_its_parameters(side, name: str) -> None:
-    """One Linear applied twice under two names (nn.Sequential(layer, act, layer, ...)): the call
-    leaves the model holding its own Parameters (torch's functional_call, left to itself, put its
-    tensors in their place), and kernels and reference agree."""
+@pytest.mark.parametrize("kind", ["linear", "layernorm"])
+def test_a_layer_registered_twice_keeps_its_parameters(side, name: str, kind: str) -> None:
+    """One layer applied twice under two names (nn.Sequential(layer, ..., layer, ...)): one owner of
+    its parameters, so a Linear keeps the identity with its two calls; vmap's path (the LayerNorm's
+    parameters) leaves the model holding its own Parameters (torch's functional_call, left to
+    itself, puts its tensors in their place); kernels and reference agree."""
+    from kernels.per_sample import _plan
+
     torch.manual_seed(0)
-    layer = nn.Linear(6, 6)
-    model = nn.Sequential(layer, nn.Tanh(), layer, nn.Tanh(), nn.Linear(6, 3)).double()
+    model, identity = _registered_twice(kind)
     x, y = torch.randn(5, 6, dtype=torch.float64), torch.randint(0, 3, (5,))
+    assert set(_plan(model, [n for n, _ in model.named_parameters()], "error").linear) == identity
     own = dict(model.named_parameters(remove_duplicate=False))
     p = dict(model=model, loss_fn=F.cross_entropy, inputs=x, targets=y)
     got = _run(side, name, p)

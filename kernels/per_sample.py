@@ -101,9 +101,12 @@ def _plan(model: nn.Module, names: list[str], randomness: str) -> _Plan:
         # Live dropout: the identity's checks compare forwards, which random masks make differ,
         # so vmap (torch.func's own randomness handling) does everything.
         return _Plan(names, {}, names)
+    # how many modules own each parameter: a layer registered under two names is one owner (its
+    # calls are the identity's repeated calls), a parameter tied into two modules has two
     counts: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        counts[id(p)] = counts.get(id(p), 0) + 1
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            counts[id(p)] = counts.get(id(p), 0) + 1
     linear, covered = {}, set()
     for mname, m in model.named_modules():
         if not _has_identity(m):
