@@ -25,10 +25,16 @@ def _rel(a: list[Tensor], b: list[Tensor]) -> float:
     return ((_flat(a) - _flat(b)).norm() / _flat(b).norm()).item()
 
 
-def problem(dtype=torch.float64, hidden=16, batch=32, meta=20, lr=0.5, seed=0, act=nn.Tanh, held=True):
-    """A smooth MLP classifier stepped once on the Meta-Weight-Net loss: (model, inner, outer, W, theta)."""
+def problem(dtype=torch.float64, hidden=16, batch=32, meta=20, lr=0.5, seed=0, act=nn.Tanh, held=True,
+            reused=False):
+    """A smooth MLP classifier stepped once on the Meta-Weight-Net loss: (model, inner, outer, W, theta).
+    ``reused``: its hidden layer applied twice, one module under two names."""
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(5, hidden), act(), nn.Linear(hidden, 3)).to(dtype)
+    hidden_layers = [nn.Linear(5, hidden), act()]
+    if reused:
+        layer = nn.Linear(hidden, hidden)
+        hidden_layers += [layer, act(), layer, act()]
+    model = nn.Sequential(*hidden_layers, nn.Linear(hidden, 3)).to(dtype)
     w = MetaWeightNet().to(dtype)
     x, y = torch.randn(batch, 5, dtype=torch.float64).to(dtype), torch.randint(0, 3, (batch,))
     xm, ym = torch.randn(meta, 5, dtype=torch.float64).to(dtype), torch.randint(0, 3, (meta,))
@@ -171,24 +177,11 @@ def test_a_layer_registered_twice_keeps_its_parameters() -> None:
     """One Linear applied twice under two names in the inner model: both the kernel and the
     reference leave the model holding its own Parameters (torch's functional_call, left to itself,
     put the perturbed tensors in their place), and they agree, as on any other model."""
-    torch.manual_seed(0)
-    layer = nn.Linear(5, 5)
-    model = nn.Sequential(layer, nn.Tanh(), layer, nn.Tanh(), nn.Linear(5, 3)).double()
-    w = MetaWeightNet().double()
-    x, y = torch.randn(32, 5, dtype=torch.float64), torch.randint(0, 3, (32,))
-    xm, ym = torch.randn(20, 5, dtype=torch.float64), torch.randint(0, 3, (20,))
-    theta = {n: p.detach().clone() for n, p in model.named_parameters()}
-    l0 = F.cross_entropy(model(x), y, reduction="none").detach()
-    inner = lambda f: reweighted_loss(F.cross_entropy(f(x), y, reduction="none"), w, l0)
-    outer = lambda f: F.cross_entropy(f(xm), ym)
-    grads = torch.autograd.grad(inner(model), list(model.parameters()))
-    with torch.no_grad():
-        for p, g in zip(model.parameters(), grads, strict=True):
-            p -= 0.5 * g
+    model, inner, outer, w, theta, lr = problem(reused=True)
     own = dict(model.named_parameters(remove_duplicate=False))
-    fd = darts_hypergradient(model, inner, outer, w.parameters(), lr=0.5, at=theta)
+    fd = darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, at=theta)
     assert all(q is own[n] for n, q in model.named_parameters(remove_duplicate=False))
-    exact = exact_hypergradient(model, inner, outer, w.parameters(), lr=0.5, at=theta)
+    exact = exact_hypergradient(model, inner, outer, w.parameters(), lr=lr, at=theta)
     assert all(q is own[n] for n, q in model.named_parameters(remove_duplicate=False))
     scale = _flat(exact).abs().max().item()
     for got, want in zip(fd, exact, strict=True):
