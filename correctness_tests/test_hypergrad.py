@@ -156,6 +156,33 @@ def test_micro_batches_average_to_the_whole_batch() -> None:
         assert_close(a, b, REDUCTION, scale=_flat(whole).abs().max().item())
 
 
+def test_a_micro_batch_that_does_not_reach_w_adds_zero() -> None:
+    """An inner micro-batch that is not reweighted (its loss does not reach w) adds nothing to
+    the hypergradient, as in the exact one (autograd refused the kernel's call before: the
+    review's case); alone, it gives zeros. Under no_grad both sides give the same."""
+    model, inner, outer, w, theta, lr = problem()
+    xb, yb = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+    plain = lambda f: F.cross_entropy(f(xb), yb)  # noqa: E731
+    for closures in ([inner, plain], plain):
+        exact = exact_hypergradient(model, closures, outer, w.parameters(), lr=lr, at=theta)
+        fd = darts_hypergradient(model, closures, outer, w.parameters(), lr=lr, at=theta)
+        scale = max(_flat(exact).abs().max().item(), 1e-30)
+        for got, want in zip(fd, exact, strict=True):
+            assert_close(got, want, FINITE_DIFFERENCE, scale=scale)
+    assert all(bool((g == 0).all()) for g in fd)  # the plain micro-batch alone
+    halved = darts_hypergradient(model, [inner, plain], outer, w.parameters(), lr=lr, at=theta)
+    full = darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, at=theta)
+    for a, b in zip(halved, full, strict=True):  # the mean of two micro-batches, one of them zero
+        assert_close(a, b / 2, REDUCTION, scale=_flat(full).abs().max().item())
+    with torch.no_grad():
+        fd = darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, at=theta)
+        exact = exact_hypergradient(model, inner, outer, w.parameters(), lr=lr, at=theta)
+    for a, b in zip(fd, full, strict=True):
+        assert torch.equal(a, b)
+    for got, want in zip(fd, exact, strict=True):
+        assert_close(got, want, FINITE_DIFFERENCE, scale=_flat(exact).abs().max().item())
+
+
 def test_leaves_the_module_untouched() -> None:
     """Parameters, BatchNorm running statistics and .grad are as they were."""
     torch.manual_seed(0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given
@@ -208,10 +210,18 @@ def test_bad_hyperparameters_are_refused_by_name(kind: str, keywords: dict, erro
     ("sgd", {"nesterov": "yes"}, TypeError, r"params\[1\]\['nesterov'\] must be True or False"),
     ("sgd", {"momentum": 0.0, "nesterov": True}, ValueError,
      r"nesterov=True needs momentum > 0 and dampening 0; params\[1\] runs with momentum 0.0"),
-], ids=["adamw-lr", "sgd-lr", "betas", "eps", "momentum", "weight_decay", "nesterov", "nesterov-momentum"])
+    ("sgd", {"fused": True}, ValueError, r"params\[1\]\['fused'\]=True: kernels.sgd chooses the implementation"),
+    ("adamw", {"foreach": False}, ValueError, r"params\[1\]\['foreach'\]=False: kernels.adamw chooses"),
+    ("adamw", {"maximize": True}, ValueError, r"params\[1\]\['maximize'\]=True: kernels.adamw runs without"),
+    ("adamw", {"amsgrad": True}, ValueError, r"params\[1\]\['amsgrad'\]=True: kernels.adamw runs without"),
+    ("sgd", {"maximize": True}, ValueError, r"params\[1\]\['maximize'\]=True: kernels.sgd runs without"),
+], ids=["adamw-lr", "sgd-lr", "betas", "eps", "momentum", "weight_decay", "nesterov", "nesterov-momentum",
+        "fused", "foreach", "maximize", "amsgrad", "sgd-maximize"])
 def test_bad_group_overrides_are_refused_by_group(kind: str, override: dict, error: type, message: str) -> None:
     """A parameter-group dict's own hyperparameters are checked as the keywords are (torch checks
-    none of them: ``{"lr": inf}`` in a group stepped to NaN)."""
+    none of them: ``{"lr": inf}`` in a group stepped to NaN); a group's own implementation
+    (``{"fused": True}`` skipped the layout guard: 0.87 off on a strided view) or torch-only variant
+    (``maximize``, which the reference ignored: 0.87 apart) is refused."""
     groups = [{"params": [torch.zeros(3, requires_grad=True)]},
               {"params": [torch.zeros(2, requires_grad=True)], **override}]
     with pytest.raises(error, match=message):
@@ -419,6 +429,74 @@ def test_a_group_added_later_is_checked_and_fused_only_where_it_can_be(kind: str
     assert_close(extra.detach(), ref.detach(), ELEMENTWISE)
 
 
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_a_tensor_listed_twice_is_refused(kind: str) -> None:
+    """The fused step counted a tensor listed twice twice before either update (AdamW 4e-2 off
+    the reference in 3 steps, with only torch's warning); across groups torch refuses it too."""
+    w = torch.zeros(3, requires_grad=True)
+    for params in ([w, w], [{"params": [w]}, {"params": [w], "lr": 0.1}]):
+        with pytest.raises(ValueError, match="lists a tensor more than once"):
+            getattr(kernels, kind)(params)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_complex_parameters_step_as_the_reference(kind: str) -> None:
+    """A complex parameter steps as its (real, imaginary) pairs, in torch's class and in the
+    reference (whose AdamW squared g itself: a complex second moment, 0.22 off)."""
+    def run(side) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(3, dtype=torch.complex64, generator=gen).requires_grad_()
+        opt = getattr(side, kind)([w], lr=0.1, **({"momentum": 0.9} if kind == "sgd" else {}))
+        for _ in range(5):
+            w.grad = torch.randn(3, dtype=torch.complex64, generator=gen)
+            opt.step()
+        return torch.view_as_real(w.detach()), torch.view_as_real(opt.state[w][STATE_KEYS[kind][-1]])
+
+    for got, want in zip(run(kernels), run(reference), strict=True):
+        assert_close(got, want, ELEMENTWISE)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_a_loaded_state_dict_is_checked_and_keeps_the_implementation(kind: str) -> None:
+    """torch's load_state_dict puts the saved groups' hyperparameters in place of the groups'
+    own: they are checked as the constructor's are (a torch AdamW saved with eps=0 stepped to
+    NaN), the implementation stays this optimizer's (a fused torch checkpoint must not fuse a
+    strided view), and the layout guard is registered once however often a state is loaded."""
+    torch_class = torch.optim.AdamW if kind == "adamw" else torch.optim.SGD
+    hyper = {"momentum": 0.9} if kind == "sgd" else {}
+    view = torch.randn(4, 6)[:, ::2].requires_grad_()
+    opt = getattr(kernels, kind)([view], lr=0.1, **hyper)
+    saved = torch_class([torch.zeros(4, 3, requires_grad=True)], lr=0.1, fused=True, **hyper).state_dict()
+    for _ in range(3):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["fused"] is opt.defaults["fused"] is None  # a strided view: torch's default
+    dense = getattr(kernels, kind)([torch.zeros(4, 3, requires_grad=True)], lr=0.1, **hyper)
+    for _ in range(3):
+        dense.load_state_dict(saved)
+    assert dense.param_groups[0]["fused"] is True and len(dense._optimizer_step_pre_hooks) == 1
+    bad = copy.deepcopy(saved)
+    bad["param_groups"][0]["lr"] = float("inf")
+    with pytest.raises(ValueError, match=r"state_dict\['param_groups'\]\[0\]\['lr'\] must be a finite number"):
+        opt.load_state_dict(bad)
+    assert opt.param_groups[0]["lr"] == 0.1  # nothing loaded
+    if kind == "adamw":
+        zero_eps = torch_class([torch.zeros(4, 3, requires_grad=True)], eps=0.0).state_dict()
+        with pytest.raises(ValueError, match=r"\['eps'\] must be a finite number > 0"):
+            opt.load_state_dict(zero_eps)
+
+    def run(side) -> torch.Tensor:  # a strided view stepped after the load, as the reference steps it
+        w = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))[:, ::2].requires_grad_()
+        o = getattr(side, kind)([w], lr=0.1, **hyper)
+        o.load_state_dict(torch_class([torch.zeros(4, 3, requires_grad=True)], lr=0.1, **hyper).state_dict())
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            w.grad = torch.randn(4, 3, generator=gen)
+            o.step()
+        return w.detach()
+
+    assert_close(run(kernels), run(reference), ELEMENTWISE)
+
+
 def test_numbers_the_step_cannot_hold_in_float32_are_refused() -> None:
     """eps 1e-50 is 0 in float32 (a zero gradient then steps by 0/0 = NaN), lr 1e39 inf; both
     hold in float64, where float64 parameters step."""
@@ -430,3 +508,5 @@ def test_numbers_the_step_cannot_hold_in_float32_are_refused() -> None:
     with pytest.raises(ValueError, match=r"params\[0\]\['eps'\]=1e-50"):
         kernels.adamw([{"params": [w], "eps": 1e-50}])
     kernels.adamw([torch.zeros(3, dtype=torch.float64, requires_grad=True)], eps=1e-50)  # float64 holds it
+    with pytest.raises(ValueError, match=r"lr=1e\+39 rounds to inf in float32"):  # a tensor lr by its value
+        kernels.sgd([w], lr=torch.tensor(1e39, dtype=torch.float64))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import math
 import weakref
@@ -47,6 +48,22 @@ def test_fp32_loop_matches_reference() -> None:
     assert got.optimizer_steps == want.optimizer_steps == 6 and got.skipped_steps == 0
     assert_close(torch.tensor(got.losses), torch.tensor(want.losses), REDUCTION)
     assert_close(_params(m1), _params(m2), REDUCTION)
+
+
+@pytest.mark.parametrize("scale", [1e20, 1e-30])
+def test_fp64_losses_are_reported_in_fp64(scale: float) -> None:
+    """A float64 model's losses past float32's range (2.5e40 here, or 2.5e-60) are reported as
+    the reference reports them, not overflowed to inf (refused as a non-finite forward) or
+    flushed to 0 (the review's case: the window kept its losses in float32)."""
+    x = torch.tensor([[1.0, 1.0], [2.0, -1.0]], dtype=torch.float64) * scale
+    y = torch.zeros(2, 1, dtype=torch.float64)
+    models = [nn.Linear(2, 1, bias=False).double() for _ in range(2)]
+    for m in models:
+        with torch.no_grad():
+            m.weight.fill_(1.0)
+    got, want = (fn(m, F.mse_loss, torch.optim.SGD(m.parameters(), lr=0.0), [(x, y)])
+                 for fn, m in zip((train, ref.train), models, strict=True))
+    assert got.losses == want.losses == [pytest.approx(2.5 * scale**2, rel=1e-12)]
 
 
 @given(k=st.integers(1, 4), micro=st.integers(1, 7), size=st.integers(1, 8))
@@ -581,6 +598,7 @@ def test_resume_from_a_checkpoint_continues_the_run_bitwise(tmp_path, recipe: Re
     model3, opt3, sched3 = _resumable(7)  # other initial weights: all of them come from the file
     scaler3 = torch.amp.GradScaler("cpu") if recipe.grad_scaler else None
     assert load_checkpoint(tmp_path / "ckpt.safetensors", model3, opt3, scheduler=sched3, scaler=scaler3) == 4
+    assert opt3.state_dict()["param_groups"] == opt2.state_dict()["param_groups"]  # betas a tuple, not JSON's list
     rest = train(model3, F.cross_entropy, opt3, data[half:], recipe, scheduler=sched3, scaler=scaler3)
     torch.testing.assert_close(_params(model3), _params(model), atol=0, rtol=0)
     assert first.losses + rest.losses == whole.losses and sched3.get_last_lr() == sched.get_last_lr()
@@ -609,6 +627,11 @@ def test_a_resumed_multistep_scheduler_decays_where_the_run_would(tmp_path) -> N
     train(model3, F.cross_entropy, opt3, data[1:], scheduler=sched3)
     assert sched3.get_last_lr() == sched.get_last_lr() == [pytest.approx(0.1 * 0.01)]
     assert sched3.state_dict() == sched.state_dict()
+    # a Counter again, not the dict JSON gives back: a step to an epoch reads its elements()
+    assert type(sched3.milestones) is type(sched.milestones) is collections.Counter
+    with pytest.warns(UserWarning, match="epoch parameter"):  # torch's deprecated step(epoch), still served
+        sched.step(3), sched3.step(3)
+    assert sched3.get_last_lr() == sched.get_last_lr()
     torch.testing.assert_close(_params(model3), _params(model), atol=0, rtol=0)
 
 

@@ -17,8 +17,9 @@ against the memory measured slower than building r (evidence/from-the-code.md). 
 stream and the memory share one captured forward and backward.
 
 The loss must reduce per-sample losses by their mean (the original's CrossEntropyLoss) or sum:
-g and r are its batch gradients, the reduction is checked on the first samples, and anything
-else (class weights) is refused. Scoring needs a deterministic model: dropout in train
+g and r are its batch gradients, the reduction is read from the loss's gradient at the model's
+outputs over the whole stream and memory, and anything else (class weights over mixed
+classes) is refused. Scoring needs a deterministic model: dropout in train
 mode draws masks the reference could not reproduce, so call ``model.eval()`` around scoring.
 """
 
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from kernels import checks, per_sample
-from kernels.layer_capture import LossFn
+from kernels.layer_capture import LossFn, per_sample_losses
 from kernels.per_sample import ghost_terms
 
 Memory = tuple[Tensor, Tensor]
@@ -62,45 +63,51 @@ def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Ten
 
 
 def loss_reduction(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
-                   memory: Memory | None = None, probe: int = 4, reach: int = 64) -> str:
-    """'mean' or 'sum': how ``loss_fn`` reduces per-sample losses, checked on the first ``probe``
-    samples, or where fewer than two of their losses are nonzero (mean and sum then agree: a
-    stream of one, samples the model fits exactly), on ``probe`` samples of nonzero loss among
-    the first ``reach`` of the stream and the memory. Where even those are fewer than two, the
-    scores are the same either way up to the cosines' floor, and torch's default 'mean' is
-    taken. g and r are the batch gradients of ``loss_fn``, so any other reduction (class
-    weights, a per-sample weighting) is refused rather than scored as something else."""
-    x, y = inputs[:probe], targets[:probe]
-    batch, each = _losses(model, loss_fn, x, y)
-    if int((each != 0).sum()) < 2:
-        xs, ys = inputs[:reach], targets[:reach]
-        if memory is not None:
-            xs, ys = torch.cat([xs, memory[0][:reach]]), torch.cat([ys, memory[1][:reach]])
-        _, wide = _losses(model, loss_fn, xs, ys)
-        rows = wide.abs().argsort(descending=True, stable=True)[:probe].sort().values  # on the CPU, as wide
-        if int((wide[rows] != 0).sum()) < 2:
-            return "mean"
-        on = rows.to(xs.device)
-        batch, each = _losses(model, loss_fn, xs[on], ys[on])
-    tol = 1e-3 * each.abs().sum() + 1e-30
-    for name, value in (("mean", each.mean()), ("sum", each.sum())):
-        if (batch - value).abs() <= tol:
-            return name
-    raise ValueError("loss_fn must reduce per-sample losses by their mean (e.g. F.cross_entropy) or sum; on the "
-                     f"first {len(x)} samples it gave {batch.item():.6g}, their mean is {each.mean().item():.6g}")
+                   memory: Memory | None = None) -> str:
+    """'mean' or 'sum': how ``loss_fn`` reduces per-sample losses, read from its gradient at the
+    model's outputs over the whole stream and the whole memory. Where the batch loss's gradient
+    there is 1/n (mean) or 1 (sum) times the per-sample losses' summed gradient, the chain rule
+    makes g and r, its batch gradients, that multiple of sum_i E_i. Any other reduction (class
+    weights over mixed classes, a token mean over padded samples of unequal lengths) is refused
+    rather than scored as something else. A batch that cannot tell (one sample, or every output
+    gradient zero) agrees with both; torch's default 'mean' is taken where both agree."""
+    agree = {"mean", "sum"}
+    for x, y in [(inputs, targets), *([memory] if memory is not None else [])]:
+        agree &= _reductions(model, loss_fn, x, y)
+        if not agree:
+            raise ValueError(
+                "loss_fn must reduce per-sample losses by their mean (e.g. F.cross_entropy) or sum: its "
+                "gradient at the model's outputs is neither 1/n nor 1 times the per-sample losses' "
+                "(class weights over mixed classes, a token mean over samples of unequal lengths); OCS "
+                "scores need g as a multiple of the per-sample gradients' sum")
+    return "mean" if "mean" in agree else "sum"
 
 
-def _losses(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-    """``loss_fn`` on the batch (x, y) and on each of its samples alone, in float64."""
+def _reductions(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor) -> set[str]:
+    """Those of 'mean' and 'sum' whose gradient at the outputs the batch loss's matches: normwise
+    within sqrt(eps) of the outputs' dtype (mean and sum differ by n >= 2, class weights by
+    their ratios; rounding by a few eps)."""
     with torch.no_grad():
         out = model(x)
-        batch = loss_fn(out, y).double()
-        if batch.ndim != 0:
-            raise ValueError(f"loss_fn must return a scalar, got shape {tuple(batch.shape)}")
-        each = torch.stack([loss_fn(out[i : i + 1], y[i : i + 1]) for i in range(len(x))]).double()
-    checks.finite({"the model's loss on the first samples": each}, error=FloatingPointError,
-                  hint="OCS scores would be NaN")
-    return batch.cpu(), each.cpu()
+    if not isinstance(out, Tensor):
+        raise TypeError(f"OCS scores need a model returning one Tensor (N, ...), got {type(out).__name__}")
+    with torch.enable_grad():
+        o = out.detach().requires_grad_()
+        batch = loss_fn(o, y)
+        if not isinstance(batch, Tensor) or batch.ndim != 0:
+            raise ValueError(f"loss_fn must return a scalar, got {getattr(batch, 'shape', type(batch).__name__)}")
+        each = per_sample_losses(loss_fn, o, y)
+        checks.finite({"the model's per-sample losses": each, "the model's batch loss": batch},
+                      error=FloatingPointError, hint="OCS scores would be NaN")
+        gb, ge = (torch.autograd.grad(t, o, allow_unused=True, materialize_grads=True)[0].double()
+                  for t in (batch, each.sum()))  # the batch loss's and the per-sample losses' at the outputs
+    tol = torch.finfo(o.dtype).eps ** 0.5
+    agree = set()
+    for name, scale in (("mean", 1.0 / x.shape[0]), ("sum", 1.0)):
+        want = ge * scale
+        if float((gb - want).norm()) <= tol * max(float(gb.norm()), float(want.norm())):
+            agree.add(name)
+    return agree
 
 
 def _check_memory(inputs: Tensor, targets: Tensor, memory: Memory) -> None:

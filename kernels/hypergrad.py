@@ -87,6 +87,8 @@ def _mean_grad(fns: list[LossClosure], forward: Forward, wrt: list[Tensor], name
         loss = fn(forward)
         if not isinstance(loss, Tensor) or loss.ndim != 0:
             raise ValueError(f"{name} must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
+        if not loss.requires_grad:  # it reaches none of wrt (an un-reweighted micro-batch, a frozen weighting
+            continue  # net): a zero term, where autograd would refuse the call
         grads = torch.autograd.grad(loss / len(fns), wrt, allow_unused=True)
         grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, wrt, strict=True)]
         torch._foreach_add_(total, grads)
@@ -137,6 +139,7 @@ def _check(inner: nn.Module, outer: list[Tensor], lr: float, alpha: float) -> li
     return named
 
 
+@torch.enable_grad()  # a gradient computation: works when called under no_grad
 def darts_hypergradient(
     inner: nn.Module,
     inner_loss: LossClosure | Sequence[LossClosure],

@@ -16,7 +16,10 @@ the parameter's layout, so plain training is unaffected, but these optimizers co
 state tensor laid out unlike its parameter into the parameter's layout before each fused step,
 and never choose fused for a parameter that is a strided view (no layout of its own to match).
 A group added with ``add_param_group`` to a fused optimizer must be fusable too (else a
-ValueError: build the optimizer with every group).
+ValueError: build the optimizer with every group). The implementation is chosen for all groups:
+a group dict's own ``fused`` or ``foreach`` is refused, and one loaded with ``load_state_dict``
+is replaced by this optimizer's. A tensor listed twice is refused (the fused step counts it twice
+before either update: AdamW's bias correction then runs a step ahead).
 
 Fused SGD with momentum creates its momentum buffers only when no parameter has one (torch
 2.14.1): a parameter whose first gradient comes after step 1 raised a TypeError, and a first step
@@ -35,7 +38,10 @@ number, not a bool, in its range (``HYPERPARAMETERS``), else a ValueError naming
 stored as Python floats; a tensor ``lr`` or ``betas`` (torch's capturable steps) is checked by
 its value and kept, and each must be representable where the step computes (float32 for all but
 float64 parameters): an ``eps`` that rounds to 0 there, or an ``lr`` or ``weight_decay`` that
-rounds to inf, is refused. Groups added later with ``add_param_group`` are checked alike.
+rounds to inf, is refused. Groups added later with ``add_param_group``, and the saved groups
+``load_state_dict`` puts in place of the groups' own, are checked alike. torch.optim's variants
+(AdamW's ``amsgrad``, ``maximize``, ``capturable``, ``differentiable``; SGD's ``maximize``,
+``differentiable``) are not offered: a group asking for one is refused.
 """
 
 from __future__ import annotations
@@ -80,6 +86,12 @@ def _groups(params: Params, arg: str) -> list:
             if not (p.is_floating_point() or p.is_complex()):
                 raise TypeError(f"{arg} holds a {p.dtype} tensor: optimizers update floating-point "
                                 "parameters only")
+    tensors = _tensors(groups)
+    if len({id(p) for p in tensors}) != len(tensors):
+        # the fused step counts a tensor listed twice twice before either update: AdamW's bias
+        # correction then runs a step ahead (4e-2 off in 3 steps); torch only warns
+        raise ValueError(f"{arg} lists a tensor more than once; list each parameter once (model.parameters() "
+                         "does: a tied weight is one parameter)")
     return groups
 
 
@@ -127,10 +139,26 @@ def _hyperparameters(kind: str, given: dict[str, Any], groups: list) -> dict[str
     return defaults
 
 
+# What torch's class reads from a group beyond HYPERPARAMETERS: the implementation, kernels'
+# choice for all groups (a group's own "fused" skipped the layout guard: 0.87 off on a strided
+# view), and variants that are torch.optim's alone (the reference has none), at their off values.
+IMPLEMENTATION = ("fused", "foreach")
+VARIANTS = {"adamw": {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False},
+            "sgd": {"maximize": False, "differentiable": False}}
+
+
 def _group(kind: str, group: dict[str, Any], defaults: dict[str, Any], where: str) -> None:
     """A group dict's overrides checked in place (``where[key]`` in an error), then the group as
     it will run: Nesterov's condition, and each number where its step computes (module note)."""
     rules = HYPERPARAMETERS[kind]
+    for key in IMPLEMENTATION:
+        if group.get(key) is not None:
+            raise ValueError(f"{where}[{key!r}]={group[key]!r}: kernels.{kind} chooses the implementation for all "
+                             "groups (module note); leave the key out of the group")
+    for key, off in VARIANTS[kind].items():
+        if group.get(key, off) != off:
+            raise ValueError(f"{where}[{key!r}]={group[key]!r}: kernels.{kind} runs without "
+                             f"{', '.join(VARIANTS[kind])}; use torch.optim's own class for that variant")
     group.update({k: rules[k](group[k], f"{where}[{k!r}]") for k in rules if k in group})
     run = {**defaults, **group}
     if kind == "sgd" and run["nesterov"] and (run["momentum"] == 0 or run["dampening"] != 0):
@@ -140,6 +168,8 @@ def _group(kind: str, group: dict[str, Any], defaults: dict[str, Any], where: st
     if any(p.dtype != torch.float64 for p in _tensors(group["params"])):  # computed in float32
         for key in ("lr", "eps", "weight_decay"):
             value = run.get(key)
+            if isinstance(value, Tensor):  # a tensor lr or weight_decay: by its value (module note)
+                value = float(value)
             rounded = float(torch.tensor(value, dtype=torch.float32)) if isinstance(value, float) else None
             if rounded is not None and value != 0 and rounded in (0.0, math.inf):
                 name = key if where == "got" or key not in group else f"{where}[{key!r}]"
@@ -210,7 +240,9 @@ def _guard(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
         return args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": aligned_closure}
 
-    optimizer.register_step_pre_hook(pre_hook)
+    if getattr(optimizer, "_kernels_guard", None) in optimizer._optimizer_step_pre_hooks:
+        return optimizer  # guarded already: load_state_dict runs __setstate__ again
+    optimizer._kernels_guard = optimizer.register_step_pre_hook(pre_hook).id  # type: ignore[attr-defined]
     return optimizer
 
 
@@ -247,6 +279,22 @@ class _Chosen:
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[misc]
         _guard(self)  # type: ignore[arg-type]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, with the saved groups' hyperparameters checked as the constructor's are (torch
+        puts them in place of the groups' own) and the implementation kept this optimizer's."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise TypeError("state_dict must be an optimizer's state_dict(): a dict whose 'param_groups' is a "
+                            "list of dicts")
+        checked = []
+        for i, (saved, mine) in enumerate(zip(groups, self.param_groups, strict=False)):  # torch counts them
+            # checked against this group's tensors (the saved one lists their indices)
+            group = {k: v for k, v in saved.items() if k not in IMPLEMENTATION} | {"params": mine["params"]}
+            _group(self.kind, group, {}, f"state_dict['param_groups'][{i}]")
+            implementation = {k: mine[k] for k in IMPLEMENTATION if k in mine}
+            checked.append(group | implementation | {"params": saved["params"]})
+        super().load_state_dict({**state_dict, "param_groups": checked + groups[len(checked):]})  # type: ignore[misc]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not isinstance(param_group, dict):

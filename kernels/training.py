@@ -453,7 +453,8 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
             # weighted by its samples (a smaller last micro-batch counts for less), exactly loss / k
             # where the window's micro-batches are of one size
             scaler.scale(loss / k if n == n0 else loss * (n / n0) / k).backward()
-        steps.window.append(loss.detach().float())
+        # an fp16/bf16 loss (autocast) averaged in fp32, an fp64 one in fp64 (fp32 would overflow or flush it)
+        steps.window.append(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
         steps.sizes.append(n)
         if len(steps.window) == k:
             steps.step()
@@ -514,6 +515,24 @@ def _unkeyed(value: object) -> object:
         return {k: _unkeyed(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_unkeyed(v) for v in value]
+    return value
+
+
+def _typed_like(value: object, like: object) -> object:
+    """``value`` read back from JSON with the container types of ``like``, the state of the object
+    it is loaded into: JSON keeps dicts and lists only, where torch keeps a Counter (MultiStepLR's
+    milestones, whose ``elements()`` a step to an epoch calls) or a tuple (AdamW's betas)."""
+    if isinstance(value, dict) and isinstance(like, dict):
+        typed = {k: _typed_like(v, like.get(k)) for k, v in value.items()}
+        if type(like) is dict:
+            return typed
+        out = copy.copy(like)  # a Counter, OrderedDict or defaultdict (its factory kept), emptied and refilled
+        out.clear()
+        out.update(typed)
+        return out
+    if isinstance(value, list) and isinstance(like, list | tuple):
+        items = [_typed_like(v, w) for v, w in zip(value, like, strict=False)] + value[len(like):]
+        return tuple(items) if type(like) is tuple else items
     return value
 
 
@@ -638,9 +657,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         if key.startswith("optimizer/"):
             _, pid, name = key.split("/", 2)
             opt_state.setdefault(int(pid), {})[name] = v
-    optimizer.load_state_dict({"state": opt_state, "param_groups": state["optimizer"]["param_groups"]})
+    groups = _typed_like(state["optimizer"]["param_groups"], optimizer.state_dict()["param_groups"])
+    optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
     if scheduler is not None:
-        scheduler.load_state_dict(state["scheduler"])
+        scheduler.load_state_dict(_typed_like(state["scheduler"], scheduler.state_dict()))
     if scaler is not None:
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(tensors["rng/torch"])

@@ -26,6 +26,7 @@ def _mean(fns: LossClosure | Sequence[LossClosure], forward) -> Tensor:
     return sum(fn(forward) for fn in fns) / len(fns)
 
 
+@torch.enable_grad()
 def exact_hypergradient(
     inner: nn.Module,
     inner_loss: LossClosure | Sequence[LossClosure],

@@ -2,7 +2,8 @@
 
 Semantics are torch's (torch.optim.AdamW / SGD docs): decoupled weight decay and bias
 correction for AdamW; momentum buffer initialised to the first gradient, dampening, Nesterov
-and L2 weight decay for SGD. Parameters whose grad is None are skipped.
+and L2 weight decay for SGD. Parameters whose grad is None are skipped; AdamW steps a complex
+parameter as its (real, imaginary) pairs, as torch does.
 """
 
 from __future__ import annotations
@@ -37,12 +38,15 @@ class AdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
-                t, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
-                p.mul_(1 - lr * wd)
-                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                # a complex number as its (real, imaginary) pair, as torch steps it: g^2 per component
+                w, g, m, v = (torch.view_as_real(x) if x.is_complex() else x
+                              for x in (p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
+                t = state["step"]
+                w.mul_(1 - lr * wd)
+                m.mul_(beta1).add_(g, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
-                p.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+                w.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
         return loss
 
 
