@@ -549,6 +549,40 @@ def test_module_under_torch_func_and_forward_ad_takes_the_torch_ops() -> None:
     assert_close(per_w(mod), per_w(ref), REDUCTION)
 
 
+@pytest.mark.parametrize(("s", "causal", "dtype"), [(8, True, torch.float32), (150, False, torch.float32),
+                                               (400, True, torch.float32), (8, False, torch.float64)],
+                         ids=["causal", "sdpa", "blocked-causal", "fp64"])
+def test_forward_mode_tangents_on_every_sdpa_route(s: int, causal: bool, dtype: torch.dtype) -> None:
+    """torch.func.jvp through the routes that end in SDPA (causal, long, blocked, not fp32), whose
+    CPU flash kernel has no forward-mode formula (NotImplementedError before): its math backend
+    takes them, and the tangent is the reference's; the module's causal path too."""
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(8)
+    q, k, v, t = (torch.randn(1, 2, s, 8, dtype=dtype) for _ in range(4))
+    got, want = (torch.func.jvp(lambda q, side=side: side.rope_attention(q, k, v, rope, causal=causal), (q,), (t,))
+                 for side in (kernels, RA))
+    for a, b in zip(got, want, strict=True):
+        assert_close(a, b, REDUCTION)
+    if s == 8 and dtype == torch.float32:
+        mod, ref = _module_pair(32, 4, 2, causal=True)
+        x, tx = torch.randn(2, 6, 32), torch.randn(2, 6, 32)
+        assert_close(torch.func.jvp(mod, (x,), (tx,))[1], torch.func.jvp(ref, (x,), (tx,))[1], REDUCTION)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_value_cache_made_under_inference_mode(causal: bool) -> None:
+    """v an inference tensor (a cache filled under inference_mode) while q needs a gradient: the
+    gradient is the reference's (autograd refused to save v before, naming no argument)."""
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(8)
+    with torch.inference_mode():
+        v = torch.randn(1, 2, 6, 8)
+    q, k = torch.randn(1, 2, 6, 8, requires_grad=True), torch.randn(1, 2, 6, 8)
+    got, want = (torch.autograd.grad(side.rope_attention(q, k, v, rope, causal=causal).sum(), q)[0]
+                 for side in (kernels, RA))
+    assert_close(got, want, REDUCTION)
+
+
 def test_module_training_path_backward_under_autocast() -> None:
     """A forward in fp32 (the projected attention) whose backward runs inside an autocast region:
     the backward keeps the forward's fp32, as autograd does for the unfused ops."""
@@ -605,8 +639,9 @@ def test_bad_input_is_refused(side: str) -> None:
         fn(q, k.to("meta"), v, rope)
     with pytest.raises(ValueError, match="attn_mask is on meta"):
         fn(q, k, v, rope, attn_mask=torch.ones(5, 5, dtype=torch.bool, device="meta"))
-    with pytest.raises(ValueError, match="no key to attend to"):
-        fn(q, k, v, rope, attn_mask=torch.zeros(5, 5).index_fill_(0, torch.tensor([2]), float("-inf")))
+    for fill in (float("-inf"), float("inf")):  # a row of infinities alone: no finite score (kernels: NaN before)
+        with pytest.raises(ValueError, match="no key to attend to"):
+            fn(q, k, v, rope, attn_mask=torch.zeros(5, 5).index_fill_(0, torch.tensor([2]), fill))
     with pytest.raises(ValueError, match="head dim"):
         fn(*_qkv(d=6), rope)
     with pytest.raises(ValueError, match="does not broadcast"):

@@ -374,6 +374,8 @@ def test_fixed_cache_refuses_positions_beyond_it(side) -> None:
         rope(torch.randn(1, 1, 4, 8), offset=13)
     with pytest.raises(ValueError, match="beyond the cache"):
         rope(torch.randn(1, 1, 2, 8), positions=torch.tensor([0, 16]))
+    for dtype in (torch.float32, torch.float64):  # no position past an offset: nothing beyond the cache
+        assert rope(torch.randn(1, 2, 0, 8, dtype=dtype), offset=20).shape == (1, 2, 0, 8)
 
 
 @pytest.mark.parametrize("side", [K, R])

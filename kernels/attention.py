@@ -58,10 +58,11 @@ import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import checks, cpu
 from kernels._team import c_team
-from kernels.rope import RotaryEmbedding, _c_rotates, c_built, c_tables, rotate_into
+from kernels.rope import RotaryEmbedding, _c_rotates, _followed, c_built, c_tables, rotate_into
 
 try:
     from kernels import _softmax as _c_softmax
@@ -110,7 +111,8 @@ def combined_mask(attn_mask: Tensor | None, causal: bool, s: int, device: torch.
     if causal:
         tril = torch.ones(s, s, dtype=torch.bool, device=device).tril()
         mask = mask & tril if mask.dtype == torch.bool else mask.masked_fill(~tril, float("-inf"))
-    empty_row = ~mask.any(-1) if mask.dtype == torch.bool else (mask == float("-inf")).all(-1)
+    # a float row of infinities alone (+inf too) has no finite score to normalize: NaN
+    empty_row = ~mask.any(-1) if mask.dtype == torch.bool else mask.isinf().all(-1)
     if bool(empty_row.any()):
         raise ValueError("attn_mask (after the causal mask, if any) leaves some query with no key to attend to: "
                          "its softmax is undefined; let every query attend to at least one key")
@@ -336,10 +338,23 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, ca
         tables = rope.tables(q, offset, positions)  # checks q; k has q's B, S and D (check_attention)
         if _c_rotates(q, *tables) and _c_rotates(k, *tables):
             return _fused_attention(q, k, v, tables, rope.interleaved, mask)
+    if (not torch.compiler.is_compiling() and v.is_inference() and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad)):
+        v = v.clone()  # a value cache made under inference_mode: autograd cannot save it for q's and k's backward
     turn = rope.paired if ours else rope
     q, k = turn(q, offset=offset, positions=positions), turn(k, offset=offset, positions=positions)
     if _takes_explicit(q, causal):
         return _math_attention(q, k, v, mask)
+    if any(_followed(t) for t in (q, k, v)):
+        # SDPA's CPU flash kernel has no forward-mode formula: its math backend, torch ops, has
+        with sdpa_kernel(SDPBackend.MATH):
+            return _sdpa(q, k, v, mask, causal)
+    return _sdpa(q, k, v, mask, causal)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    """SDPA on rotated q (B, H, S, D), k and v (B, H_kv, S, D): in blocks of query rows where
+    those measured faster (``_causal_block``), else one call."""
     block = _causal_block(q, causal)
     if block is not None:
         return _blocked_causal(q, k, v, mask, block)

@@ -46,9 +46,10 @@ def check_k(inputs: Tensor, k: int) -> None:
 
 
 def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, memory: Memory | None,
-                 tau: float) -> tuple[str, list[str]]:
-    """The refusals of ``ocs_scores``/``ocs_select``, shared with ``reference.coreset``; returns
-    the loss's reduction, 'mean' or 'sum', and the trainable parameter names."""
+                 tau: float) -> list[str]:
+    """The refusals of ``ocs_scores``/``ocs_select`` before any forward, shared with
+    ``reference.coreset``; returns the trainable parameter names. The loss's reduction is
+    checked on the model's outputs (``loss_reduction``)."""
     checks.tensor(inputs, "inputs (the stream)", min_ndim=1, nonempty=True, shape="(N, ...)")
     checks.number(tau, "tau")
     checks.module(model, "model")
@@ -59,55 +60,57 @@ def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Ten
     names = per_sample.check_inputs(model, loss_fn, inputs, targets)  # types, sizes, device, dtype, NaN/inf
     if memory is not None:
         _check_memory(inputs, targets, memory)
-    return loss_reduction(model, loss_fn, inputs, targets, memory), names
+    return names
 
 
-def loss_reduction(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
-                   memory: Memory | None = None) -> str:
+def joined(inputs: Tensor, targets: Tensor, memory: Memory | None) -> tuple[Tensor, Tensor]:
+    """The stream then the memory, one batch: (N + M, ...) inputs and targets."""
+    if memory is None:
+        return inputs, targets
+    return torch.cat([inputs, memory[0]]), torch.cat([targets, memory[1]])
+
+
+def loss_reduction(loss_fn: LossFn, outputs: Tensor, targets: Tensor, n: int) -> str:
     """'mean' or 'sum': how ``loss_fn`` reduces per-sample losses, read from its gradient at the
-    model's outputs over the whole stream and the whole memory. Where the batch loss's gradient
-    there is 1/n (mean) or 1 (sum) times the per-sample losses' summed gradient, the chain rule
-    makes g and r, its batch gradients, that multiple of sum_i E_i. Any other reduction (class
-    weights over mixed classes, a token mean over padded samples of unequal lengths) is refused
-    rather than scored as something else. A batch that cannot tell (one sample, or every output
-    gradient zero) agrees with both; torch's default 'mean' is taken where both agree."""
-    agree = {"mean", "sum"}
-    for x, y in [(inputs, targets), *([memory] if memory is not None else [])]:
-        agree &= _reductions(model, loss_fn, x, y)
-        if not agree:
-            raise ValueError(
-                "loss_fn must reduce per-sample losses by their mean (e.g. F.cross_entropy) or sum: its "
-                "gradient at the model's outputs is neither 1/n nor 1 times the per-sample losses' "
-                "(class weights over mixed classes, a token mean over samples of unequal lengths); OCS "
-                "scores need g as a multiple of the per-sample gradients' sum")
-    return "mean" if "mean" in agree else "sum"
-
-
-def _reductions(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor) -> set[str]:
-    """Those of 'mean' and 'sum' whose gradient at the outputs the batch loss's matches: normwise
-    within sqrt(eps) of the outputs' dtype (mean and sum differ by n >= 2, class weights by
-    their ratios; rounding by a few eps)."""
-    with torch.no_grad():
-        out = model(x)
-    if not isinstance(out, Tensor):
-        raise TypeError(f"OCS scores need a model returning one Tensor (N, ...), got {type(out).__name__}")
+    model's ``outputs`` (N + M, ...) on the stream's n samples and then the memory's (``joined``),
+    each batch whole. Where the batch loss's gradient there is 1/n (mean) or 1 (sum) times the
+    per-sample losses' summed gradient, the chain rule makes g and r, the batch gradients, that
+    multiple of sum_i E_i. Any other reduction (class weights over mixed classes, a token mean
+    over padded samples of unequal lengths) is refused rather than scored as something else. A
+    batch that cannot tell (one sample, or every output gradient zero) agrees with both; torch's
+    default 'mean' is taken where both agree. Mean and sum differ by n >= 2, class weights by
+    their ratios, rounding by a few eps: the gradients must match to sqrt(eps) of the outputs'
+    dtype, normwise."""
+    if not isinstance(outputs, Tensor):
+        raise TypeError(f"OCS scores need a model returning one Tensor (N, ...), got {type(outputs).__name__}")
+    parts = [slice(0, n), *([slice(n, None)] if outputs.shape[0] > n else [])]  # the stream, the memory
     with torch.enable_grad():
-        o = out.detach().requires_grad_()
-        batch = loss_fn(o, y)
-        if not isinstance(batch, Tensor) or batch.ndim != 0:
-            raise ValueError(f"loss_fn must return a scalar, got {getattr(batch, 'shape', type(batch).__name__)}")
-        each = per_sample_losses(loss_fn, o, y)
-        checks.finite({"the model's per-sample losses": each, "the model's batch loss": batch},
+        o = outputs.detach().requires_grad_()
+        batches = [loss_fn(o[p], targets[p]) for p in parts]
+        if any(not isinstance(b, Tensor) or b.ndim != 0 for b in batches):
+            raise ValueError(f"loss_fn must return a scalar, got {[getattr(b, 'shape', b) for b in batches]}")
+        each = per_sample_losses(loss_fn, o, targets)
+        checks.finite({"the model's per-sample losses": each, "the model's batch loss": torch.stack(batches)},
                       error=FloatingPointError, hint="OCS scores would be NaN")
+        # the batch losses' gradient at the outputs (the two batches' rows apart) and the per-sample losses'
         gb, ge = (torch.autograd.grad(t, o, allow_unused=True, materialize_grads=True)[0].double()
-                  for t in (batch, each.sum()))  # the batch loss's and the per-sample losses' at the outputs
+                  for t in (sum(batches), each.sum()))
+    sizes = [len(range(o.shape[0])[p]) for p in parts]
+    # per batch: |gb|, |ge|, |gb - ge / m| (mean), |gb - ge| (sum), read in one sync
+    norms = [t.norm() for p, m in zip(parts, sizes, strict=True)
+             for t in (gb[p], ge[p], gb[p] - ge[p] / m, gb[p] - ge[p])]
     tol = torch.finfo(o.dtype).eps ** 0.5
-    agree = set()
-    for name, scale in (("mean", 1.0 / x.shape[0]), ("sum", 1.0)):
-        want = ge * scale
-        if float((gb - want).norm()) <= tol * max(float(gb.norm()), float(want.norm())):
-            agree.add(name)
-    return agree
+    agree = {"mean", "sum"}
+    for m, (b, e, off_mean, off_sum) in zip(sizes, torch.stack(norms).view(len(parts), 4).tolist(), strict=True):
+        agree &= {name for name, err, scale in (("mean", off_mean, 1.0 / m), ("sum", off_sum, 1.0))
+                  if err <= tol * max(b, e * scale)}
+    if not agree:
+        raise ValueError(
+            "loss_fn must reduce per-sample losses by their mean (e.g. F.cross_entropy) or sum: its gradient at "
+            "the model's outputs is neither 1/n nor 1 times the per-sample losses' (class weights over mixed "
+            "classes, a token mean over samples of unequal lengths); OCS scores need g as a multiple of the "
+            "per-sample gradients' sum")
+    return "mean" if "mean" in agree else "sum"
 
 
 def _check_memory(inputs: Tensor, targets: Tensor, memory: Memory) -> None:
@@ -146,11 +149,15 @@ def ocs_scores(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tenso
 
     inputs (N, ...), targets (N, ...); memory an (inputs (M, ...), targets (M, ...)) replay batch.
     """
-    reduction, names = check_inputs(model, loss_fn, inputs, targets, memory, tau)
+    names = check_inputs(model, loss_fn, inputs, targets, memory, tau)
     n = inputs.shape[0]
-    if memory is not None:  # one capture for both batches: samples are independent
-        inputs, targets = torch.cat([inputs, memory[0]]), torch.cat([targets, memory[1]])
+    inputs, targets = joined(inputs, targets, memory)  # one capture for both batches: samples are independent
     both = ghost_terms(model, loss_fn, inputs, targets, names=names)  # memory checked like the stream
+    outputs = both.outputs
+    if outputs is None:  # no capture ran (every parameter through vmap): one forward for the check
+        with torch.no_grad():
+            outputs = model(inputs)
+    reduction = loss_reduction(loss_fn, outputs, targets, n)
     stream = both.rows(slice(0, n))
     with torch.autocast(inputs.device.type, enabled=False):
         gram = stream.gram()

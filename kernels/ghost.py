@@ -65,6 +65,7 @@ class GhostTerms:
     grads: dict[str, Tensor]  # name -> (B, *param.shape), parameters in plan.other
     batch: int
     zero: Tensor  # a 0-dim zero in the inputs' dtype and device
+    outputs: Tensor | None = None  # the model's outputs on the batch (detached), where a capture ran
 
     def gram(self, diagonal: bool = False) -> Tensor:
         """G (B, B) with G[i, j] = <g_i, g_j>, or its diagonal (B,)."""
@@ -89,7 +90,8 @@ class GhostTerms:
         """The same terms for a slice of the batch (samples are independent)."""
         terms = {n: (a[index], g[index]) for n, (a, g) in self.terms.items()}
         grads = {n: t[index] for n, t in self.grads.items()}
-        return GhostTerms(self.plan, terms, grads, len(range(self.batch)[index]), self.zero)
+        outputs = None if self.outputs is None else self.outputs[index]
+        return GhostTerms(self.plan, terms, grads, len(range(self.batch)[index]), self.zero, outputs)
 
     def sum_grad(self) -> dict[str, Tensor]:
         """sum_i g_i per trainable parameter: the batch gradient of a sum-reduced loss."""

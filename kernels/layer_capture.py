@@ -234,28 +234,31 @@ def _joined(parts: list[Tensor]) -> Tensor:
 
 
 def capture(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
-            layers: dict[str, nn.Linear]) -> dict[str, tuple[Tensor, Tensor]]:
+            layers: dict[str, nn.Linear], outputs: list[Tensor] | None = None) -> dict[str, tuple[Tensor, Tensor]]:
     """Per layer: A (B, T, in) inputs and G (B, T, out) gradients of the per-sample losses.
 
     T counts token dims and repeated calls. The backward goes to the layer outputs only: no
     parameter gradient is computed and no ``.grad`` touched. The forward must be deterministic
-    (the caller routes live dropout to vmap).
+    (the caller routes live dropout to vmap). ``outputs``: a list the model's outputs on the
+    batch (detached) are appended to, for a caller that reads them too.
     """
     batch = inputs.shape[0]
-    outputs, seen = _forward(model, inputs, layers, batch)
-    if not isinstance(outputs, Tensor):
+    out, seen = _forward(model, inputs, layers, batch)
+    if not isinstance(out, Tensor):
         raise Fallback("the model's output is not a Tensor")
-    if outputs.ndim == 0 or outputs.shape[0] != batch:  # squeezed at B=1, say: per sample only through vmap
-        raise Fallback(f"the model's output {tuple(outputs.shape)} has no batch dim {batch} first")
+    if out.ndim == 0 or out.shape[0] != batch:  # squeezed at B=1, say: per sample only through vmap
+        raise Fallback(f"the model's output {tuple(out.shape)} has no batch dim {batch} first")
     if batch > 1:
-        _probe(model, inputs, outputs, layers, seen)
-    losses = per_sample_losses(loss_fn, outputs, targets)
+        _probe(model, inputs, out, layers, seen)
+    losses = per_sample_losses(loss_fn, out, targets)
     if losses.shape != (batch,):
         raise ValueError(f"loss_fn must return a scalar per sample, got shape {tuple(losses.shape[1:])}")
-    refuse_loss_parameters(loss_parameters(losses, outputs, model))
+    refuse_loss_parameters(loss_parameters(losses, out, model))
     outside = _used_outside(losses, layers, seen)
     if outside is not None:
         raise Fallback(f"{outside}: its weight is used outside its own calls (tied or functionally reused)")
+    if outputs is not None:
+        outputs.append(out.detach())
     used = {n: calls for n, calls in seen.items() if calls}
     outs = [c[2] for calls in used.values() for c in calls]
     if not outs:  # no identity layer was called: nothing to capture

@@ -128,14 +128,14 @@ def _has_identity(m: nn.Module) -> bool:
     return own <= {"weight", "bias"} and isinstance(m.weight, nn.Parameter) and "forward" not in vars(m)
 
 
-def _terms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
-           plan: _Plan) -> tuple[_Plan, dict[str, tuple[Tensor, Tensor]]]:
+def _terms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, plan: _Plan,
+           outputs: list[Tensor] | None = None) -> tuple[_Plan, dict[str, tuple[Tensor, Tensor]]]:
     """Captured (A, G) per identity layer in the weight's dtype (an autocast forward captures
-    them in bf16/fp16), or an all-vmap plan when a capture check fails."""
+    them in bf16/fp16), or an all-vmap plan when a capture check fails. ``outputs``: capture's."""
     if not plan.linear:
         return plan, {}
     try:
-        terms = capture(model, loss_fn, inputs, targets, plan.linear)
+        terms = capture(model, loss_fn, inputs, targets, plan.linear, outputs)
     except Fallback:
         return _Plan(plan.names, {}, plan.names), {}
     dtypes = {n: plan.linear[n].weight.dtype for n in terms}
@@ -312,9 +312,10 @@ def ghost_terms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tens
     exactly these arguments, from a caller that ran it (the check is a pass over the inputs)."""
     if names is None:
         names = check_inputs(model, loss_fn, inputs, targets, randomness, chunk_size)
-    plan, terms = _terms(model, loss_fn, inputs, targets, _plan(model, names, randomness))
+    outputs: list[Tensor] = []
+    plan, terms = _terms(model, loss_fn, inputs, targets, _plan(model, names, randomness), outputs)
     grads = _vmap_grads(model, loss_fn, inputs, targets, plan.other, randomness, chunk_size) if plan.other else {}
-    return GhostTerms(plan, terms, grads, inputs.shape[0], inputs.new_zeros(()))
+    return GhostTerms(plan, terms, grads, inputs.shape[0], inputs.new_zeros(()), outputs[0] if outputs else None)
 
 
 def _gram(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,

@@ -309,7 +309,7 @@ class RotaryEmbedding(nn.Module):
             angles = angles if angles.ndim == 2 else angles[:, None]
             return angles.cos(), angles.sin()
         if positions is None:
-            if not self._ensure(offset + x.shape[2]):
+            if not self._ensure(offset + x.shape[2] if x.shape[2] else 0):  # no position: none to cover
                 return self._uncached(torch.arange(offset, offset + x.shape[2], device=x.device))
             return self.cos[offset : offset + x.shape[2]], self.sin[offset : offset + x.shape[2]]
         if self._ensure(int(positions.max()) + 1 if positions.numel() else 0):
