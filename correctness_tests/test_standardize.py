@@ -298,9 +298,13 @@ def test_bad_out_is_refused() -> None:
         scaler.transform(x[:1], out=scaler.scale_.view(1, 4))
     pair = torch.randn(40, 4)  # two halves of one storage that do not meet: taken
     assert torch.equal(scaler.transform(pair[:20], out=pair[20:]), scaler.transform(pair[:20]))
-    with pytest.raises(ValueError, match="float32 or float64"):
+    with pytest.raises(ValueError, match=r"the fitted statistics' torch.float32, got torch.float16"):
         scaler16 = Standardizer().fit(x.half())
         scaler16.transform(x.half(), out=torch.empty_like(x.half()))
+    with pytest.raises(ValueError, match=r"the fitted statistics' torch.float64, got torch.float32"):
+        Standardizer().fit(x.double()).transform(x, out=torch.empty_like(x))  # the review's self-contradiction
+    with pytest.raises(TypeError, match="X must be a dense tensor, got layout torch.sparse_coo"):
+        Standardizer().fit(x.to_sparse())  # torch's own error named aten::as_strided
 
 
 def test_out_with_an_x_that_requires_grad_is_refused() -> None:
@@ -321,6 +325,24 @@ def test_squares_that_overflow_are_refused(path: Path) -> None:
         Standardizer().fit(x)
     with passes(path, x), pytest.raises(ValueError, match="NaN or inf in X"):
         Standardizer().fit(x[:3])
+
+
+@pytest.mark.parametrize("path", [(c, None) for c in IN_C])
+def test_squares_that_underflow_are_refused(path: Path) -> None:
+    """The mirror of an overflow: fp32 values 1e-25 apart square to 0 (var 0, scale 1: the column
+    left unscaled, 1e25 off scikit-learn's scale, silently); at 1e-18 the squares stay normal and
+    the scale is scikit-learn's. A constant column still fits (scale 1), and float64 holds 1e-25."""
+    torch.manual_seed(0)
+    noise = torch.randn(64, 1)
+    for dtype in (torch.float32, torch.bfloat16):
+        with passes(path, noise), pytest.raises(ValueError, match="feature 1 varies by less than"):
+            Standardizer().fit(torch.cat([noise, 1e-25 * noise], 1).to(dtype))
+    small = 1e-18 * noise
+    with passes(path, small):
+        _close(Standardizer().fit(small).scale_, Reference().fit(small).scale_, REDUCTION, torch.float32)
+    assert Standardizer().fit(torch.full((8, 2), 3.0)).scale_.tolist() == [1.0, 1.0]
+    tiny64 = (1e-25 * noise).double()
+    _close(Standardizer().fit(tiny64).scale_, Reference().fit(tiny64).scale_, REDUCTION, torch.float64)
 
 
 @pytest.mark.parametrize("path", [(c, None) for c in IN_C])

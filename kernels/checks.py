@@ -87,13 +87,15 @@ def module(value: Any, name: str = "model") -> nn.Module:
 def tensor(value: Any, name: str, *, ndim: int | tuple[int, ...] | None = None, min_ndim: int = 0,
            floating: bool = False, dtypes: Collection[torch.dtype] | None = None,
            nonempty: bool = False, shape: str = "") -> Tensor:
-    """A torch.Tensor with ``ndim`` (one or several allowed) or at least ``min_ndim`` dims, a
+    """A dense torch.Tensor with ``ndim`` (one or several allowed) or at least ``min_ndim`` dims, a
     floating dtype or one of ``dtypes``, and (``nonempty``) at least one element. ``shape`` names
     the expected layout in the message, e.g. "(B, H, S, D)"."""
     want = f" of shape {shape}" if shape else ""
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor{want}, got {type(value).__name__}")
     dims = (ndim,) if isinstance(ndim, int) else ndim
+    if value.layout != torch.strided:  # sparse: the passes here index and stride dense memory
+        raise TypeError(f"{name} must be a dense tensor, got layout {value.layout}; pass {name}.to_dense()")
     if (dims is not None and value.ndim not in dims) or value.ndim < min_ndim:
         need = want or (f" with {' or '.join(map(str, dims))} dims" if dims is not None else
                         f" with at least {min_ndim} dims")

@@ -49,7 +49,7 @@ def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Ten
                  tau: float) -> list[str]:
     """The refusals of ``ocs_scores``/``ocs_select`` before any forward, shared with
     ``reference.coreset``; returns the trainable parameter names. The loss's reduction is
-    checked on the model's outputs (``loss_reduction``)."""
+    checked on the model's outputs (``check_reduction``)."""
     checks.tensor(inputs, "inputs (the stream)", min_ndim=1, nonempty=True, shape="(N, ...)")
     checks.number(tau, "tau")
     checks.module(model, "model")
@@ -70,7 +70,7 @@ def joined(inputs: Tensor, targets: Tensor, memory: Memory | None) -> tuple[Tens
     return torch.cat([inputs, memory[0]]), torch.cat([targets, memory[1]])
 
 
-def loss_reduction(loss_fn: LossFn, outputs: Tensor, targets: Tensor, n: int) -> str:
+def check_reduction(loss_fn: LossFn, outputs: Tensor, targets: Tensor, n: int) -> str:
     """'mean' or 'sum': how ``loss_fn`` reduces per-sample losses, read from its gradient at the
     model's ``outputs`` (N + M, ...) on the stream's n samples and then the memory's (``joined``),
     each batch whole. Where the batch loss's gradient there is 1/n (mean) or 1 (sum) times the
@@ -157,7 +157,7 @@ def ocs_scores(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tenso
     if outputs is None:  # no capture ran (every parameter through vmap): one forward for the check
         with torch.no_grad():
             outputs = model(inputs)
-    reduction = loss_reduction(loss_fn, outputs, targets, n)
+    reduction = check_reduction(loss_fn, outputs, targets, n)
     stream = both.rows(slice(0, n))
     with torch.autocast(inputs.device.type, enabled=False):
         gram = stream.gram()

@@ -28,8 +28,10 @@ through transform, and raises on inf; this class supports no missing values and 
 in fit (checked on the merged statistics, which every value of X reaches: one sync per call)
 and in transform / inverse_transform (checked on column sums of the result, one per row block,
 and one sync; this also catches results that overflow, e.g. a cast back to fp16; a sum that
-overflows where every value is finite is told apart by a look at the values). A call that raises
-leaves the standardizer as it was.
+overflows where every value is finite is told apart by a look at the values). A feature that
+varies by less than the square root of the accumulation dtype's smallest normal (1.1e-19 in
+float32) is refused in fit: its squared deviations underflow, and its variance would read 0.
+A call that raises leaves the standardizer as it was.
 """
 
 from __future__ import annotations
@@ -105,6 +107,15 @@ class Standardizer:
         # every value of X reaches these (NaN and inf propagate through the means), and so does
         # any overflow of the merge: checked before anything is stored
         checks.finite({"X": torch.stack((dmean, m2))}, hint=_NOT_FINITE)
+        # the mirror of an overflow: a column that varies (m2 or its mean deviation nonzero) with a
+        # mean square under the dtype's smallest normal has squares that flushed to subnormals or 0
+        # (std 1e-25 in float32: var 0, scale 1, the column left unscaled): refused, not misread
+        tiny = torch.finfo(acc).tiny
+        lost = ((m2 < n * tiny) & ((m2 != 0) | (dmean != 0))).nonzero().flatten().tolist()
+        if lost:
+            raise ValueError(f"X's feature {lost[0]} varies by less than the square root of {acc}'s smallest "
+                             f"normal ({tiny ** 0.5:.3g}): its squared deviations underflow the {acc} "
+                             "accumulation and its variance would be wrong; rescale X, or pass it in float64")
         self._shift, self._dmean, self._m2, self.n_samples_seen_ = shift, dmean, m2, n
         self.mean_ = shift + dmean
         self.var_ = m2 / n
@@ -180,7 +191,8 @@ def _check_out(x: Tensor, out: Tensor, acc: torch.dtype, stats: tuple[Tensor, ..
         raise ValueError(f"out must be {tuple(x.shape)} {x.dtype} on {x.device} (like X), got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if x.dtype != acc:
-        raise ValueError(f"out= needs X in float32 or float64 (the result is computed in {acc}), got {x.dtype}")
+        raise ValueError(f"out= needs X in the dtype the result is computed in, the fitted statistics' {acc}, got "
+                         f"{x.dtype}; pass X.to({acc}), or transform without out=")
     if not out.is_contiguous() or _overlaps(out, x):
         raise ValueError("out must be a contiguous tensor of its own (not X itself, nor overlapping X's memory)")
     if any(_overlaps(out, t) for t in stats):

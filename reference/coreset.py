@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from kernels.coreset import EPS, Memory, check_inputs, check_k, check_scores, joined, loss_reduction
+from kernels.coreset import EPS, Memory, check_inputs, check_k, check_reduction, check_scores
 from kernels.layer_capture import LossFn
 from reference.per_sample import per_sample_grads
 
@@ -34,9 +34,10 @@ def literal_scores(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: T
     """The original's formulas on E from ``grads_fn`` (a ``per_sample_grads``): the reference
     passes the loop, the workload's ablation vmap and the einsum identity."""
     check_inputs(model, loss_fn, inputs, targets, memory, tau)
-    xs, ys = joined(inputs, targets, memory)
+    xs, ys = (inputs, targets) if memory is None else (torch.cat([inputs, memory[0]]),
+                                                       torch.cat([targets, memory[1]]))
     with torch.no_grad():
-        loss_reduction(loss_fn, model(xs), ys, inputs.shape[0])  # refused as the kernel refuses it
+        check_reduction(loss_fn, model(xs), ys, inputs.shape[0])  # refused as the kernel refuses it
     grads = grads_fn(model, loss_fn, inputs, targets)
     eg = torch.cat([t.flatten(1) for t in grads.values()], dim=1)
     g = _flat_grad(model, loss_fn, inputs, targets)
