@@ -106,15 +106,17 @@ class Standardizer:
         m2 = m2_0 + var_b * nb + delta.square() * (na * nb / n)
         # every value of X reaches these (NaN and inf propagate through the means), and so does
         # any overflow of the merge: checked before anything is stored
-        checks.finite({"X": torch.stack((dmean, m2))}, hint=_NOT_FINITE)
-        # the mirror of an overflow: a column that varies (m2 or its mean deviation nonzero) with a
-        # mean square under the dtype's smallest normal has squares that flushed to subnormals or 0
-        # (std 1e-25 in float32: var 0, scale 1, the column left unscaled): refused, not misread
+        # The mirror of an overflow, read in the same sync: a column that varies (m2 or its mean
+        # deviation nonzero) with a mean square under the dtype's smallest normal has squares that
+        # flushed to subnormals or 0 (std 1e-25 in float32: var 0, scale 1, the column left
+        # unscaled): refused, not misread.
         tiny = torch.finfo(acc).tiny
-        lost = ((m2 < n * tiny) & ((m2 != 0) | (dmean != 0))).nonzero().flatten().tolist()
-        if lost:
-            raise ValueError(f"X's feature {lost[0]} varies by less than the square root of {acc}'s smallest "
-                             f"normal ({tiny ** 0.5:.3g}): its squared deviations underflow the {acc} "
+        found = checks.finite_extremes({"X": torch.stack((dmean, m2)), "m2": m2}, hint=_NOT_FINITE)
+        lost = (m2 < n * tiny) & (m2.abs() + dmean.abs() != 0) if found["m2"][0] < n * tiny else None
+        if lost is not None and bool(lost.any()):  # a constant column (m2 0, dmean 0) varies not
+            feature = int(lost.nonzero()[0])
+            raise ValueError(f"X's feature {feature} varies by less than the square root of {acc}'s "
+                             f"smallest normal ({tiny ** 0.5:.3g}): its squared deviations underflow the {acc} "
                              "accumulation and its variance would be wrong; rescale X, or pass it in float64")
         self._shift, self._dmean, self._m2, self.n_samples_seen_ = shift, dmean, m2, n
         self.mean_ = shift + dmean
