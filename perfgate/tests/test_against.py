@@ -543,6 +543,51 @@ def test_a_slower_row_not_timed_again_leaves_its_failure_standing_unconfirmed(mo
     assert [n for n in ag.notes if "was not timed again" in n and why in n and "unconfirmed" in n], ag.notes
 
 
+@pytest.mark.parametrize(("fails", "outcome"), [
+    ("this build", "FAIL"), ("this block", "FAIL"), ("this rebuild limit", "not comparable"),
+    ("rev build", "not comparable")])
+def test_this_trees_worker_breaking_on_a_row_fails_it(fails: str, outcome: str) -> None:
+    """This tree's worker dying, hanging or raising on a row the session itself ran (an OOM, a
+    crash in a C part, an error on a later call) is a failure, never 'not comparable' (which
+    passed the session: the review's case); REV failing to run it, or the rebuild's own limit (a
+    fixture it cannot give), is not comparable."""
+    from perfgate.abrun import ABRow, Budget, Comparer, judge
+    from perfgate.workers import WorkerGone
+
+    class Worker:
+        def __init__(self, side: str) -> None:
+            self.side, self.index, self.name = side, 0, f"perfgate-{side}-0"
+
+    class Pool:
+        per_side = 1
+        workers = [Worker("rev"), Worker("this")]
+
+        def side(self, name: str) -> list:
+            return [w for w in self.workers if w.side == name]
+
+        def ask(self, w, op, timeout, **kw) -> dict:
+            if op == "build" and fails == f"{w.side} build":
+                raise WorkerGone(f"{w.name} died (exit -9)")
+            if op == "build" and fails == "this rebuild limit":
+                return {"ok": False, "reason": "takes the fixture 'x'", "not_comparable": True}
+            if op == "build":
+                return {"ok": True, "warm_s": 0.001, "builds": 1}
+            if fails == "this block" and w.side == "this":
+                return {"ok": False, "reason": "RuntimeError: out of memory"}
+            return {"ok": True, "times": [0.001], "share": None}
+
+    row = ABRow("k", "optimized", "smoke", "t::k")
+    comparer = Comparer(Pool(), 0.05, Budget(seconds=0.0, extend_s=0.0))
+    try:
+        if comparer.build(row, {}):
+            comparer.time_row(row)
+    except WorkerGone:
+        pass  # the phase's handler goes on with the next row
+    assert judge(row, 0.05) == outcome, row
+    if outcome == "FAIL":
+        assert "this tree's worker could not run it" in row.message and "perfgate-this-0" in row.message
+
+
 def test_an_incomplete_comparison_never_closes_on_a_pass_line() -> None:
     from perfgate.abrun import ABRow, judge
     from perfgate.against import report_lines

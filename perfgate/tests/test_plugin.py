@@ -188,6 +188,24 @@ def test_an_interrupted_session_saves_no_baseline(pytester: pytest.Pytester) -> 
     assert json.loads(saved.read_text())["perfgate"]["interrupted"] is False
 
 
+def test_a_failing_session_saves_no_baseline(pytester: pytest.Pytester) -> None:
+    """A run that misses its floor is not saved (pytest-benchmark saved it before the gate's failure
+    was counted, and the next --benchmark-compare judged against the regressed speedups); nor is
+    one whose tests fail. The same suite, passing, is saved."""
+    _suite(pytester, opt=0.008)  # 1x against a 2x floor
+    result = _run(pytester, "--benchmark-save=regressed")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    assert _saved(pytester) == []
+    result.stdout.fnmatch_lines(["*the session failed: nothing saved as a baseline*"])
+    _suite(pytester)
+    pytester.makepyfile(test_broken="def test_broken():\n    assert False\n")
+    assert _run(pytester, "--benchmark-save=broken").ret == pytest.ExitCode.TESTS_FAILED
+    assert _saved(pytester) == []
+    (pytester.path / "test_broken.py").unlink()
+    assert _run(pytester, "--benchmark-save=whole").ret == 0
+    assert len(_saved(pytester)) == 1
+
+
 def test_report_names_and_skips_a_bad_file(pytester: pytest.Pytester, capsys) -> None:
     _suite(pytester)
     assert _run(pytester, "--benchmark-save=one").ret == 0

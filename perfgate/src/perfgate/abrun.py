@@ -9,8 +9,9 @@ fresh workers: independent evidence), on a quiet host, and the second stretch do
 a straddling interval is measured further within the row's budget and may end ``unresolved``; a
 contended host gives no verdict. A row more than ``tolerance`` faster is
 ``faster`` when its second stretch, on fresh workers, reads faster by the tolerance too and not
-slower at its interval's low end. A row either side cannot rebuild is ``not comparable``, with the
-reason."""
+slower at its interval's low end. A row REV cannot rebuild or run is ``not comparable``, with the
+reason; one this tree's worker cannot (it crashed, hung, ran out of memory or raised on a row the
+session itself ran) FAILs: the change broke it, which no timing may read as a pass."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ class ABRow:
     confirm_high: float | None = None
     used: dict[str, list[int]] = field(default_factory=dict)  # blocks timed on each worker of a side
     reason: str = ""  # why the row is not comparable ("" when it is)
+    broken: str = ""  # why this tree's worker could not build or run it ("" when it could): a failure
     outcome: str = ""  # FAIL, unresolved, not comparable, faster or ok (judge)
     message: str = ""
 
@@ -91,6 +93,9 @@ def judge(row: ABRow, tolerance: float, contended: float = CONTENDED) -> str:
     """Set and return ``row.outcome`` and ``row.message`` by the rule above."""
     where = f"{row.kernel} [{row.impl}, {row.label or row.size}]"
     line = 1.0 / (1.0 + tolerance)
+    if row.broken:
+        row.outcome, row.message = "FAIL", f"{where}: this tree's worker could not run it: {row.broken}"
+        return row.outcome
     if row.reason:
         row.outcome, row.message = "not comparable", f"{where}: not comparable: {row.reason}"
         return row.outcome
@@ -180,16 +185,21 @@ class Comparer:
             except WorkerGone as exc:
                 reply = {"ok": False, "reason": str(exc)}
             if not reply.get("ok"):
-                who = "REV" if worker.side == "rev" else "this tree's worker"
-                row.reason = f"{who} cannot run it: {reply.get('reason')}"
+                if worker.side == "this" and not reply.get("not_comparable"):
+                    row.broken = f"{worker.name}: {reply.get('reason')}"  # the session ran it: this tree broke
+                else:
+                    who = "REV" if worker.side == "rev" else "this tree's worker"
+                    row.reason = f"{who} cannot run it: {reply.get('reason')}"
                 return False
             warm[worker.side].append(reply["warm_s"])
             self.copies[(worker.side, worker.index)] = int(reply.get("builds", 1))
             row.label = row.label or reply.get("label", "")
-        for side in ("rev", "this"):
-            if not warm[side]:
-                row.reason = f"no {side} worker is left"
-                return False
+        if not warm["this"]:
+            row.broken = "no this-tree worker is left (the earlier ones died)"
+            return False
+        if not warm["rev"]:
+            row.reason = "no REV worker is left"
+            return False
         # one block shape for both sides, from both sides' warm calls: each side's own (one noisy
         # call a worker) gave unchanged code near WARM_S a warming call on one side and not the other
         shape = block_calls(float(np.median(warm["rev"] + warm["this"])))
@@ -206,8 +216,13 @@ class Comparer:
         copy = self.rng.randrange(self.copies.get((side, worker.index), 1))
         calls, warm, seconds = self.blocks[side]
         timeout = max(BLOCK_TIMEOUT_S, 20.0 * (calls + warm) * seconds)
-        reply = self.pool.ask(worker, "block", timeout, row=row.nodeid, calls=calls, warm=warm, build=copy)
+        try:
+            reply = self.pool.ask(worker, "block", timeout, row=row.nodeid, calls=calls, warm=warm, build=copy)
+        except WorkerGone as exc:  # died or hung mid-block
+            reply = {"ok": False, "reason": str(exc)}
         if not reply.get("ok"):
+            if side == "this":
+                row.broken = f"{worker.name}: {reply.get('reason')}"
             raise WorkerGone(f"{worker.name}: {reply.get('reason')}")
         row.used.setdefault(side, [0] * self.pool.per_side)[worker.index] += 1
         if reply["share"] is not None:

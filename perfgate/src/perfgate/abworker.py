@@ -272,8 +272,8 @@ def serve(conn: Any, hello: Hello) -> None:
                 else:
                     answer = getattr(worker, op)(**kwargs)
                 conn.send({"ok": True, **answer})
-            except NotComparable as exc:
-                conn.send({"ok": False, "reason": str(exc)})
+            except NotComparable as exc:  # the rebuild's own limit, on either side: no verdict, no failure
+                conn.send({"ok": False, "reason": str(exc), "not_comparable": True})
             except Exception as exc:  # noqa: BLE001 - the row is not comparable; the worker goes on
                 reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-3)}"
                 conn.send({"ok": False, "reason": reason})

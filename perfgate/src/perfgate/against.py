@@ -300,7 +300,8 @@ class Against:
                         if comparer.build(fresh, request):
                             comparer.confirm(row)
                         else:
-                            why[id(row)] = fresh.reason
+                            why[id(row)] = fresh.reason or fresh.broken
+                            row.broken = fresh.broken  # this tree's worker broke on it: a failure
                     except WorkerGone as exc:
                         why[id(row)] = str(exc)
                         _check_sides(pool)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -386,7 +387,11 @@ class Limits:
         """Write what was measured this session (nothing when nothing new was)."""
         if self.dirty and self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(self.values, indent=1, sort_keys=True) + "\n", encoding="utf8")
+            # written beside it, then renamed over it: a session killed mid-write, or two of one
+            # fingerprint at once, never leave a half-written file the next session refuses
+            part = self.path.with_name(f"{self.path.name}.{os.getpid()}.part")
+            part.write_text(json.dumps(self.values, indent=1, sort_keys=True) + "\n", encoding="utf8")
+            os.replace(part, self.path)
             self.dirty = False
 
     def line(self) -> str:

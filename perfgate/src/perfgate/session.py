@@ -59,6 +59,7 @@ class PerfSession:
         if self.options.asked and why:  # a --perf-* option asks for the gate: refused before any worker starts
             raise pytest.UsageError(why)
         self._held_compare: Any = None
+        self.withheld = False  # a failing session's baseline save taken back (finish)
         self._prev_threads: int | None = None
         self._prev_cuda: int | None = None
 
@@ -383,8 +384,11 @@ class PerfSession:
                 self.against.run(state)  # after the rows: compute_rows freed the session's callables
                 state.interrupted = self.against.interrupted  # Ctrl-C there: a partial run, never saved
                 state.judge_with(self.against.outcomes())
-            if state.interrupted and self.saving:  # a partial run must not become the newest baseline
+            if self.saving and (state.interrupted or self._failed(session)):
+                # a partial run, or one whose tests or gate failed, must not become the newest
+                # baseline: the next --benchmark-compare would judge against its regressed numbers
                 compat.withhold_save(self.config)
+                self.withheld = True
         if self.ledger is not None:
             measured = {(kernel, impl): m.variant for kernel, impls in state.results.items()
                         for impl, m in impls.items()}
@@ -392,6 +396,13 @@ class PerfSession:
             self.floors_unmeasured = self.ledger.unmeasured(rows, measured,
                                                             policy=state.floors.policy,
                                                             benchmarks_off=not _benchmarks_on(self.config))
+
+    def _failed(self, session: pytest.Session) -> bool:
+        """Whether this session fails: a test failed (``-x`` stopped it too), a row missed its floor or
+        baseline, or --perf-against found a row slower or could not finish."""
+        against = self.against
+        return bool(session.testsfailed or any(r.failures for r in self.state.rows or [])
+                    or (against is not None and (against.failed() or against.problem)))
 
     def exit_status(self, session: pytest.Session) -> None:
         """After every other hook: a failed gate fails the session, and so, under
@@ -521,6 +532,10 @@ class PerfSession:
         if self.saving and state.interrupted:
             tr.write_line(f"interrupted: nothing saved as a baseline for {slug} (its rows are partial; "
                           "--benchmark-json, if given, marks them interrupted)", yellow=True)
+        elif self.saving and self.withheld:
+            tr.write_line(f"the session failed: nothing saved as a baseline for {slug} (a failing run must not "
+                          "become what the next --benchmark-compare judges against); fix it and save again",
+                          yellow=True)
         elif self.saving:
             tr.write_line(f"saved these speedups as a baseline for {slug}")
             unjudged = [f"{r.kernel} [{r.impl}]" for r in rows if r.apart and r.near_speedup is None]
