@@ -122,8 +122,33 @@ def case_uneven(dp: DataParallel | None) -> tuple[nn.Module, TrainResult, int]:
     return model, train(model, F.cross_entropy, opt, _local(batches, dp), Recipe(accumulation=2)), counter.rounds
 
 
+class TemperedCE(nn.Module):
+    """Cross-entropy at a learned temperature: a loss module with a parameter of its own, which
+    DDP (wrapping the model alone) does not all-reduce."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_t = nn.Parameter(torch.zeros(()))
+
+    def forward(self, out: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(out * self.log_t.exp(), y)
+
+
+def case_loss_module(dp: DataParallel | None) -> tuple[nn.Module, TrainResult, int]:
+    """The optimizer trains the loss module's temperature too, accumulation 2 over 4 micro-batches:
+    its gradient is averaged over the ranks at every step (each rank stepped its own before)."""
+    model, counter = _prepare(_mlp(), dp)
+    loss = TemperedCE()
+    opt = torch.optim.SGD([*model.parameters(), *loss.parameters()], lr=0.1)
+    x, y = _data(4 * GLOBAL_BATCH, seed=5)
+    batches = list(zip(x.split(GLOBAL_BATCH), y.split(GLOBAL_BATCH), strict=True))
+    result = train(model, loss, opt, _local(batches, dp), Recipe(accumulation=2))
+    both = nn.ModuleDict({"classifier": model.module if dp else model, "loss": loss})
+    return both, result, counter.rounds
+
+
 CASES = {"sgd": case_sgd, "accumulation": case_accumulation, "uneven": case_uneven, "sampler": case_sampler,
-         "hypergradient": case_hypergradient}
+         "hypergradient": case_hypergradient, "loss_module": case_loss_module}
 # DDP's gradient all-reduce rounds in each case: one per optimizer step, none more; the trailing
 # window of "accumulation" (1 micro-batch) is all-reduced by the engine itself, not by DDP's hook
-ALL_REDUCES = {"sgd": 4, "accumulation": 2, "uneven": 2, "sampler": 6, "hypergradient": 2}
+ALL_REDUCES = {"sgd": 4, "accumulation": 2, "uneven": 2, "sampler": 6, "hypergradient": 2, "loss_module": 2}

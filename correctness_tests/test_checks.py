@@ -524,7 +524,8 @@ def test_integer_takes_integer_scalars(value: Any) -> None:
     assert checks.integer(value, "n", low=1, high=3) == 3
 
 
-@pytest.mark.parametrize("value", [True, False, 2.0, "2", None, torch.tensor(2.0), np.float32(2)])
+@pytest.mark.parametrize("value", [True, False, 2.0, "2", None, torch.tensor(2.0), np.float32(2), np.True_,
+                                   torch.tensor(True)])
 def test_integer_refuses_bools_floats_and_strings(value: Any) -> None:
     with pytest.raises(ValueError, match="n must be an int >= 0, got "):
         checks.integer(value, "n", low=0)
@@ -533,8 +534,12 @@ def test_integer_refuses_bools_floats_and_strings(value: Any) -> None:
 @pytest.mark.parametrize(("value", "kw"), [(math.nan, {}), (math.inf, {}), (-math.inf, {}), (True, {}), ("1", {}),
                                             (0.0, {"low": 0, "low_open": True}), (1.5, {"high": 1}),
                                             (1.0, {"low": 0, "high": 1, "high_open": True}),
-                                            (torch.tensor([1.0, 2.0]), {}), (None, {})])
+                                            (torch.tensor([1.0, 2.0]), {}), (None, {}), (np.True_, {}),
+                                            (np.complex128(1 + 2j), {}), (1 + 0j, {}), (b"1.5", {}),
+                                            (10**400, {})])
 def test_number_refuses_nonfinite_bools_and_out_of_range(value: Any, kw: dict) -> None:
+    """numpy's bool, numpy's complex (float() dropped its imaginary part), bytes and an int past
+    float's range (an OverflowError naming nothing) among them."""
     with pytest.raises(ValueError, match="x must be a finite number"):
         checks.number(value, "x", **kw)
 
@@ -563,6 +568,9 @@ def test_flag_and_choice() -> None:
     assert checks.choice("a", "c", ("a", "b")) == "a"
     with pytest.raises(ValueError, match=r"c must be one of \(0, 1\), got bool True"):
         checks.choice(True, "c", (0, 1))  # True == 1, but a bool is not a choice of ints
+    for value, options in ((np.True_, (0, 1)), (1, (True, False)), (torch.tensor(1), (1, 2))):
+        with pytest.raises(ValueError, match="c must be one of"):
+            checks.choice(value, "c", options)
 
 
 def test_finite_names_the_first_bad_tensor_in_one_pass() -> None:
@@ -573,6 +581,25 @@ def test_finite_names_the_first_bad_tensor_in_one_pass() -> None:
             checks.finite({"a": good, "b": _with(good, value), "c": bad}, hint="fix it")
     with pytest.raises(FloatingPointError, match="NaN or inf in h"):
         checks.finite({"h": bad.to(torch.bfloat16)}, error=FloatingPointError)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
+def test_finite_reads_complex_float8_and_compressed_sparse_tensors() -> None:
+    """A complex tensor by its real and imaginary parts (a NaN passed as 'finite by type' before,
+    and a complex parameter stepped to NaN silently), float8 through float32 (aminmax has no
+    float8 kernel), a CSR tensor by its stored values."""
+    z = torch.zeros(3, dtype=torch.complex64)
+    assert checks.nonfinite({"z": z, "zc": z.conj()}) == []
+    for bad in (complex(math.nan, 0), complex(0, math.inf)):
+        assert checks.nonfinite({"z": _with(z, bad), "zc": _with(z, bad).conj()}) == ["z", "zc"]
+    f8 = torch.ones(4).to(torch.float8_e4m3fn)
+    assert checks.nonfinite({"f8": f8}) == []
+    assert checks.nonfinite({"f8": _with(torch.ones(4), math.nan).to(torch.float8_e4m3fn)}) == ["f8"]
+    csr = torch.eye(3).to_sparse_csr()
+    assert checks.nonfinite({"csr": csr}) == []
+    assert checks.nonfinite({"csr": _with(torch.eye(3), math.nan).to_sparse_csr()}) == ["csr"]
+    with pytest.raises(ValueError, match="at least one tensor"):
+        checks.same_device({})
 
 
 def test_same_device_lists_each_device_once() -> None:

@@ -60,3 +60,16 @@ def test_the_block_switches_on_and_puts_back() -> None:
 def test_bad_seeds_are_refused(seed) -> None:
     with pytest.raises(ValueError, match="seed must be an int"), deterministic(seed):
         pass
+
+
+def test_a_numpy_or_tensor_seed_seeds_as_its_int() -> None:
+    """random.seed takes no numpy integer: the validated int is used (it raised on entry, after
+    deterministic algorithms were switched on, and left them on for the rest of the process)."""
+    import numpy as np
+
+    with deterministic(7):
+        want = (torch.rand(2), np.random.rand())
+    for seed in (np.int64(7), np.uint32(7), torch.tensor(7)):
+        with deterministic(seed):
+            assert torch.equal(torch.rand(2), want[0]) and np.random.rand() == want[1]
+        assert not torch.are_deterministic_algorithms_enabled()

@@ -19,7 +19,7 @@ from torch import nn
 
 from correctness_tests.ddp_cases import ALL_REDUCES, CASES
 from correctness_tests.tolerances import REDUCTION, assert_close, assert_dicts_close
-from kernels.distributed import DataParallel, process_group, shard
+from kernels.distributed import DataParallel, all_mean_, process_group, shard
 from kernels.feature_cache import read_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,6 +132,16 @@ def test_bad_input_is_refused() -> None:
         dp.wrap("model")
     with pytest.raises(ValueError, match="first dimension divisible by the world size"):
         shard(torch.tensor(1.0))
+    # refused before anything is averaged: a float tensor went first, in place, then torch refused the int one
+    with pytest.raises(TypeError, match=r"tensors\[1\] is a torch.int64 tensor"):
+        all_mean_([torch.zeros(2), torch.zeros(2, dtype=torch.long)])
+    with pytest.raises(TypeError, match=r"tensors\[0\] is a torch.float32 tensor that requires grad"):
+        all_mean_([nn.Parameter(torch.zeros(2))])
+    import numpy as np
+
+    data = torch.utils.data.TensorDataset(torch.arange(8.0))
+    sampler = dp.sampler(data, seed=np.int64(3))  # kept as the int it was checked as (iterating it raised)
+    assert type(sampler.seed) is int and sorted(sampler) == list(range(8))
 
 
 def test_data_parallel_cli_measures_both_process_counts(tmp_path: Path) -> None:

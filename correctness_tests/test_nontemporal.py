@@ -143,6 +143,17 @@ def test_outer_streams_nothing_torch_mul_would_treat_otherwise(calls: list) -> N
     assert calls == []
 
 
+def test_outer_computes_misaligned_float32_as_torch_mul(calls: list) -> None:
+    """float32 memory not 4-byte aligned (frombuffer at an odd offset) is torch.mul's: the C part's
+    buffer check refused numpy's '=f' for it, and outer raised where torch.mul computes."""
+    g, a = torch.randn(2, 3, 1), torch.randn(2, 1, 4)
+    raw = bytearray(4 * 24 + 1)
+    out = torch.frombuffer(raw, dtype=torch.float32, offset=1, count=24).view(2, 3, 4)
+    assert out.data_ptr() % 4 != 0
+    assert torch.equal(nontemporal.outer(g, a, out, stream=True), g * a)
+    assert calls == []
+
+
 def test_outer_takes_at_most_the_c_parts_threads(calls: list, monkeypatch: pytest.MonkeyPatch) -> None:
     threads = []
     monkeypatch.setattr(nontemporal, "THREAD_BYTES", 4)

@@ -19,6 +19,13 @@ import torch
 from torch import Tensor, nn
 
 
+def _boolish(value: Any) -> bool:
+    """A bool in any costume: Python's, numpy's, or a bool tensor."""
+    kind = type(value)
+    return isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")) or (
+        isinstance(value, Tensor) and value.dtype == torch.bool)
+
+
 def _what(value: Any) -> str:
     return f"{type(value).__name__} {value!r}" if not isinstance(value, Tensor) else \
         f"a {value.dtype} tensor of shape {tuple(value.shape)}"
@@ -28,7 +35,7 @@ def integer(value: Any, name: str, *, low: int | None = None, high: int | None =
     """An int (numpy/torch integer scalars too, never a bool) in [low, high]; ``hint`` says what
     the argument is for, in the message."""
     try:
-        v = None if isinstance(value, bool) else operator.index(value)
+        v = None if _boolish(value) else operator.index(value)
     except TypeError:
         v = None
     if v is None or (low is not None and v < low) or (high is not None and v > high):
@@ -50,10 +57,12 @@ def number(value: Any, name: str, *, low: float | None = None, high: float | Non
     """A finite real number (not a bool) in [low, high]; ``low_open``/``high_open`` leave that end
     out. ``hint`` says why the range, in the message."""
     scalar = isinstance(value, Tensor) and value.numel() == 1 and value.dtype.is_floating_point
-    ok = scalar or not isinstance(value, bool | str | Tensor)
+    # no bool (numpy's too), text, bytes or complex (numpy's dropped its imaginary part in float())
+    ok = scalar or not (_boolish(value) or isinstance(value, str | bytes | complex | Tensor)
+                        or "complex" in type(value).__name__)
     try:
         v = float(value) if ok else math.nan
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int past float's range
         v = math.nan
     below = low is not None and (v <= low if low_open else v < low)
     above = high is not None and (v >= high if high_open else v > high)
@@ -72,8 +81,11 @@ def flag(value: Any, name: str) -> bool:
 
 
 def choice(value: Any, name: str, options: Collection[Any]) -> Any:
-    """One of ``options`` (compared with ==; bools are not taken for 0/1)."""
-    if isinstance(value, bool) and not any(isinstance(o, bool) for o in options) or value not in options:
+    """One of ``options`` (compared with ==; bools are not taken for 0/1, nor 0/1 for bools,
+    nor a tensor for a number)."""
+    bools = any(isinstance(o, bool) for o in options)
+    if (isinstance(value, Tensor) or _boolish(value) != bools and (_boolish(value) or isinstance(value, int))
+            or value not in options):
         raise ValueError(f"{name} must be one of {tuple(options)}, got {_what(value)}")
     return value
 
@@ -111,6 +123,8 @@ def tensor(value: Any, name: str, *, ndim: int | tuple[int, ...] | None = None, 
 
 def same_device(named: Mapping[str, Tensor]) -> torch.device:
     """The one device all of ``named`` live on; else an error naming each one's device."""
+    if not named:
+        raise ValueError("same_device needs at least one tensor")
     by_device: dict[torch.device, list[str]] = {}
     for n, t in named.items():
         by_device.setdefault(t.device, []).append(n)
@@ -131,8 +145,9 @@ def tangent(*tensors: Tensor) -> bool:
 def extremes(named: Mapping[str, Tensor]) -> dict[str, tuple[float, float]]:
     """(min, max) of each floating, non-empty tensor of ``named`` (others are left out), read with
     one host sync for all of them; NaN propagates to both."""
-    # a sparse tensor by its stored values (its implicit zeros are finite)
-    named = {n: t.coalesce().values() if t.is_sparse else t for n, t in named.items()}
+    # a sparse tensor by its stored values (its implicit zeros are finite), a complex one by its
+    # real and imaginary parts, float8 in float32 (aminmax has no float8 kernel)
+    named = {n: _values(t) for n, t in named.items()}
     checked = {n: t for n, t in named.items() if t.is_floating_point() and t.numel()}
     if not checked:
         return {}
@@ -146,9 +161,23 @@ def extremes(named: Mapping[str, Tensor]) -> dict[str, tuple[float, float]]:
     return {n: (low, high) for n, low, high in zip(checked, values[::2], values[1::2], strict=True)}
 
 
+def _values(t: Tensor) -> Tensor:
+    """What ``extremes`` reads of ``t``: its stored values where sparse, (re, im) pairs where complex,
+    float32 where float8."""
+    if t.layout == torch.sparse_coo:
+        t = t.coalesce().values()
+    elif t.layout != torch.strided:  # CSR, CSC, BSR, BSC
+        t = t.values()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    if t.is_floating_point() and t.element_size() == 1:
+        t = t.float()
+    return t
+
+
 def nonfinite(named: Mapping[str, Tensor]) -> list[str]:
-    """The names of those of ``named`` holding NaN or inf (floating tensors only; others are finite
-    by type), read with one host sync for all of them."""
+    """The names of those of ``named`` holding NaN or inf (floating and complex tensors; others are
+    finite by type), read with one host sync for all of them."""
     return [n for n, (low, high) in extremes(named).items() if not (math.isfinite(low) and math.isfinite(high))]
 
 

@@ -40,18 +40,18 @@ def seed_worker(worker_id: int) -> None:
 def deterministic(seed: int = 0, *, warn_only: bool = False) -> Iterator[torch.Generator]:
     """Reproducible runs inside the block (module docstring); yields a generator seeded with
     ``seed`` for ``DataLoader(generator=..., worker_init_fn=seed_worker)``."""
-    checks.integer(seed, "seed", low=0, high=2**32 - 1)
+    seed = checks.integer(seed, "seed", low=0, high=2**32 - 1)  # a Python int: random.seed takes no numpy one
     checks.flag(warn_only, "warn_only")
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
               os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    torch.use_deterministic_algorithms(True, warn_only=warn_only)
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    torch.manual_seed(seed)  # every device's generator
-    random.seed(seed)
-    np.random.seed(seed)
-    try:
+    try:  # whatever raises from here on, the settings are put back
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        torch.manual_seed(seed)  # every device's generator
+        random.seed(seed)
+        np.random.seed(seed)
         yield torch.Generator().manual_seed(seed)
     finally:
         enabled, only_warn, cudnn_det, cudnn_bench, workspace = before

@@ -77,6 +77,14 @@ def shard(t: Tensor) -> Tensor:
 def all_mean_(tensors: list[Tensor]) -> list[Tensor]:
     """In place: each tensor averaged over the ranks, one all-reduce per dtype over all of them
     flattened together (gloo has no AVG: a sum, then a division)."""
+    # checked before the first all-reduce: a refusal halfway would leave some tensors averaged
+    bad = [i for i, t in enumerate(tensors) if not (t.is_floating_point() or t.is_complex())
+           or (t.requires_grad and t.is_leaf)]
+    if bad:
+        t = tensors[bad[0]]
+        grad = " that requires grad" if t.requires_grad else ""
+        raise TypeError(f"tensors[{bad[0]}] is a {t.dtype} tensor{grad}: all_mean_ averages floating or complex "
+                        "tensors in place (pass a parameter's .grad or .data, not the parameter)")
     if active() and tensors:
         for dtype in dict.fromkeys(t.dtype for t in tensors):
             group = [t for t in tensors if t.dtype == dtype]
@@ -124,7 +132,7 @@ class DataParallel:
         ``drop_last`` the last samples repeat so every rank gets as many batches."""
         checks.flag(shuffle, "shuffle")
         checks.flag(drop_last, "drop_last")
-        checks.integer(seed, "seed", low=0)
+        seed = checks.integer(seed, "seed", low=0)  # a Python int: the sampler seeds a Generator with it
         return DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle,
                                   seed=seed, drop_last=drop_last)
 
@@ -160,7 +168,7 @@ def process_group(device: str | None = None, *, backend: str | None = None,
     backend = checks.choice(backend or ("nccl" if kind == "cuda" else "gloo"), "backend", BACKENDS)
     if backend == "nccl" and kind == "cpu":
         raise ValueError("backend='nccl' needs device='cuda'; on CPU use gloo")
-    checks.number(timeout_s, "timeout_s", low=0, low_open=True)
+    timeout_s = checks.number(timeout_s, "timeout_s", low=0, low_open=True)  # a float, as timedelta takes
     local_rank = int(os.environ["LOCAL_RANK"])
     if kind == "cuda":
         if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():

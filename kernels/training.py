@@ -299,6 +299,9 @@ class _Steps:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     max_grad_norm: float | None
     data_parallel: bool  # losses (and a trailing window's gradients) are averaged over ranks
+    # under DDP, the optimizer's parameters the wrapped model does not own (a loss module's): DDP
+    # all-reduces none of their gradients, so the step does, or each rank would step its own copy
+    outside: list[Tensor] = field(default_factory=list)
     window: list[Tensor] = field(default_factory=list)  # the losses of the window's micro-batches
     sizes: list[int] = field(default_factory=list)  # their sample counts (the inputs' first dim)
     losses: list[float] = field(default_factory=list)  # one per optimizer step
@@ -319,7 +322,10 @@ class _Steps:
         loss = losses.mean() if equal else (losses * losses.new_tensor(self.sizes)).sum() / total
         if self.data_parallel:  # one all-reduce: every rank reports the global loss and scales alike
             sizes = loss.new_tensor([n0, total])
-            all_mean_([loss, sizes])
+            for p in self.outside:  # a zero where a rank's batch left it none: the ranks' lists must match
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            all_mean_([loss, sizes, *(p.grad for p in self.outside)])
             n0, total = sizes.tolist()  # the ranks' means: their ratio is sum n0 / sum N
         if abs(total - k * n0) > 1e-6 * total and grads:
             torch._foreach_mul_(grads, k * n0 / total)
@@ -410,7 +416,8 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
     Data parallel: pass ``model`` wrapped by ``kernels.distributed`` (DistributedDataParallel)
     and each rank's own batches (a DistributedSampler, or ``kernels.distributed.shard``), the
     same number on every rank. Gradients are all-reduced once per optimizer step (the window's
-    last micro-batch; the others run under ``no_sync``), and ``losses`` are the mean over ranks.
+    last micro-batch; the others run under ``no_sync``; a loss module's parameters, which DDP does
+    not own, in the step's own all-reduce), and ``losses`` are the mean over ranks.
     """
     recipe = Recipe() if recipe is None else recipe
     if not isinstance(recipe, Recipe):
@@ -430,8 +437,10 @@ def train(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
     if recipe.channels_last:
         model.to(memory_format=torch.channels_last)
     forward = torch.compile(model, mode=recipe.compile_mode) if recipe.compile_mode else model
-    steps = _Steps(recipe, optimizer, params, scaler, scheduler, max_grad_norm,
-                   data_parallel=isinstance(model, DistributedDataParallel) and active(),
+    data_parallel = isinstance(model, DistributedDataParallel) and active()
+    owned = {id(p) for p in unwrap(model).parameters()}
+    steps = _Steps(recipe, optimizer, params, scaler, scheduler, max_grad_norm, data_parallel=data_parallel,
+                   outside=[p for p in params if id(p) not in owned] if data_parallel else [],
                    scale=scaler.get_scale() if recipe.grad_scaler else math.nan)  # read once a step from here on
     k, autocast, start = recipe.accumulation, recipe.autocast_dtype is not None, time.perf_counter()
     model.train()
