@@ -163,6 +163,9 @@ def test_data_parallel_cli_measures_both_process_counts(tmp_path: Path) -> None:
     (["--batch", "0"], "--batch must be >= 1, got 0"),
     (["--batch", "-4"], "--batch must be >= 1, got -4"),
     (["--device", "bogus"], "device must be cpu, cuda or cuda:N"),
+    # the workload's own refusal, before any process is launched (a worker's traceback before)
+    (["--workloads", "meta_reweight", "--processes", "1", "--batch", "200"],
+     "--batch 200 for meta_reweight: a batch of 200 needs max_per_class"),
 ])
 def test_data_parallel_cli_refuses_bad_arguments(args: list[str], message: str, capsys) -> None:
     from workloads.cli.data_parallel import main

@@ -40,6 +40,30 @@ def test_write_results_gives_csv_json_and_png(tmp_path) -> None:
         write_results(tmp_path, "demo", header, cells, config=_Cfg(), device="cpu", time_column="ms")
 
 
+def test_an_interrupted_write_leaves_the_previous_run_whole(tmp_path, monkeypatch) -> None:
+    """The three files are written under temporary names and renamed over the previous run's: a run
+    stopped while drawing its PNG leaves the earlier set as it was (its CSV beside the earlier
+    JSON, before), and no temporary file. The PNG's title names the machine, as the JSON does."""
+    import workloads.output as output
+
+    header = ["run", "ms/step"]
+    write_results(tmp_path, "demo", header, [["run B", "20.0"]], config=_Cfg(), device="cpu",
+                  time_column="ms/step")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    titles = []
+
+    def stopped(path, title, *args):
+        titles.append(title)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(output, "_plot", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        write_results(tmp_path, "demo", header, [["run C", "30.0"]], config=_Cfg(), device="cpu",
+                      time_column="ms/step")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert titles[0].startswith("demo\ncpu (") and "threads, torch" in titles[0]
+
+
 def test_the_png_shows_where_the_time_went_and_the_accuracy_kept(tmp_path) -> None:
     """Time in parts (stacked) and a metric column (its own panel); a column that is not in the
     table is refused by name."""
@@ -88,6 +112,7 @@ def test_an_output_dir_that_cannot_be_made_fails_before_the_run(cli: str, tmp_pa
     ("ocs", ["--mnist", "/nonexistent"], "no MNIST files under '/nonexistent'"),
     ("meta_reweight", ["--accumulation", "0"], "accumulation must be an int in [1, batch=100], got 0"),
     ("meta_reweight", ["--accumulation", "3"], "accumulation 3 must divide the batch (100)"),
+    ("spectral_probe", ["--dim", "4"], "dim (4) must be >= rank (8)"),  # a traceback from the data before
 ])
 def test_bad_data_paths_and_sizes_are_one_line_errors(cli: str, argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as exc:

@@ -635,6 +635,34 @@ def test_a_resumed_multistep_scheduler_decays_where_the_run_would(tmp_path) -> N
     torch.testing.assert_close(_params(model3), _params(model), atol=0, rtol=0)
 
 
+def test_a_resume_under_other_settings_is_refused_before_anything_loads(tmp_path) -> None:
+    """settings= saved with a checkpoint hold a resume to the run's own (another batch or seed trains
+    another run); a difference is named, and the objects keep their state."""
+    from kernels.training import checkpoint_settings, load_checkpoint, save_checkpoint
+
+    model, opt = _setup()
+    ours = {"batch": 8, "seed": 0, "shape": (2, 3)}
+    save_checkpoint(tmp_path / "c.safetensors", model, opt, step=3, settings=ours)
+    assert checkpoint_settings(tmp_path / "c.safetensors") == {"batch": 8, "seed": 0, "shape": [2, 3]}
+    fresh, fresh_opt = _setup(seed=1)
+    before = _params(fresh)
+    with pytest.raises(ValueError, match=r"other settings \(batch: saved 8, now 16\)"):
+        load_checkpoint(tmp_path / "c.safetensors", fresh, fresh_opt, settings={**ours, "batch": 16})
+    assert torch.equal(_params(fresh), before)
+    assert load_checkpoint(tmp_path / "c.safetensors", fresh, fresh_opt, settings=ours) == 3
+    save_checkpoint(tmp_path / "bare.safetensors", model, opt, step=1)
+    with pytest.raises(ValueError, match="saved without its run's settings"):
+        load_checkpoint(tmp_path / "bare.safetensors", fresh, fresh_opt, settings={"batch": 8})
+
+
+@pytest.mark.parametrize("recipe", [Recipe(), Recipe(torch.bfloat16, accumulation=2), Recipe(
+    torch.float16, True, 4, channels_last=True, compile_mode="max-autotune")])
+def test_a_recipe_comes_back_from_its_name(recipe: Recipe) -> None:
+    assert Recipe.from_name(recipe.name, accumulation=recipe.accumulation) == recipe
+    with pytest.raises(ValueError, match="name must be a Recipe.name"):
+        Recipe.from_name("fp8+channels_last")
+
+
 def test_a_checkpoint_rank_0_cannot_write_leaves_no_cycle_holding_the_model(tmp_path, monkeypatch) -> None:
     """Rank 0's write error is raised after every rank agreed; its traceback must not keep the model
     (under DDP: the process group, whose gloo threads would outlive the interpreter and abort it)

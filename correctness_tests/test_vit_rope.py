@@ -151,12 +151,34 @@ def test_a_run_resumed_from_its_checkpoint_ends_where_the_whole_run_does(tmp_pat
                            replace(cfg, checkpoint=path, save_every=1, resume=True))
     assert sum(steps_run) == 2  # only the 5 - 3 steps left were run
     assert resumed.final_loss == whole.final_loss and resumed.accuracy == whole.accuracy
+    assert resumed.first_step == 4 and resumed.losses == whole.losses[3:]  # its curve at its own steps
+    # a resume under other settings trains another run (more steps draw other synthetic images): refused
+    for other in (replace(cfg, steps=4), replace(cfg, batch=4), replace(cfg, seed=1)):
+        with pytest.raises(ValueError, match="saved by a run with other settings"):
+            vit_rope.run(method, replace(other, checkpoint=path, resume=True))
+    with pytest.raises(ValueError, match=r"saved by a run with other settings \(recipe: saved 'fp32', now"):
+        vit_rope.run(replace(method, recipe=vit_rope.Recipe(torch.bfloat16, accumulation=2)),
+                     replace(cfg, checkpoint=path, resume=True))
     with pytest.raises(ValueError, match="nothing left"):
         vit_rope.run(method, replace(cfg, checkpoint=path, resume=True))
     with pytest.raises(ValueError, match="resume needs an existing checkpoint"):
         vit_rope.Config(resume=True, checkpoint=str(tmp_path / "none"))
     with pytest.raises(SystemExit):
         vit_rope_cli.main(["--ablation", "--checkpoint", path])
+
+
+def test_the_cli_resumes_only_under_the_runs_own_settings(capsys, tmp_path) -> None:
+    """A checkpoint keeps the settings that define its run (steps, batch, seed, the recipe...):
+    --resume with other ones is a one-line error naming them before any run (it went ahead
+    silently, on other synthetic images and a recipe Recipe.auto picked again)."""
+    path = str(tmp_path / "vit.safetensors")
+    argv = ["--batch", "8", "--depth", "1", "--eval-images", "16", "--checkpoint", path]
+    assert vit_rope_cli.main(["--steps", "1", "--save-every", "1", *argv]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        vit_rope_cli.main(["--steps", "2", *argv, "--resume"])
+    err = capsys.readouterr().err
+    assert "saved by a run with other settings (--steps 1)" in err, err
 
 
 def test_a_bad_checkpoint_is_refused_before_any_run(capsys, monkeypatch, tmp_path) -> None:
@@ -186,12 +208,13 @@ def test_a_bad_checkpoint_is_refused_before_any_run(capsys, monkeypatch, tmp_pat
            ([str(tmp_path / "missing" / "vit.safetensors")], "does not exist"),
            ([str(tmp_path / "bad.safetensors")], "not a kernelgate checkpoint"),
            ([str(tmp_path / "bad.safetensors"), "--resume"], "not a kernelgate checkpoint"),
-           ([str(done), "--resume"], "nothing left"), ([str(other), "--resume"], "another model's weights")]
+           ([str(done), "--resume"], "nothing left"), ([str(other), "--resume"], "another model's weights"),
+           # an earlier run's state is not replaced unasked (it was, silently)
+           ([str(done)], "holds an earlier run's checkpoint, at step 99: pass --resume")]
     for args, message in bad:
         with pytest.raises(SystemExit):
             vit_rope_cli.main([*argv, *args])
         err = capsys.readouterr().err
         assert "--checkpoint" in err and message in err, (args, err)
-    for good in ([str(tmp_path / "new.safetensors")], [str(done)]):  # a new file; a checkpoint started afresh
-        with pytest.raises(Started):
-            vit_rope_cli.main([*argv, *good])
+    with pytest.raises(Started):  # a new file
+        vit_rope_cli.main([*argv, str(tmp_path / "new.safetensors")])

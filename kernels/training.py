@@ -52,8 +52,9 @@ import os
 import random
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -99,6 +100,23 @@ class Recipe:
         mode = [] if not self.compile_mode else ["compile" if self.compile_mode == "default" else
                                                  f"compile:{self.compile_mode}"]
         return "+".join(parts + ["channels_last"] * self.channels_last + mode)
+
+    @classmethod
+    def from_name(cls, name: str, *, accumulation: int = 1) -> Recipe:
+        """The recipe ``name`` describes (``Recipe.name``'s inverse), e.g. the one a checkpoint's run
+        was saved under: ``bfloat16+channels_last``, ``float16+compile:max-autotune`` (fp16 with its
+        GradScaler)."""
+        precision, *rest = str(name).split("+")
+        dtypes = {"fp32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        compiled = [part for part in rest if part == "compile" or part.startswith("compile:")]
+        unknown = [part for part in rest if part not in ("channels_last", *compiled)]
+        if precision not in dtypes or unknown or len(compiled) > 1:
+            raise ValueError(f"name must be a Recipe.name such as 'bfloat16+channels_last' or 'fp32+compile', "
+                             f"got {name!r}")
+        mode = None if not compiled else "default" if compiled[0] == "compile" else compiled[0].split(":", 1)[1]
+        dtype = dtypes[precision]
+        return cls(dtype, dtype == torch.float16, accumulation, channels_last="channels_last" in rest,
+                   compile_mode=mode)
 
     @classmethod
     def auto(cls, device: str | torch.device, *, accumulation: int = 1, model: nn.Module | None = None,
@@ -560,11 +578,13 @@ def _own(t: Tensor) -> Tensor:
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                     scaler: torch.amp.GradScaler | None = None, step: int = 0,
-                    loss_fn: nn.Module | None = None) -> None:
+                    loss_fn: nn.Module | None = None, settings: Mapping[str, Any] | None = None) -> None:
     """Model, optimizer, scheduler, GradScaler and RNG states (torch, CUDA, Python, NumPy) and
     ``step`` in one file at ``path``, replaced atomically (a crash leaves the previous one).
     ``loss_fn``: a loss module whose parameters the optimizer trains, saved beside the model (an
     optimizer holding parameters of neither is refused: their values would be lost).
+    ``settings``: the run's own settings (plain JSON values: its steps, batch, seed, recipe), which
+    ``load_checkpoint(settings=...)`` holds a resume to.
 
     Data parallel: call it on every rank; rank 0 writes (the replicas are equal) and every rank
     returns once the file is complete, or raises when rank 0 could not write it. On several hosts
@@ -575,13 +595,14 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     step = checks.integer(step, "step", low=0)
     checks.module(model, "model")
     _check_owned(model, loss_fn, optimizer)
+    settings = _settings(settings)
     if not active():
-        _write_checkpoint(path, unwrap(model), optimizer, scheduler, scaler, step, loss_fn)
+        _write_checkpoint(path, unwrap(model), optimizer, scheduler, scaler, step, loss_fn, settings)
         return
     error = None
     if rank() == 0:
         try:
-            _write_checkpoint(path, unwrap(model), optimizer, scheduler, scaler, step, loss_fn)
+            _write_checkpoint(path, unwrap(model), optimizer, scheduler, scaler, step, loss_fn, settings)
         except Exception as e:  # every rank learns of it below, so none waits for a file that never comes
             error = e
     if not agree(error is None):  # also the barrier: no rank reads the file before rank 0 has replaced it
@@ -591,6 +612,35 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
             finally:  # the traceback holds this frame: with ``error`` still in it, the model would
                 del error  # live in a cycle until a GC pass, and under DDP keep gloo's threads past exit
         raise RuntimeError(f"rank 0 could not write the checkpoint {path} (its error is in rank 0's log)")
+
+
+def _settings(settings: Mapping[str, Any] | None) -> dict | None:
+    """A run's settings as a checkpoint keeps them: plain JSON values, tuples as lists."""
+    if settings is None:
+        return None
+    if not isinstance(settings, Mapping) or not all(isinstance(k, str) for k in settings):
+        raise TypeError(f"settings must be a mapping of names to plain values, got {type(settings).__name__}")
+    return json.loads(_json(dict(settings), "settings"))
+
+
+def _check_settings(path: str | os.PathLike, saved: dict | None, given: dict) -> None:
+    """A resume under other settings trains a different run: refused, naming what differs."""
+    if saved is None:
+        raise ValueError(f"{path} was saved without its run's settings, so this resume cannot be checked against "
+                         "them; start afresh, or load it without settings=")
+    differ = [f"{k}: saved {saved.get(k)!r}, now {given.get(k)!r}" for k in sorted(set(saved) | set(given))
+              if saved.get(k) != given.get(k)]
+    if differ:
+        raise ValueError(f"{path} was saved by a run with other settings ({'; '.join(differ)}): resume with the "
+                         "run's own settings, or start afresh with another checkpoint")
+
+
+def checkpoint_settings(path: str | os.PathLike) -> dict | None:
+    """The ``settings`` the run saved with its checkpoint at ``path`` (None: none were saved)."""
+    _, meta = read_safetensors(path)
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} is not a kernelgate checkpoint (format {meta.get('format')!r})")
+    return _unkeyed(json.loads(meta["state"])).get("settings")
 
 
 def _check_owned(model: nn.Module, loss_fn: nn.Module | None, optimizer: torch.optim.Optimizer) -> None:
@@ -606,7 +656,7 @@ def _check_owned(model: nn.Module, loss_fn: nn.Module | None, optimizer: torch.o
 
 def _write_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
                       scheduler: torch.optim.lr_scheduler.LRScheduler | None, scaler: torch.amp.GradScaler | None,
-                      step: int, loss_fn: nn.Module | None = None) -> None:
+                      step: int, loss_fn: nn.Module | None = None, settings: dict | None = None) -> None:
     tensors = {f"model/{k}": _own(v) for k, v in model.state_dict().items()}
     if loss_fn is not None:
         tensors.update({f"loss_fn/{k}": _own(v) for k, v in loss_fn.state_dict().items()})
@@ -630,6 +680,7 @@ def _write_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torc
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "scaler": None if scaler is None else scaler.state_dict(),
         "loss_fn": loss_fn is not None,
+        "settings": settings,
         "rng": {"python": [py_version, list(py_state), py_gauss],
                 "numpy": [np_kind, np_keys.tolist(), np_pos, np_has_gauss, np_gauss]},
     }
@@ -638,11 +689,13 @@ def _write_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torc
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                    scaler: torch.amp.GradScaler | None = None, loss_fn: nn.Module | None = None) -> int:
+                    scaler: torch.amp.GradScaler | None = None, loss_fn: nn.Module | None = None,
+                    settings: Mapping[str, Any] | None = None) -> int:
     """Restore what ``save_checkpoint`` wrote into the given objects (built as for a fresh run)
     and the RNG states; returns the saved ``step``. A checkpoint holding a scheduler, scaler or
     loss module state not asked for (or the reverse) is an error: resuming without it would
-    change the run."""
+    change the run. ``settings``: this run's, which must be those the checkpoint was saved with
+    (else a ValueError naming each that differs, before anything is loaded)."""
     checks.module(model, "model")
     if loss_fn is not None:
         checks.module(loss_fn, "loss_fn")
@@ -650,6 +703,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path} is not a kernelgate checkpoint (format {meta.get('format')!r})")
     state = _unkeyed(json.loads(meta["state"]))
+    if settings is not None:
+        _check_settings(path, state.get("settings"), _settings(settings))
     state["loss_fn"] = state.get("loss_fn") or None  # True where saved
     for name, given in (("scheduler", scheduler), ("scaler", scaler), ("loss_fn", loss_fn)):
         if (state[name] is None) != (given is None):

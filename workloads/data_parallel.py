@@ -96,6 +96,11 @@ def _meta_reweight(batch: int, steps: int, device: str, dp: DataParallel | None)
 
 
 MEASURES = {"cifar_resnet": _cifar, "meta_reweight": _meta_reweight}
+# each workload's config as its measure builds it: its refusals, checked before any process is launched
+CONFIGS = {"cifar_resnet": lambda batch, steps, device: cifar_resnet.Config(steps=steps + 1, batch=batch,
+                                                                           warmup=WARMUP, device=device),
+           "meta_reweight": lambda batch, steps, device: meta_reweight.Config(batch=batch, meta_batch=batch,
+                                                                             steps=steps, device=device)}
 
 
 def measure(workload: str, batch: int, steps: int, device: str, dp: DataParallel | None) -> Row:

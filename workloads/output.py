@@ -8,7 +8,10 @@ Files for a run named ``stem``, in ``output_dir`` (created if missing):
   ``{column: cell}``; ``machine`` is perfgate's fingerprint of this process (CPU model, torch
   threads, torch build, malloc mode) so a number says what it was measured on;
 - ``stem.png``: one panel per curve set (e.g. validation loss per epoch, reference against
-  optimized), where each run's time went, and the quality (e.g. accuracy) each run kept.
+  optimized), where each run's time went, and the quality (e.g. accuracy) each run kept, under a
+  title naming the machine.
+
+The three are written under temporary names and renamed over the previous run's together.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
+import os
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -62,17 +67,33 @@ def write_results(output_dir: str | Path, stem: str, header: Sequence[str], cell
     out.mkdir(parents=True, exist_ok=True)
     curves = curves or {}
     paths = [out / f"{stem}.csv", out / f"{stem}.json", out / f"{stem}.png"]
-    with paths[0].open("w", newline="", encoding="utf8") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(header)
-        writer.writerows(cells)
-    record = {"workload": stem, "machine": machine(device),
-              "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(vars(config)),
-              "header": list(header), "rows": [dict(zip(header, row, strict=True)) for row in cells],
-              "curves": {title: {name: list(v) for name, v in runs.items()} for title, runs in curves.items()}}
-    paths[1].write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf8")
-    _plot(paths[2], stem, header, cells, names, times, metric_column, curves)
+    # each written beside its final name, then all three renamed over it: an interrupted run leaves
+    # the previous run's set whole, never its JSON beside this run's table
+    parts = [p.with_name(f".{p.stem}.{os.getpid()}{p.suffix}") for p in paths]
+    on = machine(device)
+    try:
+        with parts[0].open("w", newline="", encoding="utf8") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(header)
+            writer.writerows(cells)
+        record = {"workload": stem, "machine": on,
+                  "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(vars(config)),
+                  "header": list(header), "rows": [dict(zip(header, row, strict=True)) for row in cells],
+                  "curves": {title: {name: list(v) for name, v in runs.items()} for title, runs in curves.items()}}
+        parts[1].write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf8")
+        _plot(parts[2], f"{stem}\n{described(on)}", header, cells, names, times, metric_column, curves)
+        for part, path in zip(parts, paths, strict=True):
+            os.replace(part, path)
+    finally:
+        for part in parts:
+            part.unlink(missing_ok=True)
     return paths
+
+
+def described(on: dict) -> str:
+    """``machine``'s fingerprint in a line: the device's model, torch's threads and build, malloc."""
+    return (f"{on['device_type']} ({on['device_name']}), {on['threads']} threads, torch {on['torch']}, "
+            f"malloc {on['malloc']}")
 
 
 def _plot(path: Path, stem: str, header: Sequence[str], cells: Sequence[Sequence[str]], runs: list[str],
@@ -96,8 +117,8 @@ def _plot(path: Path, stem: str, header: Sequence[str], cells: Sequence[Sequence
     fig, grid = plt.subplots(rows, cols, figsize=(6.0 * cols, height * rows), squeeze=False, layout="constrained")
     axes = list(grid.flat)
     for ax, (title, runs) in zip(axes, curves.items(), strict=False):
-        for name, values in runs.items():
-            ax.plot(range(1, len(values) + 1), values, label=name)
+        for name, values in runs.items():  # None: a step the run did not take (before a resume)
+            ax.plot(range(1, len(values) + 1), [math.nan if v is None else v for v in values], label=name)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(next((unit for unit in ("step", "task") if unit in title), "epoch"))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

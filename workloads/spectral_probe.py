@@ -83,6 +83,10 @@ class Config:
             raise ValueError(f"shapes must be one of {SHAPES}, got {self.shapes!r}")
         if self.shapes == "sd15" and self.layers != len(SD15_SHAPES):
             raise ValueError(f"shapes='sd15' has {len(SD15_SHAPES)} layers; got layers={self.layers}")
+        smallest = min(min(shape) for shape in SD15_SHAPES) if self.shapes == "sd15" else self.dim
+        if smallest < self.rank:  # a rank-r update needs r singular directions in every layer
+            raise ValueError(f"dim ({smallest}) must be >= rank ({self.rank}): a rank-{self.rank} update needs "
+                             f"{self.rank} singular directions in every layer")
         if self.samples < 5 * self.classes:
             raise ValueError(f"samples ({self.samples}) must be >= 5 per class for the 70/10/20 split")
 

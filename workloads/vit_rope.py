@@ -110,6 +110,7 @@ class ViTReport:
     final_loss: float
     losses: list[float] = field(default_factory=list)  # per optimizer step this run took
     warmup_s: float = 0.0  # the untimed warm-up steps: torch.compile's compile time lives here
+    first_step: int = 1  # the step ``losses`` starts at: past 1 for a resumed run
 
 
 def cosine_schedule(opt: torch.optim.Optimizer, total: int, warmup: int = 2) -> torch.optim.lr_scheduler.LambdaLR:
@@ -145,6 +146,15 @@ def accuracy(model: nn.Module, cfg: Config) -> float:
     return (model(x.to(device)).argmax(1).cpu() == y).float().mean().item()
 
 
+def run_settings(cfg: Config, recipe: Recipe | None) -> dict:
+    """What defines a run's data and steps, saved with its checkpoint: a resume under other ones
+    would train another run (load_checkpoint refuses it)."""
+    fields = ("steps", "warmup_steps", "batch", "seed", "lr", "weight_decay", "max_grad_norm", "cifar", "dim",
+              "heads", "depth")
+    return {**{f: getattr(cfg, f) for f in fields}, "recipe": recipe.name if recipe else None,
+            "accumulation": recipe.accumulation if recipe else 1}
+
+
 def run(method: Method, cfg: Config, workers: int | None = None) -> ViTReport:
     """Warm-up steps apart, then the timed steps (peak memory measured around them). With
     ``cfg.checkpoint`` the state is saved every ``cfg.save_every`` optimizer steps; with
@@ -160,7 +170,10 @@ def run(method: Method, cfg: Config, workers: int | None = None) -> ViTReport:
     # one scaler over every call, so it keeps (and a checkpoint keeps) its learned scale
     scaled = method.recipe is not None and method.recipe.grad_scaler
     scaler = torch.amp.GradScaler(torch.device(cfg.device).type) if scaled else None
-    done = load_checkpoint(cfg.checkpoint, model, opt, scheduler=sched, scaler=scaler) if cfg.resume else 0
+    settings = run_settings(cfg, method.recipe)
+    done = load_checkpoint(cfg.checkpoint, model, opt, scheduler=sched, scaler=scaler,
+                           settings=settings) if cfg.resume else 0
+    first = done + 1
     total = cfg.steps + cfg.warmup_steps
     if done >= total:
         raise ValueError(f"the checkpoint {cfg.checkpoint} is at step {done}: nothing left of {total} steps")
@@ -185,7 +198,8 @@ def run(method: Method, cfg: Config, workers: int | None = None) -> ViTReport:
                                           **({"scaler": scaler} if scaler else {})))
             done, n = done + result[-1].optimizer_steps, n - take
             if cfg.checkpoint:
-                save_checkpoint(cfg.checkpoint, model, opt, scheduler=sched, scaler=scaler, step=done)
+                save_checkpoint(cfg.checkpoint, model, opt, scheduler=sched, scaler=scaler, step=done,
+                                settings=settings)
 
     t0 = time.perf_counter()
     steps(cfg.warmup_steps - done)
@@ -196,7 +210,7 @@ def run(method: Method, cfg: Config, workers: int | None = None) -> ViTReport:
     seconds = time.perf_counter() - t0
     return ViTReport(method.name, 1e3 * seconds / timed, None if peak is None else peak / 2**20,
                      accuracy(model, cfg), result[-1].losses[-1], [loss for r in result for loss in r.losses],
-                     warmup_s)
+                     warmup_s, first)
 
 
 def _cached_rope_manual(q: Tensor, k: Tensor, v: Tensor, rope, *, causal: bool = False,

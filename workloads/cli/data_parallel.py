@@ -89,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(n < 1 or b % n for n in counts for b in batches.values()) or args.steps < 1 or args.repeats < 1:
         parser.error(f"--processes must be >= 1, each dividing the global batch ({batches}); --steps and "
                      "--repeats >= 1")
+    for name, batch in batches.items():  # a workload's own refusal, here rather than from a launched process
+        try:
+            workload.CONFIGS[name](batch, args.steps, args.device)
+        except ValueError as e:
+            parser.error(f"--batch {batch} for {name}: {e}")
     print(f"data parallel, global batches {batches}, {args.steps} timed steps, {args.repeats} run(s) each, "
           f"alternating; 1 process on {describe(args.device)}; N > 1: torchrun, 1 thread each")
     runs: dict[tuple[str, int], list[workload.Row]] = {(name, n): [] for name in names for n in counts}

@@ -35,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Meta-Weight-Net: train {sum(class_counts(cfg))} long-tailed (n_c {class_counts(cfg)}), meta "
           f"{10 * cfg.meta_per_class}, test {10 * cfg.test_per_class}, batch {cfg.batch}, on "
           f"{describe(cfg.device)}")
+    if cfg.norm == "batch" and cfg.accumulation > 1:  # the two sides then compute different functions
+        micro = cfg.batch // cfg.accumulation
+        print(f"note: the optimized runs' BatchNorm normalizes each micro-batch of {micro} "
+              f"(accumulation {cfg.accumulation}), the reference's the batch of {cfg.batch}: their accuracies "
+              "differ by that too, not by arithmetic alone")
     rows = accuracy_runs(cfg, recipe)
     accuracy = [[r.name, f"{r.ms_per_step:.1f}", f"{r.balanced_accuracy:.1%}"] for r in rows]
     print("\n".join(markdown(ACCURACY, accuracy)))

@@ -16,7 +16,7 @@ from torch import nn
 from kernels.feature_cache import read_safetensors
 from kernels.training import CHECKPOINT_FORMAT
 from workloads.common import EMULATED_BF16_NOTE, bf16_emulated
-from workloads.output import machine, write_results
+from workloads.output import described, machine, write_results
 
 
 def add_common(parser: argparse.ArgumentParser, amp_rows: bool = False, accuracy: bool = False) -> None:
@@ -64,9 +64,9 @@ def check_checkpoint(parser: argparse.ArgumentParser, path: str | None, resume: 
                      model: nn.Module | None = None) -> None:
     """``--checkpoint PATH`` checked before any run, a one-line error when it would fail only at
     the first save or at the resume (after the reference run's time): a file in a writable folder;
-    an existing file must be a kernelgate checkpoint (it is replaced, or with ``resume`` read),
-    and with ``resume`` one with steps left of ``total_steps`` and, given ``model``, its weights'
-    names and shapes."""
+    an existing file must be a kernelgate checkpoint, and is refused without ``resume`` (an earlier
+    run's state is not replaced unasked); with ``resume`` one with steps left of ``total_steps`` and,
+    given ``model``, its weights' names and shapes."""
     if path is None:
         return
     where = Path(path)
@@ -96,8 +96,9 @@ def check_checkpoint(parser: argparse.ArgumentParser, path: str | None, resume: 
         hint = ("resume from a checkpoint this workload saved" if resume
                 else "name a new file (this one would be replaced)")
         parser.error(f"--checkpoint {path} is not a kernelgate checkpoint ({e}): {hint}")
-    if not resume:
-        return
+    if not resume:  # a run's state is not replaced unasked: it may be a long run's
+        parser.error(f"--checkpoint {path} holds an earlier run's checkpoint, at step {step}: pass --resume to "
+                     "continue it, or name a new file (or remove this one) to start afresh")
     if step >= total_steps:
         parser.error(f"--checkpoint {path} is at step {step}: nothing left of {total_steps} steps to resume; "
                      "leave out --resume to start afresh, or ask for more --steps")
@@ -115,13 +116,15 @@ def save(args: argparse.Namespace, stem: str, header: Sequence[str], cells: Sequ
     """With ``--output-dir``: write the run's results there (workloads.output) and say where;
     ``names``: the runs' labels in the PNG (default: each row's first cell)."""
     if args.output_dir:
+        folder = Path(args.output_dir)
+        earlier = [stem + end for end in (".csv", ".json", ".png") if (folder / (stem + end)).exists()]
         paths = write_results(args.output_dir, stem, header, cells, config=config, device=config.device,
                               time_column=time_column, curves=curves, metric_column=metric_column, names=names)
-        print("wrote " + ", ".join(str(p) for p in paths))
+        print("wrote " + ", ".join(str(p) for p in paths)
+              + (f" (replacing an earlier run's {', '.join(earlier)})" if earlier else ""))
 
 
 def describe(device: str) -> str:
     """Where a run's numbers come from: the device (the CPU's model), torch's threads and build, and
     the malloc mode (the CLIs leave glibc's default, as a user's training process does)."""
-    m = machine(device)
-    return f"{device} ({m['device_name']}), {m['threads']} threads, torch {m['torch']}, malloc {m['malloc']}"
+    return described(machine(device))

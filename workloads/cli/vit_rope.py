@@ -6,6 +6,7 @@ import argparse
 from dataclasses import replace
 
 from kernels.models import RopeViT
+from kernels.training import Recipe, checkpoint_settings
 from workloads import vit_rope as workload
 from workloads.cli.options import add_common, check_checkpoint, describe, leaves_out_amp, parse_args, save
 from workloads.common import progress
@@ -17,6 +18,7 @@ from workloads.vit_rope import (
     optimized_method,
     reference_method,
     run,
+    run_settings,
     table,
 )
 
@@ -51,6 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     # the checkpoint's path (and, resuming, its file) now: a bad one would fail after the reference run
     resumed_model = RopeViT(cfg.dim, cfg.heads, cfg.depth) if cfg.resume else None
     check_checkpoint(parser, cfg.checkpoint, cfg.resume, cfg.steps + cfg.warmup_steps, resumed_model)
+    recipe = None
+    if cfg.resume:  # the recipe the run was saved under, not one Recipe.auto picks again; the rest must match
+        saved = checkpoint_settings(cfg.checkpoint) or {}
+        named = saved.get("recipe")
+        recipe = Recipe.from_name(named, accumulation=saved["accumulation"]) if named else None
+        differ = sorted(k for k, v in run_settings(cfg, recipe).items() if saved.get(k) != v)
+        if differ or not saved:
+            parser.error(f"--checkpoint {cfg.checkpoint} was saved by a run with other settings ("
+                         + ("none saved" if not saved else ", ".join(f"--{k.replace('_', '-')} {saved.get(k)}"
+                                                                    for k in differ))
+                         + "): resume with the run's own settings, or start afresh with a new file")
     data = f"CIFAR-10 from {cfg.cifar}" if cfg.cifar else "synthetic CIFAR"
     clipped = f"clipped at {cfg.max_grad_norm:g}" if cfg.max_grad_norm else "no clipping"
     print(f"RoPE ViT (D {cfg.dim}, {cfg.heads} heads, depth {cfg.depth}) on {data}, {cfg.steps} steps "
@@ -59,11 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.ablation:
         rows = ablation(cfg, compile_=not args.no_compile, emulated_bf16=not leaves_out_amp(args, cfg.device))
     else:
-        rows = [run(m, c) for m, c in progress([(reference_method(), plain), (optimized_method(cfg), cfg)],
+        rows = [run(m, c) for m, c in progress([(reference_method(), plain), (optimized_method(cfg, recipe), cfg)],
                                                 desc="runs", unit="run")]
     print("\n".join(format_rows(rows)))
     save(args, "vit_rope", HEADER, table(rows), cfg, "ms/step",
-         {"training loss per step": {r.name: r.losses for r in rows}}, metric_column="accuracy")
+         # a resumed run's losses at their own steps (None before its first)
+         {"training loss per step": {r.name: [None] * (r.first_step - 1) + r.losses for r in rows}},
+         metric_column="accuracy")
     return 0
 
 
