@@ -3,7 +3,7 @@
 Model: kernels.models.RopeViT (4x4 patches of 32x32 images -> 64 tokens, D 192, 6 heads, pre-LN,
 RoPE over the patch index with theta 2^16 and interleaved pairs). Data: CIFAR-shaped images a
 model can learn (workloads.cifar_resnet.synthetic_cifar: per-class templates plus
-noise), or CIFAR-10 from local files (``--cifar PATH``, torchvision layout, never downloaded).
+noise), or CIFAR-10 from local files (``--cifar PATH``, its binary version, never downloaded).
 Training: AdamW lr 1e-3 (a short budget; the original's 1e-4 is for long runs), weight decay 0.05,
 linear warm-up then cosine decay, gradients clipped to a global norm of 1.0 as the original does
 (both runs, once per optimizer step; ``--max-grad-norm``, ``--no-clip``).
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -57,7 +58,7 @@ class Config:
     weight_decay: float = 0.05
     device: str = "cpu"
     seed: int = 0
-    cifar: str | None = None  # local CIFAR-10 root (torchvision layout) instead of synthetic images
+    cifar: str | None = None  # a folder holding CIFAR-10's cifar-10-batches-bin/, instead of synthetic images
     max_grad_norm: float | None = 1.0  # the original's clipping; None: none
     eval_images: int = 1000  # held-out images the accuracy is measured on
     checkpoint: str | None = None  # save the run's state here every save_every steps (atomically)
@@ -69,9 +70,8 @@ class Config:
                                 "eval_images"))
         check_max_grad_norm(self.max_grad_norm)
         check_device(self.device)
-        if self.cifar is not None and not (Path(self.cifar) / "cifar-10-batches-py").is_dir():
-            raise ValueError(f"cifar: no CIFAR-10 files under {self.cifar!r} (torchvision layout "
-                             "cifar-10-batches-py/); this workload never downloads")
+        if self.cifar is not None and not (Path(self.cifar) / CIFAR_BIN).is_dir():
+            raise ValueError(f"cifar: {_no_cifar(self.cifar)}")
         if self.resume and (self.checkpoint is None or not Path(self.checkpoint).is_file()):
             raise ValueError(f"resume needs an existing checkpoint file, got {self.checkpoint!r}")
         if self.batch % self.accumulation:
@@ -122,17 +122,31 @@ def cosine_schedule(opt: torch.optim.Optimizer, total: int, warmup: int = 2) -> 
     return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def cifar10(root: str, train: bool) -> tuple[Tensor, Tensor]:
-    """CIFAR-10 from local files under ``root`` (torchvision layout), standardized; never downloads."""
-    from torchvision.datasets import CIFAR10
+CIFAR_BIN = "cifar-10-batches-bin"  # CIFAR-10's binary version: raw bytes (the Python version is a pickle)
+CIFAR_ROW = 1 + 3 * 32 * 32  # a record: its label byte, then its pixels, channel-major
 
-    try:
-        ds = CIFAR10(root, train=train, download=False)
-    except RuntimeError as e:
-        raise FileNotFoundError(f"no CIFAR-10 files under {root!r} (torchvision layout "
-                                "cifar-10-batches-py/); this workload never downloads") from e
-    x = torch.tensor(ds.data, dtype=torch.float32).permute(0, 3, 1, 2) / 255.0
-    return (x - x.mean()) / x.std(), torch.tensor(ds.targets, dtype=torch.int64)
+
+def _no_cifar(root: str) -> str:
+    return (f"no CIFAR-10 files under {root!r}: the binary version's {CIFAR_BIN}/ (data_batch_1.bin ... "
+            "test_batch.bin) is read; the Python version's pickles are not (no pickle is read back from "
+            "disk here), and this workload never downloads")
+
+
+def cifar10(root: str, train: bool) -> tuple[Tensor, Tensor]:
+    """CIFAR-10 from local files under ``root`` (its binary version, ``CIFAR_BIN``), standardized:
+    (N, 3, 32, 32) float32 and (N,) int64. Never downloads, and reads no pickle."""
+    names = [f"data_batch_{i}.bin" for i in range(1, 6)] if train else ["test_batch.bin"]
+    paths = [Path(root) / CIFAR_BIN / name for name in names]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(_no_cifar(root) + f" (missing {', '.join(missing)})")
+    raw = np.concatenate([np.fromfile(p, dtype=np.uint8) for p in paths])
+    if raw.size % CIFAR_ROW:
+        raise ValueError(f"the CIFAR-10 files under {root!r} are not whole {CIFAR_ROW}-byte records "
+                         f"({raw.size} bytes): a damaged or partial copy")
+    rows = torch.from_numpy(raw.reshape(-1, CIFAR_ROW))
+    x = rows[:, 1:].reshape(-1, 3, 32, 32).float() / 255.0
+    return (x - x.mean()) / x.std(), rows[:, 0].long()
 
 
 @torch.no_grad()

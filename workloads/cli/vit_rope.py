@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--depth", type=int, default=6)
     add_common(parser, amp_rows=True, accuracy=True)
-    parser.add_argument("--cifar", metavar="PATH", help="local CIFAR-10 (torchvision layout) instead of synthetic")
+    parser.add_argument("--cifar", metavar="PATH",
+                        help="a folder with CIFAR-10's binary version (cifar-10-batches-bin/), not synthetic")
     parser.add_argument("--ablation", action="store_true", help="every row, not only reference/optimized")
     parser.add_argument("--no-compile", action="store_true", help="skip the ablation's torch.compile rows")
     parser.add_argument("--checkpoint", metavar="PATH", help="save the optimized run's state here (atomically)")
