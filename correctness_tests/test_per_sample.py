@@ -451,6 +451,16 @@ def _weight_norm() -> nn.Module:
 
 
 # name: (model factory, input shape, identity kept for every Linear?)
+def _stale_features() -> nn.Module:
+    """A hidden layer grown from 6 to 8 units by swapping its weight and the next layer's, their
+    in_features/out_features left stale: nn.Linear reads only the weight (the capture reshaped by
+    the attributes: wrong shapes, Gram 0.25 off, or a reshape error)."""
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    model[0].weight, model[0].bias = nn.Parameter(torch.randn(8, 6) / 3), nn.Parameter(torch.zeros(8))
+    model[2].weight = nn.Parameter(torch.randn(3, 8) / 3)
+    return model
+
+
 AWKWARD = {
     "tied": (Tied, (5, 6), False),
     "tied_functional": (TiedAE, (5, 6), False),
@@ -481,6 +491,7 @@ AWKWARD = {
     "forward_on_the_instance": (ForwardOnTheInstance, (5, 6), True),  # the head keeps it
     "child_of_linear": (ChildOfLinear, (5, 6), True),
     "no_grad_inside_forward": (NoGradInside, (5, 6), False),
+    "stale_features": (_stale_features, (5, 6), True),
 }
 TIED_TO_INPUT = ("tied_functional", "tied_functional_T", "tied_functional_mT")
 
@@ -516,6 +527,52 @@ def test_awkward_models_match_reference(name: str, case: str) -> None:
     except Fallback:
         kept = False
     assert kept == identity_kept
+
+
+@pytest.mark.parametrize("name", FUNCS)
+def test_a_global_forward_hook_takes_vmap(name: str) -> None:
+    """A global module forward hook runs before any module's own hooks, the capture's too, which
+    recorded its output as the layer's (2*o: grads 0.5, Gram 0.75 off, silently): with one
+    registered the identity is not taken, and the kernel equals the reference."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(5, 6, dtype=torch.float64), torch.randint(0, 3, (5,))
+    handle = register_module_forward_hook(lambda m, i, o: 2 * o if isinstance(m, nn.Linear) else None)
+    try:
+        _both(name, model, x, y)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("side", [kernels, reference], ids=["kernels", "reference"])
+def test_what_neither_side_differentiates_alike_is_refused(side) -> None:
+    """inputs or targets computed from a model parameter with the graph kept (an embedding looked up
+    before the call: the kernel gave zeros for its weight, the reference refused by accident), and
+    gradient hooks on parameters (the reference's autograd applied them, the kernel's identity and
+    vmap did not: 0.5 off): both sides refuse them, by name."""
+    torch.manual_seed(0)
+    embed, head = nn.Embedding(10, 6), nn.Linear(6, 3)
+    model = nn.ModuleDict({"embed": embed, "head": head})
+    model.forward = head.forward  # the embedding is looked up outside, before the call
+    ids, y = torch.randint(0, 10, (5,)), torch.randint(0, 3, (5,))
+    for name in FUNCS:
+        with pytest.raises(ValueError, match=r"inputs carry an autograd graph reaching model parameter\(s\) "
+                                             r"\['embed.weight'\]"):
+            _run(side, name, dict(model=model, loss_fn=F.cross_entropy, inputs=embed(ids), targets=y))
+    mlp = MLP([6, 5, 3])
+    x = torch.randn(5, 6)
+    for name in FUNCS:
+        with pytest.raises(ValueError, match="targets carry an autograd graph"):
+            _run(side, name, dict(model=mlp, loss_fn=F.mse_loss, inputs=x, targets=mlp(x)))
+    handle = mlp.net[0].weight.register_hook(lambda g: 2 * g)
+    for name in FUNCS:
+        with pytest.raises(ValueError, match=r"\['net.0.weight'\] have gradient hooks"):
+            _run(side, name, dict(model=mlp, loss_fn=F.cross_entropy, inputs=x, targets=torch.randint(0, 3, (5,))))
+    handle.remove()
+    _run(side, "per_sample_grads", dict(model=mlp, loss_fn=F.cross_entropy, inputs=x,
+                                        targets=torch.randint(0, 3, (5,))))
 
 
 @pytest.mark.parametrize("case", ["mixes_samples", "time_major_T_eq_B", "shifts_neighbours"])

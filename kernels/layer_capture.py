@@ -22,7 +22,10 @@ which needs none of them):
 - a captured input is not modified in place later (its version counter is compared);
 - in-place ops after the layer (``ReLU(inplace=True)``, ``out += x``) would rebase the layer
   output, so the hook hands the rest of the model a clone and keeps the original; it runs
-  before user forward hooks, and a layer called under no_grad is refused.
+  before the layer's own forward hooks, and a layer called under no_grad is refused. A global
+  forward hook (``register_module_forward_hook``) runs before it, so any registered means vmap.
+  A change to a captured input through an alias that shares no version counter (``.data``,
+  ``.numpy()``) is not seen: those are unsafe in any autograd computation.
 """
 
 from __future__ import annotations
@@ -228,6 +231,15 @@ def _unreduced(loss_fn: LossFn, outputs: Tensor, targets: Tensor) -> Tensor | No
     return None
 
 
+def _global_hooks() -> bool:
+    """Whether a global module forward hook (``nn.modules.module.register_module_forward_hook``) is
+    registered: it runs before a module's own hooks, so the capture would record its output as the
+    layer's."""
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks)
+
+
 def _joined(parts: list[Tensor]) -> Tensor:
     """(B, T, d) parts joined along T; one part as it is (a cat would copy it)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
@@ -243,6 +255,8 @@ def capture(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
     batch (detached) are appended to, for a caller that reads them too.
     """
     batch = inputs.shape[0]
+    if _global_hooks():  # they run before any module's own hooks, the capture's too: it would see their output
+        raise Fallback("a global module forward hook is registered")
     out, seen = _forward(model, inputs, layers, batch)
     if not isinstance(out, Tensor):
         raise Fallback("the model's output is not a Tensor")
@@ -268,8 +282,8 @@ def capture(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
     for name, calls in used.items():
         if any(x._version != v for x, v, *_ in calls):
             raise Fallback(f"{name}: its input was modified in place after the call")
-        m = layers[name]
-        a = _joined([c[0].reshape(batch, -1, m.in_features) for c in calls])
-        g = _joined([next(grads).reshape(batch, -1, m.out_features) for _ in calls])
+        out_features, in_features = layers[name].weight.shape  # the weight's: forward reads no attribute
+        a = _joined([c[0].reshape(batch, -1, in_features) for c in calls])
+        g = _joined([next(grads).reshape(batch, -1, out_features) for _ in calls])
         terms[name] = (a, g)
     return terms

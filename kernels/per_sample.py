@@ -50,17 +50,31 @@ def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Ten
     checks.tensor(inputs, "inputs", min_ndim=1, shape="(B, ...)")
     checks.tensor(targets, "targets", min_ndim=1, shape="(B, ...)")
     if not inputs.is_floating_point():
-        raise TypeError(f"inputs must be a floating-point tensor, got {inputs.dtype}; "
-                        "cast with .float() (integer token ids: embed them before the call)")
+        raise TypeError(f"inputs must be a floating-point tensor, got {inputs.dtype}; cast with .float() (integer "
+                        "token ids: embed them before the call, detached; the embedding's own per-sample "
+                        "gradients are then not computed)")
     if inputs.shape[0] != targets.shape[0]:
         raise ValueError(f"batch size mismatch: inputs has {inputs.shape[0]} samples, targets has "
                          f"{targets.shape[0]}; pass one target per sample")
     checks.choice(randomness, "randomness", RANDOMNESS)
     if chunk_size is not None:
         checks.integer(chunk_size, "chunk_size", low=1)
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    names = [n for n, _ in trainable]
     if not names:
         raise ValueError("model has no parameter with requires_grad=True: nothing to differentiate")
+    for what, t in (("inputs", inputs), ("targets", targets)):
+        # per-sample gradients here are of each sample's loss through the model, its batch given
+        reached = loss_parameters(t, (), model) if t.grad_fn is not None else []
+        if reached:
+            raise ValueError(f"{what} carry an autograd graph reaching model parameter(s) {reached[:3]} (computed "
+                             f"from the model, e.g. an embedding): per-sample gradients through them are not "
+                             f"computed; pass {what}.detach(), or compute them inside the model's forward")
+    hooked = [n for n, p in trainable if p._backward_hooks]
+    if hooked:
+        raise ValueError(f"model parameter(s) {hooked[:3]} have gradient hooks (Tensor.register_hook): per-sample "
+                         "gradients are the loss's own, which a hook on the batch gradient would not change "
+                         "alike; remove the hooks for the call")
     for mname, m in model.named_modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or not m.track_running_stats):
             raise ValueError(
