@@ -85,16 +85,17 @@ def check_reduction(loss_fn: LossFn, outputs: Tensor, targets: Tensor, n: int) -
         raise TypeError(f"OCS scores need a model returning one Tensor (N, ...), got {type(outputs).__name__}")
     parts = [slice(0, n), *([slice(n, None)] if outputs.shape[0] > n else [])]  # the stream, the memory
     with torch.enable_grad():
-        o = outputs.detach().requires_grad_()
+        # two leaves of the same outputs: the batch losses' gradient at them (the two batches' rows
+        # apart) and the per-sample losses', in one backward
+        o, oe = (outputs.detach().requires_grad_() for _ in range(2))
         batches = [loss_fn(o[p], targets[p]) for p in parts]
         if any(not isinstance(b, Tensor) or b.ndim != 0 for b in batches):
             raise ValueError(f"loss_fn must return a scalar, got {[getattr(b, 'shape', b) for b in batches]}")
-        each = per_sample_losses(loss_fn, o, targets)
+        each = per_sample_losses(loss_fn, oe, targets)
         checks.finite({"the model's per-sample losses": each, "the model's batch loss": torch.stack(batches)},
                       error=FloatingPointError, hint="OCS scores would be NaN")
-        # the batch losses' gradient at the outputs (the two batches' rows apart) and the per-sample losses'
-        gb, ge = (torch.autograd.grad(t, o, allow_unused=True, materialize_grads=True)[0].double()
-                  for t in (sum(batches), each.sum()))
+        gb, ge = (g.double() for g in torch.autograd.grad(sum(batches) + each.sum(), (o, oe), allow_unused=True,
+                                                          materialize_grads=True))
     sizes = [len(range(o.shape[0])[p]) for p in parts]
     # per batch: |gb|, |ge|, |gb - ge / m| (mean), |gb - ge| (sum), read in one sync
     norms = [t.norm() for p, m in zip(parts, sizes, strict=True)
