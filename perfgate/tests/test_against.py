@@ -725,3 +725,10 @@ def test_a_compiled_module_older_than_its_source_is_named(tmp_path: Path) -> Non
         later = max(source.stat().st_mtime, built.stat().st_mtime) + 10
         os.utime(built if source_first else source, (later, later))
     assert stale_builds(tmp_path, ["mylib"]) == [("mylib._old", tmp_path / "mylib" / "_old.c")]
+    header = tmp_path / "mylib" / "_shared.h"  # edited since either was built: both may include it
+    header.write_text("")
+    newest = max(p.stat().st_mtime for p in (tmp_path / "mylib").iterdir()) + 10
+    os.utime(header, (newest, newest))
+    old = tmp_path / "mylib" / "_old.c"
+    want = [("mylib._fresh", header), ("mylib._old", old), ("mylib._old", header)]
+    assert stale_builds(tmp_path, ["mylib"]) == want

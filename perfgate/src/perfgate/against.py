@@ -67,12 +67,15 @@ def compiled_files(root: Path, packages: list[str]) -> list[str]:
 
 def stale_builds(root: Path, packages: list[str]) -> list[tuple[str, Path]]:
     """(module name, source) for each compiled module under ``root``'s ``packages`` whose C or C++
-    source beside it (same stem: ``_rope.c`` for ``_rope.cpython-311-x86_64-linux-gnu.so``) is newer."""
+    source beside it (same stem: ``_rope.c`` for ``_rope.cpython-311-x86_64-linux-gnu.so``), or a
+    header in its folder (which it may include), is newer."""
     stale = []
     for name in compiled_files(root, packages):
         *folder, stem = name.split(".")
-        built = [p for p in root.joinpath(*folder).glob(f"{stem}.*") if p.name.endswith(tuple(EXTENSION_SUFFIXES))]
-        for source in (root.joinpath(*folder, stem + ext) for ext in (".c", ".cc", ".cpp")):
+        here = root.joinpath(*folder)
+        built = [p for p in here.glob(f"{stem}.*") if p.name.endswith(tuple(EXTENSION_SUFFIXES))]
+        headers = sorted(p for p in here.iterdir() if p.suffix in (".h", ".hpp"))
+        for source in [*(here / (stem + ext) for ext in (".c", ".cc", ".cpp")), *headers]:
             if source.is_file() and built and source.stat().st_mtime > max(p.stat().st_mtime for p in built):
                 stale.append((name, source))
     return stale

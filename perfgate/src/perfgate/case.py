@@ -247,8 +247,12 @@ class PerfCase:
         reads; else one."""
         memory_marked = any(self._request.node.iter_markers("memory"))
         repeats = 3 if memory_marked else 0 if self._state.settings.gated_only else 1
-        args = () if setup is None or not repeats else (setup(),)
-        peaks = [peak_memory(lambda: fn(*args), self.device) for _ in range(repeats)]
+        peaks = []
+        for _ in range(repeats):
+            # a fresh setup() before each reading, outside it: a call that consumes or changes its
+            # setup (an in-place step) is measured as itself every time
+            args = () if setup is None else (setup(),)
+            peaks.append(peak_memory(lambda args=args: fn(*args), self.device))
         return None if not peaks or None in peaks else sorted(peaks)[len(peaks) // 2]
 
     def _work(self, fn: Callable[..., Any], setup: Callable[[], Any] | None) -> tuple[Work | None, str]:
