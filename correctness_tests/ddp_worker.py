@@ -19,7 +19,7 @@ import torch
 
 import correctness_tests.ddp_cases as cases
 from kernels.distributed import process_group
-from kernels.training import load_checkpoint, save_checkpoint
+from kernels.training import load_checkpoint, save_checkpoint, train
 
 
 def _threads() -> int:
@@ -56,6 +56,14 @@ def main(out: Path, scenario: str) -> int:
         report["reloaded_equal"] = all(torch.equal(a, b) for a, b in
                                        zip(model.parameters(), fresh.parameters(), strict=True))
         (out / f"rank{dp.rank}.json").write_text(json.dumps(report))
+        # the ranks' shares unequal (6 and 2 of a global 8): every rank refuses the step alike
+        x, y = cases._data(8, seed=9)
+        mine = (x[:6], y[:6]) if dp.rank == 0 else (x[6:], y[6:])
+        uneven = dp.wrap(cases.MLP((12, 32, 5)))
+        try:
+            train(uneven, cases.F.cross_entropy, torch.optim.SGD(uneven.parameters(), lr=0.1), [mine])
+        except ValueError as e:
+            (out / f"uneven{dp.rank}.txt").write_text(str(e))
         # rank 0 cannot write: every rank raises, none waits for the file
         try:
             save_checkpoint(out / "missing-folder" / "x.safetensors", model, torch.optim.SGD(model.parameters()))

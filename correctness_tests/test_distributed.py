@@ -97,6 +97,14 @@ def test_a_failing_rank_ends_the_run_without_hanging(tmp_path: Path) -> None:
     assert time.monotonic() - start < 60, "the surviving rank waited for the failed one"
 
 
+def test_unequal_shares_of_the_ranks_are_refused_on_every_rank(two_ranks: Path) -> None:
+    """6 and 2 samples of a global batch of 8: DDP averages the ranks' mean losses, so each of the 2
+    would weigh 3x (1.271 for one process's 1.337, silently); every rank refuses the step alike."""
+    for r in (0, 1):
+        said = (two_ranks / f"uneven{r}.txt").read_text()
+        assert "the ranks' batches differ in size at optimizer step 1" in said
+
+
 def test_a_checkpoint_rank_0_cannot_write_fails_every_rank(two_ranks: Path) -> None:
     """The run's last step (the module's run ended without a hung rank: two_ranks)."""
     assert "No such file or directory" in (two_ranks / "unwritable0.txt").read_text()

@@ -339,12 +339,18 @@ class _Steps:
         equal = all(n == n0 for n in self.sizes)
         loss = losses.mean() if equal else (losses * losses.new_tensor(self.sizes)).sum() / total
         if self.data_parallel:  # one all-reduce: every rank reports the global loss and scales alike
-            sizes = loss.new_tensor([n0, total])
+            # the sizes' squares too: their means tell whether the ranks' shares are equal, which the
+            # mean of the ranks' mean losses needs (unequal ones weigh a sample by its rank's share)
+            sizes = loss.new_tensor([n0, total, n0 * n0, total * total])
             for p in self.outside:  # a zero where a rank's batch left it none: the ranks' lists must match
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             all_mean_([loss, sizes, *(p.grad for p in self.outside)])
-            n0, total = sizes.tolist()  # the ranks' means: their ratio is sum n0 / sum N
+            n0, total, n0_sq, total_sq = sizes.tolist()  # the ranks' means: n0 / total is sum n0 / sum N
+            if abs(n0_sq - n0 * n0) > 1e-6 * n0_sq or abs(total_sq - total * total) > 1e-6 * total_sq:
+                raise ValueError(f"the ranks' batches differ in size at optimizer step {n}: under DDP each rank's "
+                                 "mean loss counts alike, so a sample would weigh by its rank's share; give every "
+                                 "rank an equal share (kernels.distributed.shard, or a DistributedSampler)")
         if abs(total - k * n0) > 1e-6 * total and grads:
             torch._foreach_mul_(grads, k * n0 / total)
         loss = loss.item()
