@@ -159,6 +159,38 @@ def test_interleaved_pairs_alternate_abba_on_the_timer() -> None:
 SMI = "GPU-aaaa, 570.86.15, Disabled, 1755, 700.00\nGPU-bbbb, 570.86.15, Enabled, [N/A], 350.00\n"
 
 
+def test_an_nvidia_smi_that_fails_is_an_error_one_that_is_absent_is_none(monkeypatch) -> None:
+    """No nvidia-smi: its facts read None on every run alike. One that is installed but fails or
+    hangs: an error, not None this time only (the fingerprint's folder would change, the stored
+    baseline go unfound, and the session pass ungated); a failure once is retried."""
+    import subprocess
+
+    from perfgate.fingerprint import _run_smi
+
+    def absent(*args, **kwargs):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(subprocess, "run", absent)
+    assert _run_smi(["-L"]) is None
+    calls = []
+
+    def hangs_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise subprocess.TimeoutExpired("nvidia-smi", 30)
+        return subprocess.CompletedProcess(args, 0, stdout="GPU 0\n", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", hangs_once)
+    assert _run_smi(["-L"]) == "GPU 0\n" and len(calls) == 2
+
+    def fails(*args, **kwargs):
+        return subprocess.CompletedProcess(args, 9, stdout="", stderr="Unable to determine the device handle")
+
+    monkeypatch.setattr(subprocess, "run", fails)
+    with pytest.raises(RuntimeError, match=r"nvidia-smi is installed but failed 2 times \(exit 9: Unable"):
+        _run_smi(["-L"])
+
+
 def test_smi_facts_are_the_gpu_torch_names() -> None:
     run = lambda args: SMI
     assert smi_facts("aaaa", run) == {"driver": "570.86.15", "mig": "Disabled", "app_clock_mhz": "1755",

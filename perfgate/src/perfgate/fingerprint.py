@@ -45,12 +45,26 @@ SMI_FIELDS = {"driver": "driver_version", "mig": "mig.mode.current",
               "app_clock_mhz": "clocks.applications.graphics", "power_limit_w": "power.limit"}
 
 
-def _run_smi(args: list[str]) -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout if out.returncode == 0 else None
+def _run_smi(args: list[str], attempts: int = 2) -> str | None:
+    """nvidia-smi's output; None where there is no nvidia-smi (its facts then read None on every
+    run alike). One that is there but fails or hangs on every attempt raises: its facts would read
+    None this time only, and the fingerprint's folder change with them, so the stored baseline
+    would go unfound and the session pass ungated."""
+    why = ""
+    for _ in range(attempts):
+        try:
+            out = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30, check=False)
+        except FileNotFoundError:
+            return None
+        except (OSError, subprocess.SubprocessError) as e:
+            why = f"{type(e).__name__}: {e}"
+            continue
+        if out.returncode == 0:
+            return out.stdout
+        why = f"exit {out.returncode}: {(out.stderr or out.stdout).strip()[:200]}"
+    raise RuntimeError(f"nvidia-smi is installed but failed {attempts} times ({why}): this GPU's fingerprint "
+                       "(driver, MIG, clocks, power limit) cannot be read, and without it the session would not "
+                       "find this machine's baselines; rerun once nvidia-smi answers")
 
 
 def smi_facts(uuid: str, run: Callable[[list[str]], str | None] = _run_smi) -> dict[str, str | None]:
