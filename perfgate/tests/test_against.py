@@ -588,6 +588,26 @@ def test_this_trees_worker_breaking_on_a_row_fails_it(fails: str, outcome: str) 
         assert "this tree's worker could not run it" in row.message and "perfgate-this-0" in row.message
 
 
+def test_the_workers_time_with_the_sessions_timer_settings() -> None:
+    """Both sides' workers get the session's --perf-l2-flush, --benchmark-timer clock and
+    --benchmark-disable-gc (they timed with a bare perf_counter, GC on, no flush: another
+    configuration than the one the session's rows, and its fingerprint, name)."""
+    import time
+    import types
+
+    import perfgate.against as A
+
+    ag = A.Against.__new__(A.Against)
+    ag.library = ["mylib"]
+    options = {"benchmark_timer": "time.process_time", "benchmark_disable_gc": True}
+    ag.config = types.SimpleNamespace(getoption=options.__getitem__)
+    settings = types.SimpleNamespace(fingerprint={"malloc": "cache", "l2_flush": True}, device="cpu", size="smoke",
+                                     threads=1, wrap=None)
+    for side in ("rev", "this"):
+        hello = ag._hello(side, Path("/nowhere"), types.SimpleNamespace(settings=settings), None)
+        assert hello.l2_flush and hello.disable_gc and hello.host_timer is time.process_time
+
+
 def test_an_incomplete_comparison_never_closes_on_a_pass_line() -> None:
     from perfgate.abrun import ABRow, judge
     from perfgate.against import report_lines

@@ -148,6 +148,10 @@ class Hello:
     malloc: str
     scratch: str | None = None  # where the tests' tmp_path folders go (removed with it)
     wrap: Any = None  # hooks.pytest_perfgate_wrap_timed's wrapper: this tree's side only
+    # the session's timer settings: --perf-l2-flush, --benchmark-timer's clock, --benchmark-disable-gc
+    l2_flush: bool = False
+    host_timer: Any = None  # None: time.perf_counter
+    disable_gc: bool = False
 
 
 class Worker:
@@ -165,7 +169,8 @@ class Worker:
         self.torch_set = False  # torch's settings are applied once a row's module has imported torch
         if hello.device.startswith("cuda"):
             self._torch()
-        self.timer = timer_for(hello.device)
+        self.timer = timer_for(hello.device, l2_flush=hello.l2_flush, disable_gc=hello.disable_gc,
+                               **({"host_timer": hello.host_timer} if hello.host_timer is not None else {}))
         self.host = HostLoad(hello.threads or 1)
         self.tmp = Path(tempfile.mkdtemp(prefix="perfgate-worker-", dir=hello.scratch))
         self.rows: dict[str, tuple[Any, Any]] = {}

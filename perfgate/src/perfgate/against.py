@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from . import compat
 from .abrun import ABRow, Budget, Comparer, judge
 from .abworker import Hello
 from .checkout import CheckoutError, Revision, checked_out, resolve, scratch_folder
@@ -210,7 +211,10 @@ class Against:
         malloc = "cache" if s.fingerprint.get("malloc") == "cache" else "default"
         return Hello(side=side, root=str(root), library=tuple(self.library), device=s.device, size=s.size,
                      threads=s.threads, malloc=malloc, scratch=scratch,
-                     wrap=state.settings.wrap if side == "this" else None)
+                     wrap=state.settings.wrap if side == "this" else None,
+                     # the session's own timer settings: both sides timed as its rows were
+                     l2_flush=bool(s.fingerprint.get("l2_flush")), host_timer=compat.host_timer(self.config),
+                     disable_gc=bool(self.config.getoption("benchmark_disable_gc")))
 
     def _targets(self, state: Any) -> list[tuple[pytest.Item, str, str]]:
         """(item, kernel, impl) of the rows to compare: the impls the suite makes a claim about
