@@ -188,6 +188,18 @@ def test_an_interrupted_session_saves_no_baseline(pytester: pytest.Pytester) -> 
     assert json.loads(saved.read_text())["perfgate"]["interrupted"] is False
 
 
+def test_an_impl_timed_before_its_reference_is_paired_once_it_runs(pytester: pytest.Pytester) -> None:
+    """A parametrize list that does not start with the reference (or --ff): the impl's pairs are
+    timed when the reference has run, so its row is interleaved like any other (it was judged on
+    two unpaired runs, with no second look at a failure)."""
+    pytester.makepyfile(test_pair=SUITE.format(opt=0.002, floor=2.0).replace('["reference", "optimized"]',
+                                                                             '["optimized", "reference"]'))
+    result = _run(pytester, "--benchmark-json=out.json")
+    assert result.ret == 0, result.stdout.str()
+    row = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]
+    assert row["interleaved"] and 3.2 < row["speedup"] < 4.3, row
+
+
 def test_a_failing_session_saves_no_baseline(pytester: pytest.Pytester) -> None:
     """A run that misses its floor is not saved (pytest-benchmark saved it before the gate's failure
     was counted, and the next --benchmark-compare judged against the regressed speedups); nor is

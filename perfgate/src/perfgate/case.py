@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 import time
@@ -181,8 +182,26 @@ class PerfCase:
             load=load, calls=later.calls[1] if later else 1, work=work, work_note=work_note,
             peer=any(over == self.impl for _, over in _comparisons(node, self.impl))))
         self._set_floors(self.impl, variant)
+        if self.impl == REFERENCE:
+            self._pair_earlier_impls(rounds)
         self._compare_with_peers(rounds)
         return result
+
+    def _pair_earlier_impls(self, rounds: int) -> None:
+        """The impls of this kernel timed before their reference (``--ff``, a parametrize list that
+        does not start with it): their interleaved pairs, timed now that it has run. Their rows
+        were judged on unpaired rounds otherwise (a few under --perf-gated-only), with no second
+        look at a failure."""
+        state, node = self._state, self._request.node
+        for impl, m in list(state.results.get(self.kernel, {}).items()):
+            if impl == REFERENCE or m.paired or m.against != REFERENCE or (self.kernel, impl) not in state.runners:
+                continue
+            if state.settings.gated_only and not _judged(node, state, impl, None, m.variant, ("speedup",)):
+                continue
+            paired, later, load = self._pair(REFERENCE, impl, rounds)
+            timed = dataclasses.replace(m, paired=paired, visits=1 + len(later.shares), load=load,
+                                        calls=later.calls[1])
+            self._record(impl, later, timed)
 
     def _skip_unjudged(self) -> None:
         """Under --perf-gated-only, skip an impl no floor or stored baseline judges."""
