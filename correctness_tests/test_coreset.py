@@ -169,18 +169,25 @@ def _token_ce(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(o.transpose(1, 2), t)
 
 
+def _reductions(lengths: list[int]) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
+    """A small fp64 classifier, a class-weighted CrossEntropyLoss, and 10 token samples (10, 6, 5)
+    whose labels are padded (-100) past each sample's length."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    weighted = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 10.0, 0.1], dtype=torch.float64))
+    tokens, labels = torch.randn(10, 6, 5, dtype=torch.float64), torch.randint(0, 3, (10, 6))
+    for i, length in enumerate(lengths):
+        labels[i, length:] = -100
+    return model, weighted, tokens, labels
+
+
 def test_a_reduction_the_whole_batch_shows_is_refused() -> None:
     """The reduction is read on the whole stream and memory, not on its first samples: a
     class-weighted loss whose first samples share a class, or a token mean whose first samples
     are full length, is refused however the batch is ordered (the review's cases, where a probe
     of the first four scored them as a plain mean: 1.24 from the reference in fp64)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
-    weighted = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 10.0, 0.1], dtype=torch.float64))
+    model, weighted, tokens, labels = _reductions([6, 6, 6, 6, 2, 3, 6, 1, 4, 5])
     x, y = torch.randn(10, 5, dtype=torch.float64), torch.tensor([0, 0, 0, 0, 1, 2, 1, 2, 2, 1])
-    tokens, labels = torch.randn(10, 6, 5, dtype=torch.float64), torch.randint(0, 3, (10, 6))
-    for i, length in enumerate([6, 6, 6, 6, 2, 3, 6, 1, 4, 5]):
-        labels[i, length:] = -100
     one_class = (x[:4], y[:4])  # the weighted loss over one class: a mean in the stream, not in the memory
     cases = [(weighted, x, y, None), (_token_ce, tokens, labels, None), (weighted, x[:4], y[:4], (x, y))]
     for side in SIDES.values():
@@ -193,12 +200,8 @@ def test_a_reduction_the_whole_batch_shows_is_refused() -> None:
 def test_a_mean_in_disguise_equals_reference() -> None:
     """A class-weighted loss over samples of one class, and a token mean over samples of equal
     length, are means of the per-sample losses: accepted, and scored as the reference scores them."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
-    weighted = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 10.0, 0.1], dtype=torch.float64))
+    model, weighted, tokens, labels = _reductions([4] * 10)  # every sample padded alike
     x, y = torch.randn(10, 5, dtype=torch.float64), torch.full((10,), 1)
-    tokens, labels = torch.randn(10, 6, 5, dtype=torch.float64), torch.randint(0, 3, (10, 6))
-    labels[:, 4:] = -100  # every sample padded alike
     for loss, xs, ys in ((weighted, x, y), (_token_ce, tokens, labels)):
         got, want = kernels.ocs_scores(model, loss, xs, ys), reference.ocs_scores(model, loss, xs, ys)
         assert_close(got, want, REDUCTION, scale=2.0)

@@ -641,12 +641,18 @@ def _check_settings(path: str | os.PathLike, saved: dict | None, given: dict) ->
                          "run's own settings, or start afresh with another checkpoint")
 
 
-def checkpoint_settings(path: str | os.PathLike) -> dict | None:
-    """The ``settings`` the run saved with its checkpoint at ``path`` (None: none were saved)."""
-    _, meta = read_safetensors(path)
+def _read(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict]:
+    """A checkpoint's tensors and its state (JSON, its keys' types back), or a ValueError when
+    ``path`` holds no kernelgate checkpoint."""
+    tensors, meta = read_safetensors(path)
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path} is not a kernelgate checkpoint (format {meta.get('format')!r})")
-    return _unkeyed(json.loads(meta["state"])).get("settings")
+    return tensors, _unkeyed(json.loads(meta["state"]))
+
+
+def checkpoint_settings(path: str | os.PathLike) -> dict | None:
+    """The ``settings`` the run saved with its checkpoint at ``path`` (None: none were saved)."""
+    return _read(path)[1].get("settings")
 
 
 def _check_owned(model: nn.Module, loss_fn: nn.Module | None, optimizer: torch.optim.Optimizer) -> None:
@@ -705,10 +711,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     checks.module(model, "model")
     if loss_fn is not None:
         checks.module(loss_fn, "loss_fn")
-    tensors, meta = read_safetensors(path)
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a kernelgate checkpoint (format {meta.get('format')!r})")
-    state = _unkeyed(json.loads(meta["state"]))
+    tensors, state = _read(path)
     if settings is not None:
         _check_settings(path, state.get("settings"), _settings(settings))
     state["loss_fn"] = state.get("loss_fn") or None  # True where saved

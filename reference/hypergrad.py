@@ -2,11 +2,11 @@
 
 The inner step theta -> theta' of SGD (with or without momentum and weight decay; no dampening,
 not Nesterov) depends on w only through -lr * grad_theta L_in(theta, w): the momentum buffer and
-the decay are constants of w. So theta'(w) = theta' - lr * (g(w) - g(w).detach()) has theta''s value and the
-step's derivative; g is built with ``create_graph=True``, L_out(theta'(w)) is differentiable in
-w, and ``torch.autograd.grad`` returns dL_out/dw = -lr * (d^2 L_in / dw dtheta) . grad
-L_out(theta') exactly (no eps, no truncation). Slow and memory-hungry (a double backward
-through the inner model), obviously correct.
+the decay are constants of w. So theta'(w) = theta' - lr * (g(w) - g(w).detach()) has theta''s
+value and the step's derivative; g is built with ``create_graph=True``, L_out(theta'(w)) is
+differentiable in w, and ``torch.autograd.grad`` returns dL_out/dw = -lr * (d^2 L_in / dw
+dtheta) . grad L_out(theta') exactly (no eps, no truncation). Slow and memory-hungry (a double
+backward through the inner model), obviously correct.
 """
 
 from __future__ import annotations

@@ -66,12 +66,17 @@ def run_name(row: Row) -> str:
 
 
 WARMUP = 2  # untimed steps before the timed ones
+# each workload's config, built by its measure and, for its refusals, before any process is launched
+CONFIGS = {"cifar_resnet": lambda batch, steps, device: cifar_resnet.Config(steps=steps + 1, batch=batch,
+                                                                           warmup=WARMUP, device=device),
+           "meta_reweight": lambda batch, steps, device: meta_reweight.Config(batch=batch, meta_batch=batch,
+                                                                             steps=steps, device=device)}
 
 
 def _cifar(batch: int, steps: int, device: str, dp: DataParallel | None) -> tuple[float, int | None]:
     """(median ms, peak bytes) of the optimized CIFAR loop (fp32, fused AdamW), each step on this
     rank's share of global batch i; the peak of one more step."""
-    cfg = cifar_resnet.Config(steps=steps + 1, batch=batch, warmup=WARMUP, device=device)
+    cfg = CONFIGS["cifar_resnet"](batch, steps, device)
     torch.manual_seed(cfg.seed)
     model = ResNet10().to(device)
     opt = adamw(model.parameters(), lr=2e-3, weight_decay=1e-4)
@@ -86,7 +91,7 @@ def _cifar(batch: int, steps: int, device: str, dp: DataParallel | None) -> tupl
 def _meta_reweight(batch: int, steps: int, device: str, dp: DataParallel | None) -> tuple[float, int | None]:
     """(median ms, peak bytes) of the Meta-Weight-Net outer step (fp32, DARTS kernel): the memory
     table's baseline row (meta_reweight.run), each rank on its share of the global batches."""
-    cfg = meta_reweight.Config(batch=batch, meta_batch=batch, steps=steps, device=device)
+    cfg = CONFIGS["meta_reweight"](batch, steps, device)
     ln = meta_reweight.learner(cfg)
     if dp is not None:
         ln.model = dp.wrap(ln.model)
@@ -96,11 +101,6 @@ def _meta_reweight(batch: int, steps: int, device: str, dp: DataParallel | None)
 
 
 MEASURES = {"cifar_resnet": _cifar, "meta_reweight": _meta_reweight}
-# each workload's config as its measure builds it: its refusals, checked before any process is launched
-CONFIGS = {"cifar_resnet": lambda batch, steps, device: cifar_resnet.Config(steps=steps + 1, batch=batch,
-                                                                           warmup=WARMUP, device=device),
-           "meta_reweight": lambda batch, steps, device: meta_reweight.Config(batch=batch, meta_batch=batch,
-                                                                             steps=steps, device=device)}
 
 
 def measure(workload: str, batch: int, steps: int, device: str, dp: DataParallel | None) -> Row:

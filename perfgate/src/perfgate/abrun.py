@@ -218,12 +218,12 @@ class Comparer:
         timeout = max(BLOCK_TIMEOUT_S, 20.0 * (calls + warm) * seconds)
         try:
             reply = self.pool.ask(worker, "block", timeout, row=row.nodeid, calls=calls, warm=warm, build=copy)
-        except WorkerGone as exc:  # died or hung mid-block
-            reply = {"ok": False, "reason": str(exc)}
-        if not reply.get("ok"):
+            if not reply.get("ok"):
+                raise WorkerGone(f"{worker.name}: {reply.get('reason')}")
+        except WorkerGone as exc:  # died, hung or raised mid-block: on this tree's side, a failure
             if side == "this":
-                row.broken = f"{worker.name}: {reply.get('reason')}"
-            raise WorkerGone(f"{worker.name}: {reply.get('reason')}")
+                row.broken = str(exc)
+            raise
         row.used.setdefault(side, [0] * self.pool.per_side)[worker.index] += 1
         if reply["share"] is not None:
             loads.append((reply["share"][0], reply["share"][1]))
