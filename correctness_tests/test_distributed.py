@@ -49,8 +49,8 @@ def _params(path: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc/self/task (Linux)")
 def test_leaving_the_group_ends_its_threads(two_ranks: Path) -> None:
     """After DDP training, leaving process_group and freeing the models frees the group and its gloo
-    threads (they used to stay, pinned by torch.distributed.nn.functional's defaults, and abort
-    about 1 exit in 40)."""
+    threads: left pinned by torch.distributed.nn.functional's defaults, they abort about 1 exit
+    in 40."""
     for r in (0, 1):
         counts = json.loads((two_ranks / f"threads{r}.json").read_text())
         assert counts["after"] == counts["before"], counts

@@ -321,7 +321,7 @@ def test_a_1_5x_slower_kernel_fails_against_this_machines_baseline(scratch: pyte
     unchanged runs by more than a 1.5x slowdown on some hosts (per-sample grads, the Standardizer:
     docs/gate.md), so their detection rate is measured by perfgate.fidelity, not asserted here.
     Both sessions run in fresh processes, as make bench's does: in this process, after the other
-    sessions, one compare read the slowdown as 1.3x and the row unresolved (ci148)."""
+    sessions, the state they leave can move the compare's reading."""
     threads = next(line.split("=", 1)[1].strip() for line in (ROOT / "Makefile").read_text().splitlines()
                    if line.startswith("BENCH_THREADS"))
     storage = f"--benchmark-storage=file://{scratch.path / 'baselines'}"

@@ -211,8 +211,8 @@ def test_a_result_that_overflows_its_dtype_is_refused() -> None:
 
 
 def test_a_refused_call_changes_nothing() -> None:
-    """A partial_fit or fit that raises leaves the statistics as they were (a NaN first row used to
-    become the shift of every later batch; a refused fit used to erase the previous one)."""
+    """A partial_fit or fit that raises leaves the statistics as they were: a refused NaN first row
+    does not become the shift of every later batch, and a refused fit does not erase the previous one."""
     x = torch.randn(8, 3, dtype=torch.float64)
     bad = x.clone()
     bad[0, 0] = float("nan")

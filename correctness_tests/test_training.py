@@ -182,8 +182,8 @@ def test_overflow_without_a_scaler_is_an_error_before_the_step() -> None:
                          ids=["fp32", "scaler", "fp16+scaler", "scaler+acc2"])
 def test_a_nan_in_the_data_is_an_error_before_its_step(recipe: Recipe) -> None:
     """A NaN input makes the loss NaN: an error before that step under every recipe, the
-    parameters where the clean batches before it left them. A GradScaler used to skip such a
-    batch silently (the scaler rescales gradients; it cannot fix a NaN forward)."""
+    parameters where the clean batches before it left them, not a batch a GradScaler skips
+    silently (the scaler rescales gradients; it cannot fix a NaN forward)."""
     k = recipe.accumulation
     data = _data(3 * k, 8)
     data[k] = (_poison(data[k][0], float("nan")), data[k][1])  # the second optimizer step's first micro-batch
@@ -409,7 +409,8 @@ def test_bad_recipes_and_inputs_are_refused() -> None:
 
 
 def test_recipe_fields_are_refused_by_type() -> None:
-    """bool is an int: accumulation=True used to mean 1; flags must be bools, not 0/1 or strings."""
+    """bool is an int, so accumulation=True must be refused, not read as 1; flags must be bools, not
+    0/1 or strings."""
     import numpy as np
 
     with pytest.raises(ValueError, match="accumulation must be an int >= 1, got bool True"):

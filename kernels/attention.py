@@ -24,13 +24,9 @@ alpha), masked, turned into probabilities in place (by kernels/_softmax.c's AVX-
 where the CPU runs one, else torch.softmax) and multiplied by v; a chunk's rotated q and k and
 scores take at most ``FUSED_BYTES`` = 5 MiB (one kv head's where that is more). The rotated q and k
 are read from the caches they were written to instead of from memory, and no (B, H, S, S) scores are
-written whole. The lengths are from evidence/fused-attention-zen4.txt (Zen 4, 1 and 2 threads) and
-evidence/fused-attention-xeon.txt (Intel Xeon, three runs): faster than rotating first up to them,
-level or slower beyond, and a mask masked chunk by chunk slower than SDPA's own from 256 positions;
-grouped-query heads with the AVX2 softmax read 0.88-0.96x at 256 and 0.95x at 512 positions on a
-Zen 3 (evidence/fused-attention-zen3.txt, two runs). On the Xeon the chunks' matmuls and softmax
-take longer than SDPA's flash kernel at every length, which the rotations read from the caches repay
-up to 192 positions (128 at 1 thread) and not beyond (evidence/fused_attention_parts.py).
+written whole. The lengths are where the fused path stops being faster than rotating first, and
+a mask applied chunk by chunk slower than SDPA's own (evidence/fused-attention-*.txt and
+evidence/fused_attention_parts.py have the measurements).
 A training forward keeps the unfused paths, whose rotation is differentiable.
 
 RopeSelfAttention in training (a gradient to build) on CPU in float32, without the causal mask or

@@ -40,14 +40,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "speedup(cpu=None, cuda=None, impl='optimized', variant=None): speedup floor of impl over the "
-        "reference per device class; a float, or a dict keyed by perf size; with variant (an fnmatch "
-        "pattern), only for a perf call whose variant= matches it",
+        "speedup(cpu=None, cuda=None, impl='optimized', variant=None, over=None): speedup floor of impl "
+        "over the reference (with over, over that impl: a peer) per device class; a float, or a dict keyed "
+        "by perf size; with variant (an fnmatch pattern), only for a perf call whose variant= matches it",
     )
     config.addinivalue_line(
         "markers",
-        "memory(cpu=None, cuda=None, impl='optimized'): least fraction of the reference's peak "
-        "memory that impl saves, measured in the same run; a float, or a dict keyed by perf size",
+        "memory(cpu=None, cuda=None, impl='optimized', variant=None): least fraction of the reference's "
+        "peak memory that impl saves, measured in the same run; a float, or a dict keyed by perf size; "
+        "variant as speedup's",
     )
     config.stash[SESSION] = PerfSession(config)
     config.stash[SESSION].configure()
