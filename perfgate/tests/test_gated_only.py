@@ -72,6 +72,10 @@ def test_only_what_a_rule_judges_is_timed(pytester: pytest.Pytester, monkeypatch
     assert {k for k, r in rows.items() if r["interleaved"]} == {"sleepy [optimized]", "sleepy [optimized vs peer]"}
     assert rows["sleepy [optimized]"]["floor"] == 2.0 and rows["sleepy [optimized vs peer]"]["floor"] == 1.2
     assert rows["sleepy [keyed]"]["floor"] is None and rows["sleepy [lean]"]["memory_floor"] == 0.5
+    # 5 rounds cap the pairs at 7, timed as 4 and 3: 4 pairs 4x apart decide nothing (no 99% interval
+    # on 4 has a bound), so none is skipped; the verdict's interval reaches the lowest and highest pair
+    for row in (rows["sleepy [optimized]"], rows["sleepy [optimized vs peer]"]):
+        assert row["rounds"][0] == 7 and row["skipped"] == 0 and row["visits"] == 2, row
     # no rule reads an impl's own rounds: not --benchmark-min-rounds' 8 but at most the 5 a bootstrap
     # needs, fewer where a call is long (what fits in GATED_ROUNDS_S by its first call), at least 2
     benchmarks = json.loads((pytester.path / "out.json").read_text())["benchmarks"]

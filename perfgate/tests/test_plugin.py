@@ -7,6 +7,7 @@ reference 8 ms against optimized 2 ms is a 4x pair.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -456,6 +457,28 @@ def test_speedup_interval_covers_the_true_ratio() -> None:
     assert low < 4.0 < high and low <= point <= high and high - low < 0.3
     with pytest.raises(ValueError, match="at least 2 rounds"):
         speedup_interval([1.0], [1.0, 2.0])
+
+
+@pytest.mark.parametrize("n, confidence, k", [(4, 0.99, 0), (7, 0.99, 0), (8, 0.99, 1), (5, 0.95, 0), (6, 0.95, 1),
+                                               (7, 0.95, 1), (10, 0.95, 2), (20, 0.95, 6), (40, 0.95, 14)])
+def test_paired_intervals_hold_the_sign_test_s(n: int, confidence: float, k: int) -> None:
+    """Interleaved pairs' interval reaches at least the k-th lowest and k-th highest pair ratio,
+    k the sign test's (P(Binomial(n, 1/2) < k) within the tail): on a few pairs a percentile
+    bootstrap reads inside them, and under 6 pairs (95%) or 8 (99%) no k exists: unbounded."""
+    from scipy import stats
+
+    tail = (1.0 - confidence) / 2.0
+    assert stats.binom.cdf(k - 1, n, 0.5) <= tail < stats.binom.cdf(k, n, 0.5)  # the table's k is the sign test's
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        common = rng.normal(0.0, 0.1, n)
+        ref, opt = 3.0 * np.exp(common + rng.normal(0.0, 0.05, n)), np.exp(common + rng.normal(0.0, 0.05, n))
+        _, low, high = speedup_interval(ref, opt, confidence, paired=True)
+        ratios = np.sort(ref / opt)
+        if k == 0:
+            assert (low, high) == (0.0, math.inf)
+        else:
+            assert low <= ratios[k - 1] and high >= ratios[n - k]
 
 
 def test_gate_rules() -> None:

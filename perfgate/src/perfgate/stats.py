@@ -59,7 +59,9 @@ def speedup_interval(
     paired: bool = False,
 ) -> tuple[float, float, float]:
     """(speedup, low, high): ratio of medians and its bootstrap interval, fixed seed. ``paired``:
-    round i of both sides was timed together (interleaved), so pairs are resampled together."""
+    round i of both sides was timed together (interleaved), so pairs are resampled together, and
+    the interval is widened to hold the sign test's for the pairs' median ratio (``sign_interval``):
+    a percentile bootstrap on a few pairs covers less than its level says."""
     from scipy import stats
 
     ref = np.asarray(reference, dtype=np.float64)
@@ -78,7 +80,24 @@ def speedup_interval(
         method="percentile", vectorized=True, rng=np.random.default_rng(seed),
     )
     low, high = res.confidence_interval
+    if paired:
+        sign_low, sign_high = sign_interval(ref / opt, confidence)
+        low, high = min(low, sign_low), max(high, sign_high)
     return point, float(low), float(high)
+
+
+def sign_interval(ratios: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """The distribution-free interval of the median of ``ratios`` (one per interleaved pair): its
+    k-th lowest and k-th highest, k the most the binomial tail at 1/2 allows on each side. Where
+    ``confidence`` asks more than the fewest pairs can give ((1 - confidence) / 2 under 1 / 2**n:
+    under 6 pairs at 95%, under 8 at 99%), nothing bounds it: (0, inf)."""
+    from scipy import stats
+
+    r = np.sort(np.asarray(ratios, dtype=np.float64))
+    n, tail = r.size, (1.0 - confidence) / 2.0
+    # the largest k with P(Binomial(n, 1/2) < k) <= tail: the median lies in [r_k, r_(n+1-k)]
+    k = int(np.searchsorted(stats.binom.cdf(np.arange(n), n, 0.5), tail, side="right"))
+    return (float(r[k - 1]), float(r[n - k])) if k >= 1 else (0.0, math.inf)
 
 
 def _unit_variance(d: np.ndarray, units: np.ndarray) -> float:
@@ -120,8 +139,10 @@ def clustered_interval(rev: Sequence[float], this: Sequence[float], rev_units: S
     if extra > 0.0:  # a nonzero component has at least 2 units, so df >= 1
         df = extra ** 2 / sum(var ** 2 / k for var, k in parts if var > 0.0)
         extra *= float(stats.t.ppf(0.5 + confidence / 2.0, df)) ** 2
-    low = point * math.exp(-math.sqrt(math.log(point / low) ** 2 + extra))
-    high = point * math.exp(math.sqrt(math.log(high / point) ** 2 + extra))
+    if low > 0.0:  # 0 and inf: too few pairs for any bound (sign_interval), nothing to widen
+        low = point * math.exp(-math.sqrt(math.log(point / low) ** 2 + extra))
+    if math.isfinite(high):
+        high = point * math.exp(math.sqrt(math.log(high / point) ** 2 + extra))
     return point, low, high
 
 
