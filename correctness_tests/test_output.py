@@ -29,8 +29,10 @@ def test_write_results_gives_csv_json_and_png(tmp_path) -> None:
     paths = write_results(tmp_path / "out", "demo", header, cells, config=_Cfg(), device="cpu",
                           time_column="ms/step", curves=curves)
     assert [p.name for p in paths] == ["demo.csv", "demo.json", "demo.png"]
-    assert list(csv.reader(paths[0].open())) == [header, *cells]
     record = json.loads(paths[1].read_text())
+    on = f"cpu ({record['machine']['device_name']}), {record['machine']['threads']} threads"
+    assert [row[:-1] for row in csv.reader(paths[0].open())] == [header, *cells]
+    assert [row[-1].split(", torch")[0] for row in csv.reader(paths[0].open())] == ["machine", on, on]
     assert record["rows"][1] == {"run": "optimized", "ms/step": "4.0", "speedup": "3.00x"}
     assert record["config"] == {"steps": 3, "device": "cpu"} and record["curves"] == curves
     assert record["machine"]["device_type"] == "cpu" and record["machine"]["threads"] >= 1

@@ -3,7 +3,8 @@ rows, the config, the machine it ran on) and one PNG a person would rather look 
 
 Files for a run named ``stem``, in ``output_dir`` (created if missing):
 
-- ``stem.csv``: the table the CLI prints, one line per run;
+- ``stem.csv``: the table the CLI prints, one line per run, each with a last ``machine`` column
+  (``described``: the CPU or GPU model, torch's threads and build, malloc);
 - ``stem.json``: ``{"workload", "machine", "config", "header", "rows", "curves"}``, the rows as
   ``{column: cell}``; ``machine`` is perfgate's fingerprint of this process (CPU model, torch
   threads, torch build, malloc mode) so a number says what it was measured on;
@@ -74,8 +75,9 @@ def write_results(output_dir: str | Path, stem: str, header: Sequence[str], cell
     try:
         with parts[0].open("w", newline="", encoding="utf8") as fh:
             writer = csv.writer(fh)
-            writer.writerow(header)
-            writer.writerows(cells)
+            # each line names its machine: a CSV is read apart from the JSON beside it
+            writer.writerow([*header, "machine"])
+            writer.writerows([*row, described(on)] for row in cells)
         record = {"workload": stem, "machine": on,
                   "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(vars(config)),
                   "header": list(header), "rows": [dict(zip(header, row, strict=True)) for row in cells],
