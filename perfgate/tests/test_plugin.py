@@ -481,6 +481,38 @@ def test_paired_intervals_hold_the_sign_test_s(n: int, confidence: float, k: int
             assert low <= ratios[k - 1] and high >= ratios[n - k]
 
 
+BAD_CALL = """
+import pytest
+nan = float("nan")
+
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+@pytest.mark.parametrize("bad", {bad})
+def test_bad(perf, impl, bad):
+    perf(lambda: None, **bad)
+"""
+
+
+def test_perf_arguments_are_refused_by_name_before_anything_is_timed(pytester: pytest.Pytester) -> None:
+    """work_bytes scales a row's speedup and interval, so a NaN would pass any floor: it, and the
+    round counts and callables, are refused with the argument's name."""
+    bad = [{"work_bytes": float("nan")}, {"work_bytes": 0}, {"work_bytes": True}, {"work_bytes": "1e6"},
+           {"rounds": 0}, {"rounds": 2.5}, {"warmup_rounds": -1}, {"setup": 3}]
+    pytester.makepyfile(test_bad=BAD_CALL.format(bad=repr(bad)))
+    result = _run(pytester, "-p", "no:randomly")
+    result.assert_outcomes(failed=2 * len(bad))
+    out = result.stdout.str()
+    for name in ("work_bytes", "rounds", "warmup_rounds", "setup"):
+        assert f"perf({name}=...) must be" in out
+    assert "GATE FAILED" not in out
+
+
+def test_a_speedup_from_no_time_fails() -> None:
+    row = SpeedupRow(kernel="k", impl="optimized", size="smoke", label="", device="cpu",
+                     reference_ms=4.0, optimized_ms=1.0, speedup=float("nan"), low=0.0, high=float("inf"),
+                     rounds=(9, 9), floor=2.0)
+    assert gate(row, 0.2) and row.outcome == "FAIL" and "finite times > 0" in row.failures[0]
+
+
 def test_gate_rules() -> None:
     row = SpeedupRow(kernel="k", impl="optimized", size="smoke", label="", device="cpu",
                      reference_ms=4.0, optimized_ms=1.0, speedup=4.0, low=3.5, high=4.5, rounds=(9, 9))

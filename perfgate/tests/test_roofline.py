@@ -66,15 +66,31 @@ def test_a_fused_optimizer_step_writes_its_grads_only_to_unscale_them() -> None:
     assert adamw.bytes == 4 * n * 7 + 4  # read p g m v, write p m v; the step read (torch.optim adds to it)
 
 
-def test_a_view_counts_its_own_elements_and_an_input_returned_nothing() -> None:
-    """A view stands for what reads it outside the dispatcher (a C pass through .numpy())."""
+def test_what_numpy_reads_counts_and_an_input_returned_nothing() -> None:
+    """A tensor handed to .numpy() (a C pass, a peer's numpy; np.asarray too) is read outside the
+    dispatcher: its own elements count. A view returned as it is moved nothing."""
+    import numpy as np
+
     x = torch.randn(10, 10)
-    assert count_work(lambda: x.t()).bytes == 400  # all of x, once
-    assert count_work(lambda: x.view(-1)[:5]).bytes == 400  # the first view is all of x; its slice inside it
-    assert count_work(lambda: x[2:4]).bytes == 80  # the rows, not the base
-    assert count_work(lambda: x).bytes == 0  # no op ran
+    assert count_work(lambda: x).bytes == 0 and count_work(lambda: x.t()).bytes == 0  # no op ran
+    assert count_work(lambda: x[2:4].numpy().sum()).bytes == 80  # the rows, not the base
+    assert count_work(lambda: np.asarray(x.t()).sum()).bytes == 400
     out = torch.empty(10, 10)
     assert count_work(lambda: out.detach().numpy().__setitem__(slice(None), 1.0)).bytes == 400  # seen as read
+    assert count_work(lambda: torch.empty(10, 10).numpy().fill(1.0)).bytes == 0  # the call's own, not returned
+    # an array made only to look at its pages before an op writes all of it: the op's write counts, once
+    a, b = torch.randn(10, 10), torch.randn(10, 10)
+    assert count_work(lambda: (out.numpy().ctypes.data, torch.mul(a, b, out=out))).bytes == 3 * 400
+    assert "numpy" not in vars(torch.Tensor)  # Tensor.numpy is torch's again
+
+
+def test_a_read_outside_counts_whatever_ops_read_beside_it() -> None:
+    """A C pass over all of x through .numpy(), beside an op that reads one row of x (the
+    Standardizer's shift, taken from its first sample): x is read whole, once."""
+    x = torch.randn(1000)
+    assert count_work(lambda: float(x.detach().numpy().sum())).bytes == 4000
+    assert count_work(lambda: (x[0].clone(), float(x.detach().numpy().sum()))).bytes == 4000 + 4  # the row's copy
+    assert count_work(lambda: x.view(2, -1)[0].clone()).bytes == 2 * 2000  # the half read, its copy written
 
 
 def test_a_slice_counts_its_own_elements_not_its_base() -> None:
@@ -103,6 +119,21 @@ def test_an_out_that_is_also_an_input_is_read_too() -> None:
     assert count_work(lambda: torch.add(a, b, out=a)).bytes == 4 * 1000 * 3  # read a and b, write a
 
 
+def test_inference_mode_counts_the_ops_a_composite_is_made_of() -> None:
+    """Under inference_mode linear, einsum, matmul and SDPA reach the dispatch mode whole; they
+    count as their mm, bmm and attention would, as under grad mode."""
+    x, w = torch.randn(64, 128), torch.randn(256, 128)
+    q = torch.randn(1, 2, 16, 8)
+    calls = (lambda: F.linear(x, w), lambda: torch.einsum("ij,kj->ik", x, w), lambda: x @ w.T,
+             lambda: F.scaled_dot_product_attention(q, q, q))
+    grad = [count_work(c) for c in calls]
+    with torch.inference_mode():
+        assert [count_work(c) for c in calls] == grad
+    assert grad[0].flops == {"float32": 2 * 64 * 256 * 128}
+    ints = torch.randint(0, 9, (16, 16))
+    assert count_work(lambda: ints @ ints).flops == {}  # no GEMM peak holds an integer matmul
+
+
 def test_setup_is_not_counted_and_cpu_attention_has_flops() -> None:
     q = torch.randn(1, 2, 16, 8)
     work = count_work(lambda t: F.scaled_dot_product_attention(t, t, t), setup=lambda: q.clone())
@@ -123,9 +154,23 @@ def test_a_figure_is_the_least_time_over_the_measured() -> None:
     compute = lim.figure(Work(bytes=1e6, flops={"float32": 5e10}), seconds=1.0)  # least 0.5 s at 100 GFLOP/s
     assert compute.fraction == pytest.approx(0.5) and compute.bound == "compute"
     assert compute.gflops == pytest.approx(50.0)
+    assert memory.gflops is None  # no FLOP counted: no rate, not 0.0
     assert lim.figure(Work(bytes=0.0), seconds=1.0) is None  # nothing counted: no figure
     assert lim.figure(Work(bytes=0.0, flops={"float32": 0.0}), seconds=1.0) is None  # an empty matmul's
     assert count_work(lambda: torch.randn(0, 4) @ torch.randn(4, 4)).total_flops == 0
+
+
+def test_a_side_not_measured_reads_a_dash_not_zero() -> None:
+    """The speedup table's GB/s cell: a reference with no declared or counted bytes has no rate."""
+    from perfgate.stats import TABLE_HEADER, table_cells
+
+    row = {"kernel": "k", "impl": "optimized", "label": "", "size": "smoke", "device": "cpu", "reference_ms": 1.0,
+           "optimized_ms": 0.5, "speedup": 2.0, "low": 1.9, "high": 2.1, "floor": None, "baseline": None,
+           "reference_peak_bytes": None, "optimized_peak_bytes": None, "reference_gbps": None,
+           "optimized_gbps": 4.6, "optimized_gflops": None, "roofline": 0.1, "roofline_bound": "memory",
+           "failures": []}
+    cells = dict(zip(TABLE_HEADER, table_cells([row])[0], strict=True))
+    assert cells["GB/s ref/opt"] == "-/4.6" and cells["GFLOP/s opt"] == "-"
 
 
 def test_a_limit_a_call_passed_is_measured_again_once_and_never_lowered(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,11 +203,16 @@ def test_limits_are_stored_read_back_and_checked(tmp_path: Path) -> None:
     assert again.stream_gbps == 10.0 and again.peak("float32") == 100.0 and not again.dirty  # nothing re-measured
     with pytest.raises(BadLimits, match="of fingerprint cpu-y"):
         Limits("cpu", "cpu-y", path)  # another machine's
-    for damage in ("{", json.dumps({**again.values, "stream_gbps": -1.0}), json.dumps([1])):
+    damaged = [{"stream_gbps": -1.0}, {"gemm_gflops": None}, {"gemm_gflops": [1]}, {"fill_gbps": "fast"},
+               {"stream_gbps": True}, {"gemm_gflops": {"float32": float("nan")}}, {"round_trip_ns": 0}]
+    for damage in ("{", json.dumps([1]), *(json.dumps({**again.values, **d}) for d in damaged)):
         path.write_text(damage)
         with pytest.raises(BadLimits, match=str(path)):
             read_limits(path, "cpu-x")
     assert Limits("cpu", "cpu-x", path, remeasure=True).values["stream_gbps"] is None  # the file is not read
+    path.write_text(json.dumps({"version": again.values["version"], "slug": "cpu-x"}))  # nothing measured yet
+    bare = read_limits(path, "cpu-x")
+    assert bare["stream_gbps"] is None and bare["gemm_gflops"] == {}
 
 
 def test_a_gemm_peak_is_measured_once_and_needs_a_float_dtype() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
+import numbers
 import time
 from collections.abc import Callable
 from typing import Any
@@ -124,6 +125,22 @@ def _needed(item: pytest.Item, state: GateState, impl: str) -> bool:
     return _ruled(item, state, impl) or (state.settings.compared and claimed(item, impl))
 
 
+def _check_call(fn: Any, setup: Any, rounds: Any, warmup_rounds: Any, work_bytes: Any) -> None:
+    """``perf(...)``'s arguments, refused before anything is timed: ``work_bytes`` scales the row's
+    speedup and interval (a NaN would pass any floor), and the counts size the timing."""
+    for name, value in (("fn", fn), ("setup", setup)):
+        if (value is not None or name == "fn") and not callable(value):
+            raise TypeError(f"perf({name}=...) must be callable, got {type(value).__name__}")
+    for name, value, least in (("rounds", rounds, 1), ("warmup_rounds", warmup_rounds, 0)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                                  or value < least):
+            raise ValueError(f"perf({name}=...) must be an int >= {least}, got {value!r}")
+    if work_bytes is not None and (isinstance(work_bytes, bool) or not isinstance(work_bytes, numbers.Real)
+                                   or not math.isfinite(work_bytes) or work_bytes <= 0):
+        raise ValueError(f"perf(work_bytes=...) must be a finite number of bytes > 0 (one call's least "
+                         f"traffic), got {work_bytes!r}; leave it out to use the counted bytes")
+
+
 class PerfCase:
     """What the ``perf`` fixture gives a test: its device, size, impl and the timing call,
     ``perf(fn, setup=, label=, rounds=, warmup_rounds=, work_bytes=, variant=)``.
@@ -155,6 +172,7 @@ class PerfCase:
                  rounds: int | None = None, warmup_rounds: int = 2, work_bytes: float | None = None,
                  variant: str | None = None) -> Any:
         """Time ``fn()``, or ``fn(setup())`` with a fresh setup each round, untimed (the class's note)."""
+        _check_call(fn, setup, rounds, warmup_rounds, work_bytes)
         state, bench, node = self._state, self._benchmark, self._request.node
         self._skip_unjudged()
         state.probes.pin_threads()  # a peer's BLAS pool loads at its first use: at the session's threads too

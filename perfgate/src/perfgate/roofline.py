@@ -23,6 +23,8 @@ from .timing import timer_for
 
 LIMITS_FILE = "limits.json"  # in the fingerprint's storage folder, beside its sizes' baselines
 LIMITS_VERSION = 1
+# a limits file's rates (GB/s) and the threads' round trip (ns): each a positive number, or None
+RATES = ("stream_gbps", "scale_gbps", "copy_gbps", "triad_gbps", "fill_gbps", "round_trip_ns")
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ class _Traffic:
         self.written: dict[int, _Views] = {}  # of those, the views written in place
         self.made: dict[int, _Views] = {}  # of those, the views overwritten before being read
         self.fresh: set[int] = set()  # storages the call allocated
-        self.viewed: dict[int, _Views] = {}  # views made of storages that existed before the call
+        self.outside: dict[int, _Views] = {}  # of those, the views handed to .numpy()
         self.flops: dict[str, float] = {}
 
     def note_inputs(self, tensors: list, writes: set[int], pure: set[int]) -> None:
@@ -180,17 +182,25 @@ class _Traffic:
             if id(t) in writes:
                 self.written.setdefault(span.address, _Views()).add(span)
 
-    def note_views(self, views: list) -> None:
-        for t in views:
-            span = _span(t)
-            if span is not None and span.address not in self.fresh:
-                self.viewed.setdefault(span.address, _Views()).add(span)
+    def note_outside(self, t: Any) -> None:
+        """``t`` handed to code outside the dispatcher (``Tensor.numpy()``: a C pass, a peer's
+        numpy), which reads it or writes it (``read_outside`` counts it at the call's end)."""
+        span = _span(t)
+        if span is not None and span.address not in self.fresh:
+            self.outside.setdefault(span.address, _Views()).add(span)
 
-    def viewed_only(self) -> list[_Views]:
-        """The views made of storages no op read or wrote: what read them did so outside the
-        dispatcher (a C pass through ``.numpy()``), so they count as read."""
-        touched = set(self.read) | set(self.written) | set(self.made)
-        return [views for address, views in self.viewed.items() if address not in touched]
+    def read_outside(self) -> None:
+        """Count what was handed to ``.numpy()`` as read, beside whatever ops read of the same
+        storage (a C pass over all of x, an op on its first row: x once), unless ops wrote all of
+        it: then the array was a C pass's output, or a look at its pages before an op wrote it,
+        and the op's write counts."""
+        for address, views in self.outside.items():
+            wrote = _Views()
+            for done in (self.written.get(address), self.made.get(address)):
+                wrote.spans.update(done.spans if done is not None else {})
+            for span in views.spans.values():
+                if not wrote.covers(span):
+                    self.read.setdefault(address, _Views()).add(span)
 
     def note_outputs(self, values: list) -> None:
         for t in values:
@@ -216,19 +226,21 @@ def _counter() -> Any:
 
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
             kwargs = kwargs or {}
-            if func.is_view or func in unsafe_views:
-                # a view moves nothing itself, but it stands for what reads it outside the dispatcher
-                # (a C pass through .numpy(), a peer's numpy): its own elements count as read, not
-                # its base's (a row of a cache is the row)
-                out = func(*args, **kwargs)
-                self.note_views([t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
-                return out
+            formula = formulae.get(func._overloadpacket)
+            if formula is None:
+                # a composite op (under inference_mode matmul, linear, einsum and SDPA arrive whole,
+                # not as their mm and bmm): counted as the ops it is made of, as FlopCounterMode does
+                with self:
+                    decomposed = func.decompose(*args, **kwargs)
+                if decomposed is not NotImplemented:
+                    return decomposed
+            if func.is_view or func in unsafe_views:  # a view moves nothing: what reads it counts
+                return func(*args, **kwargs)
             flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             self.note_inputs(flat, *_written(func, args, kwargs))
             out = func(*args, **kwargs)
-            formula = formulae.get(func._overloadpacket)
-            if formula is not None:
-                kind = next((t.dtype for t in flat if t.is_floating_point() or t.is_complex()), torch.float32)
+            kind = next((t.dtype for t in flat if t.is_floating_point() or t.is_complex()), None)
+            if formula is not None and kind is not None:  # an integer matmul has no GEMM peak to be held to
                 flops = float(formula(*args, **kwargs, out_val=out))
                 if kind.is_complex:  # counted as a real op's; a complex multiply-add is 4 real ones
                     kind, flops = kind.to_real(), 4 * flops
@@ -244,23 +256,38 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
     """``Work`` of one call of ``fn()`` (or ``fn(setup())``, the setup not counted): the call runs
     once under a dispatch mode that sees each op's tensors. Per storage, the views an op reads or
     writes count once each, as the union of their spans (a slice of a cache: the slice; two
-    halves: the whole). A view made during the call of a storage no op reads or writes counts its
-    own elements as read: it stands for what reads it outside the dispatcher (a C pass through
-    ``.numpy()``). What it returns that it made counts as written; an input returned as is does
-    not."""
+    halves: the whole). A tensor handed to ``.numpy()`` during the call (a C pass, a peer's numpy)
+    counts as read, its own elements, unless ops wrote all of it (``_Traffic.read_outside``). What
+    it returns that it made counts as written; an input returned as is does not."""
+    import torch
     from torch.utils._pytree import tree_flatten
 
     args = () if setup is None else (setup(),)
     counter = _counter()
-    with counter:
-        result = fn(*args)
+    # a C pass or a peer reads a tensor through .numpy() (np.asarray calls it too), which no
+    # dispatch mode sees: each such tensor is noted while the call runs
+    numpy, own = torch.Tensor.numpy, "numpy" in vars(torch.Tensor)
+
+    def noted(t: Any, *a: Any, **kw: Any) -> Any:
+        counter.note_outside(t)
+        return numpy(t, *a, **kw)
+
+    torch.Tensor.numpy = noted
+    try:
+        with counter:
+            result = fn(*args)
+        counter.read_outside()
+    finally:
+        if own:
+            torch.Tensor.numpy = numpy
+        else:
+            del torch.Tensor.numpy
     outputs: dict[int, _Views] = {}
     for t in tree_flatten(result)[0]:
         span = _span(t)
         if span is not None and span.address in counter.fresh:
             outputs.setdefault(span.address, _Views()).add(span)
-    moved = sum(v.bytes() for views in (counter.read, counter.written, outputs) for v in views.values()) \
-        + sum(v.bytes() for v in counter.viewed_only())
+    moved = sum(v.bytes() for views in (counter.read, counter.written, outputs) for v in views.values())
     return Work(bytes=float(moved), flops=dict(counter.flops))
 
 
@@ -272,7 +299,7 @@ class Figure:
     fraction: float
     bound: str
     gbps: float
-    gflops: float
+    gflops: float | None  # None: no FLOP counted (a kernel the model places by its bytes)
 
 
 class BadLimits(ValueError):
@@ -381,7 +408,8 @@ class Limits:
         memory = work.bytes / (self.stream_gbps * 1e9)
         compute = sum(f / (self.peak(d) * 1e9) for d, f in work.flops.items() if f > 0)
         return Figure(fraction=max(memory, compute) / seconds, bound="memory" if memory >= compute else "compute",
-                      gbps=work.bytes / seconds / 1e9, gflops=work.total_flops / seconds / 1e9)
+                      gbps=work.bytes / seconds / 1e9,
+                      gflops=work.total_flops / seconds / 1e9 if work.total_flops > 0 else None)
 
     def save(self) -> None:
         """Write what was measured this session (nothing when nothing new was)."""
@@ -417,11 +445,16 @@ def read_limits(path: Path, slug: str) -> dict[str, Any]:
         raise BadLimits(f"{path}: not readable JSON ({exc})") from exc
     if not isinstance(values, dict) or values.get("version") != LIMITS_VERSION or values.get("slug") != slug:
         raise BadLimits(f"{path}: not perfgate's limits (version {LIMITS_VERSION}) of fingerprint {slug}")
-    positive = [values.get("stream_gbps"), values.get("round_trip_ns"), *values.get("gemm_gflops", {}).values()]
-    if not all(v is None or (isinstance(v, (int, float)) and math.isfinite(v) and v > 0) for v in positive):
-        raise BadLimits(f"{path}: a limit is not a positive number: {positive}")
-    values.setdefault("gemm_n", {})
-    values.setdefault("measured", {})
+    for key in ("gemm_gflops", "gemm_n", "measured"):  # a table by dtype (or limit): missing is none measured
+        if not isinstance(values.setdefault(key, {}), dict):
+            raise BadLimits(f"{path}: {key} is not a table: {values[key]!r}")
+    rates = {key: values.setdefault(key, None) for key in RATES}  # missing: measured when a row needs it
+    rates.update({f"{dtype} GEMM": v for dtype, v in values["gemm_gflops"].items()})
+    bad = {k: v for k, v in rates.items() if v is not None and not (isinstance(v, (int, float))
+                                                                     and not isinstance(v, bool)
+                                                                     and math.isfinite(v) and v > 0)}
+    if bad:
+        raise BadLimits(f"{path}: a limit is not a positive number: {bad}")
     return values
 
 

@@ -282,6 +282,10 @@ def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> lis
             f"speedup {row.speedup:.2f}x (95% CI {row.low:.2f}-{row.high:.2f}x, {pairs})")
     where, measured = said
     row.unresolved = []
+    if not all(math.isfinite(v) and v > 0 for v in (row.reference_ms, row.optimized_ms, row.speedup)):
+        row.failures = [f"{where}: {measured} from times {row.reference_ms} and {row.optimized_ms} ms: a speedup "
+                        "must come from finite times > 0 (a timer or a declared work_bytes gave none)"]
+        return row.failures
     under_floor, under_baseline, explained = _judged_misses(row, tolerance, contended, said)
     failures = []
     if under_floor:
@@ -485,7 +489,7 @@ def _saved(ratio: float | None, floor: float | None) -> str:
 
 
 def _gb(ref: float | None, opt: float | None) -> str:
-    return "-" if ref is None and opt is None else f"{ref or 0:.1f}/{opt or 0:.1f}"
+    return "-" if ref is None and opt is None else "/".join("-" if v is None else f"{v:.1f}" for v in (ref, opt))
 
 
 def roofline_cell(fraction: float | None, bound: str | None) -> str:
