@@ -615,6 +615,10 @@ def test_tensor_checks_rank_dtype_and_emptiness() -> None:
         checks.tensor(torch.zeros(4), "x", dtypes=(torch.int64,))
     with pytest.raises(ValueError, match=r"x is empty \(shape \(0, 2\)\)"):
         checks.tensor(torch.zeros(0, 2), "x", nonempty=True)
+    for sparse in (torch.eye(3).to_sparse(), torch.eye(3).to_sparse_csr()):
+        with pytest.raises(TypeError, match=r"x must be a dense tensor, got layout torch.sparse_\w+; pass "
+                                            r"x.to_dense"):
+            checks.tensor(sparse, "x")
 
 
 def test_no_module_reimplements_a_validator() -> None:

@@ -128,6 +128,25 @@ def test_sgd_momentum_with_dampening_is_not_fused() -> None:
     assert kernels.sgd([w], momentum=0.0, dampening=0.1).defaults["fused"]
 
 
+def test_dampening_in_a_later_group_is_stepped_as_the_reference_steps_it() -> None:
+    """Dampening set only in the second group: no group is fused (the fused step cannot take it),
+    and both groups step as the reference's do."""
+    def run(side) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        a, b = torch.randn(3, requires_grad=True), torch.randn(2, requires_grad=True)
+        opt = side.sgd([{"params": [a]}, {"params": [b], "dampening": 0.5}], lr=0.1, momentum=0.9)
+        for _ in range(3):
+            opt.zero_grad()
+            ((a * torch.arange(3.0)).sum() + (b ** 2).sum()).backward()
+            opt.step()
+        return [a, b] if side is reference else [a, b, opt]
+
+    a, b, opt = run(kernels)
+    assert not opt.defaults["fused"]
+    for got, want in zip((a, b), run(reference), strict=True):
+        assert_close(got.detach(), want.detach(), ELEMENTWISE, msg="parameter")
+
+
 @pytest.mark.parametrize("side", [kernels, reference], ids=["kernels", "reference"])
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_grad_scaler_skips_steps_with_inf_gradients(side, kind: str) -> None:
@@ -210,13 +229,15 @@ def test_bad_hyperparameters_are_refused_by_name(kind: str, keywords: dict, erro
     ("sgd", {"nesterov": "yes"}, TypeError, r"params\[1\]\['nesterov'\] must be True or False"),
     ("sgd", {"momentum": 0.0, "nesterov": True}, ValueError,
      r"nesterov=True needs momentum > 0 and dampening 0; params\[1\] runs with momentum 0.0"),
+    ("sgd", {"dampening": 0.5, "nesterov": True}, ValueError,
+     r"nesterov=True needs momentum > 0 and dampening 0; params\[1\] runs with momentum 0.9 and dampening 0.5"),
     ("sgd", {"fused": True}, ValueError, r"params\[1\]\['fused'\]=True: kernels.sgd chooses the implementation"),
     ("adamw", {"foreach": False}, ValueError, r"params\[1\]\['foreach'\]=False: kernels.adamw chooses"),
     ("adamw", {"maximize": True}, ValueError, r"params\[1\]\['maximize'\]=True: kernels.adamw runs without"),
     ("adamw", {"amsgrad": True}, ValueError, r"params\[1\]\['amsgrad'\]=True: kernels.adamw runs without"),
     ("sgd", {"maximize": True}, ValueError, r"params\[1\]\['maximize'\]=True: kernels.sgd runs without"),
 ], ids=["adamw-lr", "sgd-lr", "betas", "eps", "momentum", "weight_decay", "nesterov", "nesterov-momentum",
-        "fused", "foreach", "maximize", "amsgrad", "sgd-maximize"])
+        "nesterov-dampening", "fused", "foreach", "maximize", "amsgrad", "sgd-maximize"])
 def test_bad_group_overrides_are_refused_by_group(kind: str, override: dict, error: type, message: str) -> None:
     """A parameter-group dict's own hyperparameters are checked as the keywords are (torch checks
     none of them: ``{"lr": inf}`` in a group stepped to NaN); a group's own implementation
@@ -510,3 +531,8 @@ def test_numbers_the_step_cannot_hold_in_float32_are_refused() -> None:
     kernels.adamw([torch.zeros(3, dtype=torch.float64, requires_grad=True)], eps=1e-50)  # float64 holds it
     with pytest.raises(ValueError, match=r"lr=1e\+39 rounds to inf in float32"):  # a tensor lr by its value
         kernels.sgd([w], lr=torch.tensor(1e39, dtype=torch.float64))
+    # a float64 parameter beside a float32 one does not lift the check; weight decay is checked too
+    with pytest.raises(ValueError, match=r"lr=1e\+39 rounds to inf in float32"):
+        kernels.adamw([torch.zeros(3, dtype=torch.float64, requires_grad=True), w], lr=1e39)
+    with pytest.raises(ValueError, match=r"weight_decay=1e\+39 rounds to inf in float32"):
+        kernels.adamw([w], weight_decay=1e39)

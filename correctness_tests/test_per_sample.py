@@ -681,6 +681,10 @@ def test_bad_inputs_are_refused_clearly(side, name: str) -> None:
     with pytest.raises(ValueError, match=r"BatchNorm1d.*eval\(\).*GroupNorm"):
         fn(bn, F.cross_entropy, x, y)
     fn(bn.eval(), F.cross_entropy, x, y)  # running statistics: per-sample again
+    stateless = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4, track_running_stats=False), nn.Linear(4, 3))
+    stateless.eval()
+    with pytest.raises(ValueError, match=r"BatchNorm1d using batch statistics"):  # eval() keeps no statistics
+        fn(stateless, F.cross_entropy, x, y)
     with pytest.raises(ValueError, match=r"Dropout.*randomness="):
         fn(MLP([5, 4, 3], dropout=0.5), F.cross_entropy, x, y)
     with pytest.raises(ValueError, match="batch size mismatch"):
@@ -714,6 +718,45 @@ def test_finite_terms_whose_product_overflows_are_refused(side, name: str) -> No
     small = torch.tensor([[1e8], [1.0], [2.0]]), torch.tensor([[-1e7], [0.0], [0.0]])
     got = getattr(side, name)(fc, F.mse_loss, *small)  # gradients near 1e15 (a Gram near 1e30): finite
     assert all(torch.isfinite(t).all() for t in (got.values() if isinstance(got, dict) else [got]))
+
+
+def test_token_sums_whose_product_overflows_are_refused() -> None:
+    """Per token each product is finite in fp32 (1.5e19 x 1e19); summed over a sample's 4 tokens
+    the weight's per-sample gradient (6e38) is not."""
+    fc = nn.Linear(2, 1)
+    with torch.no_grad():
+        fc.weight.fill_(1e-30), fc.bias.zero_()
+    x, y = torch.full((2, 4, 2), 1.5e19), torch.zeros(2)
+
+    def loss(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return (o * 1e19).sum() + 0 * t.sum()
+
+    for side in (kernels, reference):
+        with pytest.raises(FloatingPointError, match="NaN or inf"):
+            side.per_sample_grads(fc, loss, x, y)
+
+
+class _Unused(nn.Module):
+    """A layer registered but never called: its per-sample gradients are zeros."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.unused = nn.Linear(4, 3), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_out_for_a_layer_never_called_is_zeroed() -> None:
+    """out= buffers holding an earlier call's values: a layer the forward never calls gets zeros
+    written into its buffers, as the reference's gradients are."""
+    torch.manual_seed(0)
+    model, x, y = _Unused(), torch.randn(5, 4), torch.randint(0, 3, (5,))
+    out = {n: torch.full((5, *p.shape), 7.0) for n, p in model.named_parameters()}
+    got = kernels.per_sample_grads(model, F.cross_entropy, x, y, out=out)
+    assert all(got[n] is out[n] for n in out)
+    assert_dicts_close(got, reference.per_sample_grads(model, F.cross_entropy, x, y), ELEMENTWISE)
+    assert not got["unused.weight"].any() and not got["unused.bias"].any()
 
 
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # torch's, on the reentrant call

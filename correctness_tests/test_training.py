@@ -207,6 +207,25 @@ def _nan_gradients(every: int = 1) -> Callable[[Tensor, Tensor], Tensor]:
     return loss_fn
 
 
+@pytest.mark.parametrize("recipe", [Recipe(), Recipe(accumulation=2)], ids=["fp32", "acc2"])
+def test_nan_gradients_under_a_finite_loss_are_an_error_without_a_scaler(recipe: Recipe) -> None:
+    """No GradScaler to skip the step: NaN gradients under a finite loss raise before the step,
+    the parameters where the first step left them."""
+    k = recipe.accumulation
+    (m1, o1), (m2, o2) = _setup(), _setup()
+    data = _data(3 * k, 8)
+    train(m2, F.cross_entropy, o2, data[:k], recipe)
+    calls = iter(range(10**6))
+
+    def loss_fn(out: Tensor, y: Tensor) -> Tensor:  # clean for the first step's micro-batches, then NaN gradients
+        return F.cross_entropy(out, y) if next(calls) < k else _nan_gradients()(out, y)
+
+    with pytest.raises(FloatingPointError, match=r"the gradients of loss \S+ are not finite at optimizer step 2; "
+                                                 "the step was not applied"):
+        train(m1, loss_fn, o1, data, recipe)
+    torch.testing.assert_close(_params(m1), _params(m2), atol=0, rtol=0)
+
+
 def test_a_transient_overflow_in_a_long_run_is_warned_not_raised() -> None:
     """One overflowing batch in 40 fp16 steps: skipped, the scale backed off once, the run goes
     on (no error), and a warning says how many steps of how many were skipped."""
