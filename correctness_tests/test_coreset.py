@@ -197,6 +197,19 @@ def test_a_reduction_the_whole_batch_shows_is_refused() -> None:
         side.ocs_scores(model, weighted, *one_class)  # accepted: it is their mean
 
 
+def test_class_weights_1_percent_apart_are_refused() -> None:
+    """The reduction is read to sqrt(eps) of the outputs' dtype (3e-4 in fp32): class weights 1%
+    apart over mixed classes are not a mean (their gradients differ by about 1%), refused."""
+    torch.manual_seed(0)
+    model = MLP([4, 8, 3]).eval()
+    x, y = torch.randn(16, 4), torch.arange(16) % 3
+    weighted = lambda o, t: F.cross_entropy(o, t, weight=torch.tensor([1.0, 1.01, 0.99]))  # noqa: E731
+    for side in SIDES.values():
+        with pytest.raises(ValueError, match=r"loss_fn must reduce per-sample losses by their mean .* or sum"):
+            side.ocs_scores(model, weighted, x, y)
+        side.ocs_scores(model, F.cross_entropy, x, y)  # the plain mean: accepted
+
+
 def test_a_mean_in_disguise_equals_reference() -> None:
     """A class-weighted loss over samples of one class, and a token mean over samples of equal
     length, are means of the per-sample losses: accepted, and scored as the reference scores them."""

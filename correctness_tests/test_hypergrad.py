@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from correctness_tests.tolerances import FINITE_DIFFERENCE, REDUCTION, assert_close
+from correctness_tests.tolerances import ELEMENTWISE, FINITE_DIFFERENCE, REDUCTION, assert_close
 from kernels.hypergrad import darts_hypergradient, reweighted_loss
 from reference.hypergrad import exact_hypergradient
 from workloads.meta_reweight import MetaWeightNet
@@ -108,6 +108,15 @@ def test_reweighted_loss_is_the_weighted_mean() -> None:
     torch.testing.assert_close(reweighted_loss(losses, w), (w(losses.detach()[:, None])[:, 0] * losses).mean())
     (g,) = torch.autograd.grad(reweighted_loss(losses, w, held), losses)  # W's input carries no gradient
     torch.testing.assert_close(g, w(held[:, None])[:, 0].detach() / 7)
+
+
+def test_weight_inputs_that_require_grad_carry_no_gradient() -> None:
+    """weight_inputs=losses themselves (requiring grad): W's output is a constant of them, so
+    d/dl = W(l) / B, with no term through W's input."""
+    w = MetaWeightNet()
+    losses = torch.rand(7, requires_grad=True)
+    (g,) = torch.autograd.grad(reweighted_loss(losses, w, weight_inputs=losses), losses)
+    assert_close(g, w(losses.detach()[:, None])[:, 0].detach() / 7, ELEMENTWISE)
 
 
 def test_moving_the_weights_inputs_biases_the_difference() -> None:
@@ -254,15 +263,31 @@ def test_bad_input_is_refused() -> None:
         darts_hypergradient(lambda x: x, inner, outer, w.parameters(), lr=lr)
 
 
-@pytest.mark.parametrize("scale", [1e-40, 1e-25, 1e40])
+@pytest.mark.parametrize("scale", [1e-40, 1e-25, 1e40, 1e-170, 1e170])
 def test_v_of_any_size_is_measured_in_float64(scale: float) -> None:
     """eps = alpha / |v|: |v| taken in fp32 read 0 for a small fp64 v (the result zeros, as if
-    the outer loss were flat) and inf for a large one (refused as not finite)."""
+    the outer loss were flat) and inf for a large one (refused as not finite); an fp64 v of 1e-170
+    (1e170) has squares that underflow (overflow) fp64 itself, so its norm is taken over its
+    largest magnitude. The results are compared at their own scale."""
     model, inner, outer, w, theta, lr = problem()
     scaled = lambda f: scale * outer(f)  # noqa: E731
     exact = exact_hypergradient(model, inner, scaled, w.parameters(), lr=lr, at=theta)
     got = darts_hypergradient(model, inner, scaled, w.parameters(), lr=lr, at=theta)
-    assert _rel(got, exact) < 1e-4
+    size = _flat(exact).abs().max()
+    assert size > 0
+    assert _rel([g / size for g in got], [e / size for e in exact]) < 1e-4
+
+
+def test_at_of_another_dtype_or_shape_is_refused() -> None:
+    """theta given in fp64 for fp32 parameters (or of another shape) is refused by name, before any
+    product of mismatched dtypes."""
+    model, inner, outer, w, theta, lr = problem(torch.float32)
+    for n, bad in (("0.weight", theta["0.weight"].double()), ("2.bias", theta["2.bias"][:2])):
+        with pytest.raises(ValueError, match=rf"at\['{n}'\] must match the parameter's shape, dtype and device"):
+            darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, at={**theta, n: bad})
+    wide = {n: t.double() for n, t in theta.items()}
+    with pytest.raises(ValueError, match=r"at\['0.weight'\] must match the parameter's shape, dtype and device"):
+        darts_hypergradient(model, inner, outer, w.parameters(), lr=lr, at=wide)
 
 
 def test_live_dropout_draws_the_same_masks_at_both_points() -> None:

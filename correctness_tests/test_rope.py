@@ -314,6 +314,45 @@ def test_explicit_positions_equal_reference_and_offset(b, s, interleaved, per_ba
     assert_close(rope(x, positions=torch.arange(5, 5 + s)), rope(x, offset=5), ELEMENTWISE)
 
 
+@settings(max_examples=60)
+@given(b=st.integers(1, 3), s=st.integers(1, 6), half=st.integers(1, 4), interleaved=st.booleans(),
+       max_seq_len=st.integers(1, 8), cache_limit=st.integers(1, 16), offset=st.integers(0, 80),
+       where=st.sampled_from(["offset", "positions", "per batch"]), dtype=st.sampled_from([torch.float32,
+                                                                                          torch.float64]))
+@PATHS
+def test_positions_past_the_cache_limit_equal_reference(path, b, s, half, interleaved, max_seq_len, cache_limit,
+                                                        offset, where, dtype) -> None:
+    """Positions past ``cache_limit`` (an offset, explicit (S,) or (B, S) ids, most of them beyond
+    it) are rotated by tables computed for the call, as the reference's, forward and gradient;
+    the cache never grows past the limit."""
+    d = 2 * half
+    x = torch.randn(b, 2, s, d, dtype=dtype, requires_grad=True)
+    kwargs = {"offset": offset} if where == "offset" else {
+        "positions": torch.randint(0, offset + 1, (s,) if where == "positions" else (b, s))}
+    rope = K.RotaryEmbedding(d, max_seq_len, interleaved=interleaved, cache_limit=cache_limit)
+    with through(path):
+        got = rope(x, **kwargs)
+        want = R.RotaryEmbedding(d, max_seq_len, interleaved=interleaved)(x, **kwargs)
+        assert_close(got, want, ELEMENTWISE)
+        grad = torch.randn_like(got)
+        assert_close(torch.autograd.grad(got, x, grad)[0], torch.autograd.grad(want, x, grad)[0], ELEMENTWISE)
+    assert rope.max_seq_len <= max(cache_limit, max_seq_len)
+
+
+@PATHS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_offsets_and_positions_past_the_cache_limit(path, dtype) -> None:
+    """A cache of 4 that may grow to 8: offset 10, positions (20, 30) and per-batch positions are
+    computed for the call (the cache stays at 8 at most), equal to the reference."""
+    rope, ref = K.RotaryEmbedding(4, max_seq_len=4, cache_limit=8), R.RotaryEmbedding(4, max_seq_len=4)
+    x = torch.randn(2, 1, 2, 4, dtype=dtype)
+    with through(path):
+        for kwargs in ({"offset": 10}, {"positions": torch.tensor([20, 30])},
+                       {"positions": torch.tensor([[20, 30], [9, 3]])}):
+            assert_close(rope(x, **kwargs), ref(x, **kwargs), ELEMENTWISE)
+    assert rope.max_seq_len <= 8
+
+
 def test_cache_is_a_non_persistent_buffer_that_follows_the_module() -> None:
     model = torch.nn.Module()
     model.rope = K.RotaryEmbedding(8, 32)
@@ -376,6 +415,37 @@ def test_fixed_cache_refuses_positions_beyond_it(side) -> None:
         rope(torch.randn(1, 1, 2, 8), positions=torch.tensor([0, 16]))
     for dtype in (torch.float32, torch.float64):  # no position past an offset: nothing beyond the cache
         assert rope(torch.randn(1, 2, 0, 8, dtype=dtype), offset=20).shape == (1, 2, 0, 8)
+
+
+@pytest.mark.parametrize("side", [K, R])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fixed_cache_refuses_positions_beyond_it_in_every_dtype(side, dtype) -> None:
+    """grow=False in fp64 too (whose tables are computed per call): an offset or explicit
+    positions past a cache of 4 positions are refused."""
+    rope = side.RotaryEmbedding(8, max_seq_len=4, grow=False)
+    x = torch.randn(1, 1, 2, 8, dtype=dtype)
+    assert_close(rope(x, offset=2), R.RotaryEmbedding(8)(x, offset=2), ELEMENTWISE)  # within it: taken
+    with pytest.raises(ValueError, match="position 11 is beyond the cache of 4 positions"):
+        rope(x, offset=10)
+    with pytest.raises(ValueError, match="position 7 is beyond the cache of 4 positions"):
+        rope(x, positions=torch.tensor([0, 7]))
+    with pytest.raises(ValueError, match="position 9 is beyond the cache of 4 positions"):
+        rope(x, positions=torch.tensor([[0, 9]]))
+
+
+@pytest.mark.parametrize("side", [K, R])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_positions_of_another_batch_size_are_refused(side, dtype) -> None:
+    """(B, S) positions must have B rows (or 1): 2 rows for B = 1 would broadcast x to a batch of
+    2, 3 rows for B = 2 fail inside torch; both refused by name."""
+    rope = side.RotaryEmbedding(4)
+    for b, rows in ((1, 2), (2, 3)):
+        x = torch.randn(b, 2, 3, 4, dtype=dtype)
+        with pytest.raises(ValueError, match=r"positions must be int32/int64 of shape \(S,\) or \(B, S\) with "
+                                             rf"S = 3, got torch.int64 \({rows}, 3\)"):
+            rope(x, positions=torch.zeros(rows, 3, dtype=torch.int64))
+    assert rope(torch.randn(2, 2, 3, 4, dtype=dtype), positions=torch.zeros(1, 3, dtype=torch.int64)).shape == \
+        (2, 2, 3, 4)  # one row: shared by the batch
 
 
 @pytest.mark.parametrize("side", [K, R])

@@ -248,3 +248,47 @@ def test_a_generator_or_a_layer_of_another_type_is_refused_by_name() -> None:
         KS.topk_singular_values(a, 10, generator=0)
     with pytest.raises(TypeError, match=r"weights\[1\] is a str, not a tensor"):
         KS.spectral_features([torch.randn(2, 5, 5), "x"])
+
+
+def test_the_error_bound_is_sqrt_of_s_squared_plus_the_tail_squared_minus_s() -> None:
+    """err_i = sqrt(s_i^2 + ||R||_F^2) - s_i, R = A - QB. With oversample 0, s holds all q values of
+    B = Q^T A, so ||R||_F^2 = ||A||_F^2 - sum(s^2) (Q^T R = 0): the bound from A alone, in fp64."""
+    a = torch.randn(200, 150, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    s, err = KS.topk_singular_values(a, 5, oversample=0, niter=1, generator=torch.Generator().manual_seed(1),
+                                     return_error=True)
+    tail2 = a.square().sum() - s.square().sum()
+    assert bool((err > 0).all())
+    assert_close(err, (s.square() + tail2).sqrt() - s, REDUCTION)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_error_bound_covers_the_rounding_to_half_precision(dtype) -> None:
+    """fp16/bf16 A is computed in fp32 and its values rounded back: the bound adds that rounding,
+    which on a steep spectrum (3.3 x 0.5^i) is far larger than the fp32 estimate's own error."""
+    a = _matrix(200, 150, 3.3 * 0.5 ** torch.arange(150, dtype=torch.float64), 5).to(dtype)
+    s, err = KS.topk_singular_values(a, 5, generator=torch.Generator().manual_seed(0), return_error=True)
+    assert s.dtype == err.dtype == dtype
+    want = torch.linalg.svdvals(a.double())[:5]
+    assert bool(((want - s.double()).abs() <= err.double()).all()), (want - s.double(), err)
+
+
+def test_the_exact_path_takes_q_at_half_of_min_m_n() -> None:
+    """q = k + max(k, 10): at 2q = min(m, n) (k = 25 of 120 x 100) the exact svdvals, error 0; at
+    k = 24 (2q = 96) the randomized path, with a nonzero bound."""
+    a = torch.randn(120, 100, generator=torch.Generator().manual_seed(0))
+    s, err = KS.topk_singular_values(a, 25, generator=torch.Generator().manual_seed(1), return_error=True)
+    assert torch.equal(s, torch.linalg.svdvals(a)[:25])
+    assert torch.equal(err, torch.zeros(25))
+    s, err = KS.topk_singular_values(a, 24, generator=torch.Generator().manual_seed(1), return_error=True)
+    want = torch.linalg.svdvals(a.double())[:24]
+    assert bool((err > 0).all())
+    assert bool((want - s.double() <= err.double() + 1e-5 * want[0]).all()), "the bound covers the truth"
+
+
+def test_features_of_a_full_known_spectrum_equal_reference() -> None:
+    """diag(10, 9, ..., 1): no zero values, so every feature, s_1 / s_10 = 10 included, is compared."""
+    a = torch.diag(torch.arange(10, 0, -1, dtype=torch.float64))
+    f = KS.spectral_features(a)
+    assert f.shape == (32,)
+    assert_close(f, RS.spectral_features(a), REDUCTION)
+    torch.testing.assert_close(f[30], torch.tensor(10 / (1 + 1e-8), dtype=torch.float64))

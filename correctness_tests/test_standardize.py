@@ -128,6 +128,22 @@ def test_n1_and_constant_columns_get_scale_one() -> None:
     assert Standardizer().fit(x).scale_[0] == 1.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("path", PATHS)
+def test_an_all_zero_column_gets_scale_one(path: Path, dtype: torch.dtype) -> None:
+    """A column of zeros (var 0, mean 0: sklearn's test var <= n eps var + (n mean eps)^2 at
+    equality) is constant: scale 1, var 0, and transformed to 0, as sklearn does, on every path."""
+    x = torch.tensor([[0.0, 1.0], [0.0, 2.0], [0.0, 3.0]], dtype=dtype)
+    with passes(path, x):
+        got, want = Standardizer().fit(x), Reference().fit(x)
+        z = got.transform(x)
+    assert got.scale_[0] == 1.0 and got.var_[0] == 0.0
+    _close(got.scale_, want.scale_, REDUCTION, dtype)
+    _close(got.var_, want.var_, REDUCTION, dtype)
+    assert torch.equal(z[:, 0], torch.zeros(3, dtype=dtype))
+    _close(z, want.transform(x), REDUCTION, dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rows", [None, 7])
 def test_half_precision_accumulates_in_fp32(dtype, rows: int | None) -> None:
@@ -346,6 +362,19 @@ def test_squares_that_underflow_are_refused(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", [(c, None) for c in IN_C])
+def test_squares_that_underflow_are_refused_though_their_sum_is_normal(path: Path) -> None:
+    """The underflow bound is on the mean square (m2 < n tiny), not on m2: fp32 deviations of
+    +-2^-64 square to tiny / 4 (subnormal), and 6 of them sum to m2 = 1.5 tiny, over tiny but
+    under 7 tiny; std 0.93 x 2^-64, under sqrt(tiny) = 2^-63: refused."""
+    d = 2.0**-64
+    x = torch.tensor([[0.0], [d], [-d], [d], [-d], [d], [-d]])
+    tiny = torch.finfo(torch.float32).tiny
+    assert tiny < 6 * d * d < 7 * tiny  # the case: m2 between tiny and n tiny
+    with passes(path, x), pytest.raises(ValueError, match="feature 0 varies by less than"):
+        Standardizer().fit(x)
+
+
+@pytest.mark.parametrize("path", [(c, None) for c in IN_C])
 def test_a_finite_x_whose_result_overflows_is_refused(path: Path) -> None:
     """A scale of 1e-10 takes X = 1e30 to 1e40, past fp32's range: refused, never inf."""
     fit = torch.tensor([[1e-10], [-1e-10]] * 4)
@@ -546,3 +575,18 @@ def test_forward_mode_ad_through_transform() -> None:
         got = fwAD.unpack_dual(s.transform(fwAD.make_dual(x, torch.ones_like(x)))).tangent
     assert got is not None
     torch.testing.assert_close(got, (1 / s.scale_).expand(64, 8))
+
+
+def test_nan_is_refused_on_the_differentiable_path() -> None:
+    """An X that requires grad, a dual X (forward-mode AD) or torch.func.jvp take the torch ops:
+    a NaN there is refused as on the other paths."""
+    import torch.autograd.forward_ad as fwAD
+
+    s = Standardizer().fit(torch.randn(5, 2))
+    bad = torch.tensor([[float("nan"), 1.0]])
+    with pytest.raises(ValueError, match="NaN or inf in X; this Standardizer refuses NaN"):
+        s.transform(bad.clone().requires_grad_(True))
+    with fwAD.dual_level(), pytest.raises(ValueError, match="NaN or inf in X; this Standardizer refuses NaN"):
+        s.transform(fwAD.make_dual(bad, torch.ones_like(bad)))
+    with pytest.raises(ValueError, match="NaN or inf in X; this Standardizer refuses NaN"):
+        torch.func.jvp(s.transform, (bad,), (torch.ones_like(bad),))
