@@ -61,3 +61,17 @@ def test_cli_rejects_bad_sizes(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--eval-images", "0"])
     assert "eval_images must be" in capsys.readouterr().err
+
+
+def test_resnet10_stages_halve_the_resolution_after_the_first() -> None:
+    """Feature maps 32 (stem), 32, 16, 8, 4 (stages) at widths 16-128; each block ends in a ReLU of
+    the residual sum, so its output is non-negative even where the shortcut is a conv."""
+    torch.manual_seed(0)
+    model = ResNet10(norm="group")
+    x = model.stem(torch.randn(2, 3, 32, 32))
+    shapes = [tuple(x.shape[1:])]
+    for stage in model.stages:
+        x = stage(x)
+        shapes.append(tuple(x.shape[1:]))
+        assert bool((x >= 0).all())
+    assert shapes == [(16, 32, 32), (16, 32, 32), (32, 16, 16), (64, 8, 8), (128, 4, 4)]

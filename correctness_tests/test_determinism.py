@@ -73,3 +73,53 @@ def test_a_numpy_or_tensor_seed_seeds_as_its_int() -> None:
         with deterministic(seed):
             assert torch.equal(torch.rand(2), want[0]) and np.random.rand() == want[1]
         assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_the_block_seeds_python_and_yields_a_generator_of_the_seed() -> None:
+    with deterministic(5) as generator:
+        assert random.random() == random.Random(5).random()
+        assert generator.initial_seed() == 5
+
+
+def test_seed_worker_seeds_python_and_numpy_from_the_workers_torch_seed() -> None:
+    """A worker's torch seed, modulo 2**32, seeds its Python and NumPy streams (one stream per worker)."""
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(2**40 + 123)
+        seed_worker(0)
+        assert random.random() == random.Random(123).random()
+        assert np.random.rand() == np.random.RandomState(123).rand()
+    finally:
+        torch.random.set_rng_state(state)
+
+
+@pytest.mark.parametrize("warn_only", [False, True])
+def test_warn_only_reaches_torch_and_the_mode_before_is_put_back(warn_only: bool) -> None:
+    """Inside: deterministic algorithms in the warn_only asked; after: the mode set before the block,
+    warn-only included."""
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=not warn_only)
+        with deterministic(0, warn_only=warn_only):
+            assert torch.is_deterministic_algorithms_warn_only_enabled() == warn_only
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled() == (not warn_only)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_cudnn_benchmark_and_a_users_cublas_workspace_are_kept() -> None:
+    """cuDNN autotuning switched on before the block is on again after it; a CUBLAS_WORKSPACE_CONFIG
+    the user set (":16:8", cuBLAS's other deterministic setting) is left as it is, inside and after."""
+    benchmark, workspace = torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    try:
+        torch.backends.cudnn.benchmark = True
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"
+        with deterministic(0):
+            assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+        assert torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace

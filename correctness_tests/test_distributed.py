@@ -204,3 +204,32 @@ def test_data_parallel_plot_names_each_process_count(tmp_path: Path, monkeypatch
     assert labels == ["cifar_resnet, 1 process", "cifar_resnet, 2 processes"]
     rows = json.loads((tmp_path / "data_parallel.json").read_text())["rows"]
     assert [r["workload"] for r in rows] == ["cifar_resnet"] * 2  # the table keeps its columns
+
+
+@pytest.fixture
+def rank_1_of_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process as rank 1 of 2 (no group: the collective, where one runs, is faked by the test)."""
+    import kernels.distributed as kd
+
+    monkeypatch.setattr(kd, "rank", lambda: 1)
+    monkeypatch.setattr(kd, "world_size", lambda: 2)
+    monkeypatch.setattr(kd, "active", lambda: True)
+
+
+@pytest.mark.usefixtures("rank_1_of_2")
+def test_shard_takes_this_ranks_stride_and_refuses_an_uneven_batch() -> None:
+    """Rank r of W takes rows r, r + W, ... (DistributedSampler's order), not a contiguous block."""
+    assert torch.equal(shard(torch.arange(6)), torch.tensor([1, 3, 5]))
+    with pytest.raises(ValueError, match="first dimension divisible by the world size 2"):
+        shard(torch.arange(3))
+
+
+@pytest.mark.usefixtures("rank_1_of_2")
+def test_all_mean_averages_every_tensor_of_every_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other rank holds ones: each tensor becomes (t + 1) / 2 in place, float32 and float64 alike,
+    whatever order the dtypes come in."""
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op: t.add_(1))
+    tensors = [torch.arange(3.0), torch.arange(4, dtype=torch.float64).reshape(2, 2), torch.full((2,), 5.0)]
+    want = [(t + 1) / 2 for t in tensors]
+    out = all_mean_(tensors)
+    assert out is tensors and all(torch.equal(t, w) for t, w in zip(out, want, strict=True))

@@ -279,3 +279,60 @@ def test_nan_and_inf_are_stored_as_computed(tmp_path) -> None:
     again = FeatureCache(tmp_path).get_or_compute({"k": 1}, lambda: {})
     for got in (first, again):
         assert torch.equal(got["x"].view(torch.int32), x.view(torch.int32))
+
+
+def test_key_tensors_of_equal_bytes_and_another_dtype_differ() -> None:
+    """Zeros are the same bytes in float32 and int32: the dtype is hashed, not only the bytes."""
+    assert key_hash({"w": torch.zeros(3)}) != key_hash({"w": torch.zeros(3, dtype=torch.int32)})
+
+
+def test_key_names_are_hashed() -> None:
+    assert key_hash({"a": 1}) != key_hash({"b": 1})
+    assert key_hash({"a": torch.ones(2)}) != key_hash({"b": torch.ones(2)})
+
+
+def test_a_new_cache_format_misses(monkeypatch) -> None:
+    before = key_hash({"k": 1})
+    monkeypatch.setattr("kernels.feature_cache.FORMAT", "kernelgate-feature-cache-2")
+    assert key_hash({"k": 1}) != before
+
+
+def test_dict_order_does_not_change_the_hash() -> None:
+    """The same key written in another insertion order (top level and nested) hits the same file."""
+    assert key_hash({"a": 1, "b": {"x": 1, "y": 2}}) == key_hash({"b": {"y": 2, "x": 1}, "a": 1})
+
+
+def test_a_negative_view_key_hashes_as_its_values() -> None:
+    """A view with torch's negative bit (a conjugate's imaginary part; contiguous, as torch._neg_view
+    gives it, nothing on the way copies it) is hashed by its values."""
+    strided, flat = torch.tensor([1 + 2j, 3 - 1j]).conj().imag, torch._neg_view(torch.arange(3.0))
+    assert strided.is_neg() and flat.is_neg() and flat.is_contiguous()
+    for v in (strided, flat):
+        assert key_hash({"v": v}) == key_hash({"v": v.clone()}) != key_hash({"v": -v.clone()})
+
+
+def test_another_keys_file_in_this_keys_place_is_recomputed(tmp_path) -> None:
+    """A valid file written for key A, copied to key B's path, is not B's features."""
+    cache = FeatureCache(tmp_path)
+    a, b = Counter(torch.ones(2)), Counter(torch.zeros(2))
+    cache.get_or_compute({"k": "a"}, a)
+    cache.path({"k": "b"}).write_bytes(cache.path({"k": "a"}).read_bytes())
+    with pytest.warns(UserWarning, match="fails its key"):
+        out = cache.get_or_compute({"k": "b"}, b)
+    assert b.calls == 1 and torch.equal(out["features"], torch.zeros(2))
+
+
+def test_a_renamed_tensor_fails_the_checksum(tmp_path) -> None:
+    """The checksum covers each tensor's name: a file whose tensor was renamed is recomputed."""
+    from safetensors.torch import save_file
+
+    from kernels.feature_cache import read_safetensors
+
+    cache, x = FeatureCache(tmp_path), torch.arange(4.0)
+    cache.get_or_compute({"k": 1}, lambda: {"x": x})
+    path = cache.path({"k": 1})
+    _, meta = read_safetensors(path)
+    save_file({"y": x}, path, metadata=meta)
+    with pytest.warns(UserWarning, match="fails its checksum"):
+        out = cache.get_or_compute({"k": 1}, lambda: {"x": x})
+    assert list(out) == ["x"]

@@ -219,3 +219,12 @@ def test_a_forward_mode_tangent_is_never_dropped_by_the_c_part() -> None:
         assert not nontemporal._streamable(dual, a, torch.zeros(2, 3, 5))
         with pytest.raises(RuntimeError, match="forward AD"):
             nontemporal.outer(dual, a, torch.zeros(2, 3, 5), stream=True)
+
+
+def test_outer_broadcasts_a_batch_of_one_as_torch_mul(calls: list) -> None:
+    """g or a with one sample, broadcast over the batch: torch.mul computes it, the C part (which
+    reads B samples of each) is not asked to."""
+    g, a = torch.randn(3, 5, 1), torch.randn(3, 1, 7)
+    for g_, a_ in [(g, a[:1]), (g[:1], a)]:
+        assert torch.equal(nontemporal.outer(g_, a_, torch.zeros(3, 5, 7), stream=True), g_ * a_)
+    assert calls == []

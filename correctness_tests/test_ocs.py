@@ -139,3 +139,12 @@ def test_the_results_json_config_holds_mnist(tmp_path, monkeypatch) -> None:
     config = json.loads((tmp_path / "ocs.json").read_text())["config"]
     assert config.get("mnist") == root
     assert ocs.Config(**config) == ocs.Config(tasks=1, passes=1, mnist=root)
+
+
+def test_the_mlp_has_relu_after_each_hidden_layer_and_one_dropout() -> None:
+    """Linear + ReLU per hidden layer, logits left linear, dropout after the first hidden layer only."""
+    from kernels.models import MLP
+
+    kinds = [type(m).__name__ for m in MLP((4, 8, 8, 8, 3), dropout=0.5).net]
+    assert kinds == ["Linear", "ReLU", "Dropout", "Linear", "ReLU", "Linear", "ReLU", "Linear"]
+    assert [type(m).__name__ for m in MLP((4, 3)).net] == ["Linear"]

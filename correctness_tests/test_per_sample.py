@@ -1086,3 +1086,126 @@ def test_a_batch_of_one_whose_output_loses_its_batch_dim(name: str) -> None:
     x, y = torch.randn(1, 4, dtype=torch.float64), torch.tensor([2])
     got, want = (getattr(side, name)(wrapped, loss, x, y) for side in (kernels, reference))
     assert_dicts_close(got, want, ELEMENTWISE) if isinstance(want, dict) else assert_close(got, want, REDUCTION)
+
+
+class _MixesSlightly(nn.Module):
+    """Subtracts a small multiple of the batch mean: samples mix, by far more than rounding."""
+
+    def __init__(self, amount: float) -> None:
+        super().__init__()
+        self.fc, self.head, self.amount = nn.Linear(6, 6), nn.Linear(6, 3), amount
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.head(h - self.amount * h.mean(0, keepdim=True))
+
+
+@pytest.mark.parametrize(("dtype", "amount"), [(torch.float32, 1e-4), (torch.float64, 1e-9)])
+def test_the_probe_sees_samples_that_mix_by_ten_thousand_ulps(dtype, amount: float) -> None:
+    """The probe's bound is min(64 eps, sqrt(eps)) normwise: mixing of ~1e4 ulps (fp32 gradients 1e-4
+    off, past ELEMENTWISE) is seen and goes to vmap, which the reference agrees with."""
+    from kernels.layer_capture import Fallback, capture
+
+    torch.manual_seed(0)
+    model, x, y = _MixesSlightly(amount).to(dtype), torch.randn(5, 6, dtype=dtype), torch.randint(0, 3, (5,))
+    with pytest.raises(Fallback, match="the probe samples give other layer inputs or outputs"):
+        capture(model, F.cross_entropy, x, y, {"fc": model.fc, "head": model.head})
+    assert_dicts_close(kernels.per_sample_grads(model, F.cross_entropy, x, y),
+                       reference.per_sample_grads(model, F.cross_entropy, x, y), ELEMENTWISE)
+
+
+class _DepthByBatch(nn.Module):
+    """Calls its Linear a second time in batches of more than 3: the probe's batch of 3 calls it once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.head(self.fc(torch.tanh(h)) if len(x) > 3 else h)
+
+
+def test_a_probe_that_calls_the_layers_differently_takes_vmap() -> None:
+    from kernels.layer_capture import Fallback, capture
+
+    torch.manual_seed(0)
+    model, x, y = _DepthByBatch().double(), torch.randn(5, 6, dtype=torch.float64), torch.randint(0, 3, (5,))
+    with pytest.raises(Fallback, match="the probe samples call the layers differently"):
+        capture(model, F.cross_entropy, x, y, {"fc": model.fc, "head": model.head})
+    _both("per_sample_grads", model, x, y)
+
+
+class _ScalesItsInputLater(nn.Module):
+    """Scales the Linear's input in place after the call: the captured input is no longer the one used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2.0
+        out = self.fc(h)
+        h.mul_(3.0)
+        return out + h[:, :3]
+
+
+@pytest.mark.parametrize("side", [kernels, reference], ids=["kernels", "reference"])
+def test_an_input_modified_in_place_after_the_call_is_not_captured(side) -> None:
+    """The capture refuses it (its version counter moved); vmap then meets autograd's own refusal."""
+    from kernels.layer_capture import Fallback, capture
+
+    torch.manual_seed(0)
+    model, x, y = _ScalesItsInputLater(), torch.randn(5, 6), torch.randint(0, 3, (5,))
+    with pytest.raises(Fallback, match="fc: its input was modified in place after the call"):
+        capture(model, F.cross_entropy, x, y, {"fc": model.fc})
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        side.per_sample_grads(model, F.cross_entropy, x, y)
+
+
+class _StoresItsActivation(nn.Module):
+    """Keeps its first Linear's output on the model, for a loss_fn that reads it (an activity penalty)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.h = self.fc(x)
+        return self.head(torch.tanh(self.h))
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_a_loss_that_reads_an_activation_stored_on_the_model_is_refused_by_the_capture(batch: int) -> None:
+    """The loss reaches fc's parameters through model.h, past the model's output: the identity would
+    leave that term's gradient out. The probe's forwards run before the batch's, so model.h is the
+    batch's when the loss reads it (run after, they left their own graph-less h: gradients silently
+    off), and after a call the model holds what a forward of the batch leaves."""
+    from kernels.layer_capture import capture
+
+    torch.manual_seed(0)
+    model, x, y = _StoresItsActivation(), torch.randn(batch, 6), torch.randint(0, 3, (batch,))
+    loss = lambda o, t: F.cross_entropy(o, t) + model.h.pow(2).mean()  # noqa: E731
+    with pytest.raises(ValueError, match=r"loss_fn reaches model parameter\(s\) \['fc.weight', 'fc.bias'\]"):
+        capture(model, loss, x, y, {"fc": model.fc, "head": model.head})
+    for name in FUNCS:
+        with pytest.raises(ValueError, match="an activation the forward stored on the model"):
+            getattr(kernels, name)(model, loss, x, y)
+        getattr(kernels, name)(model, F.cross_entropy, x, y)
+        assert model.h.shape == (batch, 6)
+
+
+def test_functional_call_leaves_a_layer_registered_twice_its_own_tensors() -> None:
+    """kernels._stateless.functional_call (vmap's path) puts back every parameter and buffer slot the
+    call left changed, also when the call raises."""
+    from kernels._stateless import functional_call
+
+    norm = nn.BatchNorm1d(4)
+    model = nn.Sequential(norm, nn.Tanh(), norm)
+    own = dict(norm.named_parameters()) | dict(norm.named_buffers())
+    new = {n: t.detach() + 1 for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    functional_call(model, new, (torch.randn(3, 4),))
+    assert all(t is own[n] for n, t in [*norm.named_parameters(), *norm.named_buffers()])
+    with pytest.raises(RuntimeError):
+        functional_call(model, new, (torch.randn(3, 5),))  # 5 features for 4
+    assert all(t is own[n] for n, t in [*norm.named_parameters(), *norm.named_buffers()])

@@ -218,3 +218,21 @@ def test_a_bad_checkpoint_is_refused_before_any_run(capsys, monkeypatch, tmp_pat
         assert "--checkpoint" in err and message in err, (args, err)
     with pytest.raises(Started):  # a new file
         vit_rope_cli.main([*argv, str(tmp_path / "new.safetensors")])
+
+
+def test_tokens_are_patches_in_raster_order_and_attention_reads_the_normed_tokens() -> None:
+    """Token 8 r + c is the 4x4 patch at row r, column c (RoPE's positions follow it); a block's
+    attention sees norm1 of its tokens (pre-LN)."""
+    from correctness_tests.tolerances import ELEMENTWISE, assert_close
+
+    torch.manual_seed(0)
+    model, x, seen = RopeViT(dim=8, heads=2, depth=1), torch.randn(2, 3, 32, 32), {}
+    block = model.blocks[0]
+    block.register_forward_pre_hook(lambda m, args: seen.setdefault("tokens", args[0]))
+    block.attn.register_forward_pre_hook(lambda m, args: seen.setdefault("attention", args[0]))
+    with torch.no_grad():
+        model(x)
+        for r, c in [(0, 1), (2, 5), (7, 0)]:
+            patch = F.conv2d(x[:, :, 4 * r:4 * r + 4, 4 * c:4 * c + 4], model.patch.weight, model.patch.bias)
+            assert_close(seen["tokens"][:, 8 * r + c], patch.flatten(1), ELEMENTWISE)
+        assert_close(seen["attention"], block.norm1(seen["tokens"]), ELEMENTWISE)

@@ -181,21 +181,30 @@ def _forward(model: nn.Module, x: Tensor, layers: dict[str, nn.Module],
             h.remove()
 
 
-def _probe(model: nn.Module, inputs: Tensor, outputs: Tensor, layers: dict[str, nn.Module],
-           seen: dict[str, list]) -> None:
+Probe = list[tuple[Tensor, object, dict[str, list]]]
+
+
+def _probe_forward(model: nn.Module, inputs: Tensor, layers: dict[str, nn.Module]) -> Probe:
+    """The probe's forwards (``_probe``), run before the batch's own: what a forward leaves on the
+    model (an activation a loss_fn reads, ``self.h = ...``) is then the batch's, not the probe's."""
+    batch = inputs.shape[0]
+    runs = []
+    for rows in [[batch - 1, 1, 0]] if batch > 3 else [[i] for i in range(batch)]:
+        index = torch.tensor(rows, device=inputs.device)
+        with torch.no_grad():  # the rows gathered (a copy): a model may view its input across the batch dim
+            runs.append((index, *_forward(model, inputs.index_select(0, index), layers, None)))
+    return runs
+
+
+def _probe(runs: Probe, outputs: Tensor, layers: dict[str, nn.Module], seen: dict[str, list]) -> None:
     """The last, second and first samples, run in that order as a batch of their own (one
     forward), must reproduce their batched model outputs and every layer input: the last one
     catches shifts between neighbours and batch-indexed additions such as ``pe[:x.size(0)]``,
     the reversed order a reordering inside the model and mixing with a fixed sample (``h[:1]``),
     the second sample a mixing symmetric under reversal (a flipped batch: its mirror is not the
     probe's). B <= 3: each sample alone (a forward each; 3 reversed would be the batch itself)."""
-    batch = inputs.shape[0]
-    probes = [[batch - 1, 1, 0]] if batch > 3 else [[i] for i in range(batch)]
     pairs = []
-    for rows in probes:
-        index = torch.tensor(rows, device=inputs.device)
-        with torch.no_grad():  # the rows gathered (a copy): a model may view its input across the batch dim
-            out_p, seen_p = _forward(model, inputs.index_select(0, index), layers, None)
+    for index, out_p, seen_p in runs:
         if not isinstance(out_p, Tensor) or any(len(seen_p[n]) != len(seen[n]) for n in layers):
             raise Fallback("the probe samples call the layers differently")
         pairs += [(outputs.detach().index_select(0, index), out_p)]
@@ -257,13 +266,14 @@ def capture(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
     batch = inputs.shape[0]
     if _global_hooks():  # they run before any module's own hooks, the capture's too: it would see their output
         raise Fallback("a global module forward hook is registered")
+    probe = _probe_forward(model, inputs, layers) if batch > 1 else []
     out, seen = _forward(model, inputs, layers, batch)
     if not isinstance(out, Tensor):
         raise Fallback("the model's output is not a Tensor")
     if out.ndim == 0 or out.shape[0] != batch:  # squeezed at B=1, say: per sample only through vmap
         raise Fallback(f"the model's output {tuple(out.shape)} has no batch dim {batch} first")
-    if batch > 1:
-        _probe(model, inputs, out, layers, seen)
+    if probe:
+        _probe(probe, out, layers, seen)
     losses = per_sample_losses(loss_fn, out, targets)
     if losses.shape != (batch,):
         raise ValueError(f"loss_fn must return a scalar per sample, got shape {tuple(losses.shape[1:])}")
