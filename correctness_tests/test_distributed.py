@@ -233,3 +233,31 @@ def test_all_mean_averages_every_tensor_of_every_dtype(monkeypatch: pytest.Monke
     want = [(t + 1) / 2 for t in tensors]
     out = all_mean_(tensors)
     assert out is tensors and all(torch.equal(t, w) for t, w in zip(out, want, strict=True))
+
+
+@pytest.mark.usefixtures("rank_1_of_2")
+def test_agree_is_true_only_where_every_rank_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other rank's flag is reduced with this one's by MIN: one rank's False is every rank's."""
+    from kernels.distributed import agree
+
+    other = {"flag": 0}
+
+    def all_reduce(t: torch.Tensor, op) -> None:  # the other rank holds other["flag"]
+        t.copy_(torch.minimum(t, torch.tensor([other["flag"]])) if op == torch.distributed.ReduceOp.MIN
+                else torch.maximum(t, torch.tensor([other["flag"]])))
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda: "gloo")
+    assert agree(True) is False and agree(False) is False
+    other["flag"] = 1
+    assert agree(True) is True and agree(False) is False
+
+
+def test_the_sampler_takes_this_ranks_share_with_the_seed_given() -> None:
+    """DistributedSampler with this process's rank and group size, and the seed asked for: two
+    seeds shuffle differently, one seed alike on every call."""
+    data = torch.utils.data.TensorDataset(torch.arange(20))
+    dp = DataParallel(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"))
+    one, again, other = (dp.sampler(data, seed=s) for s in (5, 5, 6))
+    assert (one.rank, one.num_replicas, one.seed) == (1, 2, 5) and len(list(one)) == 10
+    assert list(one) == list(again) and list(one) != list(other)
