@@ -249,6 +249,30 @@ def test_the_rule_on_measured_intervals(measured: tuple, confirm: dict, outcome:
         assert "each stretch alone is beyond it: the first up to 0.930x" in message
 
 
+def test_the_rules_lines_and_their_boundaries() -> None:
+    """The line is 1 / (1 + tolerance), reached at its value; faster needs a low over 1 + tolerance."""
+    line = 1.0 / 1.05
+    assert _judged(0.9, 0.85, 0.951)[0] == "FAIL"  # under 1 / 1.05 = 0.9524, over 1 - 0.05
+    assert _judged(0.80, 0.75, 0.85, confirm_ratio=0.9, confirm_low=0.85, confirm_high=line)[0] == "unresolved"
+    assert _judged(1.2, 1.05, 1.4)[0] == "ok"
+    assert _judged(1.0, 0.96, 1.04)[0] == "ok"
+
+
+def test_a_second_stretch_that_reads_no_higher_than_the_interval_does_not_clear_a_slowdown() -> None:
+    """A second stretch reaching the line on its high only, its ratio inside the first interval, fails."""
+    assert _judged(0.80, 0.75, 0.85, confirm_ratio=0.84, confirm_low=0.70, confirm_high=1.0)[0] == "FAIL"
+
+
+def test_a_slowdown_on_a_host_withholding_exactly_the_threshold_is_no_verdict() -> None:
+    """The contended share counts at or above --perf-contended."""
+    from perfgate.abrun import ABRow, judge
+    from perfgate.stats import CONTENDED
+
+    row = ABRow("k", "optimized", "smoke", "t::k", rev_times=[1.0] * 7, this_times=[1.0] * 7, ratio=0.8, low=0.75,
+                high=0.85, contention=CONTENDED)
+    assert judge(row, 0.05) == "unresolved"
+
+
 def _units_case(offset: float, slowdown: float, seed: int) -> tuple[tuple, tuple]:
     """A row of 120 pairs on 6 units a side, block noise 10%, three of this tree's units (one
     worker's copies) ``offset`` slower for their whole life, this tree's code ``slowdown`` slower:
@@ -387,6 +411,78 @@ def test_a_second_stretch_that_straddles_is_timed_further_before_it_clears_a_slo
     host_blip = [(1.0, 0.1)]
     assert ([_confirmed(1.2, host_blip, 0.05, seed) for seed in range(40)].count("FAIL")
             == [_confirmed(1.2, host_blip, 0.05, seed, settle=False) for seed in range(40)].count("FAIL"))
+
+
+class _Scripted:
+    """A Comparer whose pairs read REV/this ``ratio(k)`` for pair k, each block on a unit of its own, 1 s a pair
+    on a fake clock, the host withholding ``share``."""
+
+    def __init__(self, monkeypatch, ratio, budget, share: float = 0.0):
+        import types
+
+        import perfgate.abrun as A
+
+        clock = [0.0]
+        monkeypatch.setattr(A, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+        class Comparer(A.Comparer):
+            def pairs(self, row, count: int, into, loads) -> None:
+                for _ in range(count):
+                    k = len(into)
+                    into.rev.append(ratio(k))
+                    into.this.append(1.0)
+                    into.rev_units.append(2 * k)
+                    into.this_units.append(2 * k + 1)
+                    loads.append((1.0, share))
+                    clock[0] += 1.0
+
+        self.comparer = Comparer(None, 0.05, budget)
+
+    def row(self):
+        from perfgate.abrun import ABRow
+
+        return ABRow("k", "optimized", "smoke", "t::k")
+
+
+def test_a_rows_planned_pairs_stop_when_its_early_interval_clears_the_line(monkeypatch) -> None:
+    """Planned pairs are cut short once the 99% (``state.EARLY``) interval clears the line, not the 95% one."""
+    from perfgate.abrun import Budget
+    from perfgate.state import MIN_PAIRS
+
+    scripted = _Scripted(monkeypatch, lambda k: 1.0 + 0.001 * (k % 5), Budget(seconds=100.0))
+    row = scripted.row()
+    scripted.comparer.time_row(row)
+    assert len(row.rev_times) > MIN_PAIRS and row.low >= 1 / 1.05
+
+
+def test_a_straddling_row_is_extended_up_to_max_pairs_and_its_share_of_the_budget(monkeypatch) -> None:
+    """An extension doubles the pairs up to MAX_PAIRS in all, and within the row's share of what is left."""
+    from perfgate.abrun import MAX_PAIRS, Budget
+
+    straddling = lambda k: 0.9 if k % 2 else 1.0  # noqa: E731
+    scripted = _Scripted(monkeypatch, straddling, Budget(seconds=0.0, extend_s=1e6, total_s=1e6))
+    row = scripted.row()
+    scripted.comparer.time_row(row)
+    assert len(row.rev_times) == MAX_PAIRS
+    scripted = _Scripted(monkeypatch, straddling, Budget(seconds=0.0, extend_s=100.0, total_s=40.0))
+    row = scripted.row()
+    scripted.comparer.time_row(row, rows_left=4)  # 10 s: 7 pairs, then 3
+    assert len(row.rev_times) == 17
+
+
+def test_a_second_stretch_is_at_least_twice_min_pairs_and_keeps_the_first_stretchs_contention(monkeypatch) -> None:
+    """A row timed again gets 2 x MIN_PAIRS fresh pairs, all counted as ``confirmed``; the host's withheld share is
+    the larger of the two stretches'."""
+    from perfgate.abrun import Budget
+    from perfgate.state import MIN_PAIRS
+
+    scripted = _Scripted(monkeypatch, lambda k: 0.5 + 0.001 * (k % 3), Budget(seconds=0.0, extend_s=10.0))
+    row = scripted.row()
+    scripted.comparer.time_row(row)
+    assert len(row.rev_times) == MIN_PAIRS
+    row.contention = 0.3
+    scripted.comparer.confirm(row)
+    assert row.confirmed == 2 * MIN_PAIRS and len(row.rev_times) == 3 * MIN_PAIRS and row.contention == 0.3
 
 
 def _needs_build(project: pytest.Pytester, build: str) -> None:

@@ -76,6 +76,27 @@ def test_a_second_stretch_that_reads_as_the_first_fails_whatever_its_high() -> N
     assert gate(_row(**base, confirmed=7, confirm_speedup=2.5, confirm_high=4.0), 0.2)
 
 
+def test_a_second_stretch_reading_at_the_intervals_high_does_not_disagree() -> None:
+    """A second stretch reading at the interval's high, not above it, leaves the miss standing."""
+    row = _row(confirmed=7, confirm_speedup=2.1, confirm_high=3.5)
+    assert gate(row, 0.2) and row.outcome == "FAIL"
+
+
+def test_a_second_stretch_whose_high_is_the_floor_reaches_it() -> None:
+    """A second stretch above the first whose high is exactly the floor reaches it: unresolved."""
+    row = _row(confirmed=7, confirm_speedup=2.8, confirm_high=3.0)
+    assert gate(row, 0.2) == [] and row.outcome == "unresolved"
+
+
+def test_a_second_stretch_clears_a_baseline_miss_by_either_of_its_rules() -> None:
+    """A second stretch within the tolerance, or reaching the baseline's low, leaves a baseline miss unresolved."""
+    base = dict(floor=None, baseline=4.0, baseline_low=3.8)  # fails under 3.2 with the interval under 3.8
+    within = _row(**base, confirmed=9, confirm_speedup=3.3, confirm_high=3.6)
+    assert gate(within, 0.2) == [] and within.outcome == "unresolved"
+    reaches = _row(**base, confirmed=9, confirm_speedup=3.0, confirm_high=3.8)
+    assert gate(reaches, 0.2) == [] and reaches.outcome == "unresolved"
+
+
 def test_a_baseline_miss_is_confirmed_the_same_way() -> None:
     base = dict(floor=None, baseline=4.0, baseline_low=3.8)
     assert gate(_row(**base, confirmed=9, confirm_speedup=2.0, confirm_high=2.1), 0.2)  # repeats: fails
@@ -161,3 +182,84 @@ def test_a_failure_the_extension_brings_is_timed_again(again: float, fails: bool
     (row,) = st.compute_rows()
     assert row.extended > 0 and row.confirmed > 0, (calls, row.extended, row.confirmed)
     assert (row.outcome == "FAIL") == fails, (row.outcome, row.failures, row.unresolved)
+
+
+def _state(paired: list[tuple[float, float]], again: float, extend_s: float = 60.0, skipped: int = 0):
+    """A session: row ``k [optimized]`` at ``paired``, floor 3, later pairs at ``again``x; its pair counts."""
+    import types
+
+    from perfgate.state import Floors, GateState, Measurement, Probes, Settings, Visits
+
+    settings = Settings(device="cpu", size="smoke", threads=1, tolerance=0.2, fingerprint={}, slug="x",
+                        extend_s=extend_s)
+    st = GateState(settings, Probes(timer=types.SimpleNamespace(cost=lambda t: t), host=None, threads=1),
+                   floors=Floors())
+    st.floors.speed[("k", "optimized")] = 3.0
+    st.results = {"k": {"reference": Measurement([3.0] * 5, "smoke", "", None),
+                        "optimized": Measurement([1.0] * 5, "smoke", "", None, paired=list(paired))}}
+    st.later.timers[("k", "optimized")] = Visits("k", "optimized", None, None, (1, 1), [])
+    if skipped:
+        st.later.skipped[("k", "optimized")] = skipped
+    calls: list[int] = []
+
+    def time_pairs(later, pairs: int) -> None:
+        st.results["k"]["optimized"].paired += [(again, 1.0)] * pairs
+        calls.append(pairs)
+
+    st._time_pairs = time_pairs
+    return st, calls
+
+
+def test_a_failure_is_timed_again_for_the_pairs_it_was_given_and_at_least_min_pairs() -> None:
+    """A second stretch times as many pairs as the row was given (timed and skipped), at least MIN_PAIRS."""
+    from perfgate.state import MIN_PAIRS
+
+    st, calls = _state([(2.0, 1.0)] * 6, again=2.0)
+    (row,) = st.compute_rows()
+    assert calls == [MIN_PAIRS] and row.confirmed == MIN_PAIRS and row.outcome == "FAIL"
+    assert row.confirm_speedup == pytest.approx(2.0) and row.confirm_high == pytest.approx(2.0)
+    st, calls = _state([(2.0, 1.0)] * 8, again=2.0, extend_s=600.0, skipped=10)
+    (row,) = st.compute_rows()
+    assert calls == [18] and row.confirmed == 18 and row.rounds[0] == 26
+
+
+def test_a_second_stretch_is_read_at_the_verdicts_confidence() -> None:
+    """``confirm_speedup`` and ``confirm_high`` are the second stretch's own 95% interval."""
+    from perfgate.stats import speedup_interval
+
+    st, _ = _state([(2.0, 1.0)] * 20, again=2.0, extend_s=600.0)
+    m = st.results["k"]["optimized"]
+    st.compute_rows()
+    ratios = [2.0 + 0.02 * i for i in range(20)]  # 20 pairs: the 95% and 99% sign intervals differ
+    m.paired[20:] = [(r, 1.0) for r in ratios]
+    row = st._row("k", "optimized")
+    point, _, high = speedup_interval(ratios, [1.0] * 20, 0.95, paired=True)
+    assert (row.confirm_speedup, row.confirm_high) == (pytest.approx(point), pytest.approx(high))
+
+
+def test_no_second_stretch_shorter_than_min_pairs() -> None:
+    """Where --perf-extend holds fewer than MIN_PAIRS pairs, no second stretch is timed."""
+    from perfgate.state import MIN_PAIRS
+
+    st, calls = _state([(2.0, 1.0)] * 8, again=4.0, extend_s=6.0 * (MIN_PAIRS - 1) + 1.0)  # a pair: 6 s
+    (row,) = st.compute_rows()
+    assert calls == [] and row.confirmed == 0 and row.outcome == "FAIL"
+
+
+def test_a_straddled_row_is_extended_only_within_its_budget() -> None:
+    """A straddled row gets only the pairs --perf-extend holds, and ``extended`` counts them."""
+    straddling = [(2.0 + 0.25 * i, 1.0) for i in range(8)]  # 2.0 to 3.75 under a floor of 3
+    st, calls = _state(straddling, again=3.0, extend_s=1.0)  # a pair: about 8 s
+    (row,) = st.compute_rows()
+    assert calls == [] and row.extended == 0 and row.outcome == "unresolved"
+    st, calls = _state(straddling, again=3.5, extend_s=60.0)
+    (row,) = st.compute_rows()
+    assert calls and row.extended == sum(calls) == row.rounds[0] - 8
+
+
+def test_a_confirmed_failure_is_not_extended_for_a_baseline_it_straddles() -> None:
+    """A row failing its floor after its second stretch is not measured further for the baseline it straddles."""
+    st, calls = _state([(2.0, 1.0)] * 8, again=2.0)
+    st.stored.speedups = {"k::optimized::smoke": (2.6, 2.0)}  # under 0.8 x 2.6, its high reaching 2.0
+    (row,) = st.compute_rows()
+    assert calls == [8] and row.extended == 0 and row.outcome == "FAIL"

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from perfgate import timing
-from perfgate.state import Measurement, _bound
+from perfgate.state import GateState, Measurement, Probes, Settings, _bound
 from perfgate.stats import CONTENDED, SpeedupRow, decided, gate
 from perfgate.timing import Bandwidth, HostLoad, PairLoad, bandwidth_withheld, withheld
 
@@ -82,6 +82,25 @@ def test_contention_excuses_only_the_shortfall_it_can_explain() -> None:
     assert gate(_row(0.3, bound=3.3, **base), 0.2) == []
 
 
+def test_contention_at_the_threshold_is_contended() -> None:
+    """A withheld CPU share exactly at --perf-contended, or a bandwidth shortfall exactly at its
+    threshold, leaves a miss unjudged ("at or above")."""
+    at = _row(CONTENDED)
+    assert gate(at, 0.2) == [] and at.outcome == "unresolved"
+    from perfgate.stats import BANDWIDTH_CONTENDED
+
+    at = _row(0.0, bandwidth=BANDWIDTH_CONTENDED)
+    assert gate(at, 0.2) == [] and at.outcome == "unresolved"
+
+
+def test_a_bound_exactly_at_the_line_excuses_the_miss() -> None:
+    """A contended miss whose bound equals its floor or baseline threshold is unresolved."""
+    floor = _row(0.3, bound=3.0)
+    assert gate(floor, 0.2) == [] and floor.outcome == "unresolved"
+    base = _row(0.3, bound=3.0, floor=None, baseline=4.0, baseline_low=3.0)  # threshold min(0.8 x 4.0, 3.0)
+    assert gate(base, 0.2) == [] and base.outcome == "unresolved"
+
+
 def test_a_bandwidth_shortfall_is_contention_too() -> None:
     """A streaming probe beside the pairs that read far under the session's quiet figure: a neighbour took
     memory bandwidth, which /proc does not show."""
@@ -107,6 +126,14 @@ def test_the_bound_charges_each_pairs_delay_to_the_impls_block_median() -> None:
     assert _bound(m, ref, opt, 10.0, 0.95) == pytest.approx(8.0, rel=0.03)  # 8 / ((4 - 2) x 0.5)
     m.load = [PairLoad(0.1, 0.3, 0.015)] * 7
     assert _bound(m, ref, opt, None, 0.95) == float("inf")  # 15 ms / 3 > 4 ms: it explains anything
+
+
+def test_a_probe_reading_over_the_quiet_bandwidth_does_not_lower_the_bound() -> None:
+    """A probe reading over the quiet bandwidth scales the impl's reading by 1, not more."""
+    ref, opt = _ms([8.0, 8.1, 7.9, 8.0, 8.05, 7.95, 8.0]), _ms([4.0, 4.05, 3.95, 4.0, 4.0, 4.02, 3.98])
+    m = Measurement(times=[], size="smoke", label="", peak_bytes=None, calls=5)
+    m.load = [PairLoad(0.1, 0.3, 0.006, gbps=20.0)] * 7
+    assert _bound(m, ref, opt, 10.0, 0.95) == pytest.approx(4.0, rel=0.03)  # as unprobed: 8 / (4 - 6/3)
 
 
 def test_withheld_weights_the_pairs_by_their_wall_time() -> None:
@@ -140,6 +167,52 @@ def test_a_row_is_decided_when_every_rule_that_applies_to_it_is_cleared() -> Non
     assert decided(_gated(_row(0.0, speedup=3.9, low=3.5, high=4.2, **base)), 0.2)
     assert decided(_gated(_row(0.0, speedup=2.5, low=2.4, high=2.6, **base)), 0.2)  # failed
     assert decided(_gated(_row(0.0, speedup=3.3, low=3.1, high=3.9, peer=True, **base)), 0.2)  # not gated
+
+
+def test_decided_at_the_boundaries_of_the_baselines_threshold_and_of_may_fail() -> None:
+    """A low exactly at the baseline's threshold is decided; a failure that may not fail yet is not."""
+    base = dict(floor=None, baseline=4.0, baseline_low=3.0)  # threshold min(0.8 x 4.0, 3.0) = 3.0
+    assert decided(_gated(_row(0.0, speedup=3.5, low=3.0, high=3.9, **base)), 0.2)
+    assert not decided(_gated(_row(0.0)), 0.2, may_fail=False)
+
+
+def _revisited(ratios: list[float], shares: list[int], all_visits: bool = False) -> tuple[list[int], GateState]:
+    """Row ``k [optimized]`` (floor 3) at ``ratios``, revisited: the pairs each later visit timed, the state."""
+    import types
+
+    from perfgate.state import Visits
+
+    settings = Settings(device="cpu", size="smoke", threads=1, tolerance=0.2, fingerprint={}, slug="x",
+                        all_visits=all_visits)
+    st = GateState(settings, Probes(timer=types.SimpleNamespace(cost=lambda t: t), host=None, threads=1))
+    st.floors.speed[("k", "optimized")] = 3.0
+    st.results = {"k": {"reference": Measurement([4.0] * 5, "smoke", "", None),
+                        "optimized": Measurement([1.0] * 5, "smoke", "", None, paired=[(r, 1.0) for r in ratios],
+                                                 visits=1 + len(shares))}}
+    st.later.pending.append(Visits("k", "optimized", None, None, (1, 1), list(shares)))
+    calls: list[int] = []
+
+    def time_pairs(later, pairs: int) -> None:
+        st.results["k"]["optimized"].paired += [(4.0, 1.0)] * pairs
+        calls.append(pairs)
+
+    st._time_pairs = time_pairs
+    st.revisit()
+    return calls, st
+
+
+def test_a_decided_row_skips_its_later_visits_and_counts_them() -> None:
+    """A decided row's later pairs are skipped and counted, its visits taken off; --perf-all-visits times them."""
+    calls, st = _revisited([4.0 + 0.05 * i for i in range(8)], [5, 6])
+    assert calls == [] and st.later.skipped[("k", "optimized")] == 11 and st.results["k"]["optimized"].visits == 1
+    calls, st = _revisited([4.0 + 0.05 * i for i in range(8)], [5, 6], all_visits=True)
+    assert calls == [5, 6] and not st.later.skipped and st.results["k"]["optimized"].visits == 3
+
+
+def test_the_stopping_rule_decides_on_the_early_interval() -> None:
+    """A row clearing its floor at 95% but straddling it at ``state.EARLY`` (99%) is visited again."""
+    calls, st = _revisited([2.0] + [4.0 + 0.05 * i for i in range(9)], [5])
+    assert calls == [5] and not st.later.skipped
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not os.path.exists("/proc/self/task"),

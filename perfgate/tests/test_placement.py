@@ -65,11 +65,26 @@ def test_a_kernel_slower_on_the_near_pairs_too_fails() -> None:
     assert gate(base, 0.2) and base.outcome == "FAIL"
 
 
+def test_a_second_stretch_is_compared_with_the_near_pairs_a_placed_miss_is_judged_on() -> None:
+    """A placed miss's second stretch must read above the near pairs' interval, not only all the pairs'."""
+    row = _row(apart=0.5, near_pairs=10, near_speedup=2.2, near_low=2.0, near_high=2.4, confirmed=7,
+               confirm_speedup=2.3, confirm_high=3.2)
+    assert gate(row, 0.2) and row.outcome == "FAIL"
+
+
 def test_the_placement_never_hides_a_met_floor_and_inf_judges_every_row() -> None:
     met = _row(speedup=4.0, low=3.5, high=4.5, apart=1.0, near_pairs=0)
     assert gate(met, 0.2) == [] and met.outcome == "ok"
     judged = _row(apart=1.0, near_pairs=0)
     assert gate(judged, 0.2, contended=float("inf")) and judged.outcome == "FAIL"  # --perf-contended=inf
+
+
+def test_apart_is_over_apart_times_the_nearest_up_to_a_partner_that_did_not_run() -> None:
+    """A reading of exactly APART x the nearest is near; one of exactly PARTNER_IDLE_NS is still a placement."""
+    from perfgate.stats import PARTNER_IDLE_NS, apart
+
+    assert not apart(APART * 50.0, 50.0) and apart(APART * 50.0 + 1.0, 50.0)
+    assert apart(PARTNER_IDLE_NS, 50.0) and not apart(PARTNER_IDLE_NS + 1.0, 50.0)
 
 
 def _state(stored_ns: float | None) -> GateState:
@@ -116,6 +131,46 @@ def _judged(st: GateState, load: list[PairLoad]) -> SpeedupRow:
     st.results["k"] = {"reference": Measurement([8.0] * 10, "smoke", "", None),
                        "optimized": Measurement([4.0] * 10, "smoke", "", None, paired=paired, load=load)}
     return st._row("k", "optimized")
+
+
+def test_min_pairs_timed_near_are_enough_to_judge_on() -> None:
+    """Exactly MIN_PAIRS pairs timed near give the row its near pairs' speedup and interval."""
+    st = _state(None)
+    load = [PairLoad(wall=1.0, share=0.0, delay=0.0, round_trip_ns=50.0)] * MIN_PAIRS + \
+           [PairLoad(wall=1.0, share=0.0, delay=0.0, round_trip_ns=320.0)] * 3
+    st.results["k"] = {"reference": Measurement([8.0] * 10, "smoke", "", None),
+                       "optimized": Measurement([2.0] * 10, "smoke", "", None,
+                                                paired=[(8.0, 2.0)] * MIN_PAIRS + [(8.0, 4.0)] * 3, load=load)}
+    row = st._row("k", "optimized")
+    assert row.near_pairs == MIN_PAIRS and row.near_speedup == pytest.approx(4.0)
+
+
+def test_a_miss_left_to_the_placement_is_timed_again() -> None:
+    """A miss left to the placement (its near pairs clear the floor) is timed again, as a failure is."""
+    import types
+
+    from perfgate.state import Visits
+
+    st = _state(None)
+    st.probes = Probes(types.SimpleNamespace(cost=lambda t: t * 1e-3), None, 2)
+    near, far = PairLoad(wall=1.0, share=0.0, delay=0.0, round_trip_ns=50.0), \
+        PairLoad(wall=1.0, share=0.0, delay=0.0, round_trip_ns=320.0)
+    st.floors.speed[("k", "optimized")] = 3.0
+    st.results["k"] = {"reference": Measurement([8.0] * 30, "smoke", "", None),
+                       "optimized": Measurement([4.0] * 30, "smoke", "", None,
+                                                paired=[(8.0, 2.0)] * 7 + [(8.0, 4.0)] * 23,
+                                                load=[near] * 7 + [far] * 23)}
+    st.later.timers[("k", "optimized")] = Visits("k", "optimized", None, None, (1, 1), [])
+    assert st._row("k", "optimized").outcome == "unresolved"
+
+    def time_pairs(later, pairs: int) -> None:
+        m = st.results["k"]["optimized"]
+        m.paired += [(8.0, 2.0)] * pairs
+        m.load += [near] * pairs
+
+    st._time_pairs = time_pairs
+    (row,) = st.compute_rows()
+    assert row.confirmed == 30, (row.confirmed, row.outcome, row.unresolved)
 
 
 def test_a_partner_that_did_not_run_is_no_placement() -> None:

@@ -513,6 +513,13 @@ def test_a_speedup_from_no_time_fails() -> None:
     assert gate(row, 0.2) and row.outcome == "FAIL" and "finite times > 0" in row.failures[0]
 
 
+def test_a_speedup_from_a_zero_time_fails() -> None:
+    """A reference timed at 0 ms gives no speedup: the row fails, floor or not."""
+    row = SpeedupRow(kernel="k", impl="optimized", size="smoke", label="", device="cpu",
+                     reference_ms=0.0, optimized_ms=1.0, speedup=0.0, low=0.0, high=0.0, rounds=(9, 9))
+    assert gate(row, 0.2) and row.outcome == "FAIL" and "finite times > 0" in row.failures[0]
+
+
 def test_gate_rules() -> None:
     row = SpeedupRow(kernel="k", impl="optimized", size="smoke", label="", device="cpu",
                      reference_ms=4.0, optimized_ms=1.0, speedup=4.0, low=3.5, high=4.5, rounds=(9, 9))
@@ -552,6 +559,104 @@ def test_gate_rules() -> None:
     assert "more than 20% under the stored baseline's 60.0%" in gate(row, 0.2)[0]
     row.memory_baseline, row.memory_floor = 0.4, None  # rows without a memory floor are not memory-gated
     assert gate(row, 0.2) == []
+
+
+def test_an_interval_whose_high_is_the_floor_straddles_it() -> None:
+    """An interval whose high is the floor (``low < floor <= high``) straddles it: neither met nor missed."""
+    row = SpeedupRow(kernel="k", impl="optimized", size="smoke", label="", device="cpu",
+                     reference_ms=4.0, optimized_ms=1.5, speedup=2.7, low=2.5, high=3.0, rounds=(9, 9), floor=3.0)
+    assert gate(row, 0.2) == [] and row.straddles_floor and row.outcome == "unresolved"
+
+
+def test_a_speedup_exactly_the_tolerance_under_its_baseline_has_not_fallen_more() -> None:
+    """A speedup at (1 - tolerance) x the baseline has not fallen more than the tolerance: no failure."""
+    row = SpeedupRow(kernel="k", impl="optimized", size="smoke", label="", device="cpu", reference_ms=4.0,
+                     optimized_ms=1.0, speedup=4.0, low=3.8, high=4.2, rounds=(9, 9), baseline=5.0,
+                     baseline_low=4.9)
+    assert gate(row, 0.2) == [] and row.outcome == "ok"
+
+
+def test_an_interval_whose_high_is_the_baselines_low_still_reaches_it() -> None:
+    """A speedup fallen past the tolerance whose high is the baseline's low still reaches it: unresolved."""
+    row = SpeedupRow(kernel="k", impl="optimized", size="smoke", label="", device="cpu", reference_ms=4.0,
+                     optimized_ms=1.0, speedup=3.0, low=2.8, high=3.5, rounds=(9, 9), baseline=4.0,
+                     baseline_low=3.5)
+    assert gate(row, 0.2) == [] and row.outcome == "unresolved"
+
+
+def test_a_peer_row_under_its_baseline_is_neither_measured_further_nor_failed() -> None:
+    """A peer row fallen under its baseline, its interval reaching the baseline's or not, is ok."""
+    row = SpeedupRow(kernel="k", impl="optimized vs peer", size="smoke", label="", device="cpu", reference_ms=4.0,
+                     optimized_ms=1.0, speedup=3.0, low=2.8, high=3.9, rounds=(9, 9), baseline=4.0,
+                     baseline_low=3.8, peer=True)
+    assert gate(row, 0.2) == [] and row.outcome == "ok" and not row.unresolved
+    row.high = 3.1
+    assert gate(row, 0.2) == [] and row.outcome == "ok"
+
+
+def test_a_memory_saving_exactly_at_its_floor_meets_it() -> None:
+    """Saved exactly the memory floor's fraction is not under it."""
+    row = SpeedupRow(kernel="k", impl="optimized", size="smoke", label="", device="cpu", reference_ms=4.0,
+                     optimized_ms=1.0, speedup=4.0, low=3.5, high=4.5, rounds=(9, 9), memory_floor=0.5,
+                     reference_peak_bytes=100, optimized_peak_bytes=50)
+    assert gate(row, 0.2) == [] and row.outcome == "ok"
+
+
+def test_a_peer_rows_memory_is_not_gated_by_the_baseline() -> None:
+    """A row about a peer keeps its memory floor but is not failed by its stored baseline's saving."""
+    row = SpeedupRow(kernel="k", impl="optimized vs peer", size="smoke", label="", device="cpu", reference_ms=4.0,
+                     optimized_ms=1.0, speedup=4.0, low=3.5, high=4.5, rounds=(9, 9), memory_floor=0.1,
+                     memory_baseline=0.2, reference_peak_bytes=100, optimized_peak_bytes=50, peer=True)
+    assert gate(row, 0.2) == [] and row.outcome == "ok"
+    row.optimized_peak_bytes = 95  # under its floor: the floor still applies
+    assert "under the floor 10%" in gate(row, 0.2)[0]
+
+
+def test_a_session_without_rows_says_no_verdict() -> None:
+    """No rows and no failures: no closing line, never "gate passed"."""
+    from perfgate.stats import verdict
+
+    assert verdict([], "at or above their floors", "--perf-extend 60 s") == []
+
+
+def test_an_unresolved_row_turns_the_pass_line_into_gate_not_failed() -> None:
+    """An unresolved row and no failure close on "gate not failed", counting it, never "gate passed"."""
+    from perfgate.stats import verdict
+
+    rows = [SpeedupRow(kernel="k", impl="optimized", size="smoke", label="", device="cpu", reference_ms=4.0,
+                       optimized_ms=1.0, speedup=4.0, low=3.5, high=4.5, rounds=(9, 9), floor=f)
+            for f in (3.0, 4.0)]
+    for row in rows:
+        gate(row, 0.2)
+    lines = verdict(rows, "at or above their floors", "--perf-extend 60 s")
+    assert lines[-1][0] == "warn" and "gate not failed: 1 speedup(s) at or above their floors, 1 unresolved" in \
+        lines[-1][1]
+
+
+def test_a_declared_floor_no_row_checked_fails_the_verdict() -> None:
+    """A floor ``missed`` under --perf-require-floors is a failure beside passing rows."""
+    from perfgate.stats import verdict
+
+    row = SpeedupRow(kernel="k", impl="optimized", size="smoke", label="", device="cpu", reference_ms=4.0,
+                     optimized_ms=1.0, speedup=4.0, low=3.5, high=4.5, rounds=(9, 9))
+    gate(row, 0.2)
+    lines = verdict([row], "at or above their floors", "--perf-extend 60 s", ["k [lean] not measured"])
+    assert ("fail", "GATE FAILED: k [lean] not measured") in lines and not any(s == "pass" for s, _ in lines)
+
+
+def test_a_row_timed_against_a_peer_is_about_the_peer() -> None:
+    """A comparison row (its impl timed against a peer) is a peer row: its stored baseline does not gate it."""
+    from perfgate.state import GateState, Measurement, Probes, Settings, Stored
+
+    settings = Settings(device="cpu", size="smoke", threads=1, tolerance=0.2, fingerprint={}, slug="x")
+    stored = Stored(speedups={"k::optimized vs peer::smoke": (5.0, 4.8)})
+    st = GateState(settings, Probes(None, None, 1), stored=stored)
+    st.results["k"] = {"reference": Measurement([8.0] * 9, "smoke", "", None),
+                       "peer": Measurement([4.0] * 9, "smoke", "", None),
+                       "optimized vs peer": Measurement([2.0] * 9, "smoke", "", None, paired=[(4.0, 2.0)] * 9,
+                                                        against="peer")}
+    row = st._row("k", "optimized vs peer")
+    assert row.peer and row.baseline == 5.0 and row.outcome == "ok"
 
 
 def test_a_negative_memory_baseline_loosens_by_the_tolerance() -> None:

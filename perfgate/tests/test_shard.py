@@ -265,3 +265,52 @@ def test_a_merge_names_each_shards_roofline_limits_where_they_differ(pytester: p
     assert _merge(capsys, *same, "--output", str(merged))[0] == 0
     assert report_main([str(merged), "--quiet", "--markdown", str(page)]) == 0
     assert page.read_text().count("stream 30.0 GB/s") == 1 and "50.0" not in page.read_text()
+
+
+def _shard_run(index: int, rows: list[tuple[str, str]], **section) -> dict:
+    """A shard's run as ``stored.read_run`` gives it: rows (kernel, impl) of 2x, shard ``index`` of 2."""
+    speedups = [{"kernel": k, "impl": i, "size": "smoke", "speedup": 2.0} for k, i in rows]
+    return {"_path": f"shard{index}.json", "benchmarks": [], "commit_info": {"id": "c0ffee"}, "datetime": "2026",
+            "perfgate": {"slug": "s", "fingerprint": {"threads": 2}, "size": "smoke", "tolerance": 0.2,
+                         "contended": 0.05, "floors_applied": True, "floors_off": "", "require_floors": False,
+                         "baseline": None, "speedups": speedups,
+                         "shard": {"index": index, "count": 2, "plan": "p"}, **section}}
+
+
+def test_a_merge_refuses_a_row_twice_a_shard_twice_or_another_contended_share() -> None:
+    """Shards repeating a row or a shard, or judged at another --perf-contended, do not merge; the rest sum up."""
+    from perfgate.shard import MergeError, merge
+
+    one, two = _shard_run(1, [("a", "optimized")]), _shard_run(2, [("b", "optimized")])
+    with pytest.raises(MergeError, match="measured in two shards"):
+        merge([one, _shard_run(2, [("a", "optimized")])], "perfgate")
+    with pytest.raises(MergeError, match=r"repeated \[2\]"):
+        merge([one, two, two], "perfgate")
+    with pytest.raises(MergeError, match="another contended"):
+        merge([one, _shard_run(2, [("b", "optimized")], contended=0.5)], "perfgate")
+    unmeasured = [{"kernel": "a", "impl": "optimized"}, {"kernel": "c", "impl": "optimized"}]
+    merged = merge([_shard_run(1, [("a", "optimized")], tests_failed=1),
+                    _shard_run(2, [("b", "optimized")], tests_failed=2, unmeasured_floors=unmeasured)], "perfgate")
+    assert merged["perfgate"]["tests_failed"] == 3
+    assert merged["perfgate"]["unmeasured_floors"] == [{"kernel": "c", "impl": "optimized"}]
+
+
+def test_a_merge_gates_at_the_shards_settings_and_exits_1_on_any_failure(capsys) -> None:
+    """A merge gates at the shards' --perf-contended and --perf-require-floors, and exits 1 on any failure."""
+    from perfgate.report import merged_verdict
+
+    def shards(contention: float, floor: float, **section) -> list[dict]:
+        runs = [_shard_run(1, [("a", "optimized")], **section), _shard_run(2, [("b", "optimized")], **section)]
+        for run in runs:
+            run["perfgate"]["speedups"][0].update(label="", device="cpu", reference_ms=4.0, optimized_ms=2.0,
+                                                 low=1.9, high=2.1, rounds=[9, 9], interleaved=True, floor=floor,
+                                                 contention=contention)
+        return runs
+
+    unmeasured = [{"kernel": "c", "impl": "optimized", "kind": "speedup", "floor": 2.0, "variant": None,
+                   "reason": "deselected", "required": True}]
+    assert merged_verdict(shards(0.0, 1.5), None) == 0
+    assert merged_verdict(shards(0.3, 3.0, contended=float("inf")), None) == 1  # inf: judged, contended or not
+    assert merged_verdict(shards(0.0, 1.5, require_floors=True, unmeasured_floors=unmeasured), None) == 1
+    assert merged_verdict(shards(0.0, 3.0, unmeasured_floors=unmeasured), None) == 1  # a warning follows it
+    capsys.readouterr()

@@ -184,3 +184,31 @@ def test_the_floor_policy_applies_speedup_floors_only_where_they_were_set() -> N
     assert policy("cpu", 2, 2, "default").off == "under --perf-malloc default"
     assert at_one.held_to() == "without speedup floors (not applied at --perf-threads 1)"
     assert FloorPolicy().held_to() == "at or above their floors"
+
+
+def test_a_floor_is_read_for_the_devices_class_and_a_memory_floor_is_under_1() -> None:
+    """Any CUDA device (``cuda:1``) reads cuda= floors; a memory floor of 1 (all saved) is refused."""
+    import types
+
+    from perfgate.floors import checked_value, floor_value
+
+    mark = pytest.mark.speedup(cpu=2.0, cuda={"smoke": 3.0}).mark
+    assert floor_value(mark, "cuda:1", "smoke") == 3.0 and floor_value(mark, "cpu", "smoke") == 2.0
+    item = types.SimpleNamespace(nodeid="t.py::test_k")
+    assert checked_value(item, pytest.mark.memory(cpu=0.0).mark, "memory", "cpu", "smoke") == 0.0
+    with pytest.raises(pytest.UsageError, match="a fraction saved in \\[0, 1\\), got 1"):
+        checked_value(item, pytest.mark.memory(cpu=1.0).mark, "memory", "cpu", "smoke")
+
+
+def test_a_variant_keyed_floor_of_an_impl_timed_without_its_row_applies_where_the_variant_matches() -> None:
+    """Impl timed, reference deselected: a variant-keyed floor is unmeasured on a matching variant only."""
+    from perfgate.floors import Floor, FloorPolicy, Ledger
+
+    floor = Floor(kernel="k", impl="optimized", over=None, kind="speedup", value=2.0, variant="bf16*",
+                  impls=("reference", "optimized"))
+    nodeids = {("k", impl): f"t.py::test_k[{impl}]" for impl in ("reference", "optimized")}
+    ledger = Ledger([floor], nodeids, deselected={"t.py::test_k[reference]"})
+    missed = ledger.unmeasured(set(), {("k", "optimized"): "bf16+channels_last"}, policy=FloorPolicy(),
+                               benchmarks_off=False)
+    assert [(u.reason, u.required) for u in missed] == [("reference deselected", True)]
+    assert ledger.unmeasured(set(), {("k", "optimized"): "fp32"}, policy=FloorPolicy(), benchmarks_off=False) == []
