@@ -181,10 +181,10 @@ def _forward(model: nn.Module, x: Tensor, layers: dict[str, nn.Module],
             h.remove()
 
 
-Probe = list[tuple[Tensor, object, dict[str, list]]]
+_Probe = list[tuple[Tensor, object, dict[str, list]]]  # (rows, output, layer calls) a forward
 
 
-def _probe_forward(model: nn.Module, inputs: Tensor, layers: dict[str, nn.Module]) -> Probe:
+def _probe_forward(model: nn.Module, inputs: Tensor, layers: dict[str, nn.Module]) -> _Probe:
     """The probe's forwards (``_probe``), run before the batch's own: what a forward leaves on the
     model (an activation a loss_fn reads, ``self.h = ...``) is then the batch's, not the probe's."""
     batch = inputs.shape[0]
@@ -196,7 +196,7 @@ def _probe_forward(model: nn.Module, inputs: Tensor, layers: dict[str, nn.Module
     return runs
 
 
-def _probe(runs: Probe, outputs: Tensor, layers: dict[str, nn.Module], seen: dict[str, list]) -> None:
+def _probe(runs: _Probe, outputs: Tensor, layers: dict[str, nn.Module], seen: dict[str, list]) -> None:
     """The last, second and first samples, run in that order as a batch of their own (one
     forward), must reproduce their batched model outputs and every layer input: the last one
     catches shifts between neighbours and batch-indexed additions such as ``pe[:x.size(0)]``,

@@ -76,8 +76,9 @@ def write_results(output_dir: str | Path, stem: str, header: Sequence[str], cell
         with parts[0].open("w", newline="", encoding="utf8") as fh:
             writer = csv.writer(fh)
             # each line names its machine: a CSV is read apart from the JSON beside it
+            where = described(on)
             writer.writerow([*header, "machine"])
-            writer.writerows([*row, described(on)] for row in cells)
+            writer.writerows([*row, where] for row in cells)
         record = {"workload": stem, "machine": on,
                   "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(vars(config)),
                   "header": list(header), "rows": [dict(zip(header, row, strict=True)) for row in cells],

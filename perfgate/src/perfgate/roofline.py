@@ -239,8 +239,9 @@ def _counter() -> Any:
             flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             self.note_inputs(flat, *_written(func, args, kwargs))
             out = func(*args, **kwargs)
-            kind = next((t.dtype for t in flat if t.is_floating_point() or t.is_complex()), None)
-            if formula is not None and kind is not None:  # an integer matmul has no GEMM peak to be held to
+            kind = None if formula is None else next(
+                (t.dtype for t in flat if t.is_floating_point() or t.is_complex()), None)
+            if kind is not None:  # a counted op in floating point: an integer matmul has no GEMM peak
                 flops = float(formula(*args, **kwargs, out_val=out))
                 if kind.is_complex:  # counted as a real op's; a complex multiply-add is 4 real ones
                     kind, flops = kind.to_real(), 4 * flops
