@@ -14,15 +14,15 @@ import torch
 from torch import Tensor, nn
 
 
-def _one_row(a: Tensor, g: Tensor, diagonal: bool, weight: bool, bias: bool) -> Tensor:
-    """Gram (B, B), or its diagonal (B,), of one Linear layer's trainable parameters with one row a
-    sample (a (B, 1, in), g (B, 1, out)): g_i(W) = b_i a_i^T and g_i(bias) = b_i, so the weight's
-    term (a_i . a_j)(b_i . b_j) and the bias's b_i . b_j make one product."""
+def _one_row(a: Tensor, g: Tensor, weight: bool, bias: bool) -> Tensor:
+    """Gram (B, B) of one Linear layer's trainable parameters with one row a sample (a (B, 1, in),
+    g (B, 1, out)): g_i(W) = b_i a_i^T and g_i(bias) = b_i, so the weight's term
+    (a_i . a_j)(b_i . b_j) and the bias's b_i . b_j make one product."""
     a2, g2 = a[:, 0], g[:, 0]
-    gg = _sum_squares(g2) if diagonal else g2 @ g2.T
+    gg = g2 @ g2.T
     if not weight:
         return gg
-    return gg * ((_sum_squares(a2) if diagonal else a2 @ a2.T) + float(bias))
+    return gg * (a2 @ a2.T + float(bias))
 
 
 def _ghost_weight(a: Tensor, g: Tensor, diagonal: bool) -> Tensor:
@@ -40,10 +40,6 @@ def _ghost_weight(a: Tensor, g: Tensor, diagonal: bool) -> Tensor:
 def _sum_squares(rows: Tensor) -> Tensor:
     """(B,): each row's sum of squares, for rows (B, d)."""
     return (rows * rows).sum(1)
-
-
-def _gram_of(flat: Tensor, diagonal: bool) -> Tensor:
-    return _sum_squares(flat) if diagonal else flat @ flat.T
 
 
 @dataclass
@@ -67,24 +63,53 @@ class GhostTerms:
     zero: Tensor  # a 0-dim zero in the inputs' dtype and device
     outputs: Tensor | None = None  # the model's outputs on the batch (detached), where a capture ran
 
-    def gram(self, diagonal: bool = False) -> Tensor:
-        """G (B, B) with G[i, j] = <g_i, g_j>, or its diagonal (B,)."""
+    def gram(self) -> Tensor:
+        """G (B, B) with G[i, j] = <g_i, g_j>."""
         b = self.batch
-        total = self.zero.expand((b,) if diagonal else (b, b))
+        total = self.zero.expand((b, b))
         with torch.autocast(self.zero.device.type, enabled=False):  # products in the weights' dtype
             for mname, (a, g) in self.terms.items():
                 m = self.plan.linear[mname]
                 weight, bias = m.weight.requires_grad, m.bias is not None and m.bias.requires_grad
                 if a.shape[1] == 1:  # one row a sample: weight and bias in one product
-                    total = total + _one_row(a, g, diagonal, weight, bias)
+                    total = total + _one_row(a, g, weight, bias)
                     continue
                 if weight:
-                    total = total + _ghost_weight(a, g, diagonal)
+                    total = total + _ghost_weight(a, g, diagonal=False)
                 if bias:
-                    total = total + _gram_of(g.sum(1), diagonal)
+                    bias_grads = g.sum(1)
+                    total = total + bias_grads @ bias_grads.T
             if self.grads:
-                total = total + _gram_of(torch.cat([t.reshape(b, -1) for t in self.grads.values()], 1), diagonal)
+                flat = torch.cat([t.reshape(b, -1) for t in self.grads.values()], 1)
+                total = total + flat @ flat.T
         return total
+
+    def norms(self) -> Tensor:
+        """|g_i| (B,): the square root of the Gram's diagonal, as one norm of the per-parameter
+        norms. One row a sample: |g_i(W)| = |b_i| |a_i| and |g_i(bias)| = |b_i|, two norms and a
+        product a layer (``gram``'s diagonal takes several ops more a layer)."""
+        parts = []
+        with torch.autocast(self.zero.device.type, enabled=False):  # products in the weights' dtype
+            for mname, (a, g) in self.terms.items():
+                m = self.plan.linear[mname]
+                weight, bias = m.weight.requires_grad, m.bias is not None and m.bias.requires_grad
+                if a.shape[1] == 1:
+                    ng = torch.linalg.vector_norm(g, dim=(1, 2))
+                    if weight:
+                        parts.append(ng * torch.linalg.vector_norm(a, dim=(1, 2)))
+                    if bias:
+                        parts.append(ng)
+                    continue
+                if weight:
+                    parts.append(_ghost_weight(a, g, diagonal=True).clamp_min(0).sqrt())
+                if bias:
+                    parts.append(torch.linalg.vector_norm(g.sum(1), dim=1))
+            if self.grads:
+                flat = torch.cat([t.reshape(self.batch, -1) for t in self.grads.values()], 1)
+                parts.append(torch.linalg.vector_norm(flat, dim=1))
+        if not parts:
+            return self.zero.expand(self.batch)
+        return torch.linalg.vector_norm(torch.stack(parts, 1), dim=1)
 
     def rows(self, index: slice) -> GhostTerms:
         """The same terms for a slice of the batch (samples are independent)."""

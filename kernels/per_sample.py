@@ -332,15 +332,16 @@ def ghost_terms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tens
     return GhostTerms(plan, terms, grads, inputs.shape[0], inputs.new_zeros(()), outputs[0] if outputs else None)
 
 
-def _gram(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
-          chunk_size: int | None, randomness: str, diagonal: bool) -> Tensor:
+def _from_ghost(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, chunk_size: int | None,
+                randomness: str, norms: bool) -> Tensor:
+    """The Gram matrix (B, B), or (``norms``) the per-sample norms (B,), from one capture, checked finite."""
     names = check_inputs(model, loss_fn, inputs, targets, randomness, chunk_size)
     if inputs.shape[0] == 0:
-        return inputs.new_zeros((0,) if diagonal else (0, 0))
+        return inputs.new_zeros((0,) if norms else (0, 0))
     terms = ghost_terms(model, loss_fn, inputs, targets, chunk_size=chunk_size, randomness=randomness, names=names)
-    gram = terms.gram(diagonal)
-    check_result({"the per-sample gradients' squared norms" if diagonal else "the Gram matrix": gram})
-    return gram
+    result = terms.norms() if norms else terms.gram()
+    check_result({"the per-sample gradients' norms" if norms else "the Gram matrix": result})
+    return result
 
 
 @torch.enable_grad()  # a gradient computation: works when called under no_grad
@@ -351,7 +352,7 @@ def per_sample_grad_gram(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targ
 
     Linear layers by the ghost identity, no per-sample gradient built; other layers materialized.
     """
-    return _gram(model, loss_fn, inputs, targets, chunk_size, randomness, diagonal=False)
+    return _from_ghost(model, loss_fn, inputs, targets, chunk_size, randomness, norms=False)
 
 
 @torch.enable_grad()  # a gradient computation: works when called under no_grad
@@ -359,5 +360,4 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, tar
                           chunk_size: int | None = None, randomness: str = "error") -> Tensor:
     """|g_i| (B,) over all trainable parameters: the square root of the Gram's diagonal;
     B = 0 gives (0,). Non-finite inputs, parameters or results are refused as in ``per_sample_grads``."""
-    sq = _gram(model, loss_fn, inputs, targets, chunk_size, randomness, diagonal=True)
-    return sq.clamp_min(0).sqrt()  # a sum of squares; rounding must not turn 0 into NaN
+    return _from_ghost(model, loss_fn, inputs, targets, chunk_size, randomness, norms=True)
