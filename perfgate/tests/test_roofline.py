@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from perfgate.roofline import LIMITS_FILE, BadLimits, Limits, Work, count_work, read_limits
+from perfgate.roofline import COUNT_RULE, LIMITS_FILE, BadLimits, Limits, Work, count_work, read_limits
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -247,6 +247,7 @@ def test_a_session_prints_and_stores_each_impls_place(pytester: pytest.Pytester)
                                   r"mm\s+optimized\s+256\^2\s+[\d.]+\s+0\.8\s+0\.034\s+.*\d+% flop"])
     section = json.loads((pytester.path / "out.json").read_text())["perfgate"]
     (entry,) = section["roofline"]["impls"]
+    assert section["roofline"]["count_rule"] == COUNT_RULE
     assert entry["bytes"] == 3 * 4 * 256**2 and entry["flops"] == {"float32": 2 * 256**3}
     least = 2 * 256**3 / (section["roofline"]["limits"]["gemm_gflops"]["float32"] * 1e9)
     assert entry["fraction"] == pytest.approx(least / (entry["ms"] / 1e3))

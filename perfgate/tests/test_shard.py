@@ -267,6 +267,31 @@ def test_a_merge_names_each_shards_roofline_limits_where_they_differ(pytester: p
     assert page.read_text().count("stream 30.0 GB/s") == 1 and "50.0" not in page.read_text()
 
 
+def test_figures_counted_under_an_earlier_rule_are_marked_so() -> None:
+    """A run whose roofline figures were counted under an earlier counting rule (or before rules
+    were recorded) says so under its roofline heading; one counted under today's rule does not;
+    a merge of shards carries the earliest rule, none where a shard recorded none."""
+    from perfgate.report import _roofline_markdown
+    from perfgate.roofline import COUNT_RULE
+    from perfgate.shard import _roofline
+
+    def section(rule: int | None) -> dict:
+        return {"limits": _limits(30.0), "impls": [_placed("k")], **({} if rule is None else {"count_rule": rule})}
+
+    def marked(roofline: dict) -> bool:
+        return any("Counted under an earlier rule" in line for line in _roofline_markdown(roofline))
+
+    assert not marked(section(COUNT_RULE))
+    assert marked(section(COUNT_RULE - 1)) and marked(section(None))
+    assert f"rule {COUNT_RULE - 1};" in "".join(_roofline_markdown(section(COUNT_RULE - 1)))
+    shards = [{"roofline": r, "shard": {"index": i + 1}} for i, r in enumerate([section(COUNT_RULE), section(1)])]
+    assert _roofline(shards, [0, 1])["count_rule"] == 1
+    shards[1]["roofline"] = section(None)
+    assert _roofline(shards, [0, 1])["count_rule"] is None
+    shards[1]["roofline"] = section(COUNT_RULE)
+    assert _roofline(shards, [0, 1])["count_rule"] == COUNT_RULE
+
+
 def _shard_run(index: int, rows: list[tuple[str, str]], **section) -> dict:
     """A shard's run as ``stored.read_run`` gives it: rows (kernel, impl) of 2x, shard ``index`` of 2."""
     speedups = [{"kernel": k, "impl": i, "size": "smoke", "speedup": 2.0} for k, i in rows]

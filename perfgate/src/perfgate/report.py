@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .floors import FloorPolicy, Unmeasured
-from .roofline import LIMITS_FILE, PLACED_HEADER, limits_line, placed_cells
+from .roofline import COUNT_RULE, LIMITS_FILE, PLACED_HEADER, limits_line, placed_cells
 from .session import JSON_KEY
 from .shard import MergeError, merge
 from .stats import CONTENDED, TABLE_HEADER, format_table, gate, row_from_dict, table_cells, verdict
@@ -228,10 +228,16 @@ def _roofline_markdown(roofline: dict) -> list[str]:
         return []
     where = f"this machine's {limits_line(limits)}" if limits else \
         "the shards' runners' limits differ, " + "; ".join(_shard_limits(s, entries) for s in differ)
+    rule = roofline.get("count_rule")
+    earlier = [] if rule == COUNT_RULE else [
+        f"Counted under an earlier rule ({f'rule {rule}' if rule else 'a run that predates rule 2'}; "
+        f"this perfgate counts by rule {COUNT_RULE}): the bytes, FLOPs and roofline figures of this run, "
+        "here and in its speedup table, are as that rule counted them; a baseline saved now counts them "
+        "again (the CHANGELOG says what each rule changed).", ""]
     return [f"Roofline: {where}; each impl's least time (bytes moved at the "
             "stream bandwidth, FLOPs at the GEMM peak) over its median "
-            "([how to read it](perfgate.md#the-roofline-column)).",
-            "", "| " + " | ".join(PLACED_HEADER) + " |", "|" + "---|" * len(PLACED_HEADER),
+            "([how to read it](perfgate.md#the-roofline-column)).", "", *earlier,
+            "| " + " | ".join(PLACED_HEADER) + " |", "|" + "---|" * len(PLACED_HEADER),
             *("| " + " | ".join(cells) + " |" for cells in placed_cells(entries)), ""]
 
 

@@ -23,6 +23,10 @@ from .timing import timer_for
 
 LIMITS_FILE = "limits.json"  # in the fingerprint's storage folder, beside its sizes' baselines
 LIMITS_VERSION = 1
+# the counting rule's version, stored with every run's figures: raised whenever ``count_work``
+# counts some call differently (the CHANGELOG says how), so a report can tell figures counted
+# under an earlier rule from today's
+COUNT_RULE = 2
 # a limits file's rates (GB/s) and the threads' round trip (ns): each a positive number, or None
 RATES = ("stream_gbps", "scale_gbps", "copy_gbps", "triad_gbps", "fill_gbps", "round_trip_ns")
 

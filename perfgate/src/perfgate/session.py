@@ -338,6 +338,8 @@ class PerfSession:
 
     def update_json(self, output_json: dict) -> None:
         """The rows computed in ``finish`` (no timing happens here)."""
+        from .roofline import COUNT_RULE
+
         state = self.state
         if state is None or state.rows is None:
             return
@@ -357,7 +359,8 @@ class PerfSession:
             "durations": state.tally.durations,  # seconds per test function, setup to teardown: shards' weights
             "speedups": [r.as_dict() for r in state.rows],
             # this machine's measured limits and each impl's place under them (roofline.py)
-            "roofline": {"limits": state.limits.values if state.limits else None, "impls": state.tally.figures},
+            "roofline": {"limits": state.limits.values if state.limits else None, "impls": state.tally.figures,
+                         "count_rule": COUNT_RULE},
             # declared floors whose rows were not measured (deselected, skipped, failed, ...), and why
             "unmeasured_floors": [u.as_dict() for u in self.floors_unmeasured],
         }

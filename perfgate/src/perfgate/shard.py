@@ -130,14 +130,18 @@ def _roofline(sections: list[dict], order: list[int]) -> dict:
     all that measured limits read alike (the same figures), None where they differ."""
     from .roofline import limits_line
 
-    shard_limits, impls = [], []
+    shard_limits, impls, rules = [], [], set()
     for i in order:
         roofline, index = sections[i].get("roofline") or {}, sections[i]["shard"]["index"]
         shard_limits.append({"shard": index, "limits": roofline.get("limits")})
         impls += [{**e, "shard": index} for e in roofline.get("impls", [])]
+        rules.add(roofline.get("count_rule"))
     present = [s["limits"] for s in shard_limits if s["limits"]]  # a shard whose impls did no work has none
     alike = len({limits_line(v) for v in present}) <= 1
-    return {"limits": present[0] if present and alike else None, "shard_limits": shard_limits, "impls": impls}
+    # the shards ran one commit (_check_alike), so one counting rule; a shard without one: the earliest
+    rule = None if None in rules else min(rules)
+    return {"limits": present[0] if present and alike else None, "shard_limits": shard_limits, "impls": impls,
+            "count_rule": rule}
 
 
 def _check_alike(runs: list[dict], sections: list[dict]) -> None:
