@@ -169,15 +169,16 @@ def test_a_row_is_decided_when_every_rule_that_applies_to_it_is_cleared() -> Non
     assert decided(_gated(_row(0.0, speedup=3.3, low=3.1, high=3.9, peer=True, **base)), 0.2)  # not gated
 
 
-def test_decided_at_the_boundaries_of_the_baselines_threshold_and_of_may_fail() -> None:
-    """A low exactly at the baseline's threshold is decided; a failure that may not fail yet is not."""
+def test_decided_at_the_boundary_of_the_baselines_threshold() -> None:
+    """A low exactly at the baseline's threshold is decided."""
     base = dict(floor=None, baseline=4.0, baseline_low=3.0)  # threshold min(0.8 x 4.0, 3.0) = 3.0
     assert decided(_gated(_row(0.0, speedup=3.5, low=3.0, high=3.9, **base)), 0.2)
-    assert not decided(_gated(_row(0.0)), 0.2, may_fail=False)
 
 
-def _revisited(ratios: list[float], shares: list[int], all_visits: bool = False) -> tuple[list[int], GateState]:
-    """Row ``k [optimized]`` (floor 3) at ``ratios``, revisited: the pairs each later visit timed, the state."""
+def _revisited(ratios: list[float], shares: list[int], all_visits: bool = False,
+               floor: float | None = 3.0) -> tuple[list[int], GateState]:
+    """Row ``k [optimized]`` (floor 3, or ``floor``) at ``ratios``, revisited: the pairs each later
+    visit timed, the state."""
     import types
 
     from perfgate.state import Visits
@@ -185,7 +186,8 @@ def _revisited(ratios: list[float], shares: list[int], all_visits: bool = False)
     settings = Settings(device="cpu", size="smoke", threads=1, tolerance=0.2, fingerprint={}, slug="x",
                         all_visits=all_visits)
     st = GateState(settings, Probes(timer=types.SimpleNamespace(cost=lambda t: t), host=None, threads=1))
-    st.floors.speed[("k", "optimized")] = 3.0
+    if floor is not None:
+        st.floors.speed[("k", "optimized")] = floor
     st.results = {"k": {"reference": Measurement([4.0] * 5, "smoke", "", None),
                         "optimized": Measurement([1.0] * 5, "smoke", "", None, paired=[(r, 1.0) for r in ratios],
                                                  visits=1 + len(shares))}}
@@ -207,6 +209,18 @@ def test_a_decided_row_skips_its_later_visits_and_counts_them() -> None:
     assert calls == [] and st.later.skipped[("k", "optimized")] == 11 and st.results["k"]["optimized"].visits == 1
     calls, st = _revisited([4.0 + 0.05 * i for i in range(8)], [5, 6], all_visits=True)
     assert calls == [5, 6] and not st.later.skipped and st.results["k"]["optimized"].visits == 3
+
+
+def test_a_row_is_timed_to_min_pairs_before_its_visits_stop() -> None:
+    """Under MIN_PAIRS a row is visited again, judged by no rule (its 95% interval would be
+    unbounded) or failing (a failing verdict needs them): 4 pairs, then 3; from MIN_PAIRS a row
+    no rule judges stops."""
+    calls, st = _revisited([4.0, 4.1, 4.2, 4.3], [3, 4], floor=None)
+    assert calls == [3] and st.later.skipped[("k", "optimized")] == 4
+    calls, st = _revisited([1.0, 1.1, 1.2, 1.3], [3, 4])  # wholly under its floor 3 on 4 pairs
+    assert calls[0] == 3
+    calls, st = _revisited([4.0 + 0.05 * i for i in range(7)], [3], floor=None)
+    assert calls == [] and st.later.skipped[("k", "optimized")] == 3
 
 
 def test_the_stopping_rule_decides_on_the_early_interval() -> None:

@@ -181,8 +181,10 @@ class GateState:
         """Time every impl's later visits, in passes over all impls (visit 2 of each, then visit 3
         of each, ...), so each row's interleaved rounds sample host states apart in time, not only
         the one it happened to meet during its test. A row already decided (``decided`` on its
-        ``EARLY`` interval: every rule that applies to it cleared, or none applies) is not visited
-        again: its remaining pairs are counted in ``skipped``."""
+        ``EARLY`` interval: every rule that applies to it cleared, or none applies) on MIN_PAIRS
+        pairs or more is not visited again: its remaining pairs are counted in ``skipped``. Fewer
+        pairs give no bounded 95% interval (``stats.sign_interval``), so a row no rule judges is
+        still timed to MIN_PAIRS: what it reports then says something."""
         pending = [] if self.interrupted else self.later.pending
         for v in range(max((len(p.shares) for p in pending), default=0)):
             for p in pending:
@@ -190,8 +192,8 @@ class GateState:
                     continue
                 m = self.results[p.kernel][p.impl]
                 early = self._row(p.kernel, p.impl, EARLY)
-                if not self.settings.all_visits and decided(early, self.settings.tolerance,
-                                                            may_fail=len(m.paired) >= MIN_PAIRS):
+                if not self.settings.all_visits and len(m.paired) >= MIN_PAIRS and \
+                        decided(early, self.settings.tolerance):
                     self.later.skipped[(p.kernel, p.impl)] = sum(p.shares[v:])
                     m.visits -= len(p.shares) - v
                     p.shares = p.shares[:v]

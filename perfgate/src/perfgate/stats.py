@@ -421,14 +421,14 @@ def misses(row: SpeedupRow, tolerance: float) -> tuple[bool, bool]:
     return under_floor, under_baseline
 
 
-def decided(row: SpeedupRow, tolerance: float, may_fail: bool = True) -> bool:
+def decided(row: SpeedupRow, tolerance: float) -> bool:
     """More pairs would not change ``row``'s verdict (``row`` gated on a wider interval than the
     final verdict's, ``state.EARLY``): no floor or gated baseline applies to it, or each that does
     is cleared, met (its interval above the floor, above the baseline's threshold) or missed (the
     whole interval under it, on a quiet host). A straddled floor, a baseline the interval still
-    reaches, or a failure left unjudged on a contended host (it may quiet down) is undecided, and so
-    is a failure on fewer pairs than a failing verdict needs (``may_fail`` False)."""
-    if row.unresolved or (row.failures and not may_fail):
+    reaches, or a failure left unjudged on a contended host (it may quiet down) is undecided. The
+    caller asks only of a row on enough pairs to fail (``state.MIN_PAIRS``)."""
+    if row.unresolved:
         return False
     if row.baseline is not None and not row.peer and not row.failures:
         return row.low >= min((1.0 - tolerance) * row.baseline, _base_low(row))
