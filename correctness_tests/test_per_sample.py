@@ -759,6 +759,23 @@ def test_out_for_a_layer_never_called_is_zeroed() -> None:
     assert not got["unused.weight"].any() and not got["unused.bias"].any()
 
 
+@pytest.mark.parametrize("name", FUNCS)
+def test_a_loss_no_trainable_parameter_reaches_gives_zeros_of_their_own(name: str) -> None:
+    """Every trainable parameter in a layer the forward never calls: per-sample gradients, Gram and
+    norms are zeros on both sides (the reference's loss has no graph to differentiate), each a
+    tensor the caller may write to (not a zero expanded)."""
+    torch.manual_seed(0)
+    model, x, y = _Unused(), torch.randn(5, 4), torch.randint(0, 3, (5,))
+    model.fc.requires_grad_(False)
+    got, want = _run(kernels, name, dict(model=model, loss_fn=F.cross_entropy, inputs=x, targets=y)), \
+        _run(reference, name, dict(model=model, loss_fn=F.cross_entropy, inputs=x, targets=y))
+    for t in got.values() if isinstance(got, dict) else [got]:
+        assert not t.any()
+        t.add_(1)  # its own memory: an expanded zero refuses an in-place write
+    for t in want.values() if isinstance(want, dict) else [want]:
+        assert not t.any()
+
+
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # torch's, on the reentrant call
 @pytest.mark.parametrize("name", FUNCS)
 def test_a_reentrant_checkpoint_is_refused_with_what_works(name: str) -> None:

@@ -82,7 +82,7 @@ class GhostTerms:
             if self.grads:
                 flat = torch.cat([t.reshape(b, -1) for t in self.grads.values()], 1)
                 total = total + flat @ flat.T
-        return total
+        return total.contiguous()  # no term (no layer called): a tensor of its own, not the zero expanded
 
     def norms(self) -> Tensor:
         """|g_i| (B,): the square root of the Gram's diagonal, as one norm of the per-parameter
@@ -107,8 +107,8 @@ class GhostTerms:
             if self.grads:
                 flat = torch.cat([t.reshape(self.batch, -1) for t in self.grads.values()], 1)
                 parts.append(torch.linalg.vector_norm(flat, dim=1))
-        if not parts:
-            return self.zero.expand(self.batch)
+        if not parts:  # no layer called: zeros of its own, not the zero expanded
+            return self.zero.new_zeros(self.batch)
         return torch.linalg.vector_norm(torch.stack(parts, 1), dim=1)
 
     def rows(self, index: slice) -> GhostTerms:

@@ -30,7 +30,9 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets:
         loss = loss_fn(model(inputs[i : i + 1]), targets[i : i + 1])
         if loss.ndim != 0:
             raise ValueError(f"loss_fn must return a scalar per sample, got shape {tuple(loss.shape)}")
-        grads = torch.autograd.grad(loss, trainable, allow_unused=True)
+        # a loss no trainable parameter reaches (every one in a layer never called): zero gradients
+        grads = torch.autograd.grad(loss, trainable, allow_unused=True) if loss.requires_grad else \
+            [None] * len(trainable)
         for n, p, g in zip(names, trainable, grads, strict=True):
             per_name[n].append(torch.zeros_like(p) if g is None else g)
     result = {n: torch.stack(gs) if gs else params[n].new_zeros((0, *params[n].shape))
