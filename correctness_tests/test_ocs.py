@@ -58,6 +58,8 @@ def test_replay_loss_weights_the_memory_rows() -> None:
 def test_config_is_checked() -> None:
     with pytest.raises(ValueError, match="select"):
         ocs.Config(stream=10, select=20)
+    with pytest.raises(ValueError, match=r"select \(10\) must be under stream \(10\)"):
+        ocs.Config(stream=10, select=10)  # every stream batch would be skipped
     with pytest.raises(ValueError, match="passes must be"):
         ocs.Config(passes=0)
 
@@ -148,3 +150,112 @@ def test_the_mlp_has_relu_after_each_hidden_layer_and_one_dropout() -> None:
     kinds = [type(m).__name__ for m in MLP((4, 8, 8, 8, 3), dropout=0.5).net]
     assert kinds == ["Linear", "ReLU", "Dropout", "Linear", "ReLU", "Linear", "ReLU", "Linear"]
     assert [type(m).__name__ for m in MLP((4, 3)).net] == ["Linear"]
+
+
+def test_each_task_steps_at_its_decayed_lr_with_momentum(tasks: list) -> None:
+    """Task t's fresh optimizer: lr 0.005 x 0.75^(t - 1), momentum 0.8 (training faked: the
+    stream is read, no step taken)."""
+    from dataclasses import replace
+
+    made = []
+
+    def optimizer(params, **kwargs):
+        made.append(kwargs)
+        return torch.optim.SGD(params, **kwargs)
+
+    def read_only(model, loss_fn, opt, steps, recipe, device):
+        for _ in steps:
+            pass
+
+    method = replace(ocs.optimized(Recipe()), optimizer_fn=optimizer, train_fn=read_only)
+    ocs.run(method, ocs.Config(tasks=3, passes=1), tasks)
+    assert [k["lr"] for k in made] == pytest.approx([0.005, 0.005 * 0.75, 0.005 * 0.75**2])
+    assert all(k["momentum"] == 0.8 for k in made)
+
+
+def _random_scores(model, loss_fn, x, y, *, memory, tau) -> torch.Tensor:
+    return torch.rand(len(y))
+
+
+def _stream(n: int, cfg: ocs.Config, coreset: dict | None = None) -> tuple[list, ocs.OCSReport, list]:
+    """Every batch ``ocs._steps`` yields over ``n`` rows labelled by their index, with random scores."""
+    torch.manual_seed(0)
+    report, last = ocs.OCSReport("stream"), []
+    data = (torch.randn(n, 784), torch.arange(n))
+    out = list(ocs._steps(ocs.MLP(), data, coreset or {}, cfg, _random_scores, torch.Generator().manual_seed(0),
+                          report, last))
+    return out, report, last
+
+
+def test_the_memory_candidates_are_the_last_passs_picks() -> None:
+    cfg = ocs.Config(passes=2)
+    steps, report, last = _stream(300, cfg)
+    assert len(steps) == 6 and len(last) == 3
+    assert all(torch.equal(a, b) for a, b in zip(last, report.selected[3:], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(last, report.selected[:3], strict=True))
+
+
+def test_a_stream_batch_of_at_most_select_samples_is_skipped() -> None:
+    """110 rows in stream batches of 100: the last batch, 10 = select rows, is not trained."""
+    steps, _, _ = _stream(110, ocs.Config(passes=1))
+    assert len(steps) == 1 and bool((steps[0][1] < 100).all())
+
+
+def test_consecutive_steps_replay_consecutive_memory_batches() -> None:
+    """A memory of 30 (3 replay batches of 10): 3 steps replay all 30, each sample once."""
+    memory = (torch.randn(30, 784), 1000 + torch.arange(30))
+    steps, _, _ = _stream(300, ocs.Config(passes=1), {1: memory})
+    replayed = torch.cat([y[10:] for _, y in steps])
+    assert len(replayed) == 30 and torch.equal(replayed.sort().values, memory[1])
+
+
+def test_accuracy_is_measured_with_dropout_off() -> None:
+    model, y = torch.nn.Dropout(p=1.0), torch.arange(10).repeat(3)
+    assert ocs.accuracy(model.train(), (F.one_hot(y).float(), y)) == 1.0
+
+
+def test_scores_are_computed_in_eval_mode_and_training_resumes_in_train_mode() -> None:
+    modes = []
+    model = ocs.MLP(dropout=0.2).train()
+    ocs._score(lambda m, *a, **k: modes.append(m.training) or torch.zeros(2), model, torch.zeros(2, 784),
+               torch.zeros(2, dtype=torch.int64), None, 1.0)
+    assert modes == [False] and model.training
+
+
+def test_the_peak_is_the_largest_tasks() -> None:
+    assert ocs.OCSReport("r", peak_bytes=[2**20, 3 * 2**20, None]).peak_mib == 3.0
+    assert ocs.OCSReport("r", peak_bytes=[None]).peak_mib is None
+
+
+def test_the_ablation_table_gives_each_rows_speedup_over_the_reference() -> None:
+    from workloads.ocs_ablation import HEADER, table
+
+    rows = [ocs.OCSReport(name, [[0.5, 0.7]], seconds, peak_bytes=[2**21])
+            for name, seconds in (("ref", [4.0, 2.0]), ("fast", [1.0, 2.0]))]
+    cells = table(rows)
+    assert [dict(zip(HEADER, c, strict=True))["s/task"] for c in cells] == ["3.00", "1.50"]
+    assert [c[HEADER.index("speedup")] for c in cells] == ["1.00x", "2.00x"]
+    assert cells[1][HEADER.index("avg accuracy")] == "60.0%" and cells[1][HEADER.index("peak MiB")] == "2"
+
+
+def test_the_test_split_keeps_each_images_label_and_shares_no_image_with_training() -> None:
+    """digits()'s 80/20 split against scikit-learn's own images and targets: every test label is its
+    image's, and no image is in both splits."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = F.interpolate(torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0, size=28, mode="bilinear",
+                      align_corners=False).clamp(0, 1)
+    index = {x[i].numpy().tobytes(): i for i in range(len(x))}  # scikit-learn's 1797 images are distinct
+    (x_train, y_train), (x_test, y_test) = digits()
+    train_at = [index[im.numpy().tobytes()] for im in x_train]
+    test_at = [index[im.numpy().tobytes()] for im in x_test]
+    assert y_test.tolist() == d.target[test_at].tolist() and y_train.tolist() == d.target[train_at].tolist()
+    assert not set(train_at) & set(test_at) and len(set(train_at) | set(test_at)) == 1797
+
+
+def test_a_task_with_no_stream_batch_over_select_is_refused_by_name() -> None:
+    """A training split of select rows or fewer leaves no batch to select from: a ValueError saying
+    so, not torch.cat's error on an empty memory update."""
+    with pytest.raises(ValueError, match="no stream batch more than select"):
+        _stream(10, ocs.Config(passes=1))

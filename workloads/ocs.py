@@ -69,8 +69,9 @@ class Config:
     def __post_init__(self) -> None:
         require_positive(self, ("tasks", "passes", "stream", "select", "memory"))
         check_device(self.device)
-        if self.select > self.stream:
-            raise ValueError(f"select ({self.select}) must not exceed stream ({self.stream})")
+        if self.select >= self.stream:  # a stream batch of select samples or fewer is skipped (_steps)
+            raise ValueError(f"select ({self.select}) must be under stream ({self.stream}): each stream batch "
+                             "picks select of its samples, and one with select or fewer is not trained on")
 
 
 @dataclass
@@ -154,6 +155,9 @@ def _steps(model: nn.Module, train: Split, coreset: dict[int, Split], cfg: Confi
     memory = (torch.cat([c[0] for c in coreset.values()]), torch.cat([c[1] for c in coreset.values()])) \
         if coreset else None
     stream = [i for i in torch.arange(len(y_all), device=y_all.device).split(cfg.stream) if len(i) > cfg.select]
+    if not stream:
+        raise ValueError(f"a task's training split has {len(y_all)} samples, no stream batch more than select "
+                         f"({cfg.select}): nothing to select from; pass a smaller select or a larger task")
     for p in range(cfg.passes):
         replay = _replay_batches(coreset, cfg.select, gen) if coreset else []
         for b, idx in enumerate(stream):  # the same batches in the same order every pass, as the original
