@@ -121,3 +121,41 @@ def test_each_epoch_of_a_data_parallel_share_draws_new_augmentations() -> None:
     ld.sampler.set_epoch(1)
     again = {int(i): x for xb, yb in ld for x, i in zip(xb, yb, strict=True)}
     assert list(again) == list(second) and all(torch.equal(again[i], second[i]) for i in second)
+
+
+def test_crops_shift_up_to_4_pixels_and_half_the_images_are_flipped() -> None:
+    """The seed's augmentation on a left-to-right ramp (no pixel 0): a crop from the image padded
+    by 4 shows up to 4 rows or columns of padding (pixel 0), and a flip turns the ramp around."""
+    from workloads.cifar_data import MEAN
+
+    ramp = (100 + 4 * torch.arange(32)).to(torch.uint8).expand(200, 3, 32, 32).contiguous()
+    ds = AugmentedCifar(ramp, torch.zeros(200, dtype=torch.int64), seed=7)
+    padding = (0 - MEAN[0]) / STD[0]
+    shifts, flips = set(), []
+    for i in range(200):
+        x = ds[i][0][0]
+        pad = (x - padding).abs() < 1e-4
+        shifts |= {int(pad.all(1).sum()), int(pad.all(0).sum())}  # padded rows, padded columns
+        row = x[pad.all(1).logical_not()][0][pad.all(0).logical_not()]  # an image row, padding cut off
+        flips.append(bool((row.diff() < 0).all()))
+        assert flips[-1] or bool((row.diff() > 0).all())
+    assert shifts == {0, 1, 2, 3, 4}
+    assert 60 <= sum(flips) <= 140
+
+
+def test_the_loader_drops_a_last_short_batch() -> None:
+    """20 images in batches of 8: two batches of 8 an epoch, never a step on 4."""
+    assert [len(y) for _, y in loader(STORED[:20], Y[:20], batch=8)] == [8, 8]
+
+
+def test_labels_must_be_int64() -> None:
+    with pytest.raises(ValueError, match="labels must be"):
+        AugmentedCifar(STORED, Y.int())
+
+
+def test_each_item_and_epoch_draws_its_own_augmentation() -> None:
+    """The same image at items 0..7 of epoch 1 and items 1..8 of epoch 0: no pair shares a draw
+    (a seed mixed so that (epoch 1, item i) and (epoch 0, item i + 1) collide would repeat them)."""
+    same = STORED[:1].expand(16, 3, 32, 32).contiguous()
+    ds = AugmentedCifar(same, torch.zeros(16, dtype=torch.int64), seed=3)
+    assert sum(not torch.equal(ds[(1, i)][0], ds[(0, i + 1)][0]) for i in range(8)) >= 6

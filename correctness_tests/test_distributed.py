@@ -261,3 +261,36 @@ def test_the_sampler_takes_this_ranks_share_with_the_seed_given() -> None:
     one, again, other = (dp.sampler(data, seed=s) for s in (5, 5, 6))
     assert (one.rank, one.num_replicas, one.seed) == (1, 2, 5) and len(list(one)) == 10
     assert list(one) == list(again) and list(one) != list(other)
+
+
+def test_a_row_summarizes_repeated_runs_by_their_median_and_range() -> None:
+    from workloads.data_parallel import HEADER, Row, summary
+
+    runs = [Row("cifar_resnet", 2, 1, 8, ms, peak) for ms, peak in ((30.0, 5.0), (10.0, None), (20.0, 7.0))]
+    cells = dict(zip(HEADER, summary(runs), strict=True))
+    assert (cells["ms/step (slowest rank)"], cells["ms/step range"]) == ("20.0", "10.0-30.0")
+    assert (cells["runs"], cells["batch/process"], cells["peak MiB/process (largest)"]) == ("3", "4", "6")
+
+
+def test_measure_reduces_the_ranks_to_the_slowest_and_largest_and_refuses_an_uneven_batch(monkeypatch) -> None:
+    """Rank 0 of 2 (the all-reduce faked, the other rank's numbers 7 ms and no peak): MAX of each; a
+    peak no rank measured stays None; a global batch of 3 is refused before any measuring."""
+    import torch.distributed as dist
+
+    from workloads import data_parallel
+
+    ops = []
+
+    def all_reduce(t, op):
+        ops.append(op)
+        t.copy_(torch.maximum(t, torch.tensor([7.0, -1.0], dtype=t.dtype)))
+
+    measured = []
+    monkeypatch.setattr(data_parallel.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(data_parallel, "MEASURES", {"cifar_resnet": lambda *a: measured.append(a) or (5.0, None)})
+    dp = DataParallel(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    row = data_parallel.measure("cifar_resnet", 8, 1, "cpu", dp)
+    assert ops == [dist.ReduceOp.MAX] and (row.processes, row.ms_per_step, row.peak_mib) == (2, 7.0, None)
+    with pytest.raises(ValueError, match="global batch 3 must be a multiple of the 2 processes"):
+        data_parallel.measure("cifar_resnet", 3, 1, "cpu", dp)
+    assert len(measured) == 1

@@ -191,3 +191,119 @@ def test_memory_table_leaves_emulated_bf16_out_unless_asked(monkeypatch) -> None
     assert A.memory_ablation(SMALL, 2) == base
     assert A.memory_ablation(SMALL, 2, emulated_bf16=True) == [
         *base[:2], ("+ AMP", amp_recipe("cpu")), base[2], ("+ AMP + accumulation 2", amp_recipe("cpu", 2))]
+
+
+def test_a_balanced_training_set_and_positive_step_sizes_are_checked() -> None:
+    """imbalance 1 (n_0 = n_9) is a valid, balanced set; alpha and meta_lr must be > 0 as lr must."""
+    assert M.class_counts(M.Config(imbalance=1.0)) == [490] * 10
+    for name in ("meta_lr", "alpha"):
+        with pytest.raises(ValueError, match=f"{name} must be > 0"):
+            M.Config(**{name: 0.0})
+
+
+def test_batches_cover_every_sample_once_an_epoch_in_a_new_order_each_epoch() -> None:
+    """40 samples in batches of 20: both batches of an epoch, each sample once; the next epoch
+    another order. 45 samples: the last 5 of each epoch are dropped, not a short batch."""
+    x = torch.arange(40.0)
+    stream = M.batches((x, x), 20, seed=0)
+    epochs = [torch.cat([next(stream)[0] for _ in range(2)]) for _ in range(2)]
+    assert all(torch.equal(e.sort().values, x) for e in epochs) and not torch.equal(*epochs)
+    y = torch.arange(45.0)
+    assert [len(next(M.batches((y, y), 20, seed=0))[0])] == [20]
+    stream = M.batches((y, y), 20, seed=0)
+    assert [len(set(next(stream)[0].tolist()) | set(next(stream)[0].tolist()))] == [40]
+
+
+def test_meta_and_test_sets_are_their_own_balanced_sets() -> None:
+    """meta_per_class and test_per_class each size their own set, and no image is in two sets."""
+    cfg = replace(SMALL, meta_per_class=3, test_per_class=5)
+    (x, _), (xm, ym), (xt, yt) = M.datasets(cfg)
+    assert torch.bincount(ym).tolist() == [3] * 10 and torch.bincount(yt).tolist() == [5] * 10
+    rows = torch.cat([x, xm, xt]).flatten(1)
+    assert len(rows.unique(dim=0)) == len(rows)
+
+
+def test_accumulation_must_divide_the_meta_batch_too() -> None:
+    ln, (x, y) = M.learner(SMALL, recipe=Recipe(accumulation=3)), M.datasets(SMALL)[0]
+    with pytest.raises(ValueError, match=r"accumulation 3 must divide the batch \(21\) and the meta batch \(20\)"):
+        M.outer_step(ln, (x[:21], y[:21]), (x[:20], y[:20]), SMALL)
+
+
+def test_the_hypergradient_runs_in_bf16_only_under_a_bf16_recipe(monkeypatch) -> None:
+    """outer_step hands darts_hypergradient the recipe's bf16 (and fp32's None), W's step on what it returns."""
+    seen = []
+
+    def hypergradient(model, inner, outer, params, **kwargs):
+        seen.append(kwargs["autocast_dtype"])
+        return [torch.zeros_like(p) for p in params]
+
+    monkeypatch.setattr(M, "darts_hypergradient", hypergradient)
+    (x, y), (xm, ym), _ = M.datasets(SMALL)
+    for recipe in (Recipe(torch.bfloat16), Recipe()):
+        M.outer_step(M.learner(SMALL, recipe=recipe), (x[:20], y[:20]), (xm[:20], ym[:20]), SMALL)
+    assert seen == [torch.bfloat16, None]
+
+
+def test_a_skipped_inner_step_leaves_the_weighting_net_alone(monkeypatch) -> None:
+    """fp16's GradScaler skipped the step (faked): theta did not move, so no hypergradient, no W step."""
+    from kernels.training import train
+
+    monkeypatch.setattr(M, "train", lambda *a, **k: replace(train(*a, **k), skipped_steps=1))
+    monkeypatch.setattr(M, "darts_hypergradient", lambda *a, **k: pytest.fail("differentiated a skipped step"))
+    ln = M.learner(SMALL)
+    before = [p.detach().clone() for p in ln.weight_net.parameters()]
+    (x, y), (xm, ym), _ = M.datasets(SMALL)
+    M.outer_step(ln, (x[:20], y[:20]), (xm[:20], ym[:20]), SMALL)
+    assert all(torch.equal(a, b) for a, b in zip(before, ln.weight_net.parameters(), strict=True))
+
+
+class _AlwaysZero(torch.nn.Module):
+    """Predicts class 0 for every input (2 classes)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([[1.0, 0.0]]).expand(len(x), 2)
+
+
+def test_balanced_accuracy_is_the_mean_of_the_per_class_accuracies() -> None:
+    """8 of class 0 (all right), 2 of class 1 (all wrong): 0.5, not 0.8; the model back in training mode."""
+    model = _AlwaysZero()
+    y = torch.tensor([0] * 8 + [1] * 2)
+    assert M.balanced_accuracy(model, (torch.zeros(10, 3), y)) == 0.5
+    assert model.training
+
+
+def test_a_run_takes_warmup_then_its_steps(monkeypatch) -> None:
+    """run(warmup=2) takes 2 + cfg.steps outer steps, each on a new batch, with the reweight flag given."""
+    calls = []
+    M.run("count", lambda ln, b, m, cfg, rw: calls.append((b[1].clone(), rw)), M.learner(SMALL), SMALL,
+          reweight=False, warmup=2)
+    assert len(calls) == 2 + SMALL.steps and not any(rw for _, rw in calls)
+    assert not torch.equal(calls[0][0], calls[1][0])
+
+
+def test_the_ablation_runs_each_memory_row_its_steps_and_the_accuracy_rows_with_and_without_reweighting(
+        monkeypatch) -> None:
+    import workloads.meta_reweight_ablation as A
+
+    ran = []
+    monkeypatch.setattr(A, "run", lambda name, step, ln, cfg, rw=True, **kw: ran.append((name, cfg.steps, rw, kw)))
+    A.memory_ablation(SMALL, 2, steps=7)
+    assert ran and all(steps == 7 and kw == {"warmup": 2, "measure_peak": True} for _, steps, _, kw in ran)
+    ran.clear()
+    A.accuracy_runs(SMALL, Recipe())
+    sides = [(name.rsplit(", ", 1)[1], rw) for name, _, rw, _ in ran]
+    assert sides == [("reweighted", True), ("plain CE", False)] * 2
+    assert all(steps == SMALL.steps for _, steps, _, _ in ran)
+
+
+def test_the_memory_table_saves_against_the_baseline_row(tmp_path, monkeypatch, capsys) -> None:
+    """'saved vs baseline' is 1 - peak / the baseline's peak (row 2: the DARTS kernel in fp32), not the
+    reference's (row 1): 2.0, 1.0, 0.5 MiB read -100.0%, 0.0%, 50.0% (the runs faked)."""
+    peaks = [2.0, 1.0, 0.5]
+    monkeypatch.setattr(meta_reweight_cli, "optimized_recipe", lambda cfg, *args: Recipe())
+    monkeypatch.setattr(meta_reweight_cli, "accuracy_runs", lambda cfg, recipe: [M.RunReport("r", 1.0, 0.5)])
+    monkeypatch.setattr(meta_reweight_cli, "memory_ablation",
+                        lambda cfg, **kw: [M.RunReport(f"row {i}", 1.0, 0.5, p) for i, p in enumerate(peaks)])
+    assert meta_reweight_cli.main(["--steps", "1", "--output-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "meta_reweight_memory.json").read_text())["rows"]
+    assert [r["saved vs baseline"] for r in rows] == ["-100.0%", "0.0%", "50.0%"]

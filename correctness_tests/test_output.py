@@ -120,3 +120,84 @@ def test_bad_data_paths_and_sizes_are_one_line_errors(cli: str, argv: list[str],
     with pytest.raises(SystemExit) as exc:
         import_module(f"workloads.cli.{cli}").main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_median_step_ms_times_only_the_steps_after_warmup_in_milliseconds(monkeypatch) -> None:
+    """A fake clock: 2 warm-up steps of 100 s, then steps of 1, 3 and 2 ms: the median of all three
+    timed ones, 2 ms (not the middle call's, not over the last two, not in seconds)."""
+    import workloads.common as common
+
+    durations = iter([100.0, 100.0, 1e-3, 3e-3, 2e-3])
+    clock = [0.0]
+
+    class FakeTime:
+        @staticmethod
+        def perf_counter() -> float:
+            return clock[0]
+
+    def step() -> None:
+        clock[0] += next(durations)
+
+    monkeypatch.setattr(common, "time", FakeTime)
+    assert common.median_step_ms([step] * 5, 2, "cpu") == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="no timed step: the calls must outnumber warmup=2"):
+        common.median_step_ms([lambda: None] * 2, 2, "cpu")
+
+
+def test_a_cuda_index_past_the_last_device_is_refused(monkeypatch) -> None:
+    """On a machine with one CUDA device (faked), cuda:0 is accepted and cuda:1 refused by name."""
+    import torch
+
+    from workloads.common import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    check_device("cuda:0")
+    check_device("cuda")
+    with pytest.raises(ValueError, match=r"has 1 CUDA device\(s\), cuda:0 to cuda:0"):
+        check_device("cuda:1")
+
+
+def test_the_amp_recipe_is_fp16_with_a_scaler_on_cuda_and_bf16_on_cpu_at_its_accumulation() -> None:
+    import torch
+
+    from kernels.training import Recipe
+    from workloads.common import amp_recipe
+
+    assert amp_recipe("cuda:0", 3) == Recipe(torch.float16, grad_scaler=True, accumulation=3)
+    assert amp_recipe("cpu", 3) == Recipe(torch.bfloat16, accumulation=3)
+    assert amp_recipe("cpu") == Recipe(torch.bfloat16)
+
+
+def test_a_markdown_table_has_one_separator_cell_per_column() -> None:
+    from workloads.common import markdown
+
+    assert markdown(["a", "b", "c"], [["1", "2", "3"]]) == ["| a | b | c |", "|---|---|---|", "| 1 | 2 | 3 |"]
+
+
+def test_table_cells_are_read_as_numbers_for_the_png() -> None:
+    """Times, speedups and percentages plot as their numbers; '-' (no measure) as NaN."""
+    import math
+
+    from workloads.output import _number
+
+    assert (_number("12.5"), _number("4.50x"), _number("81.0%")) == (12.5, 4.5, 81.0)
+    assert math.isnan(_number("-"))
+
+
+def test_rows_and_labels_must_match_the_header(tmp_path) -> None:
+    """A label per row, a cell per column: a mismatch is refused, not written as a shorter row."""
+    header, cells = ["run", "ms/step"], [["a", "1.0"], ["b", "2.0"]]
+    with pytest.raises(ValueError, match=r"names must give one label per row of cells \(2\), got 1"):
+        write_results(tmp_path, "demo", header, cells, config=_Cfg(), device="cpu", time_column="ms/step",
+                      names=["a"])
+    with pytest.raises(ValueError):
+        write_results(tmp_path, "demo", header, [["a", "1.0"], ["b"]], config=_Cfg(), device="cpu",
+                      time_column="ms/step")
+    assert list(tmp_path.iterdir()) == []  # nothing written, no temporary file left
+
+
+def test_the_output_dir_is_made_with_its_missing_parents(tmp_path) -> None:
+    paths = write_results(tmp_path / "a" / "b", "demo", ["run", "ms/step"], [["a", "1.0"]], config=_Cfg(),
+                          device="cpu", time_column="ms/step")
+    assert all(p.is_file() and p.parent == tmp_path / "a" / "b" for p in paths)

@@ -151,3 +151,107 @@ def test_cli_quick_and_bad_flags(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):  # a cache folder that is a file: a usage error, not a traceback
         spectral_probe_cli.main([*TINY, "--cache-dir", str(tmp_path / "file")])
     assert "error:" in capsys.readouterr().err
+
+
+def test_the_split_is_70_10_20_without_overlap() -> None:
+    tr, va, te = P._split(SMALL)
+    assert (len(tr), len(va), len(te)) == (42, 6, 12)
+    assert torch.equal(torch.cat([tr, va, te]).sort().values, torch.arange(60))
+
+
+def _random_features(w: torch.Tensor, *, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(len(w), 32, generator=generator, device=w.device)
+
+
+def _fake_method(train_fn, scaler=None, batch: int = 41) -> P.Method:
+    from kernels.standardize import Standardizer
+
+    return P.Method("fake", _random_features, scaler or Standardizer, batch, train_fn)
+
+
+def test_early_stopping_waits_patience_epochs_and_the_lr_drops_on_a_plateau() -> None:
+    """A training that leaves the model as it is: the first epoch's validation loss stays the best,
+    so the run stops after 1 + patience epochs; ReduceLROnPlateau (patience 5) divides the lr by 10
+    after the 6th epoch without improvement. Batches of 41 of the 42 training rows: the 1-row rest
+    (BatchNorm needs 2) is left out."""
+    lrs, sizes = [], []
+
+    def untrained(model, loss_fn, opt, batches, recipe, device):
+        lrs.append(opt.param_groups[0]["lr"])
+        sizes.append([len(y) for _, y in batches])
+
+    report = P.run(_fake_method(untrained), replace(SMALL, max_epochs=30, patience=8))
+    assert report.epochs == 9 and len(report.val_loss) == 9
+    assert lrs == pytest.approx([1e-3] * 7 + [1e-4] * 2)
+    assert sizes == [[41]] * 9
+
+
+def test_the_test_accuracy_is_the_best_epochs(monkeypatch) -> None:
+    """Epochs after the first leave NaN weights (faked): the validation loss never improves again, and
+    the test accuracy is measured on the first epoch's weights, restored."""
+    calls, evaluated = [], []
+
+    def diverging(model, loss_fn, opt, batches, recipe, device):
+        calls.append(1)
+        if len(calls) > 1:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float("nan"))
+
+    evaluate = P._evaluate
+    monkeypatch.setattr(P, "_evaluate", lambda model, x, y: evaluated.append(
+        all(bool(p.isfinite().all()) for p in model.parameters())) or evaluate(model, x, y))
+    P.run(_fake_method(diverging), replace(SMALL, max_epochs=10, patience=2))
+    assert evaluated == [True, False, False, True]  # 3 validation passes, then the test set
+
+
+def test_the_standardizer_is_fit_on_the_training_rows_alone() -> None:
+    fitted = []
+
+    class Recording:
+        def fit(self, x):
+            fitted.append(len(x))
+            return self
+
+        def transform(self, x):
+            return x
+
+    P.run(_fake_method(lambda *a, **k: None, scaler=Recording), replace(SMALL, max_epochs=1))
+    assert fitted == [42]
+
+
+def test_a_layer_as_wide_as_the_rank_is_accepted() -> None:
+    assert replace(SMALL, dim=4, rank=4).dim == 4
+
+
+def test_the_table_gives_the_speedup_of_the_whole_time() -> None:
+    rows = [P.ProbeReport("ref", 6.0, 2.0, 10, 0.9), P.ProbeReport("opt", 1.0, 1.0, 10, 0.9, "cache")]
+    cells = P.table(rows)
+    assert [c[P.HEADER.index("total speedup")] for c in cells] == ["1.00x", "4.00x"]
+    assert cells[1][:4] == ["opt", "cache", "1.00", "1.00"] and cells[1][-1] == "90.0%"
+
+
+def test_the_cache_key_holds_every_data_setting(tmp_path) -> None:
+    """Features generated under another noise, rank, seed or layers are another entry: each of these
+    configs misses the cache once."""
+    from kernels.training import train
+
+    method = replace(_fake_method(train), cache=FeatureCache(tmp_path))
+    configs = [SMALL, replace(SMALL, noise=0.05), replace(SMALL, rank=3), replace(SMALL, seed=1),
+               replace(SMALL, layers=3), replace(SMALL, layers=3, sample_layers=0.5)]
+    for cfg in configs:
+        P._features(cfg, method)
+    assert method.cache.misses == len(configs) and method.cache.hits == 0
+
+
+def test_quick_keeps_the_sizes_given(capsys, monkeypatch) -> None:
+    """--quick sets --samples, --max-epochs and --sample-layers only where they are not given (runs faked)."""
+    seen = []
+    monkeypatch.setattr(spectral_probe_cli, "run", lambda m, cfg: seen.append(cfg) or P.ProbeReport(
+        m.name, 1.0, 1.0, 1, 0.5))
+    monkeypatch.setattr(spectral_probe_cli, "optimized_method", lambda cfg, store, amp: P.reference_method())
+    argv = ["--quick", "--samples", "60", "--max-epochs", "3", "--sample-layers", "0.5", "--layers", "4",
+            "--dim", "32", "--no-cache"]
+    assert spectral_probe_cli.main(argv) == 0
+    assert "Spectral probe: 60 samples x 2 of 4 layers" in capsys.readouterr().out
+    assert {(c.samples, c.max_epochs, c.sample_layers) for c in seen} == {(60, 3, 0.5)}

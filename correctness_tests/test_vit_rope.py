@@ -236,3 +236,103 @@ def test_tokens_are_patches_in_raster_order_and_attention_reads_the_normed_token
             patch = F.conv2d(x[:, :, 4 * r:4 * r + 4, 4 * c:4 * c + 4], model.patch.weight, model.patch.bias)
             assert_close(seen["tokens"][:, 8 * r + c], patch.flatten(1), ELEMENTWISE)
         assert_close(seen["attention"], block.norm1(seen["tokens"]), ELEMENTWISE)
+
+
+def test_the_lr_schedule_spans_the_warmup_and_the_timed_steps() -> None:
+    """The lr at each of a run's 2 + 3 optimizer steps: warm-up to lr, then cosine decay towards 0 at
+    step 5 (the whole run), lr x [0.5, 1, 1, 0.75, 0.25]."""
+    from kernels.attention import RopeSelfAttention
+    from kernels.optim import adamw
+
+    lrs = []
+
+    def recording_adamw(params, **kwargs):
+        opt = adamw(params, **kwargs)
+        opt.register_step_pre_hook(lambda opt, args, kwargs: lrs.append(opt.param_groups[0]["lr"]))
+        return opt
+
+    cfg = vit_rope.Config(steps=3, warmup_steps=2, batch=8, accumulation=1, dim=32, heads=2, depth=1,
+                          eval_images=16)
+    vit_rope.run(vit_rope.Method("lr", RopeSelfAttention, recording_adamw, reference.training.train), cfg)
+    assert lrs == pytest.approx([cfg.lr * f for f in (0.5, 1.0, 1.0, 0.75, 0.25)])
+
+
+def _cifar_files(root, records: dict[str, list[int]]) -> None:
+    """CIFAR-10's binary files under ``root``: per file, one record per label, its 3 planes at pixel
+    values 10, 20, 30 (channel-major, as the binary version stores them)."""
+    import numpy as np
+
+    folder = root / vit_rope.CIFAR_BIN
+    folder.mkdir(parents=True, exist_ok=True)
+    plane = 32 * 32
+    for name, labels in records.items():
+        rows = [np.concatenate([[label], [10] * plane, [20] * plane, [30] * plane]) for label in labels]
+        np.concatenate(rows).astype(np.uint8).tofile(folder / name)
+
+
+def test_cifar10_reads_every_training_file_with_its_labels_and_planes(tmp_path) -> None:
+    """data_batch_1..5 (not the test batch) in order, the label byte first, then the R, G, B planes;
+    a file cut short is refused as damaged."""
+    _cifar_files(tmp_path, {**{f"data_batch_{i}.bin": [i, i + 5] for i in range(1, 6)}, "test_batch.bin": [0]})
+    x, y = vit_rope.cifar10(str(tmp_path), train=True)
+    assert y.tolist() == [1, 6, 2, 7, 3, 8, 4, 9, 5, 10] and x.shape == (10, 3, 32, 32)
+    means = x.mean(dim=(0, 2, 3))
+    assert bool(means[0] < means[1] < means[2]) and bool((x[:, 0] == x[0, 0, 0, 0]).all())
+    assert vit_rope.cifar10(str(tmp_path), train=False)[1].tolist() == [0]
+    with (tmp_path / vit_rope.CIFAR_BIN / "data_batch_5.bin").open("ab") as fh:
+        fh.write(b"\x00" * 7)
+    with pytest.raises(ValueError, match="not whole 3073-byte records"):
+        vit_rope.cifar10(str(tmp_path), train=True)
+
+
+def test_accuracy_is_measured_on_images_the_run_did_not_train_on() -> None:
+    seen = []
+
+    class Recording(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(x)
+            return torch.zeros(len(x), 10)
+
+    cfg = vit_rope.Config(steps=2, warmup_steps=0, batch=8, accumulation=1, eval_images=16)
+    vit_rope.accuracy(Recording(), cfg)
+    train = cfg.images()[0].flatten(1)
+    held_out = torch.cat(seen).flatten(1)
+    assert len(held_out) == 16 and not (held_out[:, None] == train[None]).all(-1).any()
+
+
+def test_a_checkpoint_keeps_every_setting_that_defines_its_run() -> None:
+    """run_settings differs for each setting a resume must share (lr, weight decay, clipping, data,
+    the model's size, the recipe): a resume under another is refused."""
+    cfg = vit_rope.Config()
+    base = vit_rope.run_settings(cfg, Recipe(accumulation=2))
+    others = [{"lr": 2e-3}, {"weight_decay": 0.1}, {"max_grad_norm": None}, {"warmup_steps": 3}, {"dim": 96},
+              {"heads": 4}, {"depth": 2}, {"steps": 21}, {"batch": 32}, {"seed": 1}]
+    for change in others:
+        assert vit_rope.run_settings(replace(cfg, **change), Recipe(accumulation=2)) != base, change
+    assert vit_rope.run_settings(cfg, Recipe(torch.bfloat16, accumulation=2)) != base
+    assert vit_rope.run_settings(cfg, Recipe(accumulation=4)) != base
+
+
+def test_the_table_gives_each_rows_speedup_over_the_reference() -> None:
+    rows = [vit_rope.ViTReport("ref", 40.0, None, 0.5, 2.0), vit_rope.ViTReport("opt", 10.0, 12.4, 0.25, 1.5)]
+    cells = vit_rope.table(rows)
+    assert cells[1] == ["opt", "10.0", "4.00x", "0.0", "12", "25.0%", "1.500"] and cells[0][2] == "1.00x"
+
+
+def test_the_ablation_leaves_out_only_the_amp_row_where_bf16_is_emulated(monkeypatch) -> None:
+    """The rows' names (runs faked): without --emulated-bf16 on such a CPU the AMP row goes, the
+    optimized row and the rows built on it stay."""
+    from kernels.attention import RopeSelfAttention
+    from kernels.optim import adamw
+    from kernels.training import train
+
+    monkeypatch.setattr(vit_rope, "bf16_emulated", lambda device: True)
+    monkeypatch.setattr(vit_rope, "optimized_method", lambda cfg: vit_rope.Method(
+        "optimized (fp32, accumulation 2)", RopeSelfAttention, adamw, train, Recipe(accumulation=2)))
+    monkeypatch.setattr(vit_rope, "run",
+                        lambda m, cfg, workers=None: vit_rope.ViTReport(m.name, 1.0, None, 0.5, 1.0))
+    names = [r.name for r in vit_rope.ablation(vit_rope.Config(), compile_=False)]
+    assert not any(n.startswith("+ AMP") for n in names)
+    assert names[4] == "optimized (fp32, accumulation 2)" and names[5].startswith(names[4] + ", no clipping")
+    names = [r.name for r in vit_rope.ablation(vit_rope.Config(), compile_=False, emulated_bf16=True)]
+    assert names[4].startswith("+ AMP") and names[5] == "optimized (fp32, accumulation 2)"
