@@ -45,8 +45,9 @@ typedef struct {
 
 /* One row: out[0:I] = s * a[0:I]. Scalar head to a cache-line boundary, then whole lines of
    four streaming stores each (a line written whole in one go leaves the write-combining buffer
-   at once), scalar tail: each element is the one float32 product torch.mul computes, with s as
-   the first operand throughout (the operand whose payload a NaN times a NaN keeps on x86). */
+   at once), scalar tail: each element is the one float32 product torch.mul computes. Not its
+   bits for a NaN times a NaN: x86 keeps the payload of the instruction's first operand, which the
+   compiler may swap (a multiply commutes), and the streaming loop's is a's where torch's is s's. */
 static void row(float *restrict dst, const float *restrict a, float s, Py_ssize_t I) {
     Py_ssize_t i = 0;
 #if NONTEMPORAL

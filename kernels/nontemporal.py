@@ -8,8 +8,8 @@ x86-64 Linux through ``kernels._nontemporal`` (C, built by ``pip install``), for
 memory whose pages are all resident (a reused buffer, or glibc's reused block under
 ``--perf-malloc cache``): a page mapped by the first write is zeroed through the cache, where an
 ordinary store then finds it. Everywhere else, and where the C part is not built, it is
-``torch.mul``; both write the same bits (a NaN times a NaN aside, whose payload x86 takes from
-the first operand in both).
+``torch.mul``; both write the same bits but for a NaN times a NaN, whose payload (x86 keeps the
+first operand's, and the compiler orders the operands) may differ.
 """
 
 from __future__ import annotations
