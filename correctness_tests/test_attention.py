@@ -844,3 +844,95 @@ def test_a_default_device_elsewhere_leaves_the_result_on_qs(causal: bool) -> Non
         got = kernels.rope_attention(q, k, v, rope, causal=causal)
     assert got.device.type == "cpu"
     assert_close(got, want, REDUCTION)
+
+
+@pytest.mark.parametrize("side", sorted(SIDES))
+def test_keys_of_another_length_than_the_queries_are_refused(side: str) -> None:
+    """Self-attention: k and v of another S than q are refused on every path (a cross-attention
+    SDPA would otherwise compute, or the fused path's C rotation refuse with its own message)."""
+    fn, rope = SIDES[side].rope_attention, RotaryEmbedding(8)
+    for s, sk in ((5, 6), (6, 5), (200, 199)):  # the explicit and fused paths, SDPA's
+        q, _, _ = _qkv(s=s)
+        _, k, v = _qkv(s=sk)
+        for causal in (False, True):
+            with pytest.raises(ValueError, match="the same B and S"), torch.no_grad():
+                fn(q, k, v, rope, causal=causal)
+
+
+@pytest.mark.parametrize("strided", ["k", "q", "qk"])
+def test_the_fused_path_takes_keys_the_c_rotation_cannot_read_through_the_other_paths(strided: str) -> None:
+    """q or k whose features are not at unit stride (every other element of a wider tensor), under
+    no_grad in float32 at a fused length: the C rotation reads neither, so such a call takes the
+    other paths and equals the reference, it is not refused."""
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(8)
+    q, k, v = _qkv(s=12)
+    wide = {n: torch.randn(2, 4, 12, 16)[..., ::2] for n in strided}
+    q, k = wide.get("q", q), wide.get("k", k)
+    assert not q.is_contiguous() or not k.is_contiguous()
+    with torch.no_grad():
+        got = kernels.rope_attention(q, k, v, rope)
+    assert_close(got, RA.rope_attention(q, k, v, rope), REDUCTION)
+
+
+@SOFTMAX_PATHS
+def test_a_masked_key_gets_no_weight_where_every_visible_score_is_very_negative(path: str) -> None:
+    """A False in a bool mask is -inf, not a large negative number: where the one visible key
+    scores -2.8e4 (q = -100, k = 100 at one position: no rotation), the output is that key's
+    value exactly as the reference's, on the fused, the explicit and SDPA's paths."""
+    rope = RotaryEmbedding(8)
+    for s in (6, 200):  # the fused and explicit paths (their masks in place), SDPA
+        q, k, v = torch.full((1, 2, s, 8), -100.0), torch.full((1, 2, s, 8), 100.0), torch.randn(1, 2, s, 8)
+        k[:, :, 1:] = torch.randn(1, 2, s - 1, 8)  # masked keys: scores of order 1 above -2.8e4
+        mask = torch.zeros(s, s, dtype=torch.bool)
+        mask[:, 0] = True  # every query sees key 0 alone
+        positions = torch.zeros(s, dtype=torch.int64)
+        with through_softmax(path):
+            for grad in (False, True):  # q needing its gradient: not the fused path
+                got = kernels.rope_attention(q.clone().requires_grad_(grad), k, v, rope, attn_mask=mask,
+                                             positions=positions)
+                assert_close(got.detach(), v[:, :, :1].expand_as(got), REDUCTION, msg=f"S={s}, grad={grad}")
+    assert_close(RA.rope_attention(q, k, v, rope, attn_mask=mask, positions=positions),
+                 v[:, :, :1].expand(1, 2, s, 8), REDUCTION)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.float64, torch.float16])
+def test_a_float_mask_of_another_dtype_than_q_is_added_in_qs(mask_dtype: torch.dtype) -> None:
+    """A float mask of another floating dtype than q (float64, float16 with float32 q, k, v) is
+    cast to q's dtype on every path: the fused and explicit ones, SDPA's (causal, longer), the
+    blocked causal one; output equal to the reference's, in q's dtype."""
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(8)
+    for s, causal in ((12, False), (12, True), (200, False), (200, True), (400, True)):
+        q, k, v = _qkv(h=2, hk=2, s=s)
+        mask = torch.randn(s, s).to(mask_dtype)
+        want = RA.rope_attention(q, k, v, rope, causal=causal, attn_mask=mask)
+        for grad in (False, True):  # q needing its gradient: not the fused path
+            got = kernels.rope_attention(q.clone().requires_grad_(grad), k, v, rope, causal=causal, attn_mask=mask)
+            assert got.dtype == torch.float32
+            assert_close(got.detach(), want, REDUCTION, msg=f"S={s}, causal={causal}, grad={grad}")
+
+
+@EACH_ISA
+def test_the_c_softmax_takes_rows_of_no_scores(isa: str) -> None:
+    """A buffer whose last dim is 0 (the scores of S = 0) has nothing to normalize: softmax_
+    returns without dividing by the row length, as an empty buffer of no rows does."""
+    for shape in ((3, 0), (0, 0), (2, 0, 0), (0, 5)):
+        x = torch.empty(shape)
+        assert C.softmax_(x.numpy(), 1, isa) is None
+        assert C.softmax_(x.numpy(), 2, isa) is None
+    q = torch.empty(2, 2, 0, 8)
+    with torch.no_grad():
+        assert kernels.rope_attention(q, q, q, RotaryEmbedding(8)).shape == (2, 2, 0, 8)
+
+
+def test_the_explicit_and_blocked_paths_are_the_cpus_only() -> None:
+    """The explicit and the blocked causal paths were measured against SDPA on the CPU: a tensor of
+    another device (meta here: no accelerator needed) takes SDPA at their lengths and dtypes."""
+    meta = torch.empty(1, 1, KA.CPU_MATH_MAX_SEQ, 8, device="meta")
+    assert KA._takes_explicit(torch.empty(meta.shape), causal=False)
+    assert not KA._takes_explicit(meta, causal=False)
+    blocked = torch.empty(1, 1, KA.CPU_CAUSAL_SEQ[0], 8, device="meta")
+    assert KA._causal_block(torch.empty(blocked.shape), causal=True) is not None
+    assert KA._causal_block(blocked, causal=True) is None
+    assert not KA._fuses(meta, meta, meta, RotaryEmbedding(8), False, None, None)

@@ -228,3 +228,17 @@ def test_outer_broadcasts_a_batch_of_one_as_torch_mul(calls: list) -> None:
     for g_, a_ in [(g, a[:1]), (g[:1], a)]:
         assert torch.equal(nontemporal.outer(g_, a_, torch.zeros(3, 5, 7), stream=True), g_ * a_)
     assert calls == []
+
+
+@needs_c
+def test_the_c_part_refuses_buffers_larger_than_the_shape() -> None:
+    """g, a and out must hold exactly the shape's elements: a larger buffer (a wrong shape passed
+    with it) is refused, not read or written in part."""
+    g, a, out = torch.ones(2, 3), torch.ones(2, 4), torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match="out must hold 24 float32 elements, got 25"):
+        C.outer(g.numpy(), a.numpy(), torch.zeros(25).numpy(), (2, 3, 4), 1)
+    with pytest.raises(ValueError, match="g must hold 6 float32 elements, got 7"):
+        C.outer(torch.ones(7).numpy(), a.numpy(), out.numpy(), (2, 3, 4), 1)
+    with pytest.raises(ValueError, match="a must hold 8 float32 elements, got 9"):
+        C.outer(g.numpy(), torch.ones(9).numpy(), out.numpy(), (2, 3, 4), 1)
+    assert torch.equal(out, torch.zeros(2, 3, 4))  # nothing written by a refused call

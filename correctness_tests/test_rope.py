@@ -478,3 +478,25 @@ def test_an_integer_offset_of_another_type_grows_the_cache(offset) -> None:
     x = torch.randn(1, 2, 3, 8)
     got = K.RotaryEmbedding(8, max_seq_len=4)(x, offset=offset)
     assert_close(got, R.RotaryEmbedding(8)(x, offset=6), ELEMENTWISE)
+
+
+@needs_c
+def test_the_c_part_refuses_an_odd_head_dim_tables_of_another_length_or_shape_and_too_many_threads() -> None:
+    """The C part's shape checks guard its reads: an odd D would leave a feature unwritten, cos or
+    sin with other positions or another shape than each other would be read past their ends, and
+    a team beyond MAX_THREADS is refused as one below 1 is."""
+    x, table = torch.randn(2, 3, 5, 8), torch.randn(1, 5, 4)
+    out = torch.empty_like(x)
+    turn = lambda *args, threads=1: K._c.turn(*args, False, True, False, threads)
+    odd, half = torch.randn(2, 3, 5, 7), torch.randn(1, 5, 3)
+    with pytest.raises(ValueError, match="an even D"):
+        turn(odd.numpy(), torch.empty_like(odd).numpy(), half.numpy(), half.numpy())
+    for positions in (4, 6):  # S = 5
+        other = torch.randn(1, positions, 4)
+        with pytest.raises(ValueError, match=r"cos and sin must be \(1 or B, S, D/2\)"):
+            turn(x.numpy(), out.numpy(), other.numpy(), other.numpy())
+    with pytest.raises(ValueError, match="out must have x's shape"):  # sin's shape is cos's
+        turn(x.numpy(), out.numpy(), table.numpy(), torch.randn(1, 4, 4).numpy())
+    with pytest.raises(ValueError, match="threads must be"):
+        turn(x.numpy(), out.numpy(), table.numpy(), table.numpy(), threads=K._c.MAX_THREADS + 1)
+    turn(x.numpy(), out.numpy(), table.numpy(), table.numpy(), threads=K._c.MAX_THREADS)  # the most it takes

@@ -590,3 +590,21 @@ def test_nan_is_refused_on_the_differentiable_path() -> None:
         s.transform(fwAD.make_dual(bad, torch.ones_like(bad)))
     with pytest.raises(ValueError, match="NaN or inf in X; this Standardizer refuses NaN"):
         torch.func.jvp(s.transform, (bad,), (torch.ones_like(bad),))
+
+
+@needs_c
+@pytest.mark.parametrize("chunk", [5, 1000, 4096])
+def test_the_c_statistics_of_data_far_from_the_shift_keep_their_digits(chunk: int) -> None:
+    """Data 1e3 and 1e5 away from the shift (a later partial_fit's batch, an outlier shift row), unit
+    noise, float32: the corrected two-pass formula takes back the rounding of each chunk's float32
+    mean, in the mean (as accurate as float64's rounded once) and in the variance (reduction
+    tolerance), a whole chunk and a last chunk cut short alike."""
+    torch.manual_seed(0)
+    for offset in (1e3, 1e5):
+        x = (offset + torch.randn(4096, 3, dtype=torch.float64)).float()
+        shift = torch.zeros(3)
+        truth = x.double() - shift.double()
+        mean, var = torch.empty((2, 3))
+        standardize._c.moments(x.numpy(), shift.numpy(), mean.numpy(), var.numpy(), chunk, 1)
+        assert_as_accurate(mean, truth.mean(0).float(), truth.mean(0))
+        _close(var, truth.var(0, unbiased=False), REDUCTION, torch.float32)
