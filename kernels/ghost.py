@@ -25,21 +25,17 @@ def _one_row(a: Tensor, g: Tensor, weight: bool, bias: bool) -> Tensor:
     return gg * (a2 @ a2.T + float(bias))
 
 
-def _ghost_weight(a: Tensor, g: Tensor, diagonal: bool) -> Tensor:
-    """Gram (B, B), or its diagonal (B,), of one Linear weight's per-sample gradients, rows T > 1
-    (one row: ``_one_row``)."""
+def _ghost_weight(a: Tensor, g: Tensor, norms: bool = False) -> Tensor:
+    """Gram (B, B) of one Linear weight's per-sample gradients, rows T > 1 (one row: ``_one_row``);
+    ``norms``: their norms (B,) instead, the square root of its diagonal."""
     if a.shape[1] ** 2 > a.shape[2] * g.shape[2]:
         # Long token axis: T^2 dot products cost more than building the (out, in) gradients.
         w = torch.einsum("bto,bti->boi", g, a).flatten(1)
-        return _sum_squares(w) if diagonal else w @ w.T
-    spec = "bti,bsi->bts" if diagonal else "bti,csi->bcts"
+        return torch.linalg.vector_norm(w, dim=1) if norms else w @ w.T
+    spec = "bti,bsi->bts" if norms else "bti,csi->bcts"
     aa, gg = torch.einsum(spec, a, a), torch.einsum(spec.replace("i", "o"), g, g)
-    return (aa * gg).sum((-2, -1))
-
-
-def _sum_squares(rows: Tensor) -> Tensor:
-    """(B,): each row's sum of squares, for rows (B, d)."""
-    return (rows * rows).sum(1)
+    total = (aa * gg).sum((-2, -1))
+    return total.clamp_min(0).sqrt() if norms else total  # a sum of squares: rounding must not make NaN
 
 
 @dataclass
@@ -75,7 +71,7 @@ class GhostTerms:
                     total = total + _one_row(a, g, weight, bias)
                     continue
                 if weight:
-                    total = total + _ghost_weight(a, g, diagonal=False)
+                    total = total + _ghost_weight(a, g)
                 if bias:
                     bias_grads = g.sum(1)
                     total = total + bias_grads @ bias_grads.T
@@ -87,7 +83,7 @@ class GhostTerms:
     def norms(self) -> Tensor:
         """|g_i| (B,): the square root of the Gram's diagonal, as one norm of the per-parameter
         norms. One row a sample: |g_i(W)| = |b_i| |a_i| and |g_i(bias)| = |b_i|, two norms and a
-        product a layer (``gram``'s diagonal takes several ops more a layer)."""
+        product a layer (squares and sums of the rows take several ops more)."""
         parts = []
         with torch.autocast(self.zero.device.type, enabled=False):  # products in the weights' dtype
             for mname, (a, g) in self.terms.items():
@@ -101,15 +97,15 @@ class GhostTerms:
                         parts.append(ng)
                     continue
                 if weight:
-                    parts.append(_ghost_weight(a, g, diagonal=True).clamp_min(0).sqrt())
+                    parts.append(_ghost_weight(a, g, norms=True))
                 if bias:
                     parts.append(torch.linalg.vector_norm(g.sum(1), dim=1))
             if self.grads:
                 flat = torch.cat([t.reshape(self.batch, -1) for t in self.grads.values()], 1)
                 parts.append(torch.linalg.vector_norm(flat, dim=1))
-        if not parts:  # no layer called: zeros of its own, not the zero expanded
-            return self.zero.new_zeros(self.batch)
-        return torch.linalg.vector_norm(torch.stack(parts, 1), dim=1)
+            if not parts:  # no layer called: zeros of its own, not the zero expanded
+                return self.zero.new_zeros(self.batch)
+            return torch.linalg.vector_norm(torch.stack(parts, 1), dim=1)
 
     def rows(self, index: slice) -> GhostTerms:
         """The same terms for a slice of the batch (samples are independent)."""

@@ -284,6 +284,8 @@ def test_figures_counted_under_an_earlier_rule_are_marked_so() -> None:
     assert not marked(section(COUNT_RULE))
     assert marked(section(COUNT_RULE - 1)) and marked(section(None))
     assert f"rule {COUNT_RULE - 1};" in "".join(_roofline_markdown(section(COUNT_RULE - 1)))
+    later = "".join(_roofline_markdown(section(COUNT_RULE + 1)))  # a newer perfgate's run, read by this one
+    assert f"Counted under rule {COUNT_RULE + 1}, a later rule" in later and "earlier" not in later
     shards = [{"roofline": r, "shard": {"index": i + 1}} for i, r in enumerate([section(COUNT_RULE), section(1)])]
     assert _roofline(shards, [0, 1])["count_rule"] == 1
     shards[1]["roofline"] = section(None)

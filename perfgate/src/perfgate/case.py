@@ -26,8 +26,8 @@ MIN_ROUNDS = 5  # a bootstrap interval needs rounds to resample, whatever the op
 GATED_ROUNDS_S = 1.0
 MAX_ROUNDS = 1000
 MIN_VISIT_ROUNDS = 3  # interleaved pairs a visit times, at least
-# A slow row's first visit: its 7 pairs (MIN_PAIRS) are timed as 4 now and 3 at the session's end,
-# which a row its 4 pairs already decided in its favour does not need (GateState.revisit)
+# A slow row's first visit: its 7 pairs (MIN_PAIRS) are timed as 4 now and 3 at the session's end
+# (GateState.revisit), so even a row of 7 pairs samples two host states apart in time
 FIRST_PAIRS = 4
 
 

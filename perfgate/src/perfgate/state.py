@@ -182,9 +182,9 @@ class GateState:
         of each, ...), so each row's interleaved rounds sample host states apart in time, not only
         the one it happened to meet during its test. A row already decided (``decided`` on its
         ``EARLY`` interval: every rule that applies to it cleared, or none applies) on MIN_PAIRS
-        pairs or more is not visited again: its remaining pairs are counted in ``skipped``. Fewer
-        pairs give no bounded 95% interval (``stats.sign_interval``), so a row no rule judges is
-        still timed to MIN_PAIRS: what it reports then says something."""
+        pairs or more is not visited again: its remaining pairs are counted in ``skipped``. A row
+        no rule judges is still timed to MIN_PAIRS, the pairs a failing verdict needs (under 6 give
+        no bounded 95% interval, ``stats.sign_interval``): what it reports then says something."""
         pending = [] if self.interrupted else self.later.pending
         for v in range(max((len(p.shares) for p in pending), default=0)):
             for p in pending:
