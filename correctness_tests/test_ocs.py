@@ -239,13 +239,13 @@ def test_the_ablation_table_gives_each_rows_speedup_over_the_reference() -> None
 
 
 def test_the_test_split_keeps_each_images_label_and_shares_no_image_with_training() -> None:
-    """digits()'s 80/20 split against scikit-learn's own images and targets: every test label is its
-    image's, and no image is in both splits."""
+    """digits()'s 80/20 split against every image in scikit-learn's order and scikit-learn's own
+    targets: every label is its image's, and no image is in both splits."""
     from sklearn.datasets import load_digits
 
-    d = load_digits()
-    x = F.interpolate(torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0, size=28, mode="bilinear",
-                      align_corners=False).clamp(0, 1)
+    from workloads.rotated_digits import all_digits
+
+    d, (x, _) = load_digits(), all_digits()
     index = {x[i].numpy().tobytes(): i for i in range(len(x))}  # scikit-learn's 1797 images are distinct
     (x_train, y_train), (x_test, y_test) = digits()
     train_at = [index[im.numpy().tobytes()] for im in x_train]

@@ -10,14 +10,19 @@ from torch import Tensor
 Split = tuple[Tensor, Tensor]  # images (N, 1, 28, 28) or rows (N, 784) float32, labels (N,) int64
 
 
-def digits(seed: int = 0) -> tuple[Split, Split]:
-    """scikit-learn's digits at 28x28 in [0, 1]: (train (1437, 1, 28, 28), test (360, ...))."""
+def all_digits() -> Split:
+    """All 1797 of scikit-learn's digits at 28x28 in [0, 1], in its order: (N, 1, 28, 28), labels (N,)."""
     from sklearn.datasets import load_digits
 
     d = load_digits()
     x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
     x = F.interpolate(x, size=28, mode="bilinear", align_corners=False).clamp(0, 1)
-    y = torch.tensor(d.target, dtype=torch.int64)
+    return x, torch.tensor(d.target, dtype=torch.int64)
+
+
+def digits(seed: int = 0) -> tuple[Split, Split]:
+    """``all_digits`` split 80/20 by a seeded permutation: (train (1437, 1, 28, 28), test (360, ...))."""
+    x, y = all_digits()
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     cut = int(0.8 * len(y))
     return (x[perm[:cut]], y[perm[:cut]]), (x[perm[cut:]], y[perm[cut:]])
