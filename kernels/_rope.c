@@ -115,14 +115,15 @@ static PyObject *turn(PyObject *self, PyObject *args) {
                            "got %d, %d, %d, %d", x.ndim, out.ndim, c.ndim, n.ndim);
     } else {
         B = x.shape[0], H = x.shape[1], S = x.shape[2], D = x.shape[3], T = c.shape[0];
-        int same = 1;
-        for (int d = 0; d < 4; d++) same &= out.shape[d] == x.shape[d];
-        for (int d = 0; d < 3; d++) same &= n.shape[d] == c.shape[d];
-        if (!same || D % 2 || (D && (x.strides[3] != 4 || out.strides[3] != 4)))
+        int same_out = 1, same_table = 1;
+        for (int d = 0; d < 4; d++) same_out &= out.shape[d] == x.shape[d];
+        for (int d = 0; d < 3; d++) same_table &= n.shape[d] == c.shape[d];
+        if (!same_out || D % 2 || (D && (x.strides[3] != 4 || out.strides[3] != 4)))
             PyErr_Format(PyExc_ValueError, "out must have x's shape, x an even D, both a unit stride on it");
-        else if (c.shape[1] != S || c.shape[2] != D / 2 || (T != 1 && T != B))
+        else if (!same_table || c.shape[1] != S || c.shape[2] != D / 2 || (T != 1 && T != B))
             PyErr_Format(PyExc_ValueError, "cos and sin must be (1 or B, S, D/2) = (1 or %zd, %zd, %zd), "
-                               "got (%zd, %zd, %zd)", B, S, D / 2, c.shape[0], c.shape[1], c.shape[2]);
+                               "got cos (%zd, %zd, %zd) and sin (%zd, %zd, %zd)", B, S, D / 2,
+                               c.shape[0], c.shape[1], c.shape[2], n.shape[0], n.shape[1], n.shape[2]);
         else
             bad = 0;
     }

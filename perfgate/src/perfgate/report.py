@@ -230,18 +230,18 @@ def _roofline_markdown(roofline: dict) -> list[str]:
         "the shards' runners' limits differ, " + "; ".join(_shard_limits(s, entries) for s in differ)
     rule = roofline.get("count_rule")
     if rule is not None and rule > COUNT_RULE:
-        other = [f"Counted under rule {rule}, a later rule than this perfgate's ({COUNT_RULE}): a newer "
+        rule_note = [f"Counted under rule {rule}, a later rule than this perfgate's ({COUNT_RULE}): a newer "
                  "perfgate's report says what it changed.", ""]
     elif rule != COUNT_RULE:
-        other = [f"Counted under an earlier rule ({f'rule {rule}' if rule else 'a run that predates rule 2'}; "
+        rule_note = [f"Counted under an earlier rule ({f'rule {rule}' if rule else 'a run that predates rule 2'}; "
                  f"this perfgate counts by rule {COUNT_RULE}): the bytes, FLOPs and roofline figures of this run, "
                  "here and in its speedup table, are as that rule counted them; a baseline saved now counts them "
                  "again (the CHANGELOG says what each rule changed).", ""]
     else:
-        other = []
+        rule_note = []
     return [f"Roofline: {where}; each impl's least time (bytes moved at the "
             "stream bandwidth, FLOPs at the GEMM peak) over its median "
-            "([how to read it](perfgate.md#the-roofline-column)).", "", *other,
+            "([how to read it](perfgate.md#the-roofline-column)).", "", *rule_note,
             "| " + " | ".join(PLACED_HEADER) + " |", "|" + "---|" * len(PLACED_HEADER),
             *("| " + " | ".join(cells) + " |" for cells in placed_cells(entries)), ""]
 
