@@ -134,6 +134,18 @@ class TemperedCE(nn.Module):
         return F.cross_entropy(out * self.log_t.exp(), y)
 
 
+class RankZeroTemperedCE(TemperedCE):
+    """TemperedCE whose temperature only rank 0's batch reaches: rank 1's backward leaves its
+    gradient None (as a class-conditional term would for a rank whose batch lacks the class)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def forward(self, out: Tensor, y: Tensor) -> Tensor:
+        return super().forward(out, y) if self.rank == 0 else F.cross_entropy(out, y)
+
+
 def case_loss_module(dp: DataParallel | None) -> tuple[nn.Module, TrainResult, int]:
     """The optimizer trains the loss module's temperature too, accumulation 2 over 4 micro-batches:
     its gradient is averaged over the ranks at every step (each rank stepped its own before)."""

@@ -19,7 +19,7 @@ import torch
 
 import correctness_tests.ddp_cases as cases
 from kernels.distributed import process_group
-from kernels.training import load_checkpoint, save_checkpoint, train
+from kernels.training import Recipe, load_checkpoint, save_checkpoint, train
 
 
 def _threads() -> int:
@@ -64,6 +64,19 @@ def main(out: Path, scenario: str) -> int:
             train(uneven, cases.F.cross_entropy, torch.optim.SGD(uneven.parameters(), lr=0.1), [mine])
         except ValueError as e:
             (out / f"uneven{dp.rank}.txt").write_text(str(e))
+        # equal shares whose micro-batches differ (3 + 1 and 1 + 3 of a global 8, accumulation 2): refused alike
+        mine = [(x[:3], y[:3]), (x[3:4], y[3:4])] if dp.rank == 0 else [(x[4:5], y[4:5]), (x[5:], y[5:])]
+        skewed = dp.wrap(cases.MLP((12, 32, 5)))
+        try:
+            train(skewed, cases.F.cross_entropy, torch.optim.SGD(skewed.parameters(), lr=0.1), mine,
+                  Recipe(accumulation=2))
+        except ValueError as e:
+            (out / f"skewed{dp.rank}.txt").write_text(str(e))
+        # a loss module's parameter only rank 0's batch reaches: every rank steps it alike
+        gated, loss = dp.wrap(cases.MLP((12, 32, 5))), cases.RankZeroTemperedCE(dp.rank)
+        train(gated, loss, torch.optim.SGD([*gated.parameters(), *loss.parameters()], lr=0.1),
+              [(x[:4], y[:4]) if dp.rank == 0 else (x[4:], y[4:])])
+        (out / f"temperature{dp.rank}.txt").write_text(repr(loss.log_t.item()))
         # rank 0 cannot write: every rank raises, none waits for the file
         try:
             save_checkpoint(out / "missing-folder" / "x.safetensors", model, torch.optim.SGD(model.parameters()))

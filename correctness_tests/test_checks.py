@@ -521,7 +521,8 @@ def test_bad_input_is_refused_or_documented(name: str, cls: str) -> None:
 
 @pytest.mark.parametrize("value", [3, np.int64(3), torch.tensor(3)])
 def test_integer_takes_integer_scalars(value: Any) -> None:
-    assert checks.integer(value, "n", low=1, high=3) == 3
+    got = checks.integer(value, "n", low=1, high=3)
+    assert got == 3 and type(got) is int  # a Python int, not the scalar (a tensor == 3 is a tensor)
 
 
 @pytest.mark.parametrize("value", [True, False, 2.0, "2", None, torch.tensor(2.0), np.float32(2), np.True_,
@@ -536,10 +537,11 @@ def test_integer_refuses_bools_floats_and_strings(value: Any) -> None:
                                             (1.0, {"low": 0, "high": 1, "high_open": True}),
                                             (torch.tensor([1.0, 2.0]), {}), (None, {}), (np.True_, {}),
                                             (np.complex128(1 + 2j), {}), (1 + 0j, {}), (b"1.5", {}),
-                                            (10**400, {})])
+                                            (np.complex64(1 + 2j), {}), (10**400, {}), (torch.tensor(True), {})])
 def test_number_refuses_nonfinite_bools_and_out_of_range(value: Any, kw: dict) -> None:
-    """numpy's bool, numpy's complex (float() dropped its imaginary part), bytes and an int past
-    float's range (an OverflowError naming nothing) among them."""
+    """numpy's bool, numpy's complex (float() dropped its imaginary part; complex64 is no Python
+    complex), bytes, an int past
+    float's range (an OverflowError naming nothing) and a one-element bool tensor among them."""
     with pytest.raises(ValueError, match="x must be a finite number"):
         checks.number(value, "x", **kw)
 
@@ -553,6 +555,25 @@ def test_nonfinite_names_exactly_the_tensors_holding_nan_or_inf(bad: float, dtyp
     for i in (2, 0):  # one, then two tensors spoiled, each at one element
         named[f"t{i}"][4 - i, 1] = bad
         assert checks.nonfinite(named) == [f"t{j}" for j in (0, 2) if j >= i]
+
+
+def test_extremes_of_mixed_dtypes_are_read_in_float64() -> None:
+    """Tensors of several dtypes meet in float64: a finite float64 value past float32's range is
+    neither inf nor flushed to 0, and each pair is (min, max)."""
+    named = {"a": torch.tensor([-2.0, 3.0]), "b": torch.tensor([1e300, -1e-300], dtype=torch.float64)}
+    assert checks.extremes(named) == {"a": (-2.0, 3.0), "b": (-1e-300, 1e300)}
+    assert checks.nonfinite(named) == []
+
+
+def test_writable_refuses_autograd_history_and_inference_tensors_outside_inference_mode() -> None:
+    checks.writable(torch.zeros(2), "out")
+    with pytest.raises(ValueError, match="out requires grad"):
+        checks.writable(torch.zeros(2, requires_grad=True), "out")
+    with torch.inference_mode():
+        made = torch.zeros(2)
+        checks.writable(made, "out")  # written where it was made
+    with pytest.raises(ValueError, match="out is an inference tensor"):
+        checks.writable(made, "out")
 
 
 def test_number_takes_numpy_and_one_element_tensors() -> None:
@@ -595,6 +616,9 @@ def test_finite_reads_complex_float8_and_compressed_sparse_tensors() -> None:
     f8 = torch.ones(4).to(torch.float8_e4m3fn)
     assert checks.nonfinite({"f8": f8}) == []
     assert checks.nonfinite({"f8": _with(torch.ones(4), math.nan).to(torch.float8_e4m3fn)}) == ["f8"]
+    # an uncoalesced COO tensor (a sparse embedding's gradient) holds the sum of its duplicates: inf here
+    twice = torch.sparse_coo_tensor([[0, 0]], [3e38, 3e38], (2,), check_invariants=True)
+    assert checks.nonfinite({"coo": twice}) == ["coo"]
     csr = torch.eye(3).to_sparse_csr()
     assert checks.nonfinite({"csr": csr}) == []
     assert checks.nonfinite({"csr": _with(torch.eye(3), math.nan).to_sparse_csr()}) == ["csr"]

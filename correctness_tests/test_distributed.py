@@ -105,6 +105,22 @@ def test_unequal_shares_of_the_ranks_are_refused_on_every_rank(two_ranks: Path) 
         assert "the ranks' batches differ in size at optimizer step 1" in said
 
 
+def test_equal_shares_whose_micro_batches_differ_are_refused_on_every_rank(two_ranks: Path) -> None:
+    """4 samples a rank, as micro-batches of 3 + 1 and 1 + 3: each rank weighs its micro-batches by
+    its own first one's size, so DDP's mean would weigh rank 1's samples 3x rank 0's (1/4 and 1/12
+    for 1/8 each); the sizes' squares tell the step apart from equal shares, and every rank refuses it."""
+    for r in (0, 1):
+        said = (two_ranks / f"skewed{r}.txt").read_text()
+        assert "the ranks' batches differ in size at optimizer step 1" in said
+
+
+def test_a_loss_parameter_one_rank_leaves_without_gradient_is_stepped_alike(two_ranks: Path) -> None:
+    """Rank 1's batch never reaches the loss module's temperature (its .grad stays None): the step
+    all-reduces a zero in its place, so both ranks step it on the ranks' mean gradient, equally."""
+    t0, t1 = (float((two_ranks / f"temperature{r}.txt").read_text()) for r in (0, 1))
+    assert t0 == t1 != 0.0
+
+
 def test_a_checkpoint_rank_0_cannot_write_fails_every_rank(two_ranks: Path) -> None:
     """The run's last step (the module's run ended without a hung rank: two_ranks)."""
     assert "No such file or directory" in (two_ranks / "unwritable0.txt").read_text()

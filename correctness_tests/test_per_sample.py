@@ -450,6 +450,26 @@ def _weight_norm() -> nn.Module:
     return nn.Sequential(nn.Flatten(), layer, nn.Tanh(), nn.Linear(4, 3))
 
 
+class UnusedFirst(nn.Module):
+    """A layer never called, registered before the one called: results come in the parameters'
+    order, not with the called layers' first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused, self.fc = nn.Linear(6, 2), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class _ScaledLinear(nn.Linear):
+    """A Linear subclass with a forward of its own (twice nn.Linear's output): its weight's gradient
+    is 2 b a^T, not the identity's b a^T, so only nn.Linear itself takes the identity."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
 # name: (model factory, input shape, identity kept for every Linear?)
 def _stale_features() -> nn.Module:
     """A hidden layer grown from 6 to 8 units by swapping its weight and the next layer's, their
@@ -492,6 +512,8 @@ AWKWARD = {
     "child_of_linear": (ChildOfLinear, (5, 6), True),
     "no_grad_inside_forward": (NoGradInside, (5, 6), False),
     "stale_features": (_stale_features, (5, 6), True),
+    "unused_registered_first": (UnusedFirst, (5, 6), True),
+    "linear_subclass": (lambda: nn.Sequential(_ScaledLinear(6, 5), nn.Tanh(), nn.Linear(5, 3)), (5, 6), True),
 }
 TIED_TO_INPUT = ("tied_functional", "tied_functional_T", "tied_functional_mT")
 
@@ -687,8 +709,17 @@ def test_bad_inputs_are_refused_clearly(side, name: str) -> None:
         fn(stateless, F.cross_entropy, x, y)
     with pytest.raises(ValueError, match=r"Dropout.*randomness="):
         fn(MLP([5, 4, 3], dropout=0.5), F.cross_entropy, x, y)
+    fn(nn.Sequential(nn.Linear(5, 4), nn.Dropout(0.0), nn.Linear(4, 3)), F.cross_entropy, x, y)  # p=0: not random
     with pytest.raises(ValueError, match="batch size mismatch"):
         fn(mlp, F.cross_entropy, x, y[:3])
+    with pytest.raises(ValueError, match="batch size mismatch: inputs has 4 samples, targets has 8"):
+        fn(mlp, F.cross_entropy, x, torch.cat([y, y]))
+    with pytest.raises(ValueError, match=r"targets must be a tensor of shape \(B, \.\.\.\), got shape \(\)"):
+        fn(mlp, F.cross_entropy, x, y[0])
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        fn(mlp, None, x, y)
+    with pytest.raises(ValueError, match="NaN or inf in targets"):  # floating targets are read too
+        fn(mlp, F.mse_loss, x, torch.full((4, 3), float("nan")))
     with pytest.raises(TypeError, match="floating-point"):
         fn(mlp, F.cross_entropy, x.long(), y)
     with pytest.raises(TypeError, match="inputs are torch.float64"):
@@ -720,20 +751,52 @@ def test_finite_terms_whose_product_overflows_are_refused(side, name: str) -> No
     assert all(torch.isfinite(t).all() for t in (got.values() if isinstance(got, dict) else [got]))
 
 
-def test_token_sums_whose_product_overflows_are_refused() -> None:
+# name: (layer input, output gradient per token, bias?, which per-sample gradient overflows)
+TOKEN_SUMS = {
+    "weight": (1.5e19, 1e19, True, "weight"),
+    "weight_of_negative_inputs": (-1.5e19, 1e19, True, "weight"),
+    "bias": (1e-3, 1e38, True, "bias"),
+    "no_bias": (1e-3, 1e38, False, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TOKEN_SUMS))
+def test_token_sums_whose_product_overflows_are_refused(case: str) -> None:
     """Per token each product is finite in fp32 (1.5e19 x 1e19); summed over a sample's 4 tokens
-    the weight's per-sample gradient (6e38) is not."""
-    fc = nn.Linear(2, 1)
+    the weight's per-sample gradient (6e38, or -6e38 from negative inputs) is not. The bias's sum
+    of 4 output gradients of 1e38 overflows alone, its weight's 4e35 finite; without a bias that
+    weight is returned."""
+    a, g, bias, overflows = TOKEN_SUMS[case]
+    fc = nn.Linear(2, 1, bias=bias)
     with torch.no_grad():
-        fc.weight.fill_(1e-30), fc.bias.zero_()
-    x, y = torch.full((2, 4, 2), 1.5e19), torch.zeros(2)
+        fc.weight.fill_(1e-30)
+    x, y = torch.full((2, 4, 2), a), torch.zeros(2)
 
     def loss(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return (o * 1e19).sum() + 0 * t.sum()
+        return (o * g).sum() + 0 * t.sum()
 
     for side in (kernels, reference):
-        with pytest.raises(FloatingPointError, match="NaN or inf"):
+        if overflows is None:
+            got = side.per_sample_grads(fc, loss, x, y)
+            assert list(got) == ["weight"] and bool(torch.isfinite(got["weight"]).all())
+            continue
+        with pytest.raises(FloatingPointError, match=f"NaN or inf in the per-sample gradient of '{overflows}'"):
             side.per_sample_grads(fc, loss, x, y)
+
+
+def test_nonfinite_gradients_from_the_vmap_path_are_refused() -> None:
+    """A Conv2d sends the whole model through vmap (module note): its per-sample gradients are read
+    there. The loss adds sqrt(0 * out), 0 to the loss and NaN (0 x 1/sqrt(0)) to every gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 3))
+    x, y = torch.randn(4, 1, 4, 4), torch.randint(0, 3, (4,))
+
+    def loss(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(o, t) + o.mul(0).sqrt().sum()
+
+    for side in (kernels, reference):
+        with pytest.raises(FloatingPointError, match="NaN or inf in the per-sample gradient of '0.weight'"):
+            side.per_sample_grads(model, loss, x, y)
 
 
 class _Unused(nn.Module):
@@ -763,14 +826,14 @@ def test_out_for_a_layer_never_called_is_zeroed() -> None:
 def test_a_loss_no_trainable_parameter_reaches_gives_zeros_of_their_own(name: str) -> None:
     """Every trainable parameter in a layer the forward never calls: per-sample gradients, Gram and
     norms are zeros on both sides (the reference's loss has no graph to differentiate), each a
-    tensor the caller may write to (not a zero expanded)."""
+    tensor the caller may write to (not a zero expanded), in the model's dtype (float64 here)."""
     torch.manual_seed(0)
-    model, x, y = _Unused(), torch.randn(5, 4), torch.randint(0, 3, (5,))
+    model, x, y = _Unused().double(), torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
     model.fc.requires_grad_(False)
     got, want = _run(kernels, name, dict(model=model, loss_fn=F.cross_entropy, inputs=x, targets=y)), \
         _run(reference, name, dict(model=model, loss_fn=F.cross_entropy, inputs=x, targets=y))
     for t in got.values() if isinstance(got, dict) else [got]:
-        assert not t.any()
+        assert not t.any() and t.dtype == torch.float64
         t.add_(1)  # its own memory: an expanded zero refuses an in-place write
     for t in want.values() if isinstance(want, dict) else [want]:
         assert not t.any()
@@ -882,6 +945,7 @@ def test_layers_are_dispatched_as_documented() -> None:
     assert plan(ConvNet(3, bias=True)) == (["head"], ["conv.weight", "conv.bias"])
     assert plan(Tied()) == ([], ["a.weight", "a.bias", "b.bias"])
     assert plan(_weight_norm()) == (["3"], ["1.bias", "1.weight_g", "1.weight_v"])
+    assert plan(_FrozenBias()) == (["fc", "head", "unused"], [])  # a frozen bias: its weight keeps the identity
     assert plan(MLP([4, 5, 3]), "same") == ([], ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"])
     hybrid = ConvNet(3, bias=False)
     assert plan(hybrid, "different") == ([], ["conv.weight", "head.weight"])  # one pass, one mask
@@ -901,6 +965,79 @@ def test_ghost_sum_grad_and_dots_match_materialized(p: dict) -> None:
     v_flat = torch.cat([t.flatten() for t in v.values()])
     # a dot product's rounding scales with |v| |g_i|, not with the (possibly cancelled) result
     assert_close(terms.dots(v), flat @ v_flat, REDUCTION, scale=(v_flat.norm() * flat.norm(dim=1).max()).item())
+
+
+class _FrozenBias(nn.Module):
+    """A Linear whose bias alone is frozen, and a layer never called whose bias is frozen too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head, self.unused = nn.Linear(6, 5), nn.Linear(5, 3), nn.Linear(6, 2)
+        self.fc.bias.requires_grad_(False)
+        self.unused.bias.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc(x)))
+
+
+def _frozen_bias_problem(shape: tuple[int, ...]) -> dict:
+    torch.manual_seed(0)
+    x = torch.randn(*shape, dtype=torch.float64)
+    return dict(model=_FrozenBias().double(), loss_fn=LOSSES["ce_mean"], inputs=x,
+                targets=torch.randint(0, 3, shape[:-1]))
+
+
+@pytest.mark.parametrize("name", FUNCS)
+@pytest.mark.parametrize("shape", [(5, 6), (5, 4, 6)], ids=["one_row", "tokens"])
+def test_a_frozen_bias_is_left_out_beside_its_trainable_weight(name: str, shape: tuple[int, ...]) -> None:
+    """fc's weight trains and its bias does not: the identity takes fc with the weight's term alone
+    (the bias's b_i . b_j is not part of g_i), on one row a sample and over tokens."""
+    p = _frozen_bias_problem(shape)
+    got, want = _run(kernels, name, p), _run(reference, name, p)
+    if isinstance(want, dict):
+        assert list(got) == ["fc.weight", "head.weight", "head.bias", "unused.weight"]
+        assert_dicts_close(got, want, ELEMENTWISE)
+    else:
+        assert_close(got, want, REDUCTION)
+
+
+@pytest.mark.parametrize("shape", [(5, 6), (5, 4, 6)], ids=["one_row", "tokens"])
+def test_ghost_terms_skip_frozen_parameters_and_rows_slice_every_term(shape: tuple[int, ...]) -> None:
+    """kernels.ghost beyond the Gram: sum_grad and dots cover exactly the trainable parameters (a
+    frozen bias left out, a layer never called summed to zeros), and rows(s) are the terms of the
+    batch x[s] (each sample's own captured terms, outputs and count)."""
+    from kernels.per_sample import ghost_terms
+
+    p = _frozen_bias_problem(shape)
+    want = _run(reference, FUNCS[0], p)
+    terms = ghost_terms(p["model"], p["loss_fn"], p["inputs"], p["targets"])
+    sums = terms.sum_grad()
+    assert_dicts_close({n: sums[n] for n in want}, {n: g.sum(0) for n, g in want.items()}, REDUCTION)
+    assert set(sums) == set(want) and not sums["unused.weight"].any()
+    v = {n: torch.randn_like(g[0]) for n, g in want.items()}
+    flat = torch.cat([g.flatten(1) for g in want.values()], 1)
+    v_flat = torch.cat([t.flatten() for t in v.values()])
+    assert_close(terms.dots(v), flat @ v_flat, REDUCTION, scale=(v_flat.norm() * flat.norm(dim=1).max()).item())
+    part = dict(p, inputs=p["inputs"][1:4], targets=p["targets"][1:4])
+    rows, alone = terms.rows(slice(1, 4)), ghost_terms(part["model"], part["loss_fn"], part["inputs"],
+                                                       part["targets"])
+    assert rows.batch == 3
+    assert_close(rows.outputs, alone.outputs, ELEMENTWISE)
+    assert_close(rows.gram(), alone.gram(), REDUCTION)
+    assert_close(rows.norms(), alone.norms(), REDUCTION)
+    assert_dicts_close(rows.sum_grad(), alone.sum_grad(), REDUCTION)
+
+
+def test_norms_of_a_gradient_that_cancels_are_finite() -> None:
+    """A loss of the difference of a sample's two tokens, one ulp apart: its weight gradient
+    g (a_1 - a_2)^T nearly vanishes, and the ghost sum of its T^2 products, |a|^2 |g|^2 (1 - 1 - 1 + 1),
+    rounds to either sign. Below zero it must not become NaN (refused as a non-finite result): 64
+    such samples, each about a third of the time negative before the square root."""
+    torch.manual_seed(0)
+    first = torch.randn(64, 1, 5)
+    x, y = torch.cat([first, first * (1 + 1e-7)], 1), torch.randn(64, 3)
+    norms = kernels.per_sample_grad_norms(nn.Linear(5, 3), lambda o, t: F.mse_loss(o[:, 0] - o[:, 1], t), x, y)
+    assert norms.shape == (64,) and bool((norms >= 0).all())
 
 
 # -- out=: the result written into given tensors ------------------------------------------------
@@ -947,6 +1084,9 @@ def test_bad_out_is_refused_clearly() -> None:
         "contiguous": {**good, first: good[first].transpose(1, 2).contiguous().transpose(1, 2)},
         "share memory": {**good, "net.2.weight": good[first].view(-1)[:60].view(4, 3, 5)},
         "requires grad": {**good, first: good[first].clone().requires_grad_()},
+        r"unexpected \['extra'\]": {**good, "extra": torch.zeros(4)},
+        r"on cpu \(batch, \*param.shape\), got \(4, 5, 6\) torch.float32 on meta": {
+            **good, first: good[first].to("meta")},
     }
     with torch.inference_mode():
         cases["inference tensor"] = {**good, first: torch.zeros_like(good[first])}

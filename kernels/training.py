@@ -269,7 +269,7 @@ def _foreign(optimizer: torch.optim.Optimizer, owned: dict[int, Tensor]) -> list
 def check_parameters(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer) -> list[Tensor]:
     """The optimizer's parameters, refused unless they train ``model`` (module note): every one
     the model's (or ``loss_fn``'s, when it is an nn.Module) and at least one of them trainable; a
-    warning for the model's trainable parameters it leaves out. DistributedDataParallel and
+    warning for the trainable parameters of either it leaves out. DistributedDataParallel and
     torch.compile wrappers hold the module's own parameters, so they pass as the module does."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -290,9 +290,10 @@ def check_parameters(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.O
         raise ValueError(f"the optimizer holds none of the model's {len(trainable)} trainable parameters, only "
                          "frozen ones (requires_grad=False): nothing would train; build it on the parameters to "
                          "train, or unfreeze them")
-    left_out = sum(id(p) not in held for p in model.parameters() if p.requires_grad)
+    left_out = sum(id(p) not in held for p in trainable)
     if left_out:
-        warnings.warn(f"{left_out} of the model's trainable parameters are not in the optimizer: their gradients "
+        warnings.warn(f"{left_out} of the trainable parameters (the model's, and loss_fn's when it is an "
+                      "nn.Module) are not in the optimizer: their gradients "
                       "are computed every step and never applied nor cleared (they accumulate in .grad); freeze "
                       "them with requires_grad_(False), or add them to the optimizer", UserWarning, stacklevel=3)
     return params
