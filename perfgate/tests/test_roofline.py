@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -114,6 +115,27 @@ def test_views_of_one_storage_count_as_their_union() -> None:
     assert count_work(lambda: (q.contiguous(), k.contiguous(), v.contiguous())).bytes == 2 * qkv.nbytes
 
 
+def test_a_view_inside_another_counts_once_and_an_empty_one_spans_nothing() -> None:
+    x = torch.randn(1000)
+    assert count_work(lambda: (x.sum(), x[100:200].sum())).bytes == 4000 + 2 * 4  # x once, two sums written
+    # y[:, :0] holds no element: it overlaps no later copy into y, whose rows are then the call's own
+    y = torch.randn(10, 10)
+    assert count_work(lambda: (y[:, :0].sum(), y[5:].copy_(x[:50].view(5, 10)), y[5:].sum())).bytes == 408
+    assert count_work(lambda: torch.ops.aten._unsafe_view(y, (100,))).bytes == 0  # a view its schema does not mark
+    meta = torch.randn(32, 64, device="meta")  # no storage: its tensors are not one storage at address 0
+    assert count_work(lambda: meta @ meta.T) == Work(bytes=0.0, flops={"float32": 2 * 32 * 64 * 32})
+
+
+def test_what_the_call_wrote_before_reading_it_is_not_read() -> None:
+    """Storage the call overwrote is its own data by then: reading it back moves nothing more, after
+    one copy, two copies that adjoin, or a copy that adjoins (and does not overlap) a view it read."""
+    x, out = torch.randn(10, 10), torch.empty(10, 10)
+    assert count_work(lambda: (out.copy_(x), out.sum())).bytes == 2 * 400 + 4  # x read, out written, a sum
+    assert count_work(lambda: (out[:5].copy_(x[:5]), out[5:].copy_(x[5:]), out.sum())).bytes == 2 * 400 + 4
+    beside = lambda: (out[:5].sum(), out[5:].copy_(x[5:]), out[5:].sum())
+    assert count_work(beside).bytes == 200 + 2 * 200 + 2 * 4  # out[:5] and x[5:] read, out[5:] written
+
+
 def test_an_out_that_is_also_an_input_is_read_too() -> None:
     a, b = torch.randn(1000), torch.randn(1000)
     assert count_work(lambda: torch.add(a, b, out=a)).bytes == 4 * 1000 * 3  # read a and b, write a
@@ -173,6 +195,24 @@ def test_a_side_not_measured_reads_a_dash_not_zero() -> None:
     assert cells["GB/s ref/opt"] == "-/4.6" and cells["GFLOP/s opt"] == "-"
 
 
+def test_the_roofline_sections_cells_and_why_an_impl_has_no_share() -> None:
+    from perfgate.roofline import PLACED_HEADER, placed_cells
+
+    placed = {"kernel": "k", "impl": "optimized", "label": "B=8", "ms": 2.0, "bytes": 3e6,
+              "flops": {"float32": 4e9, "bfloat16": 1e9}, "gbps": 1.5, "gflops": 2500.0, "fraction": 0.42,
+              "bound": "compute", "note": ""}
+    compute_only = {**placed, "bytes": 0.0, "gbps": 0.0}
+    unseen = {**placed, "bytes": 0.0, "flops": {}, "gbps": 0.0, "gflops": None, "fraction": None, "bound": None}
+    uncounted = {**unseen, "bytes": None, "flops": None, "gbps": None, "note": "count_work raised"}
+    rows = [dict(zip(PLACED_HEADER, cells, strict=True))
+            for cells in placed_cells([placed, compute_only, unseen, uncounted])]
+    assert rows[0] == {"kernel": "k", "impl": "optimized", "size": "B=8", "ms": "2.000", "MB moved": "3.0",
+                       "GFLOP": "5.000", "GB/s": "1.5", "GFLOP/s": "2500.0", "roofline": "42% flop"}
+    assert rows[1]["roofline"] == "42% flop"  # FLOPs and no byte: placed by its FLOPs
+    assert rows[2]["roofline"] == "- (no torch op seen)" and rows[2]["GFLOP"] == "-"
+    assert rows[3]["roofline"] == "- (not counted: count_work raised)" and rows[3]["MB moved"] == "-"
+
+
 def test_a_limit_a_call_passed_is_measured_again_once_and_never_lowered(monkeypatch: pytest.MonkeyPatch) -> None:
     import perfgate.roofline as roofline
 
@@ -194,6 +234,105 @@ def test_a_limit_a_call_passed_is_measured_again_once_and_never_lowered(monkeypa
     assert fresh.recheck([(Work(bytes=1e12), 1.0)]) == [] and fresh.stream_gbps == 20.0 and calls == ["cpu"]
 
 
+def test_the_stream_limit_is_the_best_read_and_write_rate_and_a_lower_one_is_no_rise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fill writes only: shown beside the stream limit, never taken as it. A call exactly at the
+    limit is no reason to measure it again; one past it, measured lower, leaves the limit as it was."""
+    import perfgate.roofline as roofline
+
+    rates = {"scale": 20.0, "copy": 12.0, "triad": 11.0, "fill": 40.0}
+    monkeypatch.setattr(roofline, "_stream", lambda device: pytest.fail("a call at 100% measured the stream"))
+    lim = _limits(stream=30.0)
+    assert lim.recheck([(Work(bytes=3e9), 0.1)]) == [] and lim.rechecked == set()  # 30 GB/s: at the limit
+    monkeypatch.setattr(roofline, "_stream", lambda device: dict(rates))
+    assert lim.recheck([(Work(bytes=4e9), 0.1)]) == []  # 40 GB/s passed it; measured 20: not a rise
+    assert lim.stream_gbps == 30.0 and lim.values["fill_gbps"] == 40.0
+    assert Limits("cpu", "cpu-x", None).stream_gbps == 20.0  # measured afresh: the best that reads, not the fill
+
+
+def test_a_compute_bound_call_past_the_roofline_measures_its_dtypes_peaks_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import perfgate.roofline as roofline
+
+    monkeypatch.setattr(roofline, "_stream", lambda device: pytest.fail("the stream measured"))
+    measured: list[str] = []
+    monkeypatch.setattr(roofline, "_gemm", lambda device, dtype: measured.append(dtype) or (150.0, 1024))
+    work = Work(bytes=1.0, flops={"float32": 1e10, "bfloat16": 0.0})  # 200 GFLOP/s; no bf16 FLOP counted
+    assert _limits(peak=100.0).recheck([(work, 0.05)]) == ["float32 GEMM 100.0 -> 150.0 GFLOP/s"]
+    assert measured == ["float32"]
+
+
+def test_a_figure_needs_time_and_a_tie_is_memory_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    import perfgate.roofline as roofline
+
+    monkeypatch.setattr(roofline, "_gemm", lambda device, dtype: pytest.fail(f"{dtype}'s peak measured"))
+    lim = _limits()  # 10 GB/s, 100 GFLOP/s
+    assert lim.figure(Work(bytes=1e9), seconds=0.0) is None
+    tie = lim.figure(Work(bytes=1e9, flops={"float32": 1e10}), seconds=0.2)  # least 0.1 s either way
+    assert tie.bound == "memory" and tie.fraction == pytest.approx(0.5)
+    compute = lim.figure(Work(bytes=1e9, flops={"float32": 5e10, "bfloat16": 0.0}), seconds=1.0)  # no bf16 peak
+    assert compute.bound == "compute" and compute.fraction == pytest.approx(0.5)
+
+
+def test_the_round_trip_kept_is_the_nearest_read_and_makes_no_limits_file(tmp_path: Path) -> None:
+    path = tmp_path / LIMITS_FILE
+    lim = Limits("cpu", "cpu-x", path)
+    for ns, kept in ((80.0, 80.0), (0.0, 80.0), (float("inf"), 80.0), (120.0, 80.0), (60.0, 60.0)):
+        lim.note_round_trip(ns)
+        assert lim.round_trip_ns == kept, ns
+    lim.save()
+    assert not lim.dirty and not path.exists()  # nothing measured: no file of a round trip alone
+    lim.values["stream_gbps"], lim.dirty = 10.0, True
+    lim.save()
+    assert not lim.dirty  # written: nothing left to write
+    stored = Limits("cpu", "cpu-x", path)
+    stored.note_round_trip(50.0)  # joins the stored file
+    assert stored.dirty and read_limits(path, "cpu-x")["round_trip_ns"] == 60.0
+    stored.save()
+    assert read_limits(path, "cpu-x")["round_trip_ns"] == 50.0
+
+
+def test_the_limits_line_names_each_limit_measured() -> None:
+    from perfgate.roofline import limits_line
+
+    assert limits_line({"stream_gbps": None, "gemm_gflops": {"float32": 1.0}}) == "no limits measured"
+    assert limits_line({"stream_gbps": 10.0}) == "stream 10.0 GB/s"
+    values = {"stream_gbps": 34.06, "fill_gbps": 20.0, "gemm_gflops": {"float32": 134.4, "bfloat16": 500.0},
+              "round_trip_ns": 85.4}
+    assert limits_line(values) == ("stream 34.1 GB/s (writes alone 20.0), bfloat16 GEMM 500.0 GFLOP/s, "
+                                   "float32 GEMM 134.4 GFLOP/s, threads' round trip 85 ns")
+
+
+def test_the_measured_rates_count_what_each_pass_moves_at_its_best(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream passes move 2, 2, 3 and 1 arrays of 2**25 float32 a call; a GEMM of n x n 2n^3
+    FLOPs, n doubling from 256 until a product takes 50 ms or n reaches 4096 on a CPU."""
+    import perfgate.roofline as roofline
+
+    class Timer:
+        def block(self, timed: tuple, calls: int) -> list[float]:
+            return [0.3, 0.1, 0.2][:calls]
+
+    monkeypatch.setattr(roofline, "timer_for", lambda device: Timer())
+    assert roofline._best(lambda: None, "cpu") == 0.1
+    monkeypatch.setattr(roofline, "_best", lambda fn, device, calls=5: 0.1)
+    n = 4 * 2**25 / 0.1 / 1e9  # GB/s of one array read or written a call
+    assert roofline._stream("cpu") == pytest.approx({"scale": 2 * n, "copy": 2 * n, "triad": 3 * n, "fill": n})
+    sizes: list[int] = []
+
+    def best(fn: Any, device: str, calls: int = 5) -> float:
+        sizes.append(fn.__defaults__[0].shape[0])  # the product's x
+        return seconds
+
+    monkeypatch.setattr(roofline, "_best", best)
+    monkeypatch.setattr(torch, "randn", lambda *shape, device: torch.empty(*shape, device=device))
+    seconds = 0.05  # the first product takes 50 ms: n stays 256
+    assert roofline._gemm("cpu", "float32") == (pytest.approx(2 * 256**3 / 0.05 / 1e9), 256) and sizes == [256]
+    sizes.clear()
+    seconds = 1e-3
+    assert roofline._gemm("cpu", "float32") == (pytest.approx(2 * 4096**3 / 1e-3 / 1e9), 4096)
+    assert sizes == [256, 512, 1024, 2048, 4096]
+
+
 def test_limits_are_stored_read_back_and_checked(tmp_path: Path) -> None:
     path = tmp_path / LIMITS_FILE
     lim = _limits()
@@ -204,7 +343,8 @@ def test_limits_are_stored_read_back_and_checked(tmp_path: Path) -> None:
     with pytest.raises(BadLimits, match="of fingerprint cpu-y"):
         Limits("cpu", "cpu-y", path)  # another machine's
     damaged = [{"stream_gbps": -1.0}, {"gemm_gflops": None}, {"gemm_gflops": [1]}, {"fill_gbps": "fast"},
-               {"stream_gbps": True}, {"gemm_gflops": {"float32": float("nan")}}, {"round_trip_ns": 0}]
+               {"stream_gbps": True}, {"gemm_gflops": {"float32": float("nan")}}, {"round_trip_ns": 0},
+               {"stream_gbps": float("inf")}, {"version": 0}]
     for damage in ("{", json.dumps([1]), *(json.dumps({**again.values, **d}) for d in damaged)):
         path.write_text(damage)
         with pytest.raises(BadLimits, match=str(path)):
@@ -283,3 +423,27 @@ def test_a_limit_the_tables_median_passes_is_measured_again(monkeypatch: pytest.
     monkeypatch.setattr(roofline, "_stream", lambda device: dict(rates))
     st.recheck_limits([row])  # the own rounds' median (0.2 s, 50%) alone would not have measured it
     assert st.tally.limits_rose == ["stream 10.0 -> 12.5 GB/s"] and st.limits.stream_gbps == 12.5
+
+
+def test_a_compiled_optimizer_step_counts_the_ops_its_python_runs() -> None:
+    """A compiled optimizer step runs inductor's kernels, which no dispatch mode sees, even under
+    one: it is counted as its Python runs eagerly (the function's least work: read p, g and the
+    momentum, write p and the momentum, as the fused step), and runs compiled again after the count."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ps = [torch.randn(100, requires_grad=True) for _ in range(2)]
+    for p in ps:
+        p.grad = torch.randn(100)
+    step = torch.compile(torch.optim.SGD(ps, lr=0.1, momentum=0.9).step)
+    step(), step()  # compiled for steps with a momentum buffer
+    seen: list = []
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    assert count_work(step).bytes == 4 * 100 * 5 * 2
+    with Seen():
+        step()
+    assert seen == []  # inductor's kernels again: the count's stance is its own

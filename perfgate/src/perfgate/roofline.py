@@ -9,6 +9,7 @@ docs/perfgate.md, "The roofline column", says how to read it and where the model
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -26,7 +27,7 @@ LIMITS_VERSION = 1
 # the counting rule's version, stored with every run's figures: raised whenever ``count_work``
 # counts some call differently (the CHANGELOG says how), so a report can tell figures counted
 # under an earlier rule from today's
-COUNT_RULE = 2
+COUNT_RULE = 3
 # a limits file's rates (GB/s) and the threads' round trip (ns): each a positive number, or None
 RATES = ("stream_gbps", "scale_gbps", "copy_gbps", "triad_gbps", "fill_gbps", "round_trip_ns")
 
@@ -263,7 +264,8 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
     writes count once each, as the union of their spans (a slice of a cache: the slice; two
     halves: the whole). A tensor handed to ``.numpy()`` during the call (a C pass, a peer's numpy)
     counts as read, its own elements, unless ops wrote all of it (``_Traffic.read_outside``). What
-    it returns that it made counts as written; an input returned as is does not."""
+    it returns that it made counts as written; an input returned as is does not. A
+    ``torch.compile``'d function is counted by the ops its Python runs (compiled code is skipped)."""
     import torch
     from torch.utils._pytree import tree_flatten
 
@@ -279,7 +281,11 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
 
     torch.Tensor.numpy = noted
     try:
-        with counter:
+        # a torch.compile'd call runs its Python eagerly for the count: inductor's kernels are no
+        # ops a dispatch mode sees, and the least work is the function's, however it is compiled
+        # (torch before 2.6 has no stance: its compiled calls count nothing)
+        stance = getattr(torch.compiler, "set_stance", None)
+        with counter, stance("force_eager") if stance else contextlib.nullcontext():
             result = fn(*args)
         counter.read_outside()
     finally:
