@@ -15,6 +15,7 @@ import sys
 import tempfile
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -520,6 +521,27 @@ def test_a_failing_build_command_stops_the_session(project: pytest.Pytester) -> 
     assert _left(project) == []
 
 
+def test_a_folder_rev_is_used_as_it_is_without_the_build_command(project: pytest.Pytester,
+                                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
+    _needs_build(project, """{python} -c "import sys; sys.exit('no C compiler')\"""")
+    other = tmp_path_factory.mktemp("other")  # a copy the user built: its mylib/_built.py is there
+    shutil.copytree(project.path / "mylib", other / "mylib")
+    result = project.runpytest(*FAST, f"--perf-against={other}", "--collect-only", "-q")
+    assert result.ret == 0, result.stderr.str()
+    assert (other / "mylib" / "_built.py").is_file()
+
+
+def test_a_tree_whose_every_package_holds_perf_tests_has_no_library_to_compare(project: pytest.Pytester) -> None:
+    """A package holding a plain test is still the library; one holding a perf test is not."""
+    inside = project.path / "mylib" / "test_inside.py"
+    inside.write_text("def test_inside():\n    pass\n")
+    assert project.runpytest(*FAST, "--perf-against", "HEAD", "--collect-only", "-q").ret == 0
+    inside.write_text("def test_inside(perf):\n    pass\n")
+    result = project.runpytest(*FAST, "--perf-against", "HEAD", "--collect-only", "-q")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--perf-against: no library package found under*perfgate_against_library*"])
+
+
 def test_the_import_check_names_the_compiled_modules_revs_library_loads(tmp_path: Path) -> None:
     """A compiled module (here a copy of CPython's own _bisect, loaded as mylib._bisect) is named;
     the session notes one this tree's library loaded and REV's did not (the line below)."""
@@ -685,9 +707,10 @@ def test_this_trees_worker_breaking_on_a_row_fails_it(fails: str, outcome: str) 
 
 
 def test_the_workers_time_with_the_sessions_timer_settings() -> None:
-    """Both sides' workers get the session's --perf-l2-flush, --benchmark-timer clock and
+    """Both sides' workers get the session's --perf-l2-flush, --benchmark-timer clock,
     --benchmark-disable-gc (they timed with a bare perf_counter, GC on, no flush: another
-    configuration than the one the session's rows, and its fingerprint, name)."""
+    configuration than the one the session's rows, and its fingerprint, name) and allocator; only
+    this tree's side wraps its timed calls with the session's wrapper."""
     import time
     import types
 
@@ -697,11 +720,15 @@ def test_the_workers_time_with_the_sessions_timer_settings() -> None:
     ag.library = ["mylib"]
     options = {"benchmark_timer": "time.process_time", "benchmark_disable_gc": True}
     ag.config = types.SimpleNamespace(getoption=options.__getitem__)
+    wrap = object()
     settings = types.SimpleNamespace(fingerprint={"malloc": "cache", "l2_flush": True}, device="cpu", size="smoke",
-                                     threads=1, wrap=None)
+                                     threads=1, wrap=wrap)
     for side in ("rev", "this"):
         hello = ag._hello(side, Path("/nowhere"), types.SimpleNamespace(settings=settings), None)
         assert hello.l2_flush and hello.disable_gc and hello.host_timer is time.process_time
+        assert hello.malloc == "cache" and hello.wrap is (wrap if side == "this" else None)
+    settings.fingerprint["malloc"] = "default"
+    assert ag._hello("rev", Path("/nowhere"), types.SimpleNamespace(settings=settings), None).malloc == "default"
 
 
 def test_an_incomplete_comparison_never_closes_on_a_pass_line() -> None:
@@ -848,3 +875,207 @@ def test_a_compiled_module_older_than_its_source_is_named(tmp_path: Path) -> Non
     old = tmp_path / "mylib" / "_old.c"
     want = [("mylib._fresh", header), ("mylib._old", old), ("mylib._old", header)]
     assert stale_builds(tmp_path, ["mylib"]) == want
+
+
+def test_a_source_as_old_as_its_build_is_not_stale(tmp_path: Path) -> None:
+    from perfgate.against import stale_builds
+
+    (tmp_path / "mylib").mkdir()
+    for path in (tmp_path / "mylib" / "_same.c", tmp_path / "mylib" / f"_same{EXTENSION_SUFFIXES[0]}"):
+        path.write_text("")
+        os.utime(path, (1e9, 1e9))
+    assert stale_builds(tmp_path, ["mylib"]) == []
+
+
+def test_a_rev_has_a_test_function_only_where_its_module_defines_one(tmp_path: Path) -> None:
+    """A worker rebuilds a test function by its module's name for it: one at the top level, async
+    or not; a method, or a function nested in another, is not one it can find."""
+    from perfgate.against import defines
+
+    path = tmp_path / "test_k.py"
+    path.write_text("async def test_a(perf):\n    pass\n\n\n"
+                    "class TestK:\n    def test_b(self, perf):\n        pass\n\n\n"
+                    "def helper():\n    def test_c(perf):\n        pass\n")
+    assert defines(path, "test_a") and not defines(path, "test_b") and not defines(path, "test_c")
+    assert not defines(tmp_path / "gone.py", "test_a")
+    path.write_text("def test_a(perf:\n")
+    assert not defines(path, "test_a")
+
+
+def test_against_settings_are_checked_at_their_bounds() -> None:
+    from perfgate.against import Against
+
+    Against(None, "HEAD", 2, 0.05, 0.0)  # no extension budget: accepted
+    for args, message in (((2, 1.0, 240.0), "--perf-against-tolerance must be in (0, 1), got 1.0"),
+                          ((2, 0.05, math.nan), "--perf-against-budget must be seconds >= 0, got nan"),
+                          ((2, 0.05, -1.0), "--perf-against-budget must be seconds >= 0, got -1.0")):
+        with pytest.raises(pytest.UsageError) as error:
+            Against(None, "HEAD", *args)
+        assert str(error.value) == message
+
+
+def test_revs_copy_lacking_this_trees_compiled_module_or_the_library_is_named(tmp_path: Path) -> None:
+    """The import check run on a folder REV: a compiled module this tree has and REV's copy did not
+    load is a note; a REV with none of the library's packages stops the session, naming them."""
+    import types
+
+    from perfgate.against import Against
+    from perfgate.checkout import Revision
+
+    if not str(getattr(_bisect, "__file__", "")).endswith(".so"):
+        pytest.skip("this CPython has _bisect built in, not as a shared library to copy")
+    this, rev = tmp_path / "this", tmp_path / "rev"
+    for root in (this, rev):
+        (root / "mylib").mkdir(parents=True)
+        (root / "mylib" / "__init__.py").write_text("")
+    shutil.copy(_bisect.__file__, this / "mylib" / Path(_bisect.__file__).name)  # built here only
+    ag = Against(types.SimpleNamespace(rootpath=this), str(rev), 2, 0.05, 0.0)
+    ag.revision, ag.root, ag.library = Revision(str(rev), folder=rev), rev, ["mylib"]
+    ag._check_imports()
+    assert ag.notes == ["REV's copy loaded no mylib._bisect, which this tree's library has (a compiled module not "
+                        "built there, or one REV predates): REV's rows run without it"]
+    ag.library = ["otherlib"]
+    with pytest.raises(pytest.UsageError, match=r"REV has none of the library packages \['otherlib'\]"):
+        ag._check_imports()
+
+
+def test_the_report_reads_each_sides_time_and_names_what_it_could_not_compare() -> None:
+    from perfgate.abrun import ABRow
+
+    timed = ABRow("k", "optimized", "smoke", "t::k", rev_times=[0.00102] * 3, this_times=[0.001] * 3, ratio=1.02,
+                  low=0.93, high=1.1, outcome="unresolved", message="t::k: straddles the line")
+    new = ABRow("n", "optimized", "smoke", "t::n", outcome="not comparable",
+                message="t::n: not comparable: new in this tree")
+    lines = report_lines([timed, new], "HEAD~1 (abc)", 2, 12.0, 0.05)
+    assert lines[2][1].split() == ["k", "optimized", "smoke", "1.020", "1.000", "1.020x", "0.930-1.100", "3",
+                                   "unresolved"]
+    assert ("warn", "unresolved: t::k: straddles the line") in lines
+    assert ("note", "t::n: not comparable: new in this tree") in lines
+    assert lines[-1] == ("warn", "against HEAD~1 (abc): no row slower than REV by more than 5% (0 faster, "
+                                 "1 unresolved)")
+
+
+def test_a_side_with_no_worker_left_stops_the_phase() -> None:
+    import types
+
+    from perfgate.against import _check_sides
+    from perfgate.workers import WorkerGone
+
+    _check_sides(types.SimpleNamespace(side=lambda name: [f"{name}0"]))
+    with pytest.raises(WorkerGone, match="every this worker is gone"):
+        _check_sides(types.SimpleNamespace(side=lambda name: [] if name == "this" else [f"{name}0"]))
+
+
+def _perf_item(root: Path, name: str, impl: str = "optimized") -> Any:
+    """A collected perf test ``name``'s ``impl`` row in ``root``/this/test_k.py, as the phase reads it."""
+    import types
+
+    return types.SimpleNamespace(path=root / "this" / "test_k.py", originalname=name, name=f"{name}[{impl}]",
+                                 nodeid=f"test_k.py::{name}[{impl}]", cls=None,
+                                 module=types.SimpleNamespace(__name__="test_k"),
+                                 callspec=types.SimpleNamespace(params={"impl": impl}),
+                                 iter_markers=lambda name=None: iter(()))
+
+
+def test_only_the_claimed_impls_this_tree_ran_are_compared(tmp_path: Path) -> None:
+    import types
+
+    from perfgate.against import Against
+
+    ag = Against(None, "HEAD", 2, 0.05, 0.0)
+    ag.items = [_perf_item(tmp_path, "test_k", "reference"), _perf_item(tmp_path, "test_k"),
+                _perf_item(tmp_path, "test_j")]  # test_j's row did not run here (skipped, failed)
+    state = types.SimpleNamespace(results={"k": {"reference": None, "optimized": None}})
+    assert [(kernel, impl) for _, kernel, impl in ag._targets(state)] == [("k", "optimized")]
+
+
+def test_each_row_is_told_the_rows_left_and_a_faster_one_is_timed_again(monkeypatch, tmp_path: Path) -> None:
+    """Rows share the extension budget by the rows left, this one included; a row read faster is,
+    as a slower one is, timed again on fresh workers before its verdict stands."""
+    import types
+
+    import perfgate.against as A
+    from perfgate.abrun import Budget
+
+    left, confirmed = [], []
+
+    class Comparer:
+        def __init__(self, pool: object, tolerance: float, budget: Budget) -> None:
+            pass
+
+        def use(self, pool: object) -> None:
+            pass
+
+        def build(self, row: A.ABRow, request: dict) -> bool:
+            return True
+
+        def time_row(self, row: A.ABRow, rows_left: int = 1) -> None:  # this tree 1.14x faster
+            left.append(rows_left)
+            row.rev_times, row.this_times, row.contention = [1.144] * 7, [1.0] * 7, 0.0
+            row.ratio, row.low, row.high = 1.144, 1.052, 1.438
+
+        def confirm(self, row: A.ABRow) -> None:
+            confirmed.append(row.kernel)
+            row.confirm_ratio = 1.144
+
+        def drop(self, row: A.ABRow) -> None:
+            pass
+
+    class Pool:
+        def __init__(self, hellos: dict, per_side: int) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(A, "Comparer", Comparer)
+    monkeypatch.setattr(A, "Pool", Pool)
+    for side in ("rev", "this"):
+        (tmp_path / side).mkdir()
+        (tmp_path / side / "test_k.py").write_text("def test_k(perf):\n    pass\n\n\n"
+                                                   "def test_j(perf):\n    pass\n")
+    ag = A.Against(None, "HEAD", 2, 0.05, 0.0)
+    state = types.SimpleNamespace(results={k: {"optimized": types.SimpleNamespace(label="")} for k in "kj"},
+                                  settings=types.SimpleNamespace(size="smoke", contended=0.05))
+    targets = [(_perf_item(tmp_path, f"test_{k}"), k, "optimized") for k in "kj"]
+    ag._compare({}, targets, tmp_path / "rev", tmp_path / "this", state, Budget())
+    assert left == [2, 1] and confirmed == ["k", "j"]
+
+
+def test_rows_the_phase_did_not_finish_keep_their_reason_or_get_why_it_stopped(monkeypatch,
+                                                                               tmp_path: Path) -> None:
+    """Every worker of a side gone at the second of three rows: the first keeps its own reason, the
+    second and the third, never reached, are not comparable for the phase's problem, once each."""
+    import types
+
+    import perfgate.against as A
+    from perfgate.checkout import Revision
+    from perfgate.workers import WorkerGone
+
+    def compare(self: A.Against, hellos: dict, targets: list, *args: object) -> None:
+        self.rows.append(A.ABRow("k", "optimized", "smoke", "t::k", reason="new in this tree"))
+        self.rows.append(A.ABRow("j", "optimized", "smoke", "t::j"))  # being timed when the side was lost
+        raise WorkerGone("every this worker is gone")
+
+    monkeypatch.setattr(A.Against, "_compare", compare)
+    (tmp_path / "scratch").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))  # the session's own scratch folder
+    options = {"benchmark_max_time": "1.0", "benchmark_timer": "time.perf_counter", "benchmark_disable_gc": False}
+    ag = A.Against(types.SimpleNamespace(rootpath=tmp_path, getoption=options.__getitem__), "HEAD", 2, 0.05, 0.0)
+    ag.revision, ag.root, ag.library = Revision(str(tmp_path), folder=tmp_path), tmp_path, ["mylib"]
+    ag.items = [_perf_item(tmp_path, name) for name in ("test_k", "test_j", "test_m")]
+    settings = types.SimpleNamespace(size="smoke", contended=0.05, extend_s=1.0, all_visits=False, device="cpu",
+                                     threads=1, wrap=None, fingerprint={})
+    state = types.SimpleNamespace(results={k: {"optimized": None} for k in "kjm"}, settings=settings)
+    try:
+        ag.run(state)
+    finally:
+        ag.close()
+    assert ag.problem == "every this worker is gone"
+    assert [(r.kernel, r.reason) for r in ag.rows] == [("k", "new in this tree"), ("j", ag.problem),
+                                                       ("m", ag.problem)]
+    assert {r.outcome for r in ag.rows} == {"not comparable"}
+    assert list((tmp_path / "scratch").iterdir()) == []

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from perfgate.checkout import PREFIX, CheckoutError, checked_out, resolve, sweep
+from perfgate.checkout import PREFIX, CheckoutError, Revision, checked_out, resolve, sweep
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -45,6 +45,9 @@ def test_a_revision_exports_its_tree(repo: Path, tmp_path: Path, rev: str, versi
     with checked_out(revision, tmp_path) as root:
         assert _version(root) == version
         assert not (root / ".git").exists()
+        scratch = root.parent  # the export's tree beside the session's owner.json, the archive removed
+        assert sorted(p.name for p in scratch.iterdir()) == ["owner.json", "tree"]
+        assert json.loads((scratch / "owner.json").read_text()) == {"pid": os.getpid(), "rev": rev}
     assert _version(repo) == "v2"
 
 
@@ -73,6 +76,8 @@ def test_a_revision_that_names_no_commit_is_refused_by_name(repo: Path, rev: str
         resolve(rev, repo)
     if rev.strip():
         assert f"--perf-against {rev}: not a commit of" in str(error.value) and "HEAD~1" in str(error.value)
+    else:
+        assert "needs a git revision" in str(error.value)
 
 
 def test_a_shallow_clone_is_told_to_fetch_the_history(repo: Path, tmp_path: Path) -> None:
@@ -82,12 +87,22 @@ def test_a_shallow_clone_is_told_to_fetch_the_history(repo: Path, tmp_path: Path
         resolve("HEAD~1", clone)
 
 
-def test_outside_git_only_a_folder_works(tmp_path: Path) -> None:
+def test_outside_git_only_a_folder_works(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     plain = tmp_path / "plain"
     plain.mkdir()
     with pytest.raises(CheckoutError, match="not in a git repository"):
         resolve("HEAD", plain)
     assert resolve(str(tmp_path), plain).folder == tmp_path
+    monkeypatch.chdir(tmp_path)
+    assert resolve("plain", plain).folder == plain  # a relative folder, made absolute
+
+
+def test_a_commit_git_cannot_export_is_named_and_leaves_nothing(repo: Path, tmp_path: Path) -> None:
+    gone = Revision("gone", repo=repo, sha="0" * 40)  # resolved, then lost (a gc, a force-push)
+    with pytest.raises(CheckoutError, match="--perf-against gone: git archive failed"):
+        with checked_out(gone, tmp_path):
+            pass
+    assert list(tmp_path.glob(f"{PREFIX}*")) == []
 
 
 def test_a_name_that_is_both_a_branch_and_a_folder_is_refused(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,6 +133,30 @@ def test_a_killed_sessions_folder_is_swept_and_a_live_ones_kept(tmp_path: Path) 
         (folders[name] / "owner.json").write_text(json.dumps({"pid": pid}))
     unknown = tmp_path / f"{PREFIX}unknown"
     unknown.mkdir()
+    kept = [unknown]
+    for name, owner in (("torn", '{"pid": 1'), ("pidless", '{"rev": "HEAD"}'), ("list", "[1]")):
+        kept.append(tmp_path / f"{PREFIX}{name}")  # an owner.json this sweep cannot read: not known to be dead
+        kept[-1].mkdir()
+        (kept[-1] / "owner.json").write_text(owner)
     assert sweep(tmp_path) == [folders["dead"]]
-    assert folders["live"].is_dir() and unknown.is_dir() and not folders["dead"].exists()
+    assert folders["live"].is_dir() and all(k.is_dir() for k in kept) and not folders["dead"].exists()
+
+
+def test_another_users_session_is_alive_and_a_new_scratch_folder_sweeps_first(
+        repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    dead = tmp_path / f"{PREFIX}dead"
+    dead.mkdir()
+    (dead / "owner.json").write_text(json.dumps({"pid": child.pid}))
+    with checked_out(resolve("HEAD", repo), tmp_path):
+        assert not dead.exists()  # swept before this session's folder was made
+    dead.mkdir()
+    (dead / "owner.json").write_text(json.dumps({"pid": child.pid}))
+
+    def not_permitted(pid: int, signal: int) -> None:  # a live process of another user
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "kill", not_permitted)
+    assert sweep(tmp_path) == [] and dead.is_dir()
 

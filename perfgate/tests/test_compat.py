@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import types
+from pathlib import Path
 
 import pytest
 from pytest_benchmark import session as benchmark_session
@@ -91,3 +93,44 @@ def test_compare_held_and_given_back_in_a_session_without_perf_tests(pytester: p
     assert result.ret == 0
     result.stdout.fnmatch_lines(["*test_sum (0001_one)*"])
 
+
+
+def test_rounds_are_refused_once_the_fixture_was_used() -> None:
+    """compat.record_rounds on a fixture pedantic (or a first record_rounds) used: refused as
+    pytest-benchmark refuses a second use, the test marked as errored, nothing timed."""
+    from pytest_benchmark.fixture import FixtureAlreadyUsed
+
+    from perfgate import compat
+
+    used = types.SimpleNamespace(_mode="benchmark.pedantic(...)", has_error=False)
+    with pytest.raises(FixtureAlreadyUsed, match=r"benchmark\.pedantic"):
+        compat.record_rounds(used, lambda: pytest.fail("timed on a used fixture"), timer="t")
+    assert used.has_error
+
+
+def test_a_perf_sessions_storage_and_compare_are_given_back_moved(tmp_path: Path) -> None:
+    """compat.load_compare: pytest-benchmark's storage moved to the fingerprint's folder, its
+    --benchmark-compare given back and loaded from there; withhold_save takes back both saves."""
+    from perfgate import compat
+
+    loaded = []
+    session = types.SimpleNamespace(storage=None, logger=None, machine_id="m", compare=False, save="base",
+                                    autosave=True, handle_loading=lambda: loaded.append(str(session.storage)))
+    option = types.SimpleNamespace(benchmark_compare="0001")
+    config = types.SimpleNamespace(_benchmarksession=session, option=option, getoption={"benchmark_netrc": ""}.get)
+    held = compat.hold_compare(config)
+    assert held == "0001" and option.benchmark_compare is False
+    compat.load_compare(config, held, storage=f"file://{tmp_path}")
+    assert option.benchmark_compare == "0001" and session.compare == "0001" and loaded == [str(tmp_path)]
+    compat.withhold_save(config)
+    assert session.save is None and session.autosave is None
+
+
+@pytest.mark.parametrize(("storage", "path"), [
+    ("file://./.benchmarks", "{root}/.benchmarks"),  # pytest-benchmark's default: the rootdir's
+    ("file:///data/runs", "/data/runs"), ("/data/runs", "/data/runs"), ("s3://bucket/runs", None)])
+def test_the_storage_path_is_a_file_storages_own(storage: str, path: str | None) -> None:
+    from perfgate import compat
+
+    config = types.SimpleNamespace(getoption={"benchmark_storage": storage}.get, rootpath=Path("/project"))
+    assert compat.storage_url(config) == (path and path.format(root="/project"))
