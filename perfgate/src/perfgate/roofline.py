@@ -283,7 +283,7 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
     try:
         # a torch.compile'd call runs its Python eagerly for the count: inductor's kernels are no
         # ops a dispatch mode sees, and the least work is the function's, however it is compiled
-        # (torch before 2.6 has no stance: its compiled calls count nothing)
+        # (torch before 2.6 has no stance: a compiled optimizer step there counts nothing)
         stance = getattr(torch.compiler, "set_stance", None)
         with counter, stance("force_eager") if stance else contextlib.nullcontext():
             result = fn(*args)
