@@ -126,6 +126,15 @@ def test_a_view_inside_another_counts_once_and_an_empty_one_spans_nothing() -> N
     assert count_work(lambda: meta @ meta.T) == Work(bytes=0.0, flops={"float32": 2 * 32 * 64 * 32})
 
 
+def test_an_empty_view_written_in_place_leaves_its_storage_not_made() -> None:
+    """copy_ into an empty slice returns a view of a storage the call never read: that storage is
+    not the call's own, so reading all of it later counts."""
+    x, out = torch.randn(10), torch.randn(10)
+    assert count_work(lambda: (out[10:].copy_(x[10:]), out.sum())).bytes == 40 + 4  # out read, a sum written
+    assert count_work(lambda: (torch.add(x[:0], 1, out=out[:0]), out.sum())).bytes == 40 + 4
+    assert count_work(lambda: (x[10:].clone(), out.sum())).bytes == 40 + 4  # a fresh empty tensor moves nothing
+
+
 def test_what_the_call_wrote_before_reading_it_is_not_read() -> None:
     """Storage the call overwrote is its own data by then: reading it back moves nothing more, after
     one copy, two copies that adjoin, or a copy that adjoins (and does not overlap) a view it read."""

@@ -27,7 +27,7 @@ LIMITS_VERSION = 1
 # the counting rule's version, stored with every run's figures: raised whenever ``count_work``
 # counts some call differently (the CHANGELOG says how), so a report can tell figures counted
 # under an earlier rule from today's
-COUNT_RULE = 3
+COUNT_RULE = 4
 # a limits file's rates (GB/s) and the threads' round trip (ns): each a positive number, or None
 RATES = ("stream_gbps", "scale_gbps", "copy_gbps", "triad_gbps", "fill_gbps", "round_trip_ns")
 
@@ -207,10 +207,14 @@ class _Traffic:
                 if not wrote.covers(span):
                     self.read.setdefault(address, _Views()).add(span)
 
-    def note_outputs(self, values: list) -> None:
+    def note_outputs(self, values: list, inputs: list) -> None:
+        """Note the storages an op made: its outputs' storages that none of its inputs has (an
+        in-place op returns its input, even an empty view of it, whose storage is not made)."""
+        given = {where[0] for t in inputs if (where := _storage(t)) is not None}
         for t in values:
             where = _storage(t) if hasattr(t, "untyped_storage") else None
-            if where is not None and not any(where[0] in seen for seen in (self.read, self.written, self.made)):
+            if where is not None and where[0] not in given and not any(
+                    where[0] in seen for seen in (self.read, self.written, self.made)):
                 self.fresh.add(where[0])
 
 
@@ -252,7 +256,7 @@ def _counter() -> Any:
                     kind, flops = kind.to_real(), 4 * flops
                 dtype = str(kind).removeprefix("torch.")
                 self.flops[dtype] = self.flops.get(dtype, 0.0) + flops
-            self.note_outputs(tree_flatten(out)[0])
+            self.note_outputs(tree_flatten(out)[0], flat)
             return out
 
     return Counter()
