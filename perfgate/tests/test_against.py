@@ -531,6 +531,21 @@ def test_a_folder_rev_is_used_as_it_is_without_the_build_command(project: pytest
     assert (other / "mylib" / "_built.py").is_file()
 
 
+def test_a_folder_rev_that_holds_the_rootdir_is_refused_naming_the_one_word_form(
+        project: pytest.Pytester, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Written as two words, a folder with its own config becomes pytest's rootdir (pytest picks it
+    before it knows a plugin's options): both sides would be that copy, so the session stops."""
+    other = tmp_path_factory.mktemp("other")
+    shutil.copytree(project.path / "mylib", other / "mylib")
+    (other / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    result = project.runpytest(*FAST, "--perf-against", str(other), "test_perf.py", "--collect-only", "-q")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*rootdir ({other}) is that folder or inside it*write --perf-against={other}"])
+    assert project.runpytest(*FAST, f"--perf-against={other}", "test_perf.py", "--collect-only", "-q").ret == 0
+    itself = project.runpytest(*FAST, f"--perf-against={project.path}", "--collect-only", "-q")  # this very copy
+    assert itself.ret == pytest.ExitCode.USAGE_ERROR
+
+
 def test_a_tree_whose_every_package_holds_perf_tests_has_no_library_to_compare(project: pytest.Pytester) -> None:
     """A package holding a plain test is still the library; one holding a perf test is not."""
     inside = project.path / "mylib" / "test_inside.py"
