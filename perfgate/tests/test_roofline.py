@@ -3,6 +3,7 @@ under them; then the roofline section and JSON of a perf session."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,20 @@ def test_an_empty_view_written_in_place_leaves_its_storage_not_made() -> None:
     assert count_work(lambda: (out[10:].copy_(x[10:]), out.sum())).bytes == 40 + 4  # out read, a sum written
     assert count_work(lambda: (torch.add(x[:0], 1, out=out[:0]), out.sum())).bytes == 40 + 4
     assert count_work(lambda: (x[10:].clone(), out.sum())).bytes == 40 + 4  # a fresh empty tensor moves nothing
+
+
+def test_a_deepcopy_reads_its_source_and_a_storage_set_into_a_tensor_is_not_made() -> None:
+    """deepcopy clones a storage outside the dispatcher and set_s it into a tensor: the source is
+    read, the clone is the call's own; a storage set_ into a tensor and read is read."""
+    w = torch.randn(256)
+    assert count_work(lambda: copy.deepcopy(w).sum()).bytes == 1024 + 4  # w read, a sum written
+    assert count_work(lambda: copy.deepcopy(w)).bytes == 1024 * 2  # w read, its copy returned
+    t, buffer = torch.empty(0), torch.randn(256)
+    assert count_work(lambda: (t.set_(w.untyped_storage()), t.sum())[1]).bytes == 1024 + 4
+    t = torch.empty(0)  # a storage wholly overwritten when first touched holds the call's own data
+    assert count_work(lambda: (t.set_(buffer.untyped_storage()), t.copy_(w), t.sum())[2]).bytes == 1024 + 4
+    t = torch.empty(0)  # partly overwritten: the buffer's own data, so the slice counts as written
+    assert count_work(lambda: (t.set_(buffer.untyped_storage()), t[:128].copy_(w[:128]))[1]).bytes == 512 + 512
 
 
 def test_what_the_call_wrote_before_reading_it_is_not_read() -> None:

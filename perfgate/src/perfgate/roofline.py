@@ -168,6 +168,9 @@ class _Traffic:
         self.written: dict[int, _Views] = {}  # of those, the views written in place
         self.made: dict[int, _Views] = {}  # of those, the views overwritten before being read
         self.fresh: set[int] = set()  # storages the call allocated
+        # storages an op took as a storage object (set_), not yet touched: allocated outside the
+        # dispatcher (a deepcopy's clone) or existing before the call, told apart by their first use
+        self.adopted: set[int] = set()
         self.outside: dict[int, _Views] = {}  # of those, the views handed to .numpy()
         self.flops: dict[str, float] = {}
 
@@ -176,6 +179,11 @@ class _Traffic:
             span = _span(t)
             if span is None or span.address in self.fresh:
                 continue
+            if span.address in self.adopted:  # first touched now: the call's own if wholly overwritten
+                self.adopted.discard(span.address)
+                if id(t) in pure and span.start == 0 and span.end == _storage(t)[1]:
+                    self.fresh.add(span.address)
+                    continue
             made = self.made.get(span.address)
             if made is not None and made.covers(span):  # the call's own data by now
                 continue
@@ -207,10 +215,18 @@ class _Traffic:
                 if not wrote.covers(span):
                     self.read.setdefault(address, _Views()).add(span)
 
-    def note_outputs(self, values: list, inputs: list) -> None:
-        """Note the storages an op made: its outputs' storages that none of its inputs has (an
-        in-place op returns its input, even an empty view of it, whose storage is not made)."""
-        given = {where[0] for t in inputs if (where := _storage(t)) is not None}
+    def note_storages(self, storages: list) -> set[int]:
+        """The addresses of the storage objects an op takes (``set_``'s source), each adopted if
+        the call has not touched it yet."""
+        given = {s.data_ptr() for s in storages if s.data_ptr()}
+        self.adopted |= {a for a in given if not any(a in seen for seen in
+                                                     (self.read, self.written, self.made, self.fresh))}
+        return given
+
+    def note_outputs(self, values: list, given: set[int]) -> None:
+        """Note the storages an op made: its outputs' storages other than ``given``, the storages
+        its inputs had before it ran and those it took as objects (an in-place op returns its
+        input, even an empty view of it; ``set_`` hands its tensor a storage it did not make)."""
         for t in values:
             where = _storage(t) if hasattr(t, "untyped_storage") else None
             if where is not None and where[0] not in given and not any(
@@ -245,8 +261,12 @@ def _counter() -> Any:
                     return decomposed
             if func.is_view or func in unsafe_views:  # a view moves nothing: what reads it counts
                 return func(*args, **kwargs)
-            flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            leaves = tree_flatten((args, kwargs))[0]
+            flat = [t for t in leaves if isinstance(t, torch.Tensor)]
+            given = self.note_storages([s.untyped() if isinstance(s, torch.TypedStorage) else s for s in leaves
+                                        if isinstance(s, torch.UntypedStorage | torch.TypedStorage)])
             self.note_inputs(flat, *_written(func, args, kwargs))
+            given |= {where[0] for t in flat if (where := _storage(t)) is not None}
             out = func(*args, **kwargs)
             kind = None if formula is None else next(
                 (t.dtype for t in flat if t.is_floating_point() or t.is_complex()), None)
@@ -256,7 +276,7 @@ def _counter() -> Any:
                     kind, flops = kind.to_real(), 4 * flops
                 dtype = str(kind).removeprefix("torch.")
                 self.flops[dtype] = self.flops.get(dtype, 0.0) + flops
-            self.note_outputs(tree_flatten(out)[0], flat)
+            self.note_outputs(tree_flatten(out)[0], given)
             return out
 
     return Counter()
