@@ -1,6 +1,8 @@
 """Reference standardization: scikit-learn's StandardScaler on the CPU, in numpy. Its inputs are
 the kernel's valid ones: on bad input it does what scikit-learn does (NaN skipped in fit and kept
-by transform, inf refused), where kernels.standardize refuses NaN too; not differentiable."""
+by transform, inf refused), where kernels.standardize refuses NaN too; not differentiable.
+Half-precision inputs (bfloat16, which numpy lacks, and float16) are computed in float64 and
+transformed back to their dtype."""
 
 from __future__ import annotations
 
@@ -24,18 +26,32 @@ class Standardizer:
         raise AttributeError(name)
 
     def fit(self, X: Tensor) -> Standardizer:
-        self._scaler.fit(X.detach().cpu().numpy())
+        self._scaler.fit(_numpy(X))
         return self
 
     def partial_fit(self, X: Tensor) -> Standardizer:
-        self._scaler.partial_fit(X.detach().cpu().numpy())
+        self._scaler.partial_fit(_numpy(X))
         return self
 
     def transform(self, X: Tensor) -> Tensor:
-        return torch.from_numpy(self._scaler.transform(X.detach().cpu().numpy())).to(X.device)
+        return torch.from_numpy(self._scaler.transform(_numpy(X))).to(X.device, _dtype(X))
 
     def inverse_transform(self, X: Tensor) -> Tensor:
-        return torch.from_numpy(self._scaler.inverse_transform(X.detach().cpu().numpy())).to(X.device)
+        return torch.from_numpy(self._scaler.inverse_transform(_numpy(X))).to(X.device, _dtype(X))
 
     def fit_transform(self, X: Tensor) -> Tensor:
         return self.fit(X).transform(X)
+
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _numpy(X: Tensor):
+    """X as a numpy array scikit-learn reads: half precision in float64."""
+    X = X.detach().cpu()
+    return (X.double() if X.dtype in HALF else X).numpy()
+
+
+def _dtype(X: Tensor) -> torch.dtype | None:
+    """The dtype a transform returns: X's where half precision, else scikit-learn's."""
+    return X.dtype if X.dtype in HALF else None
