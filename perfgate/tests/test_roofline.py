@@ -160,6 +160,25 @@ def test_what_the_call_wrote_before_reading_it_is_not_read() -> None:
     assert count_work(beside).bytes == 200 + 2 * 200 + 2 * 4  # out[:5] and x[5:] read, out[5:] written
 
 
+def test_a_read_counts_only_what_the_call_has_not_overwritten_yet() -> None:
+    """What was read stays read; an overwrite makes its bytes the call's own even after a read of
+    them; a later read counts only the bytes no overwrite has made the call's (runs, not gaps)."""
+    x, out = torch.randn(10, 10), torch.empty(10, 10)
+    after = lambda: (out[:5].sum(), out.copy_(x), out.sum())
+    assert count_work(after).bytes == 200 + 400 + 400 + 2 * 4  # out[:5] read, x read, out written
+    half = lambda: (out[:5].copy_(x[:5]), out.sum())
+    assert count_work(half).bytes == 200 + 200 + 200 + 4  # x[:5] read, out[:5] written, out[5:] read
+    middle = lambda: (out[3:6].copy_(x[3:6]), out.sum())
+    assert count_work(middle).bytes == 2 * 120 + 280 + 4  # out read around the rows written
+    # a strided read is counted whole unless written before (out[::2]'s row 4 too)
+    assert count_work(lambda: (out[3:6].copy_(x[3:6]), out[::2].sum())).bytes == 2 * 120 + 200 + 4
+    # a strided column written: its span has gaps, so a read of all of out is not lessened by it,
+    # while a read of the same view is
+    column = out[:, :5]
+    assert count_work(lambda: (column.copy_(x[:, :5]), out.sum())).bytes == 2 * 200 + 400 + 4
+    assert count_work(lambda: (column.copy_(x[:, :5]), column.sum())).bytes == 2 * 200 + 4
+
+
 def test_an_out_that_is_also_an_input_is_read_too() -> None:
     a, b = torch.randn(1000), torch.randn(1000)
     assert count_work(lambda: torch.add(a, b, out=a)).bytes == 4 * 1000 * 3  # read a and b, write a

@@ -90,9 +90,12 @@ class _Views:
     def add(self, span: _Span) -> None:
         self.spans.setdefault(span.key, span)
 
-    def _union(self) -> list[tuple[int, int]]:
+    def _union(self, solid: bool = False) -> list[tuple[int, int]]:
+        """The union of the views' spans, as (start, end) runs; ``solid``: of the views whose
+        elements fill their span (not a strided view's, with gaps between its elements)."""
         merged: list[list[int]] = []
-        for s in sorted(self.spans.values(), key=lambda s: s.start):
+        spans = [s for s in self.spans.values() if not solid or s.end - s.start == s.nbytes]
+        for s in sorted(spans, key=lambda s: s.start):
             if merged and s.start <= merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], s.end)
             else:
@@ -100,10 +103,23 @@ class _Views:
         return [(a, b) for a, b in merged]
 
     def covers(self, span: _Span) -> bool:
-        return any(a <= span.start and span.end <= b for a, b in self._union())
+        """Whether these views hold every byte of ``span``: one is the same view, or views that fill
+        their spans do."""
+        return span.key in self.spans or any(a <= span.start and span.end <= b for a, b in self._union(solid=True))
 
-    def overlaps(self, span: _Span) -> bool:
-        return any(s.start < span.end and span.start < s.end for s in self.spans.values())
+    def outside(self, span: _Span) -> list[_Span]:
+        """The pieces of ``span`` these views do not hold: a view that fills its span, less the
+        runs of views that fill theirs; a strided one whole unless ``covers`` it."""
+        if span.end - span.start != span.nbytes:
+            return [] if self.covers(span) else [span]
+        pieces, at = [], span.start
+        for a, b in self._union(solid=True):
+            if a > at and at < span.end:
+                pieces.append((at, min(a, span.end)))
+            at = max(at, b)
+        if at < span.end:
+            pieces.append((at, span.end))
+        return [_Span(span.address, a, b, b - a, (a, b, "piece")) for a, b in pieces]
 
     def bytes(self) -> int:
         return min(sum(b - a for a, b in self._union()), sum(s.nbytes for s in self.spans.values()))
@@ -166,7 +182,7 @@ class _Traffic:
     def __init__(self) -> None:
         self.read: dict[int, _Views] = {}  # storages that existed before the call: the views read
         self.written: dict[int, _Views] = {}  # of those, the views written in place
-        self.made: dict[int, _Views] = {}  # of those, the views overwritten before being read
+        self.made: dict[int, _Views] = {}  # of those, the views overwritten (read after: the call's own)
         self.fresh: set[int] = set()  # storages the call allocated
         # storages an op took as a storage object (set_), not yet touched: allocated outside the
         # dispatcher (a deepcopy's clone) or existing before the call, told apart by their first use
@@ -187,11 +203,11 @@ class _Traffic:
             made = self.made.get(span.address)
             if made is not None and made.covers(span):  # the call's own data by now
                 continue
-            read = self.read.get(span.address)
-            if id(t) in pure and (read is None or not read.overlaps(span)):  # first touched by an overwrite
+            if id(t) in pure:  # overwritten: the call's own data from here on (what was read before stays read)
                 self.made.setdefault(span.address, _Views()).add(span)
-            elif id(t) not in pure:
-                self.read.setdefault(span.address, _Views()).add(span)
+            else:  # read: what of it the call has not overwritten yet
+                for piece in made.outside(span) if made is not None else [span]:
+                    self.read.setdefault(span.address, _Views()).add(piece)
             if id(t) in writes:
                 self.written.setdefault(span.address, _Views()).add(span)
 
