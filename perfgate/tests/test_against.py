@@ -531,19 +531,29 @@ def test_a_folder_rev_is_used_as_it_is_without_the_build_command(project: pytest
     assert (other / "mylib" / "_built.py").is_file()
 
 
-def test_a_folder_rev_that_holds_the_rootdir_is_refused_naming_the_one_word_form(
-        project: pytest.Pytester, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_a_folder_rev_that_is_the_rootdir_is_refused_naming_the_one_word_form(
+        project: pytest.Pytester, tmp_path_factory: pytest.TempPathFactory,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Written as two words, a folder with its own config becomes pytest's rootdir (pytest picks it
-    before it knows a plugin's options): both sides would be that copy, so the session stops."""
+    before it knows a plugin's options): both sides would be that copy, so the session stops. A
+    copy of the project kept inside the folder (a worktree in the checkout) is another copy."""
     other = tmp_path_factory.mktemp("other")
     shutil.copytree(project.path / "mylib", other / "mylib")
     (other / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
     result = project.runpytest(*FAST, "--perf-against", str(other), "test_perf.py", "--collect-only", "-q")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([f"*rootdir ({other}) is that folder or inside it*write --perf-against={other}"])
+    result.stderr.fnmatch_lines([f"*{other}: that folder is this session's rootdir*write --perf-against={other}"])
     assert project.runpytest(*FAST, f"--perf-against={other}", "test_perf.py", "--collect-only", "-q").ret == 0
     itself = project.runpytest(*FAST, f"--perf-against={project.path}", "--collect-only", "-q")  # this very copy
     assert itself.ret == pytest.ExitCode.USAGE_ERROR
+    inner = project.path / "worktree"  # a copy of the project inside it, with its own config
+    shutil.copytree(project.path / "mylib", inner / "mylib")
+    shutil.copy(project.path / "test_perf.py", inner / "test_perf.py")
+    (inner / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    monkeypatch.chdir(inner)
+    nested = project.runpytest(*FAST, f"--perf-against={project.path}", "test_perf.py", "--collect-only")
+    assert nested.ret == 0, nested.stderr.str()
+    nested.stdout.fnmatch_lines([f"rootdir: {inner}"])
 
 
 def test_a_tree_whose_every_package_holds_perf_tests_has_no_library_to_compare(project: pytest.Pytester) -> None:

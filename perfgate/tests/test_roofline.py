@@ -137,18 +137,22 @@ def test_an_empty_view_written_in_place_leaves_its_storage_not_made() -> None:
 
 
 def test_a_deepcopy_reads_its_source_and_a_storage_set_into_a_tensor_is_not_made() -> None:
-    """deepcopy clones a storage outside the dispatcher and set_s it into a tensor: the source is
-    read, the clone is the call's own; a storage set_ into a tensor and read is read."""
-    w = torch.randn(256)
+    """deepcopy clones a storage (allocated outside the dispatcher) and set_s it into a tensor: the
+    source is read, the clone is the call's own. A storage that existed before, set_ into a tensor,
+    is read or written as it is used, whole or in part."""
+    w, buffer = torch.randn(256), torch.randn(256)
     assert count_work(lambda: copy.deepcopy(w).sum()).bytes == 1024 + 4  # w read, a sum written
     assert count_work(lambda: copy.deepcopy(w)).bytes == 1024 * 2  # w read, its copy returned
-    t, buffer = torch.empty(0), torch.randn(256)
+    t = torch.empty(0)
     assert count_work(lambda: (t.set_(w.untyped_storage()), t.sum())[1]).bytes == 1024 + 4
-    t = torch.empty(0)  # a storage wholly overwritten when first touched holds the call's own data
-    assert count_work(lambda: (t.set_(buffer.untyped_storage()), t.copy_(w), t.sum())[2]).bytes == 1024 + 4
-    t = torch.empty(0)  # partly overwritten: the buffer's own data, so the slice counts as written
+    t = torch.empty(0)  # wholly overwritten: written in place, as buffer.copy_(w) is
+    assert count_work(lambda: (t.set_(buffer.untyped_storage()), t.copy_(w), t.sum())[2]).bytes == 2 * 1024 + 4
+    assert count_work(lambda: buffer.untyped_storage().copy_(w.untyped_storage())).bytes == 2 * 1024
+    t = torch.empty(0)
     assert count_work(lambda: (t.set_(buffer.untyped_storage()), t[:128].copy_(w[:128]))[1]).bytes == 512 + 512
-
+    t, rows = torch.empty(0), torch.randn(4, 256)  # a strided write from its first to its last byte: not all of it
+    zeroed = lambda: (t.set_(rows.untyped_storage()), t.view(4, 256)[:, ::255].zero_(), t.sum())[2]
+    assert count_work(zeroed).bytes == 4096 + 8 * 4 + 4  # all of rows read, 8 elements written, a sum
 
 def test_what_the_call_wrote_before_reading_it_is_not_read() -> None:
     """Storage the call overwrote is its own data by then: reading it back moves nothing more, after

@@ -139,13 +139,13 @@ class Against:
         except CheckoutError as exc:
             raise pytest.UsageError(str(exc)) from exc
         folder = self.revision.folder
-        if folder is not None and rootdir.resolve().is_relative_to(folder):
+        if folder is not None and rootdir.resolve() == folder:
             # pytest picks its rootdir before it knows a plugin's options, so the value of
             # "--perf-against FOLDER" written as two words counts there as a test path
             raise pytest.UsageError(
-                f"--perf-against {self.rev}: this session's rootdir ({rootdir}) is that folder or inside it, so "
-                f"both sides would time the same copy. Give a folder holding another copy; written as two "
-                f"words, the folder is what pytest took for its rootdir: write --perf-against={self.rev}")
+                f"--perf-against {self.rev}: that folder is this session's rootdir, so both sides would time the "
+                f"same copy. Give a folder holding another copy; if you wrote the folder as a second word, pytest "
+                f"took it for its rootdir: write --perf-against={self.rev}")
         self.items = [item for item in items if "perf" in getattr(item, "fixturenames", ())]
         tests = {Path(item.path) for item in self.items}
         self.library = list(self.config.getini(INI)) or default_library(rootdir, tests)

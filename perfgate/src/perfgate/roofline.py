@@ -184,9 +184,6 @@ class _Traffic:
         self.written: dict[int, _Views] = {}  # of those, the views written in place
         self.made: dict[int, _Views] = {}  # of those, the views overwritten (read after: the call's own)
         self.fresh: set[int] = set()  # storages the call allocated
-        # storages an op took as a storage object (set_), not yet touched: allocated outside the
-        # dispatcher (a deepcopy's clone) or existing before the call, told apart by their first use
-        self.adopted: set[int] = set()
         self.outside: dict[int, _Views] = {}  # of those, the views handed to .numpy()
         self.flops: dict[str, float] = {}
 
@@ -195,11 +192,6 @@ class _Traffic:
             span = _span(t)
             if span is None or span.address in self.fresh:
                 continue
-            if span.address in self.adopted:  # first touched now: the call's own if wholly overwritten
-                self.adopted.discard(span.address)
-                if id(t) in pure and span.start == 0 and span.end == _storage(t)[1]:
-                    self.fresh.add(span.address)
-                    continue
             made = self.made.get(span.address)
             if made is not None and made.covers(span):  # the call's own data by now
                 continue
@@ -231,18 +223,21 @@ class _Traffic:
                 if not wrote.covers(span):
                     self.read.setdefault(address, _Views()).add(span)
 
-    def note_storages(self, storages: list) -> set[int]:
-        """The addresses of the storage objects an op takes (``set_``'s source), each adopted if
-        the call has not touched it yet."""
-        given = {s.data_ptr() for s in storages if s.data_ptr()}
-        self.adopted |= {a for a in given if not any(a in seen for seen in
-                                                     (self.read, self.written, self.made, self.fresh))}
-        return given
+    def note_cloned(self, storage: Any) -> None:
+        """``storage``, a copy a storage's ``clone`` (a ``copy.deepcopy``'s) allocated outside the
+        dispatcher, is the call's own: the copy into it that the clone's ops showed as a write
+        into existing storage is forgotten (the source's read stays)."""
+        address = storage.data_ptr()
+        if address:
+            for seen in (self.read, self.written, self.made):
+                seen.pop(address, None)
+            self.fresh.add(address)
 
     def note_outputs(self, values: list, given: set[int]) -> None:
         """Note the storages an op made: its outputs' storages other than ``given``, the storages
         its inputs had before it ran and those it took as objects (an in-place op returns its
-        input, even an empty view of it; ``set_`` hands its tensor a storage it did not make)."""
+        input, even an empty view of it; ``set_`` hands its tensor a storage it did not make:
+        existing storage, or a clone's, which ``note_cloned`` makes the call's own)."""
         for t in values:
             where = _storage(t) if hasattr(t, "untyped_storage") else None
             if where is not None and where[0] not in given and not any(
@@ -279,10 +274,10 @@ def _counter() -> Any:
                 return func(*args, **kwargs)
             leaves = tree_flatten((args, kwargs))[0]
             flat = [t for t in leaves if isinstance(t, torch.Tensor)]
-            given = self.note_storages([s.untyped() if isinstance(s, torch.TypedStorage) else s for s in leaves
-                                        if isinstance(s, torch.UntypedStorage | torch.TypedStorage)])
-            self.note_inputs(flat, *_written(func, args, kwargs))
+            # the storages the op's inputs hold before it runs, and those it takes as objects (set_'s)
+            given = {s.data_ptr() for s in leaves if isinstance(s, torch.UntypedStorage) and s.data_ptr()}
             given |= {where[0] for t in flat if (where := _storage(t)) is not None}
+            self.note_inputs(flat, *_written(func, args, kwargs))
             out = func(*args, **kwargs)
             kind = None if formula is None else next(
                 (t.dtype for t in flat if t.is_floating_point() or t.is_complex()), None)
@@ -304,8 +299,9 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
     writes count once each, as the union of their spans (a slice of a cache: the slice; two
     halves: the whole). A tensor handed to ``.numpy()`` during the call (a C pass, a peer's numpy)
     counts as read, its own elements, unless ops wrote all of it (``_Traffic.read_outside``). What
-    it returns that it made counts as written; an input returned as is does not. A
-    ``torch.compile``'d function is counted by the ops its Python runs (compiled code is skipped)."""
+    it returns that it made counts as written; an input returned as is does not; a storage's clone
+    (``copy.deepcopy``'s) is made. A ``torch.compile``'d function is counted by the ops its Python
+    runs (compiled code is skipped)."""
     import torch
     from torch.utils._pytree import tree_flatten
 
@@ -319,7 +315,16 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
         counter.note_outside(t)
         return numpy(t, *a, **kw)
 
-    torch.Tensor.numpy = noted
+    # a storage's clone (a copy.deepcopy's) allocates its copy outside the dispatcher, then fills
+    # it with ops that show a write into storage that existed before: the copy is noted as made
+    storage_base, clone = torch.storage._StorageBase, torch.storage._StorageBase.clone
+
+    def cloned(storage: Any) -> Any:
+        made = clone(storage)
+        counter.note_cloned(made)
+        return made
+
+    torch.Tensor.numpy, storage_base.clone = noted, cloned
     try:
         # a torch.compile'd call runs its Python eagerly for the count: inductor's kernels are no
         # ops a dispatch mode sees, and the least work is the function's, however it is compiled
@@ -329,6 +334,7 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
             result = fn(*args)
         counter.read_outside()
     finally:
+        storage_base.clone = clone
         if own:
             torch.Tensor.numpy = numpy
         else:
