@@ -1,5 +1,5 @@
 """The evidence scripts' timing: one A/B comparison (perfgate's interleaved ABBA pairs,
-perfgate.timing, and its paired speedup interval, perfgate.stats, read as one line), and the
+perfgate.timing, and its paired speedup interval, perfgate.stats; as numbers, or read as one line), and the
 medians of several calls timed in interleaved rounds."""
 
 from __future__ import annotations
@@ -11,15 +11,21 @@ from perfgate.stats import speedup_interval
 from perfgate.timing import Timer, interleaved, timer_for
 
 
-def versus(timer: Timer, slow: Callable[[], object], fast: Callable[[], object], rounds: int = 15,
-           calls: tuple[int, int] = (3, 3)) -> str:
-    """slow's time over fast's from ``rounds`` interleaved pairs: 'point (95% CI), slow / fast ms',
-    the two medians over the pairs."""
+def compare(timer: Timer, slow: Callable[[], object], fast: Callable[[], object], rounds: int = 15,
+            calls: tuple[int, int] = (3, 3)) -> tuple[float, float, float, float, float]:
+    """slow's time over fast's from ``rounds`` interleaved pairs: (point, 95% CI low, high, slow's
+    median ms, fast's median ms), the medians over the pairs."""
     pairs = interleaved(timer, (slow, None), (fast, None), rounds, calls)
     a, b = zip(*pairs, strict=True)
     point, low, high = speedup_interval(a, b, paired=True)
-    return (f"{point:.2f}x ({low:.2f}-{high:.2f}), {statistics.median(a) * 1e3:.2f} / "
-            f"{statistics.median(b) * 1e3:.2f} ms")
+    return point, low, high, statistics.median(a) * 1e3, statistics.median(b) * 1e3
+
+
+def versus(timer: Timer, slow: Callable[[], object], fast: Callable[[], object], rounds: int = 15,
+           calls: tuple[int, int] = (3, 3)) -> str:
+    """``compare`` read as one line: 'point (95% CI), slow / fast ms'."""
+    point, low, high, slow_ms, fast_ms = compare(timer, slow, fast, rounds, calls)
+    return f"{point:.2f}x ({low:.2f}-{high:.2f}), {slow_ms:.2f} / {fast_ms:.2f} ms"
 
 
 def medians(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:

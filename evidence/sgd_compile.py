@@ -21,7 +21,7 @@ from collections.abc import Callable  # noqa: E402
 import torch  # noqa: E402
 import torchvision  # noqa: E402
 
-from evidence.ab import versus  # noqa: E402
+from evidence.ab import compare  # noqa: E402
 from perfgate.fingerprint import _cpu_model  # noqa: E402
 
 torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
@@ -45,7 +45,7 @@ def step(flat: bool, compiled: bool) -> Callable[[], None]:
 
 print(f"{_cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads, malloc {mode}")
 for flat in (False, True):
-    line = versus(timer, step(flat, False), step(flat, True), rounds=41)
-    fused_ms, compiled_ms = (float(ms) for ms in line.split(", ")[-1].removesuffix(" ms").split(" / "))
-    print(f"{'one flat tensor' if flat else 'resnet18, 62 tensors'}: fused / compiled {line}; "
+    point, low, high, fused_ms, compiled_ms = compare(timer, step(flat, False), step(flat, True), rounds=41)
+    print(f"{'one flat tensor' if flat else 'resnet18, 62 tensors'}: fused / compiled {point:.2f}x "
+          f"({low:.2f}-{high:.2f}), {fused_ms:.2f} / {compiled_ms:.2f} ms; "
           f"{MOVED_MB / fused_ms:.1f} / {MOVED_MB / compiled_ms:.1f} GB/s")

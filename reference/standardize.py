@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+HALF = (torch.bfloat16, torch.float16)  # computed in float64: numpy has no bfloat16
+
 
 class Standardizer:
     """The kernel's API over ``sklearn.preprocessing.StandardScaler`` (tensors in, tensors out)."""
@@ -41,9 +43,6 @@ class Standardizer:
 
     def fit_transform(self, X: Tensor) -> Tensor:
         return self.fit(X).transform(X)
-
-
-HALF = (torch.bfloat16, torch.float16)
 
 
 def _numpy(X: Tensor):

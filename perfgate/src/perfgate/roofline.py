@@ -67,6 +67,11 @@ class _Span:
     nbytes: int
     key: tuple  # offset, shape, strides and element size: one entry per distinct view
 
+    @property
+    def solid(self) -> bool:
+        """Whether its elements fill the span (no gaps between them, as a strided view leaves)."""
+        return self.end - self.start == self.nbytes
+
 
 def _span(t: Any) -> _Span | None:
     """``t``'s span in its storage; None for an empty tensor or one without a storage."""
@@ -94,7 +99,7 @@ class _Views:
         """The union of the views' spans, as (start, end) runs; ``solid``: of the views whose
         elements fill their span (not a strided view's, with gaps between its elements)."""
         merged: list[list[int]] = []
-        spans = [s for s in self.spans.values() if not solid or s.end - s.start == s.nbytes]
+        spans = [s for s in self.spans.values() if not solid or s.solid]
         for s in sorted(spans, key=lambda s: s.start):
             if merged and s.start <= merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], s.end)
@@ -110,7 +115,7 @@ class _Views:
     def outside(self, span: _Span) -> list[_Span]:
         """The pieces of ``span`` these views do not hold: a view that fills its span, less the
         runs of views that fill theirs; a strided one whole unless ``covers`` it."""
-        if span.end - span.start != span.nbytes:
+        if not span.solid:
             return [] if self.covers(span) else [span]
         pieces, at = [], span.start
         for a, b in self._union(solid=True):
