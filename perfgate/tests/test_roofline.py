@@ -154,6 +154,29 @@ def test_a_deepcopy_reads_its_source_and_a_storage_set_into_a_tensor_is_not_made
     zeroed = lambda: (t.set_(rows.untyped_storage()), t.view(4, 256)[:, ::255].zero_(), t.sum())[2]
     assert count_work(zeroed).bytes == 4096 + 8 * 4 + 4  # all of rows read, 8 elements written, a sum
 
+def test_memory_made_outside_the_dispatcher_at_a_freed_storages_address_is_another_storage() -> None:
+    """A storage the call made and freed, then memory no op made (``torch.tensor`` of Python data,
+    numpy's, a C library's) at the same address: the new storage was not the call's, so what the
+    call reads of it counts. The allocator decides whether the address comes back: each attempt
+    notes it, and glibc's gives a freed block to the next request of its size most times."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    reused = []
+
+    def call() -> Any:
+        made = torch.ones(256)  # the call's own storage, freed at once
+        address = made.data_ptr()
+        del made
+        with _disable_current_modes():  # made where no dispatch mode sees it
+            outside = torch.full((256,), 2.0)
+        reused.append(outside.data_ptr() == address)
+        return outside * 2
+
+    counts = {count_work(call).bytes for _ in range(50)}
+    assert counts == {1024 + 1024}  # outside read, the product written: the same whether the address came back
+    assert any(reused), "the allocator never handed the freed address back: the case was not exercised"
+
+
 def test_what_the_call_wrote_before_reading_it_is_not_read() -> None:
     """Storage the call overwrote is its own data by then: reading it back moves nothing more, after
     one copy, two copies that adjoin, or a copy that adjoins (and does not overlap) a view it read."""

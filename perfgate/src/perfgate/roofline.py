@@ -14,6 +14,7 @@ import datetime
 import json
 import math
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ LIMITS_VERSION = 1
 # the counting rule's version, stored with every run's figures: raised whenever ``count_work``
 # counts some call differently (the CHANGELOG says how), so a report can tell figures counted
 # under an earlier rule from today's
-COUNT_RULE = 4
+COUNT_RULE = 5
 # a limits file's rates (GB/s) and the threads' round trip (ns): each a positive number, or None
 RATES = ("stream_gbps", "scale_gbps", "copy_gbps", "triad_gbps", "fill_gbps", "round_trip_ns")
 
@@ -182,61 +183,95 @@ def _written(func: Any, args: tuple, kwargs: dict) -> tuple[set[int], set[int]]:
 
 
 class _Traffic:
-    """What one call's ops read, wrote and made, by storage, and their FLOPs by dtype."""
+    """What one call's ops read, wrote and made, by storage, and their FLOPs by dtype. A storage is
+    keyed by its address and how many storages the call saw there died before it (``key``): an
+    allocation that reuses a freed one's address (numpy's, a C library's, made outside the
+    dispatcher) is another storage, whatever the first one's bytes counted as."""
+
+    Key = tuple[int, int]  # (address, generation)
 
     def __init__(self) -> None:
-        self.read: dict[int, _Views] = {}  # storages that existed before the call: the views read
-        self.written: dict[int, _Views] = {}  # of those, the views written in place
-        self.made: dict[int, _Views] = {}  # of those, the views overwritten (read after: the call's own)
-        self.fresh: set[int] = set()  # storages the call allocated
-        self.outside: dict[int, _Views] = {}  # of those, the views handed to .numpy()
+        self.read: dict[_Traffic.Key, _Views] = {}  # storages that existed before the call: the views read
+        self.written: dict[_Traffic.Key, _Views] = {}  # of those, the views written in place
+        self.made: dict[_Traffic.Key, _Views] = {}  # of those, the views overwritten (read after: the call's own)
+        self.fresh: set[_Traffic.Key] = set()  # storages the call allocated
+        self.outside: dict[_Traffic.Key, _Views] = {}  # of those, the views handed to .numpy()
         self.flops: dict[str, float] = {}
+        self.generation: dict[int, int] = {}  # address -> storages seen there that died
+        self.alive: dict[_Traffic.Key, list[weakref.ref]] = {}  # the storage objects of each key still alive
+
+    def key(self, t: Any) -> _Traffic.Key | None:
+        """The key of a tensor's storage (or of a storage), None for one without (meta, sparse,
+        empty). Its storage object is watched: when the last one at a key dies, the address's
+        next storage takes the next generation. torch keeps one Python object per storage
+        (``t.untyped_storage() is t.untyped_storage()``), which dies with the storage itself."""
+        try:
+            storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t
+            address = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return None
+        if not address:
+            return None
+        key = (address, self.generation.get(address, 0))
+        refs = self.alive.setdefault(key, [])
+        if not any(r() is storage for r in refs):
+            refs.append(weakref.ref(storage, lambda ref, key=key: self._died(key, ref)))
+        return key
+
+    def _died(self, key: _Traffic.Key, ref: weakref.ref) -> None:
+        refs = self.alive.get(key, [])
+        if ref in refs:
+            refs.remove(ref)
+            if not refs and self.generation.get(key[0], 0) == key[1]:
+                self.generation[key[0]] = key[1] + 1
 
     def note_inputs(self, tensors: list, writes: set[int], pure: set[int]) -> None:
         for t in tensors:
             span = _span(t)
-            if span is None or span.address in self.fresh:
+            key = None if span is None else self.key(t)
+            if key is None or key in self.fresh:
                 continue
-            made = self.made.get(span.address)
+            made = self.made.get(key)
             if made is not None and made.covers(span):  # the call's own data by now
                 continue
             if id(t) in pure:  # overwritten: the call's own data from here on (what was read before stays read)
-                self.made.setdefault(span.address, _Views()).add(span)
+                self.made.setdefault(key, _Views()).add(span)
             else:  # read: what of it the call has not overwritten yet
                 for piece in made.outside(span) if made is not None else [span]:
-                    self.read.setdefault(span.address, _Views()).add(piece)
+                    self.read.setdefault(key, _Views()).add(piece)
             if id(t) in writes:
-                self.written.setdefault(span.address, _Views()).add(span)
+                self.written.setdefault(key, _Views()).add(span)
 
     def note_outside(self, t: Any) -> None:
         """``t`` handed to code outside the dispatcher (``Tensor.numpy()``: a C pass, a peer's
         numpy), which reads it or writes it (``read_outside`` counts it at the call's end)."""
         span = _span(t)
-        if span is not None and span.address not in self.fresh:
-            self.outside.setdefault(span.address, _Views()).add(span)
+        key = None if span is None else self.key(t)
+        if key is not None and key not in self.fresh:
+            self.outside.setdefault(key, _Views()).add(span)
 
     def read_outside(self) -> None:
         """Count what was handed to ``.numpy()`` as read, beside whatever ops read of the same
         storage (a C pass over all of x, an op on its first row: x once), unless ops wrote all of
         it: then the array was a C pass's output, or a look at its pages before an op wrote it,
         and the op's write counts."""
-        for address, views in self.outside.items():
+        for key, views in self.outside.items():
             wrote = _Views()
-            for done in (self.written.get(address), self.made.get(address)):
+            for done in (self.written.get(key), self.made.get(key)):
                 wrote.spans.update(done.spans if done is not None else {})
             for span in views.spans.values():
                 if not wrote.covers(span):
-                    self.read.setdefault(address, _Views()).add(span)
+                    self.read.setdefault(key, _Views()).add(span)
 
     def note_cloned(self, storage: Any) -> None:
         """``storage``, a copy a storage's ``clone`` (a ``copy.deepcopy``'s) allocated outside the
         dispatcher, is the call's own: the copy into it that the clone's ops showed as a write
         into existing storage is forgotten (the source's read stays)."""
-        address = storage.data_ptr()
-        if address:
+        key = self.key(storage)
+        if key is not None:
             for seen in (self.read, self.written, self.made):
-                seen.pop(address, None)
-            self.fresh.add(address)
+                seen.pop(key, None)
+            self.fresh.add(key)
 
     def note_outputs(self, values: list, given: set[int]) -> None:
         """Note the storages an op made: its outputs' storages other than ``given``, the storages
@@ -245,9 +280,9 @@ class _Traffic:
         existing storage, or a clone's, which ``note_cloned`` makes the call's own)."""
         for t in values:
             where = _storage(t) if hasattr(t, "untyped_storage") else None
-            if where is not None and where[0] not in given and not any(
-                    where[0] in seen for seen in (self.read, self.written, self.made)):
-                self.fresh.add(where[0])
+            key = None if where is None or where[0] in given else self.key(t)
+            if key is not None and not any(key in seen for seen in (self.read, self.written, self.made)):
+                self.fresh.add(key)
 
 
 def _counter() -> Any:
@@ -344,12 +379,14 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
             torch.Tensor.numpy = numpy
         else:
             del torch.Tensor.numpy
-    outputs: dict[int, _Views] = {}
+    outputs: dict[_Traffic.Key, _Views] = {}
     for t in tree_flatten(result)[0]:
         span = _span(t)
-        if span is not None and span.address in counter.fresh:
-            outputs.setdefault(span.address, _Views()).add(span)
+        key = None if span is None else counter.key(t)
+        if key is not None and key in counter.fresh:
+            outputs.setdefault(key, _Views()).add(span)
     moved = sum(v.bytes() for views in (counter.read, counter.written, outputs) for v in views.values())
+    counter.alive.clear()  # its watches end with the count (each calls back into the counter)
     return Work(bytes=float(moved), flops=dict(counter.flops))
 
 
