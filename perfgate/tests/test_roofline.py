@@ -517,3 +517,83 @@ def test_a_compiled_optimizer_step_counts_the_ops_its_python_runs() -> None:
     with Seen():
         step()
     assert seen == []  # inductor's kernels again: the count's stance is its own
+
+
+def test_an_empty_view_with_rows_spans_nothing() -> None:
+    """y[:, :0] holds no element, though its strides reach from y's first row to its last: it
+    widens no union of the views read beside it."""
+    y = torch.randn(10, 10)
+    rows = lambda: (y[:, :0].sum(), y[5:].sum(), y[5:].flatten().sum())
+    assert count_work(rows).bytes == 200 + 3 * 4  # y[5:] read once (two views, one span), three sums
+
+
+def test_views_with_one_start_and_shape_but_other_strides_are_two_views() -> None:
+    x = torch.randn(100)
+    rows, cols = x[:50].view(10, 5), x.view(10, 10)[:, :5]  # both (10, 5) from x's first byte
+    # rows span [0, 200), cols (strided) [0, 380): their union, 380, is less than their elements' 400
+    assert count_work(lambda: (rows.sum(), cols.sum())).bytes == 380 + 2 * 4
+
+
+def test_an_array_of_storage_the_call_wrote_whole_reads_nothing_more() -> None:
+    """Arrays of out from the first written byte, to the last, and over two adjoining copies: the
+    copies' writes count, nothing is read again."""
+    x, out = torch.randn(10, 10), torch.empty(10, 10)
+    after = lambda: (out[:5].copy_(x[:5]), out[5:].copy_(x[5:]), out[:2].numpy(), out[8:].numpy(), out.numpy())
+    assert count_work(after).bytes == 400 + 400  # x read, out written
+    call = lambda: (out[:5].copy_(x[:5]), out.mul_(2), out.numpy().sum())  # out written whole, in place
+    assert count_work(call).bytes == 200 + 200 + 400  # x[:5] read, out[5:] read, out written
+
+
+def test_a_read_beside_rows_written_counts_its_own_rows_only() -> None:
+    x, out = torch.randn(10, 10), torch.empty(10, 10)
+    assert count_work(lambda: (out[8:].copy_(x[8:]), out[:5].sum())).bytes == 2 * 80 + 200 + 4  # written after it
+    assert count_work(lambda: (out[:1].copy_(x[:1]), out[5:].sum())).bytes == 2 * 40 + 200 + 4  # written before it
+    # runs written across the end of the read and past it: only out[10:15] is read
+    x, out = torch.randn(100), torch.empty(100)
+    runs = lambda: (out[15:50].copy_(x[15:50]), out[75:].copy_(x[75:]), out[10:40].sum())
+    assert count_work(runs).bytes == 2 * 4 * (35 + 25) + 4 * 5 + 4  # x read, out written, out[10:15] read, a sum
+
+
+def test_what_a_read_adds_beside_a_strided_one_is_its_bytes_not_yet_written() -> None:
+    x, out = torch.randn(10, 10), torch.empty(10, 10)
+    call = lambda: (out[:, 0].sum(), out[:5].copy_(x[:5]), out.sum())
+    # out read: the column's 40 and rows 5-9's 200 (less than their union, 400); x[:5] read,
+    # out[:5] written; two sums
+    assert count_work(call).bytes == (40 + 200) + 200 + 200 + 2 * 4
+    # rows written, then written again through another view: no more written (beside a strided column, whose
+    # elements count, not its span)
+    call = lambda: (out[:, 0].copy_(x[:, 0]), out[9:].copy_(x[9:]), out[9:].view(2, 5).mul_(2))
+    assert count_work(call).bytes == 2 * (40 + 40)  # x read and out written: the column's 40 and row 9's 40
+
+
+def test_a_broadcast_fills_its_span_and_a_view_that_repeats_and_skips_does_not() -> None:
+    """A broadcast's elements repeat and reach every byte of its span: after out[:32] is written,
+    out.expand(8, 64) reads out[32:] only. A view whose elements repeat and leave gaps (offsets 0,
+    2, 0, 2) is read whole unless written whole."""
+    out, b = torch.empty(64), torch.randn(64)
+    call = lambda: (out[:32].copy_(b[:32]), out.expand(8, 64).sum())
+    assert count_work(call).bytes == 128 + 128 + 128 + 4  # b[:32] read, out[:32] written, out[32:] read, a sum
+    gaps = out[:3].as_strided((2, 2), (0, 2))  # elements 0, 2, 0, 2 of out: a span of 3, element 1 not read
+    call = lambda: (out[:1].copy_(b[:1]), gaps.sum())
+    assert count_work(call).bytes == 4 + 4 + 12 + 4  # b[0] read, out[0] written, the span of gaps read, a sum
+
+
+def test_fill_and_zero_overwrite_without_reading() -> None:
+    out = torch.empty(10, 10)
+    assert count_work(lambda: (out.fill_(1.0), out.sum())).bytes == 400 + 4  # out written, a sum
+    assert count_work(lambda: (out.zero_(), out.sum())).bytes == 400 + 4
+
+
+def test_a_storage_two_tensors_share_is_one_until_both_die() -> None:
+    """Two tensors over one numpy array are two storages at one address: the first one's death
+    leaves the address's storage alive, so the second is read once however often."""
+    import numpy as np
+
+    def call() -> Any:
+        array = np.ones(256, dtype=np.float32)  # memory no op made
+        a, b = torch.from_numpy(array), torch.from_numpy(array)
+        s = a.sum() + b.sum()
+        del a
+        return s, b * 2
+
+    assert count_work(call).bytes == 1024 + 4 + 1024  # the array read once, the sum and the product written

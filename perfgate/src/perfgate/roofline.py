@@ -60,18 +60,28 @@ def _storage(t: Any) -> tuple[int, int] | None:
 @dataclass(frozen=True)
 class _Span:
     """The bytes of its storage one tensor views: ``start`` to ``end`` (its first and one past its
-    last element), ``nbytes`` its elements' bytes (fewer than the span when strided, with gaps)."""
+    last element), ``nbytes`` its elements' bytes (fewer than the span when strided, with gaps;
+    more when elements repeat, as a broadcast's do), ``solid`` whether its elements leave no byte
+    of the span out."""
 
     address: int
     start: int
     end: int
     nbytes: int
     key: tuple  # offset, shape, strides and element size: one entry per distinct view
+    solid: bool = True
 
-    @property
-    def solid(self) -> bool:
-        """Whether its elements fill the span (no gaps between them, as a strided view leaves)."""
-        return self.end - self.start == self.nbytes
+
+def _fills(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether a view's elements reach every element of its span: its dims by stride, smallest
+    first (a broadcast's stride-0 dims and single ones reach nothing), each stepping at most one
+    past what the dims before it reach together."""
+    reach = 0  # the offsets reached so far: 0 to reach, every one
+    for stride, n in sorted((stride, n) for n, stride in zip(shape, strides, strict=True) if n > 1 and stride > 0):
+        if stride > reach + 1:
+            return False
+        reach += (n - 1) * stride
+    return True
 
 
 def _span(t: Any) -> _Span | None:
@@ -79,11 +89,11 @@ def _span(t: Any) -> _Span | None:
     where = _storage(t) if hasattr(t, "untyped_storage") else None
     if where is None or t.numel() == 0:
         return None
-    size = t.element_size()
+    size, shape, strides = t.element_size(), tuple(t.shape), tuple(t.stride())
     start = t.storage_offset() * size
-    last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))  # strides >= 0
-    key = (start, tuple(t.shape), tuple(t.stride()), size)
-    return _Span(where[0], start, start + (last + 1) * size, t.numel() * size, key)
+    last = sum((n - 1) * stride for n, stride in zip(shape, strides, strict=True))  # strides >= 0
+    key = (start, shape, strides, size)
+    return _Span(where[0], start, start + (last + 1) * size, t.numel() * size, key, _fills(shape, strides))
 
 
 class _Views:
