@@ -28,11 +28,12 @@ def versus(timer: Timer, slow: Callable[[], object], fast: Callable[[], object],
     return f"{point:.2f}x ({low:.2f}-{high:.2f}), {slow_ms:.2f} / {fast_ms:.2f} ms"
 
 
-def medians(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
+def medians(fns: dict[str, Callable[[], object]], rounds: int, calls: int,
+            device: str = "cpu") -> dict[str, float]:
     """Median ms of each fn, ``rounds`` rounds of ``calls`` calls each, the fns in turn within a round,
-    by perfgate's CPU timer (the previous call's result alive while the next is made, as in a perf
-    session's block)."""
-    timer = timer_for("cpu")
+    by perfgate's timer for ``device`` (the previous call's result alive while the next is made, as
+    in a perf session's block)."""
+    timer = timer_for(device)
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for name, fn in fns.items():

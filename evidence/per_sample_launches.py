@@ -1,5 +1,6 @@
 """What one call of each per-sample row dispatches: the ops (on CUDA, about one kernel launch each)
-and the host reads (each a device sync on CUDA), beside its median time. On CUDA also the syncs
+and the host reads (each a device sync on CUDA), beside its median time (the rows in turn within
+each round, perfgate's timer: the previous call's result alive while the next is made). On CUDA also the syncs
 torch's sync debug mode reports (host reads, pageable copies) and the time the device spends in
 kernels, which tells a launch- or sync-bound call (the device mostly idle) from one its kernels
 bound. The rows of perf_tests/test_per_sample.py: ours, torch.func's vmap(grad), and Opacus's
@@ -19,8 +20,6 @@ from perfgate.timing import configure_malloc
 
 malloc = configure_malloc(sys.argv[4] if len(sys.argv) > 4 else "cache")  # before any large allocation
 
-import statistics  # noqa: E402
-import time  # noqa: E402
 from collections import Counter  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
@@ -29,6 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import kernels  # noqa: E402
+from evidence.ab import medians  # noqa: E402
 from kernels.models import MLP  # noqa: E402
 from perf_tests.peers import PEERS  # noqa: E402
 from perfgate.fingerprint import _cpu_model  # noqa: E402
@@ -100,19 +100,6 @@ def kernel_ms(fn: Callable[[], object], calls: int = 10) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / calls
 
 
-def median_ms(fn: Callable[[], object], rounds: int = 15, calls: int = 5) -> float:
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    times = []
-    for _ in range(rounds):
-        sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        times.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(times)
-
-
 torch.manual_seed(0)
 model = MLP((784, 256, 256, 10)).to(device)
 x = torch.randn(batch, 784, device=device)
@@ -132,13 +119,14 @@ print(f"# {where}, {device}, MLP 784-256-256-10, B={batch}, {torch.get_num_threa
       f"malloc {malloc}, torch {torch.__version__}")
 cuda_columns = f" {'syncs':>5s} {'kernel ms':>9s}" if device == "cuda" else ""
 print(f"{'row':52s} {'ms':>8s} {'ops':>5s} {'host reads':>10s}{cuda_columns}  most frequent ops")
-for name, fn in rows.items():
-    for _ in range(3):  # warm: Opacus wraps its model on the first call, vmap traces
+for fn in rows.values():  # warm: Opacus wraps its model on the first call, vmap traces
+    for _ in range(3):
         fn()
+ms = medians(rows, rounds=15, calls=5, device=device)  # the rows in turn within a round, by perfgate's timer
+for name, fn in rows.items():
     counted = Ops()
     with counted:
         fn()
-    ms = median_ms(fn)
     extra = f" {device_syncs(fn):5d} {kernel_ms(fn):9.3f}" if device == "cuda" else ""
     top = ", ".join(f"{op} {n}" for op, n in counted.ops.most_common(5))
-    print(f"{name:52s} {ms:8.3f} {sum(counted.ops.values()):5d} {host_reads(fn):10d}{extra}  {top}")
+    print(f"{name:52s} {ms[name]:8.3f} {sum(counted.ops.values()):5d} {host_reads(fn):10d}{extra}  {top}")
