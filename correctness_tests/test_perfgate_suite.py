@@ -43,7 +43,7 @@ NO_REGRESSION = {
     ("sgd_step", "optimized"): "fused SGD is a memory-bound step: 1.11-1.41x over the Python loop, "
     "so only 'never much slower' holds everywhere",
     ("adamw_bandwidth", "optimized"): "a fraction of the in-place stream, not a speedup: losing "
-    "fused AdamW drops it to ~0.2, under 0.6",
+    "fused AdamW drops it to ~0.2, under 0.55",
     # over a peer: the claim is "not behind it", where the peer is as fast an algorithm as ours
     ("topk_singular_values", "optimized vs peer: torch.svd_lowrank"): "the same range finder without "
     "our error bound, ours stopping once its values settle: 1.04-1.12x ahead before that, 1.13-1.29x "
@@ -56,7 +56,8 @@ NO_REGRESSION = {
     ("per_sample_grads", "optimized vs vmap"): "both make the one B x P write that is most of each call; "
     "ours streams it: 1.21-1.71x ahead on Zen 3 (13 runs), 1.72-2.09x on Zen 4",
     ("per_sample_grads", "optimized, out= vs vmap"): "as the row above, into the previous call's result: "
-    "1.32-1.70x ahead on Zen 3 (6 runs), 1.73-2.50x on Zen 4",
+    "1.32-1.70x ahead on Zen 3 (6 runs), 1.73-2.50x on Zen 4, 1.16-1.95x on a Xeon (vmap gains most "
+    "where the host's bandwidth is free)",
     ("per_sample_grad_norms", "optimized vs peer: opacus ghost clipping"): "the same identity (each Linear's "
     "norms from its activations and backprops) in one forward and backward; ours adds its checks and "
     "the probe: 0.91-1.19x on Zen 3, 1.07-1.34x on Zen 4",
