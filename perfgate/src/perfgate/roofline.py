@@ -434,10 +434,12 @@ class Limits:
 
     @property
     def stream_gbps(self) -> float:
-        """The best of an in-place scale, a copy and a triad over arrays far beyond the caches,
-        GB/s, each array counted once read and once written, as STREAM counts them. A write to
-        another array also reads its lines in first (write-allocate), traffic STREAM does not
-        count: the in-place scale, which has none, is the one that reaches the memory's limit."""
+        """The best of an in-place scale, a copy and a triad over 128 MiB arrays (beyond most CPUs'
+        last-level caches; a larger one, such as the 480 MiB L3 a VM guest may report, can serve
+        them in part), GB/s, each array counted once read and once written, as STREAM counts them.
+        A write to another array also reads its lines in first (write-allocate), traffic STREAM
+        does not count: the in-place scale, which has none, is the one that reaches the memory's
+        limit."""
         if self.values["stream_gbps"] is None:
             self._measure_stream()
         return float(self.values["stream_gbps"])
