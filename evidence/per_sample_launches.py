@@ -11,7 +11,8 @@ per-sample gradients and ghost clipping, on the suite's MLP.
 The last argument is the CPU allocator's mode (perfgate.timing.configure_malloc; the suite's is cache).
 
 Ops are counted by a dispatch mode (views included); host reads at ``Tensor.tolist``, ``item`` and
-``__bool__`` (a CPU tensor's ``tolist`` dispatches no op).
+``__bool__`` (a CPU tensor's ``tolist`` dispatches no op; ``float(t)``, ``int(t)`` and ``.cpu()`` are
+not seen there: on CUDA the syncs column counts every read).
 """
 
 import sys
@@ -91,13 +92,17 @@ def device_syncs(fn: Callable[[], object]) -> int:
 def kernel_ms(fn: Callable[[], object], calls: int = 10) -> float:
     """CUDA: the device's kernel time per call, torch.profiler's "Self CUDA time total" (each
     kernel's time once, whatever op launched it)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / calls
+    # the device's own events: a CPU op's self device time repeats its kernels' (as the table's total reads)
+    kernels_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == DeviceType.CUDA
+                     and not e.is_user_annotation)
+    return kernels_us / 1e3 / calls
 
 
 torch.manual_seed(0)

@@ -214,7 +214,11 @@ class _Traffic:
         """The key of a tensor's storage (or of a storage), None for one without (meta, sparse,
         empty). Its storage object is watched: when the last one at a key dies, the address's
         next storage takes the next generation. torch keeps one Python object per storage
-        (``t.untyped_storage() is t.untyped_storage()``), which dies with the storage itself."""
+        (``t.untyped_storage() is t.untyped_storage()``), which dies with the storage itself. The
+        object's life is not always its memory's: a buffer no torch allocator owns (numpy's under
+        ``from_numpy``) wrapped again after its first tensor died counts as another storage, and
+        a storage resized in place (``resize_``: its memory freed, the object kept) keeps its
+        address's key while the object lives."""
         try:
             storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t
             address = storage.data_ptr()
@@ -228,6 +232,11 @@ class _Traffic:
             refs.append(weakref.ref(storage, lambda ref, key=key: self._died(key, ref)))
         return key
 
+    def spanned(self, t: Any) -> tuple[_Span | None, _Traffic.Key | None]:
+        """``t``'s span and its storage's key; (None, None) for an empty tensor or one without storage."""
+        span = _span(t)
+        return (span, self.key(t)) if span is not None else (None, None)
+
     def _died(self, key: _Traffic.Key, ref: weakref.ref) -> None:
         refs = self.alive.get(key, [])
         if ref in refs:
@@ -237,8 +246,7 @@ class _Traffic:
 
     def note_inputs(self, tensors: list, writes: set[int], pure: set[int]) -> None:
         for t in tensors:
-            span = _span(t)
-            key = None if span is None else self.key(t)
+            span, key = self.spanned(t)
             if key is None or key in self.fresh:
                 continue
             made = self.made.get(key)
@@ -255,8 +263,7 @@ class _Traffic:
     def note_outside(self, t: Any) -> None:
         """``t`` handed to code outside the dispatcher (``Tensor.numpy()``: a C pass, a peer's
         numpy), which reads it or writes it (``read_outside`` counts it at the call's end)."""
-        span = _span(t)
-        key = None if span is None else self.key(t)
+        span, key = self.spanned(t)
         if key is not None and key not in self.fresh:
             self.outside.setdefault(key, _Views()).add(span)
 
@@ -383,20 +390,19 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
         with counter, stance("force_eager") if stance else contextlib.nullcontext():
             result = fn(*args)
         counter.read_outside()
+        outputs: dict[_Traffic.Key, _Views] = {}
+        for t in tree_flatten(result)[0]:
+            span, key = counter.spanned(t)
+            if key is not None and key in counter.fresh:
+                outputs.setdefault(key, _Views()).add(span)
     finally:
+        counter.alive.clear()  # its watches end with the count, failed or not (each calls back into the counter)
         storage_base.clone = clone
         if own:
             torch.Tensor.numpy = numpy
         else:
             del torch.Tensor.numpy
-    outputs: dict[_Traffic.Key, _Views] = {}
-    for t in tree_flatten(result)[0]:
-        span = _span(t)
-        key = None if span is None else counter.key(t)
-        if key is not None and key in counter.fresh:
-            outputs.setdefault(key, _Views()).add(span)
     moved = sum(v.bytes() for views in (counter.read, counter.written, outputs) for v in views.values())
-    counter.alive.clear()  # its watches end with the count (each calls back into the counter)
     return Work(bytes=float(moved), flops=dict(counter.flops))
 
 
