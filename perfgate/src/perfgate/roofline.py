@@ -59,12 +59,11 @@ def _storage(t: Any) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class _Span:
-    """The bytes of its storage one tensor views: ``start`` to ``end`` (its first and one past its
-    last element), ``nbytes`` its elements' bytes (fewer than the span when strided, with gaps;
-    more when elements repeat, as a broadcast's do), ``solid`` whether its elements leave no byte
-    of the span out."""
+    """The bytes of its storage (keyed by ``_Traffic.key``) one tensor views: ``start`` to ``end``
+    (its first and one past its last element), ``nbytes`` its elements' bytes (fewer than the span
+    when strided, with gaps; more when elements repeat, as a broadcast's do), ``solid`` whether its
+    elements leave no byte of the span out."""
 
-    address: int
     start: int
     end: int
     nbytes: int
@@ -93,7 +92,7 @@ def _span(t: Any) -> _Span | None:
     start = t.storage_offset() * size
     last = sum((n - 1) * stride for n, stride in zip(shape, strides, strict=True))  # strides >= 0
     key = (start, shape, strides, size)
-    return _Span(where[0], start, start + (last + 1) * size, t.numel() * size, key, _fills(shape, strides))
+    return _Span(start, start + (last + 1) * size, t.numel() * size, key, _fills(shape, strides))
 
 
 class _Views:
@@ -135,7 +134,7 @@ class _Views:
             at = max(at, b)
         if at < span.end:
             pieces.append((at, span.end))
-        return [_Span(span.address, a, b, b - a, (a, b, "piece")) for a, b in pieces]
+        return [_Span(a, b, b - a, (a, b, "piece")) for a, b in pieces]
 
     def bytes(self) -> int:
         return min(sum(b - a for a, b in self._union()), sum(s.nbytes for s in self.spans.values()))
