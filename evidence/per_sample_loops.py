@@ -1,0 +1,135 @@
+"""per_sample_grads against vmap(grad) as a training loop calls them: back to back, and in blocks.
+
+    python -m evidence.per_sample_loops [threads, default 2]
+
+The suite's MLP (784-256-256-10) at B=64 and B=256, malloc cache. Each impl is timed two ways in
+one process:
+
+- back to back: ``CALLS`` calls of one impl in a row (each result dropped before the next call,
+  as a loop that consumes it does), the median of the calls after the first ``SETTLE``; the
+  impls in turn, ``ROUNDS`` times;
+- in blocks: perfgate's interleaved ABBA blocks (``evidence.ab.compare``, the suite's shape:
+  ``perfgate.timing.block_calls`` calls after a warming one, the previous result alive while the
+  next is made), vmap against each of ours.
+
+Then, at B=64, each impl's first calls after a pause (50 ms of sleep) and after a pass over
+1 GiB of memory (``torch.add_``), as a training loop's other work leaves the host between calls.
+Each row also counts the page faults its calls take (``getrusage``'s minor faults): memory the
+allocator hands back mapped afresh, zeroed on the first touch. A process's own state moves vmap's
+time more than ours (evidence/per-sample-loops-xeon.txt): compare the ratios of one run, and runs
+of the script in several processes.
+"""
+
+import resource
+import statistics
+import sys
+import time
+
+from perfgate.timing import configure_malloc
+
+malloc = configure_malloc("cache")  # the suite's mode, before any large allocation
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import kernels  # noqa: E402
+from evidence.ab import compare  # noqa: E402
+from kernels.models import MLP  # noqa: E402
+from perfgate.fingerprint import _cpu_model  # noqa: E402
+from perfgate.timing import block_calls, timer_for  # noqa: E402
+from workloads.common import vmap_grads  # noqa: E402
+
+CALLS, SETTLE, ROUNDS = 30, 5, 3
+AFTER = 6  # calls timed after each pause
+torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
+timer = timer_for("cpu")
+
+
+def minor_faults() -> int:
+    """Page faults this process has taken that needed no I/O (a page mapped, or zeroed, on touch)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def back_to_back(fn) -> tuple[float, float]:
+    """(median seconds of a call, page faults a call) among CALLS in a row, after the first SETTLE."""
+    times = []
+    for i in range(CALLS):
+        if i == SETTLE:
+            faults = minor_faults()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[SETTLE:]), (minor_faults() - faults) / (CALLS - SETTLE)
+
+
+class Counted:
+    """fn, counting its calls and the page faults taken during them."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.calls, self.faults = fn, 0, 0
+
+    def __call__(self):
+        before = minor_faults()
+        out = self.fn()
+        self.faults += minor_faults() - before
+        self.calls += 1
+        return out
+
+    def per_call(self) -> float:
+        return self.faults / max(1, self.calls)
+
+
+def impls_at(batch: int) -> dict:
+    """vmap(grad), per_sample_grads and per_sample_grads(out=) on the MLP at ``batch``, as calls."""
+    torch.manual_seed(0)
+    model = MLP((784, 256, 256, 10))
+    x, y = torch.randn(batch, 784), torch.randint(0, 10, (batch,))
+    args = (model, F.cross_entropy, x, y)
+    into = kernels.per_sample_grads(*args)
+    return {"vmap(grad)": lambda: vmap_grads(*args),
+            "per_sample_grads": lambda: kernels.per_sample_grads(*args),
+            "per_sample_grads(out=)": lambda: kernels.per_sample_grads(*args, out=into)}
+
+
+print(f"# {_cpu_model()}, {torch.get_num_threads()} thread(s), malloc {malloc}, torch {torch.__version__}; "
+      f"MLP 784-256-256-10; back to back: {ROUNDS} rounds of {CALLS} calls an impl, the median after the "
+      f"first {SETTLE}; in blocks: 15 ABBA pairs")
+for batch in (64, 256):
+    impls = impls_at(batch)
+    loops: dict[str, list[tuple[float, float]]] = {name: [] for name in impls}
+    for _ in range(ROUNDS):
+        for name, fn in impls.items():
+            loops[name].append(back_to_back(fn))
+    vmap_s = statistics.median(s for s, _ in loops["vmap(grad)"])
+    calls = block_calls(vmap_s)[0]
+    for name, runs in loops.items():
+        seconds, faults = (statistics.median(column) for column in zip(*runs, strict=True))
+        line = f"B={batch:3d} {name:24s} back to back {seconds * 1e3:7.3f} ms, {faults:6.1f} faults a call"
+        if name != "vmap(grad)":
+            slow, fast = Counted(impls["vmap(grad)"]), Counted(impls[name])
+            point, low, high, slow_ms, fast_ms = compare(timer, slow, fast, calls=(calls, calls))
+            line += (f", vmap / it {vmap_s / seconds:4.2f}x;  in blocks of {calls}: {point:4.2f}x "
+                     f"({low:.2f}-{high:.2f}), {slow_ms:.3f} / {fast_ms:.3f} ms, faults a call "
+                     f"{slow.per_call():.1f} / {fast.per_call():.1f}")
+        print(line)
+
+# the first AFTER calls after each pause, the median of 2 x ROUNDS pauses, B=64
+impls = impls_at(64)
+del impls["per_sample_grads"]
+evicting = torch.zeros(1 << 28)  # 1 GiB of float32
+pauses = {"50 ms of sleep": lambda: time.sleep(0.05), "a pass over 1 GiB": lambda: evicting.add_(1.0)}
+print(f"\nB= 64, ms of each of the first {AFTER} calls after a pause (medians of {2 * ROUNDS}), then back to back")
+for pause, wait in pauses.items():
+    for name, fn in impls.items():
+        firsts = []
+        for _ in range(2 * ROUNDS):
+            back_to_back(fn)
+            wait()
+            firsts.append([])
+            for _ in range(AFTER):
+                start = time.perf_counter()
+                fn()
+                firsts[-1].append(time.perf_counter() - start)
+        calls = [statistics.median(f[i] for f in firsts) * 1e3 for i in range(AFTER)]
+        print(f"after {pause:18s} {name:24s} " + " ".join(f"{t:6.2f}" for t in calls)
+              + f"  | {back_to_back(fn)[0] * 1e3:6.2f}")
