@@ -24,6 +24,7 @@ import resource
 import statistics
 import sys
 import time
+from unittest import mock
 
 from perfgate.timing import configure_malloc
 
@@ -34,6 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import kernels  # noqa: E402
 from evidence.ab import compare  # noqa: E402
+from kernels import nontemporal  # noqa: E402
 from kernels.models import MLP  # noqa: E402
 from perfgate.fingerprint import _cpu_model  # noqa: E402
 from perfgate.timing import block_calls, timer_for  # noqa: E402
@@ -80,7 +82,8 @@ class Counted:
 
 
 def impls_at(batch: int) -> dict:
-    """vmap(grad), per_sample_grads and per_sample_grads(out=) on the MLP at ``batch``, as calls."""
+    """vmap(grad), per_sample_grads, per_sample_grads(out=) and that with its streaming stores off
+(torch.mul for every layer) on the MLP at ``batch``, as calls."""
     torch.manual_seed(0)
     model = MLP((784, 256, 256, 10))
     x, y = torch.randn(batch, 784), torch.randint(0, 10, (batch,))
@@ -88,7 +91,9 @@ def impls_at(batch: int) -> dict:
     into = kernels.per_sample_grads(*args)
     return {"vmap(grad)": lambda: vmap_grads(*args),
             "per_sample_grads": lambda: kernels.per_sample_grads(*args),
-            "per_sample_grads(out=)": lambda: kernels.per_sample_grads(*args, out=into)}
+            "per_sample_grads(out=)": lambda: kernels.per_sample_grads(*args, out=into),
+            "per_sample_grads(out=), torch.mul": mock.patch.object(nontemporal, "pays", lambda nbytes: False)(
+                lambda: kernels.per_sample_grads(*args, out=into))}
 
 
 print(f"# {_cpu_model()}, {torch.get_num_threads()} thread(s), malloc {malloc}, torch {torch.__version__}; "
@@ -104,7 +109,7 @@ for batch in (64, 256):
     calls = block_calls(vmap_s)[0]
     for name, runs in loops.items():
         seconds, faults = (statistics.median(column) for column in zip(*runs, strict=True))
-        line = f"B={batch:3d} {name:24s} back to back {seconds * 1e3:7.3f} ms, {faults:6.1f} faults a call"
+        line = f"B={batch:3d} {name:34s} back to back {seconds * 1e3:7.3f} ms, {faults:6.1f} faults a call"
         if name != "vmap(grad)":
             slow, fast = Counted(impls["vmap(grad)"]), Counted(impls[name])
             point, low, high, slow_ms, fast_ms = compare(timer, slow, fast, calls=(calls, calls))
@@ -115,7 +120,7 @@ for batch in (64, 256):
 
 # the first AFTER calls after each pause, the median of 2 x ROUNDS pauses, B=64
 impls = impls_at(64)
-del impls["per_sample_grads"]
+del impls["per_sample_grads"], impls["per_sample_grads(out=), torch.mul"]
 evicting = torch.zeros(1 << 28)  # 1 GiB of float32
 pauses = {"50 ms of sleep": lambda: time.sleep(0.05), "a pass over 1 GiB": lambda: evicting.add_(1.0)}
 print(f"\nB= 64, ms of each of the first {AFTER} calls after a pause (medians of {2 * ROUNDS}), then back to back")
@@ -131,5 +136,5 @@ for pause, wait in pauses.items():
                 fn()
                 firsts[-1].append(time.perf_counter() - start)
         calls = [statistics.median(f[i] for f in firsts) * 1e3 for i in range(AFTER)]
-        print(f"after {pause:18s} {name:24s} " + " ".join(f"{t:6.2f}" for t in calls)
+        print(f"after {pause:18s} {name:34s} " + " ".join(f"{t:6.2f}" for t in calls)
               + f"  | {back_to_back(fn)[0] * 1e3:6.2f}")
