@@ -1,4 +1,4 @@
-"""Why per_sample_grads' lead over vmap(grad) moves with the host: the result's cache lines.
+"""per_sample_grads' lead over vmap(grad) with the result evicted from the last-level cache between calls.
 
     python -m evidence.llc_eviction [threads, default 2] [evicting MiB, default 1024]
 
@@ -8,8 +8,9 @@ ways in one process, the rows interleaved in rounds:
 - warm: calls back to back, as the suite times them. On a host whose shared last-level cache
   keeps the result between calls, an ordinary store finds its line cached;
 - evicted: before each call, outside its reading, a pass over a buffer larger than the cache
-  (``torch.add_`` over it), as a busy neighbour's traffic leaves the cache. An ordinary store then
+  (``torch.add_`` over it), as a busy neighbour's traffic can leave the cache. An ordinary store then
   reads each line from memory before writing it (a read for ownership); a streaming store does not.
+  The pass writes too: the write-back of its dirty lines may fall into the timed call, every row's alike.
 
 Rows: the first layer's outer products alone (51 MB) by torch.mul and by kernels._nontemporal's
 streaming stores; per_sample_grads(out=) as it runs (streamed, kernels.nontemporal.pays) and with

@@ -8,9 +8,10 @@ one process:
 - back to back: ``CALLS`` calls of one impl in a row (each result dropped before the next call,
   as a loop that consumes it does), the median of the calls after the first ``SETTLE``; the
   impls in turn, ``ROUNDS`` times;
-- in blocks: perfgate's interleaved ABBA blocks (``evidence.ab.compare``, the suite's shape:
-  ``perfgate.timing.block_calls`` calls after a warming one, the previous result alive while the
-  next is made), vmap against each of ours.
+- in blocks: perfgate's interleaved ABBA blocks (``evidence.ab.compare``: the previous result
+  alive while the next is made, a warming call before each block), vmap against each of ours,
+  both sides' blocks ``perfgate.timing.block_calls`` calls of vmap's back-to-back time (the suite
+  sizes each side's from its own: 4-6 calls here where these are 6-7).
 
 Then, at B=64, each impl's first calls after a pause (50 ms of sleep) and after a pass over
 1 GiB of memory (``torch.add_``), as a training loop's other work leaves the host between calls.
