@@ -5,9 +5,10 @@
 The suite's MLP (784-256-256-10) at B=64 and B=256, malloc cache. Each impl is timed two ways in
 one process:
 
-- back to back: ``CALLS`` calls of one impl in a row (each result dropped before the next call,
-  as a loop that consumes it does), the median of the calls after the first ``SETTLE``; the
-  impls in turn, ``ROUNDS`` times;
+- back to back: ``CALLS`` calls of one impl in a row, the median of the calls after the first
+  ``SETTLE``; the impls in turn, ``ROUNDS`` times. Twice: each result dropped before the next
+  call ("dropped", a loop that consumes it and lets it go: ``del grads``), and each result alive
+  while the next is made ("kept", ``grads = per_sample_grads(...)`` in a loop);
 - in blocks: perfgate's interleaved ABBA blocks (``evidence.ab.compare``: the previous result
   alive while the next is made, a warming call before each block), vmap against each of ours,
   both sides' blocks ``perfgate.timing.block_calls`` calls of vmap's back-to-back time (the suite
@@ -53,15 +54,20 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def back_to_back(fn) -> tuple[float, float]:
-    """(median seconds of a call, page faults a call) among CALLS in a row, after the first SETTLE."""
-    times = []
+def back_to_back(fn, keep: bool = False) -> tuple[float, float]:
+    """(median seconds of a call, page faults a call) among CALLS in a row, after the first SETTLE;
+    ``keep``: each result alive until the next call returns."""
+    times, result = [], None
     for i in range(CALLS):
         if i == SETTLE:
             faults = minor_faults()
         start = time.perf_counter()
-        fn()
+        if keep:
+            result = fn()
+        else:
+            fn()
         times.append(time.perf_counter() - start)
+    del result
     return statistics.median(times[SETTLE:]), (minor_faults() - faults) / (CALLS - SETTLE)
 
 
@@ -83,8 +89,8 @@ class Counted:
 
 
 def impls_at(batch: int) -> dict:
-    """vmap(grad), per_sample_grads, per_sample_grads(out=) and that with its streaming stores off
-(torch.mul for every layer) on the MLP at ``batch``, as calls."""
+    """vmap(grad), per_sample_grads, per_sample_grads(out=) and that with its streaming stores
+    off (torch.mul for every layer) on the MLP at ``batch``, as calls."""
     torch.manual_seed(0)
     model = MLP((784, 256, 256, 10))
     x, y = torch.randn(batch, 784), torch.randint(0, 10, (batch,))
@@ -99,24 +105,30 @@ def impls_at(batch: int) -> dict:
 
 print(f"# {_cpu_model()}, {torch.get_num_threads()} thread(s), malloc {malloc}, torch {torch.__version__}; "
       f"MLP 784-256-256-10; back to back: {ROUNDS} rounds of {CALLS} calls an impl, the median after the "
-      f"first {SETTLE}; in blocks: 15 ABBA pairs")
+      f"first {SETTLE}, each result dropped and kept; in blocks: 15 ABBA pairs. Each ratio is vmap's time over "
+      f"the row's; faults are page faults a call")
 for batch in (64, 256):
     impls = impls_at(batch)
-    loops: dict[str, list[tuple[float, float]]] = {name: [] for name in impls}
+    loops: dict[tuple[str, bool], list[tuple[float, float]]] = {(n, k): [] for n in impls for k in (False, True)}
     for _ in range(ROUNDS):
-        for name, fn in impls.items():
-            loops[name].append(back_to_back(fn))
-    vmap_s = statistics.median(s for s, _ in loops["vmap(grad)"])
-    calls = block_calls(vmap_s)[0]
-    for name, runs in loops.items():
-        seconds, faults = (statistics.median(column) for column in zip(*runs, strict=True))
-        line = f"B={batch:3d} {name:34s} back to back {seconds * 1e3:7.3f} ms, {faults:6.1f} faults a call"
+        for (name, keep), runs in loops.items():
+            runs.append(back_to_back(impls[name], keep))
+    readings = {key: [statistics.median(column) for column in zip(*runs, strict=True)]
+                for key, runs in loops.items()}
+    vmap_s = {keep: readings["vmap(grad)", keep][0] for keep in (False, True)}
+    calls = block_calls(vmap_s[False])[0]
+    for name in impls:
+        line = f"B={batch:3d} {name:34s}"
+        for keep, what in ((False, "dropped"), (True, "kept")):
+            seconds, faults = readings[name, keep]
+            line += f"  {what} {seconds * 1e3:7.3f} ms {faults:5.0f} faults"
+            if name != "vmap(grad)":
+                line += f" {vmap_s[keep] / seconds:4.2f}x"
         if name != "vmap(grad)":
             slow, fast = Counted(impls["vmap(grad)"]), Counted(impls[name])
             point, low, high, slow_ms, fast_ms = compare(timer, slow, fast, calls=(calls, calls))
-            line += (f", vmap / it {vmap_s / seconds:4.2f}x;  in blocks of {calls}: {point:4.2f}x "
-                     f"({low:.2f}-{high:.2f}), {slow_ms:.3f} / {fast_ms:.3f} ms, faults a call "
-                     f"{slow.per_call():.1f} / {fast.per_call():.1f}")
+            line += (f";  blocks of {calls}: {point:4.2f}x ({low:.2f}-{high:.2f}), {slow_ms:.3f} / {fast_ms:.3f} "
+                     f"ms, faults {slow.per_call():.0f} / {fast.per_call():.0f}")
         print(line)
 
 # the first AFTER calls after each pause, the median of 2 x ROUNDS pauses, B=64
