@@ -26,23 +26,18 @@ from perfgate.timing import configure_malloc
 malloc = configure_malloc("cache")  # the suite's mode, before any large allocation
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import nontemporal  # noqa: E402
-from kernels.models import MLP  # noqa: E402
 from perfgate.fingerprint import _cpu_model  # noqa: E402
 from perfgate.timing import HostClock, Timer  # noqa: E402
-from workloads.common import vmap_grads  # noqa: E402
+from workloads.common import per_sample_problem, vmap_grads  # noqa: E402
 
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
 evicting = torch.zeros((int(sys.argv[2]) if len(sys.argv) > 2 else 1024) << 18)  # MiB of float32
 assert nontemporal._nontemporal is not None, "kernels._nontemporal is not built here"
-torch.manual_seed(0)
 batch = 64
-model = MLP((784, 256, 256, 10))
-x, y = torch.randn(batch, 784), torch.randint(0, 10, (batch,))
-args = (model, F.cross_entropy, x, y)
+args = per_sample_problem(batch)
 into = kernels.per_sample_grads(*args)
 first = into["net.0.weight"]
 g, a = torch.randn(batch, 256, 1), torch.randn(batch, 1, 784)

@@ -21,14 +21,12 @@ from perfgate.timing import configure_malloc
 mode = configure_malloc(sys.argv[1] if len(sys.argv) > 1 else "cache")  # before any large allocation
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import kernels  # noqa: E402
 from evidence.ab import medians  # noqa: E402
 from kernels import nontemporal  # noqa: E402
-from kernels.models import MLP  # noqa: E402
 from perfgate.fingerprint import _cpu_model  # noqa: E402
-from workloads.common import vmap_grads  # noqa: E402
+from workloads.common import per_sample_problem, vmap_grads  # noqa: E402
 
 torch.set_num_threads(2)
 C = nontemporal._nontemporal
@@ -62,21 +60,20 @@ for name, ms in medians(writes, rounds=20, calls=1).items():
 def rows(batch: int) -> tuple[dict, int]:
     """The per_sample_grads rows at ``batch``, after checking streamed and plain give the same bits,
     and the bytes of the result they write."""
-    torch.manual_seed(0)
-    model, x, y = MLP((784, 256, 256, 10)), torch.randn(batch, 784), torch.randint(0, 10, (batch,))
-    into = kernels.per_sample_grads(model, F.cross_entropy, x, y)
+    args = per_sample_problem(batch)
+    into = kernels.per_sample_grads(*args)
 
     def fresh():
-        return kernels.per_sample_grads(model, F.cross_entropy, x, y)
+        return kernels.per_sample_grads(*args)
 
     def reused():
-        return kernels.per_sample_grads(model, F.cross_entropy, x, y, out=into)
+        return kernels.per_sample_grads(*args, out=into)
 
     streamed, plain = fresh(), without_c(fresh)()
     assert all(torch.equal(streamed[n], plain[n]) for n in plain)
     return ({"fresh, streamed": fresh, "fresh, torch.mul": without_c(fresh),
              "out=, streamed": reused, "out=, torch.mul": without_c(reused),
-             "vmap(grad)": lambda: vmap_grads(model, F.cross_entropy, x, y),
+             "vmap(grad)": lambda: vmap_grads(*args),
              "memset of the result": lambda: [t.zero_() for t in into.values()]},
             sum(t.nbytes for t in into.values()))
 

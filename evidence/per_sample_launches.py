@@ -25,15 +25,13 @@ from collections import Counter  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import kernels  # noqa: E402
 from evidence.ab import medians  # noqa: E402
-from kernels.models import MLP  # noqa: E402
 from perf_tests.peers import PEERS  # noqa: E402
 from perfgate.fingerprint import _cpu_model  # noqa: E402
-from workloads.common import vmap_grads  # noqa: E402
+from workloads.common import per_sample_problem, vmap_grads  # noqa: E402
 
 device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
 batch = int(sys.argv[2]) if len(sys.argv) > 2 else 256
@@ -105,11 +103,7 @@ def kernel_ms(fn: Callable[[], object], calls: int = 10) -> float:
     return kernels_us / 1e3 / calls
 
 
-torch.manual_seed(0)
-model = MLP((784, 256, 256, 10)).to(device)
-x = torch.randn(batch, 784, device=device)
-y = torch.randint(0, 10, (batch,), device=device)
-args = (model, F.cross_entropy, x, y)
+args = per_sample_problem(batch, device)
 rows = {
     "per_sample_grads: optimized": lambda: kernels.per_sample_grads(*args),
     "per_sample_grads: vmap": lambda: vmap_grads(*args),

@@ -33,15 +33,13 @@ from perfgate.timing import configure_malloc
 malloc = configure_malloc("cache")  # the suite's mode, before any large allocation
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import kernels  # noqa: E402
 from evidence.ab import compare  # noqa: E402
 from kernels import nontemporal  # noqa: E402
-from kernels.models import MLP  # noqa: E402
 from perfgate.fingerprint import _cpu_model  # noqa: E402
 from perfgate.timing import block_calls, timer_for  # noqa: E402
-from workloads.common import vmap_grads  # noqa: E402
+from workloads.common import per_sample_problem, vmap_grads  # noqa: E402
 
 CALLS, SETTLE, ROUNDS = 30, 5, 3
 AFTER = 6  # calls timed after each pause
@@ -91,10 +89,7 @@ class Counted:
 def impls_at(batch: int) -> dict:
     """vmap(grad), per_sample_grads, per_sample_grads(out=) and that with its streaming stores
     off (torch.mul for every layer) on the MLP at ``batch``, as calls."""
-    torch.manual_seed(0)
-    model = MLP((784, 256, 256, 10))
-    x, y = torch.randn(batch, 784), torch.randint(0, 10, (batch,))
-    args = (model, F.cross_entropy, x, y)
+    args = per_sample_problem(batch)
     into = kernels.per_sample_grads(*args)
     return {"vmap(grad)": lambda: vmap_grads(*args),
             "per_sample_grads": lambda: kernels.per_sample_grads(*args),

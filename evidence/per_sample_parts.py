@@ -20,16 +20,13 @@ from evidence.ab import medians  # noqa: E402
 from kernels import checks, nontemporal  # noqa: E402
 from kernels import layer_capture as capture  # noqa: E402
 from kernels import per_sample as ps  # noqa: E402
-from kernels.models import MLP  # noqa: E402
 from perfgate.fingerprint import _cpu_model  # noqa: E402
-from workloads.common import vmap_grads  # noqa: E402
+from workloads.common import per_sample_problem, vmap_grads  # noqa: E402
 
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
-torch.manual_seed(0)
 batch = 64
-model = MLP((784, 256, 256, 10))
-x, y = torch.randn(batch, 784), torch.randint(0, 10, (batch,))
-args = (model, F.cross_entropy, x, y)
+args = per_sample_problem(batch)
+model, _, x, y = args
 buffers = kernels.per_sample_grads(*args)
 names = ps.check_inputs(*args)
 layers = ps._plan(model, names, "error").linear

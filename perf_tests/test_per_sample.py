@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kernels
 import reference
 from correctness_tests.tolerances import ELEMENTWISE, REDUCTION, assert_close, assert_dicts_close
-from kernels.models import MLP
 from perf_tests.peers import PEERS
-from workloads.common import vmap_grads
+from workloads.common import per_sample_problem, vmap_grads
 
 BATCH = {"smoke": 64, "full": 256}
 IMPLS = {"reference": reference, "optimized": kernels}
@@ -31,13 +29,10 @@ IMPLS = {"reference": reference, "optimized": kernels}
 def _time(perf, fn, ref_fn) -> None:
     """Time ``fn(model, loss, x, y)`` on the OCS MLP at this session's size, then check the timed
     result equals the reference's on the same inputs (the pair computes one function here too)."""
-    torch.manual_seed(0)
     batch = BATCH[perf.size]
-    model = MLP((784, 256, 256, 10)).to(perf.device)
-    x = torch.randn(batch, 784, device=perf.device)
-    y = torch.randint(0, 10, (batch,), device=perf.device)
-    got = perf(lambda: fn(model, F.cross_entropy, x, y), label=f"MLP B={batch}")
-    want = ref_fn(model, F.cross_entropy, x, y)
+    args = per_sample_problem(batch, perf.device)
+    got = perf(lambda: fn(*args), label=f"MLP B={batch}")
+    want = ref_fn(*args)
     if isinstance(want, dict):
         assert_dicts_close(got, want, ELEMENTWISE)
     else:

@@ -1,6 +1,7 @@
 """What the workloads share: their results as markdown tables (as in evidence/), the
 checks of their configs, their progress bars, the median of timed steps, and torch.func's
-per-sample-gradient recipe their ablations and the perf suite time ours against."""
+per-sample-gradient recipe and the per-sample problem their ablations, the perf suite and evidence/
+time ours against."""
 
 from __future__ import annotations
 
@@ -95,6 +96,22 @@ def median_step_ms(calls: Iterable[Callable[[], object]], warmup: int, device: s
     if not times:
         raise ValueError(f"no timed step: the calls must outnumber warmup={warmup}")
     return 1e3 * sorted(times)[len(times) // 2]
+
+
+def per_sample_problem(batch: int, device: Any = "cpu") -> tuple:
+    """The perf suite's per-sample problem, seeded: the OCS MLP 784-256-256-10 (no dropout) on
+    ``device``, a synthetic batch ``x`` (batch, 784) and labels ``y`` (batch,) of 10 classes, as
+    ``(model, F.cross_entropy, x, y)``, the arguments of ``per_sample_grads`` and ``vmap_grads``."""
+    import torch
+    import torch.nn.functional as F
+
+    from kernels.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP((784, 256, 256, 10)).to(device)
+    x = torch.randn(batch, 784, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    return model, F.cross_entropy, x, y
 
 
 def vmap_grads(model: Any, loss_fn: Callable, x: Any, y: Any) -> dict:
