@@ -13,7 +13,7 @@ import time
 import pytest
 
 from perfgate import timing
-from perfgate.state import GateState, Measurement, Probes, Settings, _bound
+from perfgate.state import GateState, Measurement, Probes, Settings, _bound, _bound_low
 from perfgate.stats import CONTENDED, SpeedupRow, decided, gate
 from perfgate.timing import Bandwidth, HostLoad, PairLoad, bandwidth_withheld, withheld
 
@@ -82,6 +82,31 @@ def test_contention_excuses_only_the_shortfall_it_can_explain() -> None:
     assert gate(_row(0.3, bound=3.3, **base), 0.2) == []
 
 
+def test_a_line_met_on_a_contended_host_stands_only_where_the_reference_charged_all_still_meets_it() -> None:
+    """``bound_low``: the speedup had every withheld second been the reference's. A floor or a
+    baseline met on a contended host that the bound does not meet is unresolved (the host may have
+    slowed the reference more); one the bound meets passes, and so does any on a quiet host."""
+    met = dict(speedup=4.0, low=3.8, high=4.2)
+    held = _row(0.3, bound_low=3.1, **met)
+    assert gate(held, 0.2) == [] and held.outcome == "ok"
+    owed = _row(0.3, bound_low=2.5, **met)
+    assert gate(owed, 0.2) == [] and owed.outcome == "unresolved"
+    said = owed.unresolved[0]
+    assert "meets its floor 3.00x, but the host withheld 30% of the CPU time while its pairs ran" in said
+    assert "charged all to the reference, it reads 2.50x at least" in said
+    assert _gated(_row(0.3, bound_low=3.0, **met)).outcome == "ok"  # at the floor: met
+    assert _gated(_row(0.0, bound_low=2.5, **met)).outcome == "ok"  # quiet: judged on its interval
+    assert _gated(_row(0.0, bandwidth=0.45, bound_low=2.5, **met)).outcome == "unresolved"  # bandwidth taken
+    owed = _row(0.3, bound_low=2.5, **met)
+    assert gate(owed, 0.2, contended=float("inf")) == [] and owed.outcome == "ok"  # --perf-contended=inf
+    base = dict(floor=None, baseline=4.0, baseline_low=3.8, **met)  # threshold min(0.8 x 4.0, 3.8) = 3.2
+    assert _gated(_row(0.3, bound_low=3.3, **base)).outcome == "ok"
+    owed = _gated(_row(0.3, bound_low=3.1, **base))
+    assert owed.outcome == "unresolved" and "meets its stored baseline's threshold" in owed.unresolved[0]
+    assert _gated(_row(0.3, bound_low=3.1, peer=True, **base)).outcome == "ok"  # a peer's baseline: not gated
+    assert not decided(_gated(_row(0.3, bound_low=2.5, **met)), 0.2)  # it may quiet down: visited again
+
+
 def test_contention_at_the_threshold_is_contended() -> None:
     """A withheld CPU share exactly at --perf-contended, or a bandwidth shortfall exactly at its
     threshold, leaves a miss unjudged ("at or above")."""
@@ -126,6 +151,21 @@ def test_the_bound_charges_each_pairs_delay_to_the_impls_block_median() -> None:
     assert _bound(m, ref, opt, 10.0, 0.95) == pytest.approx(8.0, rel=0.03)  # 8 / ((4 - 2) x 0.5)
     m.load = [PairLoad(0.1, 0.3, 0.015)] * 7
     assert _bound(m, ref, opt, None, 0.95) == float("inf")  # 15 ms / 3 > 4 ms: it explains anything
+
+
+def test_the_low_bound_charges_each_pairs_reference_delay_to_the_references_block_median() -> None:
+    """The reference's blocks of 5 timed calls, 6 ms of delay read around them: its median falls by
+    at most 2 ms, so 8 ms against 4 reads 1.5x at least; the impl's delay does not move it."""
+    ref, opt = _ms([8.0, 8.1, 7.9, 8.0, 8.05, 7.95, 8.0]), _ms([4.0, 4.05, 3.95, 4.0, 4.0, 4.02, 3.98])
+    m = Measurement(times=[], size="smoke", label="", peak_bytes=None, calls=1, reference_calls=5)
+    m.load = [PairLoad(0.1, 0.3, 0.5, reference_delay=0.006)] * 7
+    assert _bound_low(m, ref, opt, None, 0.95) == pytest.approx(1.5, rel=0.03)  # (8 - 6/3) / 4
+    m.load = [PairLoad(0.1, 0.3, 0.5, reference_delay=0.006, gbps=5.0)] * 7
+    assert _bound_low(m, ref, opt, 10.0, 0.95) == pytest.approx(0.75, rel=0.03)  # (8 - 2) x 0.5 / 4
+    m.load = [PairLoad(0.1, 0.3, 0.0, reference_delay=0.03)] * 7
+    assert _bound_low(m, ref, opt, None, 0.95) == 0.0  # 30 ms / 3 > 8 ms: it explains any pass
+    m.load = [PairLoad(0.1, 0.3, 0.0)] * 7  # nothing read around the reference: the interval's low
+    assert _bound_low(m, ref, opt, None, 0.95) == pytest.approx(2.0, rel=0.03)
 
 
 def test_a_probe_reading_over_the_quiet_bandwidth_does_not_lower_the_bound() -> None:
@@ -269,6 +309,29 @@ def test_a_contended_session_reports_the_row_unresolved_and_passes(pytester: pyt
     failed = pytester.runpytest(*FAST, "--perf-contended=inf")
     assert failed.ret == pytest.ExitCode.TESTS_FAILED
     failed.stdout.fnmatch_lines(["GATE FAILED: slow ?optimized, 8ms? on cpu: *is under the floor 3.00x*"])
+
+
+# ours 2 ms against a reference of 8: 4x, over the floor of 3
+MET = SUITE.replace('"optimized": 0.004', '"optimized": 0.002')
+
+
+def test_a_pass_the_contention_could_explain_is_unresolved(pytester: pytest.Pytester,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end, the host's reading replaced by a contended one whose delay (0.1 s a block) could
+    be the reference's whole time: the met floor is unresolved, the session exits 0; with
+    --perf-contended=inf the same session passes."""
+    monkeypatch.setattr(timing.HostLoad, "share", lambda self, before, after: (0.1, 0.3, 0.1))
+    pytester.makepyfile(test_slow=MET)
+    result = pytester.runpytest(*FAST, "--benchmark-json=out.json")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    result.stdout.fnmatch_lines(["UNRESOLVED: slow ?optimized, 8ms? on cpu: speedup *x*meets its floor 3.00x, but "
+                                 "the host withheld 30% of the CPU time*charged all to the reference, it reads "
+                                 "0.00x at least*", "gate not failed: 0 speedup(s)*1 unresolved*"])
+    section = json.loads((pytester.path / "out.json").read_text())["perfgate"]
+    assert [r["bound_low"] for r in section["speedups"]] == [0.0]
+    judged = pytester.runpytest(*FAST, "--perf-contended=inf")
+    assert judged.ret == pytest.ExitCode.OK
+    judged.stdout.fnmatch_lines(["gate passed: 1 speedup(s)*"])
 
 
 def test_a_quiet_session_fails_the_missed_floor(pytester: pytest.Pytester,

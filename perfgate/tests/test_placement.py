@@ -204,7 +204,8 @@ class _Readings:
 def test_each_pair_takes_the_farther_of_the_readings_around_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Readings before each pair and after the last; a pair whose host-load reading is missing is
     dropped from the load without shifting the others' readings."""
-    shares = iter([None, (0.1, 0.0, 0.0), (0.1, 0.0, 0.0)] + [(0.1, 0.0, 0.0)] * 9)
+    # three readings a pair (around it, around each side's timed calls), pair 0's first missing
+    shares = iter([None, (0.1, 0.0, 0.0), (0.1, 0.0, 0.0)] + [(0.1, 0.0, 0.0)] * 12)
     monkeypatch.setattr(HostLoad, "share", lambda self, before, after: next(shares))
     host = HostLoad(threads=2, placement=_Readings())
     load: list[PairLoad] = []

@@ -197,7 +197,8 @@ class PerfCase:
         self._record(self.impl, later, Measurement(
             times=times, size=self.size, label=label, peak_bytes=peak,
             work_bytes=work_bytes, paired=paired, visits=1 + len(later.shares) if later else 1, variant=variant,
-            load=load, calls=later.calls[1] if later else 1, work=work, work_note=work_note,
+            load=load, calls=later.calls[1] if later else 1, reference_calls=later.calls[0] if later else 1,
+            work=work, work_note=work_note,
             peer=any(over == self.impl for _, over in _comparisons(node, self.impl))))
         self._set_floors(self.impl, variant)
         if self.impl == REFERENCE:
@@ -218,7 +219,7 @@ class PerfCase:
                 continue
             paired, later, load = self._pair(REFERENCE, impl, rounds)
             timed = dataclasses.replace(m, paired=paired, visits=1 + len(later.shares), load=load,
-                                        calls=later.calls[1])
+                                        calls=later.calls[1], reference_calls=later.calls[0])
             self._record(impl, later, timed)
 
     def _skip_unjudged(self) -> None:
@@ -359,7 +360,8 @@ class PerfCase:
         self._record(comparison(side, over), later, Measurement(
             times=measured.times, size=self.size, label=measured.label, peak_bytes=measured.peak_bytes,
             work_bytes=measured.work_bytes, work=measured.work, paired=paired, visits=1 + len(later.shares),
-            variant=measured.variant, against=over, load=load, calls=later.calls[1]))
+            variant=measured.variant, against=over, load=load, calls=later.calls[1],
+            reference_calls=later.calls[0]))
         self._set_floors(side, measured.variant, over)
 
     def _set_floors(self, impl: str, variant: str | None, over: str | None = None) -> None:

@@ -54,6 +54,7 @@ class Measurement:
     peer: bool = False  # the impl is a peer library (a ``speedup(over=)`` target), not ours
     load: list[PairLoad] = field(default_factory=list)  # what the host withheld, per pair of ``paired``
     calls: int = 1  # timed calls in each of this impl's blocks of ``paired`` (the block's median)
+    reference_calls: int = 1  # and in each of the blocks it is paired against
     again: slice | None = None  # the pairs of ``paired`` that timed a failure again (GateState.confirm)
     work: Work | None = None  # one call's least bytes and FLOPs, counted (roofline.count_work); None: not counted
     work_note: str = ""  # why ``work`` was not counted
@@ -396,6 +397,7 @@ class GateState:
             peer=m.peer or m.against != REFERENCE, contention=withheld(m.load) if whole else None,
             bandwidth=bandwidth_withheld(m.load, self.quiet_gbps) if whole else None,
             bound=scale * _bound(m, ref_t, opt_t, self.quiet_gbps, confidence) if whole else None,
+            bound_low=scale * _bound_low(m, ref_t, opt_t, self.quiet_gbps, confidence) if whole else None,
             reference_peak_bytes=ref.peak_bytes, optimized_peak_bytes=m.peak_bytes,
             reference_gbps=_gbps(ref.work_bytes, ref_t), optimized_gbps=_gbps(m.work_bytes, opt_t),
             memory_floor=self.floors.memory.get((kernel, impl)),
@@ -470,22 +472,42 @@ def _pair_seconds(m: Measurement, timer: Visits, cost: Callable[[float], float])
     return (timer.calls[0] + timer.warm[0]) * ref_s + (timer.calls[1] + timer.warm[1]) * opt_s
 
 
+def _relieved(times: list[float], delays: list[float], load: list[PairLoad], calls: int,
+              quiet_gbps: float | None) -> list[float]:
+    """One side's block medians less what the host could have added to them: each pair's delay
+    read around that side's timed calls (a block's median call moves only when at least half its
+    ``calls`` do, so by at most delay / that many), times the probe's bandwidth share (a fully
+    memory-bound call slows by no more than its bandwidth fell)."""
+    moved = calls - calls // 2  # calls that must slow for a block's median (sorted[calls // 2]) to
+    relieved = []
+    for t, delay, pair in zip(times, delays, load, strict=True):
+        share = 1.0 if pair.gbps is None or not quiet_gbps else min(1.0, pair.gbps / quiet_gbps)
+        relieved.append((t - delay / moved) * share)
+    return relieved
+
+
 def _bound(m: Measurement, ref_t: list[float], opt_t: list[float], quiet_gbps: float | None,
            confidence: float) -> float:
-    """The interval's high of ``m``'s speedup had everything the host withheld been the impl's:
-    each pair's impl reading less the delay read around its timed calls (a block's median call
-    moves only when at least half its calls do, so by at most delay / that many), times the
-    probe's bandwidth share (a fully memory-bound call slows by no more than its bandwidth fell).
-    inf when the delay could explain the whole reading."""
-    moved = m.calls - m.calls // 2  # calls that must slow for a block's median (sorted[calls // 2]) to
-    relieved = []
-    for o, load in zip(opt_t, m.load, strict=True):
-        share = 1.0 if load.gbps is None or not quiet_gbps else min(1.0, load.gbps / quiet_gbps)
-        relieved.append((o - load.delay / moved) * share)
+    """The interval's high of ``m``'s speedup had everything the host withheld been the impl's
+    (``_relieved``): the most a miss can owe the host. inf when the delay could explain the whole
+    reading."""
+    relieved = _relieved(opt_t, [p.delay for p in m.load], m.load, m.calls, quiet_gbps)
     if median(relieved) <= 0.0:
         return float("inf")
     high = speedup_interval(ref_t, [max(v, 1e-12) for v in relieved], confidence, paired=True)[2]
     return high if high < 1e6 else float("inf")  # a resample of relieved-to-nothing pairs: no bound
+
+
+def _bound_low(m: Measurement, ref_t: list[float], opt_t: list[float], quiet_gbps: float | None,
+               confidence: float) -> float:
+    """The interval's low of ``m``'s speedup had everything the host withheld been the reference's
+    (``_relieved``): the most a pass can owe the host, where the reference waited more than the
+    impl (a loop of small parallel ops waits at each, a few large ones barely). 0 when the delay
+    could explain the reference's whole reading."""
+    relieved = _relieved(ref_t, [p.reference_delay for p in m.load], m.load, m.reference_calls, quiet_gbps)
+    if median(relieved) <= 0.0:
+        return 0.0
+    return speedup_interval([max(v, 1e-12) for v in relieved], opt_t, confidence, paired=True)[1]
 
 
 def _gbps(work_bytes: float | None, times: list[float]) -> float | None:

@@ -32,6 +32,10 @@ A failure measured while the host withheld CPU time from the session (``SpeedupR
 at or above ``--perf-contended``: CPU time other processes took from our threads, plus the
 hypervisor's steal, read by ``timing.HostLoad``) is reported ``unresolved`` instead: a 2-thread kernel whose second
 CPU is taken loses far more than a single-threaded reference, so the ratio then measures the host.
+A pass measured so stands only where it would with every withheld second charged to the reference
+(``SpeedupRow.bound_low``): a reference of many small parallel ops waits for the CPUs at each of
+them, a kernel of a few large ones barely, and that inflates the ratio as surely as the other way
+deflates it.
 
 Memory (``@pytest.mark.memory``): saved = 1 - optimized peak / reference peak, each peak the
 median of three calls (CPU peaks move by allocator reuse and stray pages). Only rows that declare
@@ -187,6 +191,9 @@ class SpeedupRow:
     # the interval's high had every second of CPU withheld, and the probe's shortfall, been the
     # impl's: the most speedup the host's contention can explain (None: nothing withheld was read)
     bound: float | None = None
+    # the interval's low had all of it been the reference's instead: the least speedup the host's
+    # contention can explain, what a pass on a contended host must still clear (None: unread)
+    bound_low: float | None = None
     # the share of its pairs (by wall time) timed while the host ran torch's threads apart
     # (timing.RoundTrip: a round trip over APART x the machine's nearest), the farthest reading, the
     # nearest; and the speedup and interval of its pairs timed near (None: fewer than a verdict needs)
@@ -312,6 +319,7 @@ def gate(row: SpeedupRow, tolerance: float, contended: float = CONTENDED) -> lis
             f"{row.baseline:.2f}x (under {(1.0 - tolerance) * row.baseline:.2f}x, and the whole interval under "
             f"the baseline's, {_base_low(row):.2f}x and up){explained}"
         )
+    _judge_passes(row, tolerance, contended, said)
     row.failures = failures + _memory_failures(row, tolerance, where)
     return row.failures
 
@@ -378,6 +386,28 @@ def _judged_misses(row: SpeedupRow, tolerance: float, contended: float,
     explained = (f", even had all the host withheld ({busy}) been its time: {at_most}" if busy else "") \
         + (placed if under_floor or under_baseline else "") + (f"; {again}" if again else "")
     return under_floor, under_baseline, explained
+
+
+def _judge_passes(row: SpeedupRow, tolerance: float, contended: float, said: tuple[str, str]) -> None:
+    """Note in ``row.unresolved`` a floor or stored baseline ``row`` meets on a contended host that
+    it would not meet with every withheld second charged to the reference (``row.bound_low`` under
+    the line): the host may have slowed the reference more than the kernel, so the pass is no
+    verdict either. A met line the contention cannot explain away passes."""
+    busy = _host_busy(row, contended)
+    if not busy or row.bound_low is None:
+        return
+    where, measured = said
+    lines = []
+    if row.floor is not None and row.low >= row.floor:
+        lines.append((f"floor {row.floor:.2f}x", row.floor))
+    gated = row.baseline is not None and not row.peer
+    if gated and row.speedup >= (1.0 - tolerance) * row.baseline:
+        lines.append(("stored baseline's threshold", min((1.0 - tolerance) * row.baseline, _base_low(row))))
+    for what, line in lines:
+        if row.bound_low < line:
+            row.unresolved.append(f"{where}: {measured} meets its {what}, but {busy}: charged all to the "
+                                  f"reference, it reads {row.bound_low:.2f}x at least, so this is no verdict "
+                                  "on the kernel")
 
 
 def _memory_failures(row: SpeedupRow, tolerance: float, where: str) -> list[str]:

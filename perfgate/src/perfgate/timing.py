@@ -314,6 +314,7 @@ class PairLoad:
     wall: float  # seconds the pair took
     share: float  # share of the CPU time withheld (``HostLoad.share``)
     delay: float  # most seconds the withholding could have added to the impl's timed calls in the pair
+    reference_delay: float = 0.0  # the same around the reference's timed calls (what it could have added there)
     gbps: float | None = None  # the streaming probe beside the pair's stretch (``Bandwidth``), GB/s
     round_trip_ns: float | None = None  # the threads' round trip before or after the pair, the larger (RoundTrip)
 
@@ -513,37 +514,44 @@ def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls:
     with it. A block is ``calls`` back-to-back calls after ``warm`` warming ones, read as the median
     call: each side runs with its own data in cache (evidence/from-the-code.md). With ``host``,
     each pair's ``PairLoad`` is appended to ``load``: the CPU time withheld around the pair, the
-    delay around the impl's timed calls alone, the bandwidth probed around the stretch, and the
+    delay around each side's timed calls alone, the bandwidth probed around the stretch, and the
     threads' placement read between pairs (the farther of the readings before and after it)."""
     pairs, loads = [], []
     gbps = [host.probe.read()] if host is not None and host.probe is not None else []
     placement = None if host is None else host.placement
     placed: list[float | None] = []  # the round trip before each pair, and after the last
     timed: list[tuple[float, ...] | None] = []  # host readings around the impl's timed calls
+    reference_timed: list[tuple[float, ...] | None] = []  # and around the reference's
 
-    def impl_block() -> float:
-        warmed = (lambda: timed.append(host.read())) if host is not None else None
-        times = timer.block(impl, calls[1], warm[1], warmed)
+    def block(fn: Timed, n: int, warming: int, readings: list) -> float:
+        warmed = (lambda: readings.append(host.read())) if host is not None else None
+        times = timer.block(fn, n, warming, warmed)
         if host is not None:
-            timed.append(host.read())
+            readings.append(host.read())
         return _median(times)
 
+    def impl_block() -> float:
+        return block(impl, calls[1], warm[1], timed)
+
     def reference_block() -> float:
-        return _median(timer.block(reference, calls[0], warm[0]))
+        return block(reference, calls[0], warm[0], reference_timed)
 
     for i in range(first_round, first_round + rounds):
         if placement is not None:
             placed.append(placement.read())
         before = host.read() if host is not None else None
         timed.clear()
+        reference_timed.clear()
         if i % 2 == 0:  # ABBA: the reference first in even rounds
             pairs.append((reference_block(), impl_block()))
         else:
             o = impl_block()
             pairs.append((reference_block(), o))
         if host is not None:
-            pair, own = host.share(before, host.read()), host.share(*timed) if len(timed) == 2 else None
-            loads.append(None if pair is None or own is None else (pair[0], pair[1], own[2]))
+            pair = host.share(before, host.read())
+            own, ref = (host.share(*r) if len(r) == 2 else None for r in (timed, reference_timed))
+            read = pair is not None and own is not None and ref is not None
+            loads.append((pair[0], pair[1], own[2], ref[2]) if read else None)
     if gbps:
         gbps.append(host.probe.read())
     if placement is not None:
