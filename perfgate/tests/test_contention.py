@@ -59,7 +59,7 @@ def test_a_baseline_missed_on_a_contended_host_is_unresolved() -> None:
     assert gate(busy, 0.2) == [] and "under its stored baseline: the host withheld 30%" in busy.unresolved[0]
 
 
-def test_contention_never_hides_a_met_floor_or_a_memory_failure() -> None:
+def test_contention_with_no_bound_read_never_hides_a_met_floor_or_a_memory_failure() -> None:
     met = _row(0.5, speedup=4.0, low=3.8, high=4.2)
     assert gate(met, 0.2) == [] and met.outcome == "ok"
     mem = _row(0.5, floor=None, memory_floor=0.5, reference_peak_bytes=100, optimized_peak_bytes=90)
@@ -332,6 +332,34 @@ def test_a_pass_the_contention_could_explain_is_unresolved(pytester: pytest.Pyte
     judged = pytester.runpytest(*FAST, "--perf-contended=inf")
     assert judged.ret == pytest.ExitCode.OK
     judged.stdout.fnmatch_lines(["gate passed: 1 speedup(s)*"])
+
+
+def test_each_pair_reads_the_delay_around_each_sides_timed_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Readings taken around the reference's timed calls give its delay, those around the impl's
+    the impl's, in a round with the reference first and one with the impl first."""
+    phase = ["none"]
+    reference, impl = ((lambda side=side: phase.__setitem__(0, side), None) for side in ("reference", "impl"))
+    delays = {("reference", "reference"): 0.002, ("impl", "impl"): 0.001}
+    monkeypatch.setattr(HostLoad, "read", lambda self: (phase[0],))
+    monkeypatch.setattr(HostLoad, "share", lambda self, before, after: (0.1, 0.0, delays.get((before[0], after[0]),
+                                                                                             0.5)))
+    load: list[PairLoad] = []
+    timing.interleaved(timing.timer_for("cpu"), reference, impl, 2, (3, 2), host=HostLoad(threads=1), load=load)
+    assert [(p.delay, p.reference_delay) for p in load] == [(0.001, 0.002)] * 2
+
+
+def test_the_low_bound_takes_the_references_own_block_size(pytester: pytest.Pytester,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end, 4 ms of delay read around every block: the 8 ms reference's blocks are 3 calls (its
+    median moves by at most 4 / 2 ms), the 2 ms impl's 8: bound_low reads (8 - 2) / 2, not (8 - 1) / 2."""
+    monkeypatch.setattr(timing.HostLoad, "share", lambda self, before, after: (0.1, 0.3, 0.004))
+    pytester.makepyfile(test_slow=MET)
+    result = pytester.runpytest(*FAST, "--benchmark-json=out.json")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    (row,) = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"]
+    assert timing.block_calls(0.008)[0] == 3 and timing.block_calls(0.002)[0] == 8
+    charged = (row["reference_ms"] - 2.0) / row["optimized_ms"]
+    assert 0.8 * charged <= row["bound_low"] <= 1.05 * charged, (row["bound_low"], charged)
 
 
 def test_a_quiet_session_fails_the_missed_floor(pytester: pytest.Pytester,

@@ -16,8 +16,9 @@ Each optimized row of each run is one trial for every rule, all computed from th
 - asv: new/old median ratio over 1.1 and a one-sided Mann-Whitney U test at p < 0.05 (asv's
   factor plus its significance test);
 - 10% of the speedup: the speedup's point estimate more than 10% under the baseline's;
-- perfgate: unresolved: not an alarm but the gate's third outcome, a row whose interval still
-  straddled its floor after ``--perf-extend`` (counted, so a rule that hides behind it shows).
+- perfgate: unresolved: not an alarm but the gate's third outcome, a row left unjudged (its interval
+  still straddling its floor after ``--perf-extend``, or a verdict the host's contention could
+  explain) (counted, so a rule that hides behind it shows).
 - perfgate before: the baseline rule as it was until the baseline's interval was used (the
   speedup more than ``tolerance`` under the baseline's, the whole interval under its point), or
   a floor's failure.
@@ -87,7 +88,7 @@ def verdicts(base: dict, run: dict, p: float = 0.05) -> dict[str, dict[str, bool
             RULES[1]: ratio > 1.10,
             RULES[2]: ratio > 1.10 and mannwhitneyu(after, before, alternative="greater").pvalue < p,
             RULES[3]: row["speedup"] < 0.90 * base_speedup[kernel],
-            RULES[4]: row.get("outcome") == "unresolved",  # a line straddled at its budget: not an alarm
+            RULES[4]: row.get("outcome") == "unresolved",  # left unjudged: not an alarm
             RULES[5]: any("under the floor" in f for f in row["failures"])
             or (row["speedup"] < (1.0 - tolerance) * base_speedup[kernel] and row["high"] < base_speedup[kernel]),
         }

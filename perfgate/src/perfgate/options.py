@@ -41,9 +41,10 @@ OPTIONS: list[tuple[str, Any, str]] = [
     ("--perf-contended", 0.05, "share of the CPU time the host may withhold while a row's pairs run (CPU "
                                "time other processes took from our threads, and the hypervisor's steal, read "
                                "from Linux's /proc) "
-                               "before the row's floor or baseline failure is reported unresolved instead: "
-                               "evidence about the host, not the kernel (default 0.05; inf: never, and a miss "
-                               "while the host ran torch's threads apart is judged on all pairs too)"),
+                               "before the row's floor or baseline failure, or a pass the withheld time could "
+                               "explain, is reported unresolved instead: evidence about the host, not the kernel "
+                               "(default 0.05; inf: never, and a miss while the host ran torch's threads apart is "
+                               "judged on all pairs too)"),
     ("--perf-shard", None, "K/N: run shard K of N of the perf suite (each test function with all its impls in one "
                            "shard, balanced by this fingerprint's stored run); merge the shards' --benchmark-json "
                            "files with python -m perfgate.report --merge"),

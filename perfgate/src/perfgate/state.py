@@ -85,7 +85,7 @@ class Settings:
     slug: str
     visits: int = 3  # --perf-visits: each impl's interleaved rounds are timed in this many visits
     extend_s: float = 60.0  # --perf-extend: seconds of extra pairs a row straddling its floor or baseline may take
-    contended: float = CONTENDED  # --perf-contended: the withheld CPU share that leaves a failure unjudged
+    contended: float = CONTENDED  # --perf-contended: the withheld CPU share that leaves a verdict unjudged
     all_visits: bool = False  # --perf-all-visits: the stopping rule off
     gated_only: bool = False  # --perf-gated-only: time only the impls and pairs a floor or baseline judges
     compared: bool = False  # --perf-against: the impls it compares count as judged under --perf-gated-only
