@@ -348,18 +348,31 @@ def test_each_pair_reads_the_delay_around_each_sides_timed_calls(monkeypatch: py
     assert [(p.delay, p.reference_delay) for p in load] == [(0.001, 0.002)] * 2
 
 
+# ours timed before the reference (paired once it runs), then a peer as slow as the reference
+PEERED = MET.replace('@pytest.mark.parametrize("impl", ["reference", "optimized"])',
+                     '@pytest.mark.speedup(cpu=3.0, over="peer: slow")\n'
+                     '@pytest.mark.parametrize("impl", ["optimized", "reference", "peer: slow"])').replace(
+    '"optimized": 0.002}', '"optimized": 0.002, "peer: slow": 0.008}')
+
+
+@pytest.mark.parametrize(("suite", "rows"), [(MET, ["optimized"]),
+                                             (PEERED, ["optimized", "optimized vs peer: slow"])])
 def test_the_low_bound_takes_the_references_own_block_size(pytester: pytest.Pytester,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """End to end, 4 ms of delay read around every block: the 8 ms reference's blocks are 3 calls (its
-    median moves by at most 4 / 2 ms), the 2 ms impl's 8: bound_low reads (8 - 2) / 2, not (8 - 1) / 2."""
+                                                           monkeypatch: pytest.MonkeyPatch, suite: str,
+                                                           rows: list[str]) -> None:
+    """End to end, 4 ms of delay read around every block: the 8 ms reference's (or peer's) blocks are 3
+    calls (its median moves by at most 4 / 2 ms), the 2 ms impl's 8: bound_low reads (8 - 2) / 2, not
+    (8 - 1) / 2; for an impl paired in turn, before its reference ran, and against a peer alike."""
     monkeypatch.setattr(timing.HostLoad, "share", lambda self, before, after: (0.1, 0.3, 0.004))
-    pytester.makepyfile(test_slow=MET)
+    pytester.makepyfile(test_slow=suite)
     result = pytester.runpytest(*FAST, "--benchmark-json=out.json")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
-    (row,) = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"]
+    speedups = json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"]
     assert timing.block_calls(0.008)[0] == 3 and timing.block_calls(0.002)[0] == 8
-    charged = (row["reference_ms"] - 2.0) / row["optimized_ms"]
-    assert 0.8 * charged <= row["bound_low"] <= 1.05 * charged, (row["bound_low"], charged)
+    for row in (r for r in speedups if r["impl"] in rows):
+        charged = (row["reference_ms"] - 2.0) / row["optimized_ms"]
+        assert 0.8 * charged <= row["bound_low"] <= 1.05 * charged, (row["impl"], row["bound_low"], charged)
+    assert sorted(r["impl"] for r in speedups if r["impl"] in rows) == sorted(rows)
 
 
 def test_a_quiet_session_fails_the_missed_floor(pytester: pytest.Pytester,
