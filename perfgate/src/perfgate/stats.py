@@ -267,6 +267,12 @@ def _base_low(row: SpeedupRow) -> float:
     return row.baseline if row.baseline_low is None else min(row.baseline_low, row.baseline)
 
 
+def _base_line(row: SpeedupRow, tolerance: float) -> float:
+    """The line a row's speedup is judged against its stored baseline at: ``tolerance`` under the
+    baseline, or its interval's lower bound where that is lower."""
+    return min((1.0 - tolerance) * row.baseline, _base_low(row))
+
+
 def _host_busy(row: SpeedupRow, contended: float) -> str:
     """Why ``row``'s pairs ran on a contended host ("" when they did not)."""
     why = []
@@ -340,7 +346,7 @@ def _judged_misses(row: SpeedupRow, tolerance: float, contended: float,
     busy = _host_busy(row, contended)
     bound = float("inf") if row.bound is None else row.bound
     at_most = "any speedup" if bound == float("inf") else f"{bound:.2f}x at most"
-    line = None if row.baseline is None else min((1.0 - tolerance) * row.baseline, _base_low(row))
+    line = None if row.baseline is None else _base_line(row, tolerance)
     under_floor, under_baseline = misses(row, tolerance)
     placed, judged = "", row
     if row.apart and (under_floor or under_baseline) and math.isfinite(contended):  # inf: judge every row
@@ -402,7 +408,7 @@ def _judge_passes(row: SpeedupRow, tolerance: float, contended: float, said: tup
         lines.append((f"floor {row.floor:.2f}x", row.floor))
     gated = row.baseline is not None and not row.peer
     if gated and row.speedup >= (1.0 - tolerance) * row.baseline:
-        lines.append(("stored baseline's threshold", min((1.0 - tolerance) * row.baseline, _base_low(row))))
+        lines.append(("stored baseline's threshold", _base_line(row, tolerance)))
     for what, line in lines:
         if row.bound_low < line:
             row.unresolved.append(f"{where}: {measured} meets its {what}, but {busy}: charged all to the "
@@ -461,7 +467,7 @@ def decided(row: SpeedupRow, tolerance: float) -> bool:
     if row.unresolved:
         return False
     if row.baseline is not None and not row.peer and not row.failures:
-        return row.low >= min((1.0 - tolerance) * row.baseline, _base_low(row))
+        return row.low >= _base_line(row, tolerance)
     return True
 
 
