@@ -274,6 +274,48 @@ def test_a_slowdown_on_a_host_withholding_exactly_the_threshold_is_no_verdict() 
     assert judge(row, 0.05) == "unresolved"
 
 
+@pytest.mark.parametrize(("measured", "outcome", "reading"), [
+    ((1.463, 1.022, 1.997), "ok", "1.46x faster"),  # a kernel that lost its threading, beside a busy process
+    ((5.844, 2.530, 7.525), "faster", "5.84x faster"),
+    ((1.0, 0.96, 1.04), "ok", "as fast"),
+    ((0.97, 0.93, 1.01), "unresolved", "1.03x slower"),
+    ((0.8, 0.75, 0.85), "FAIL", "1.25x slower"),
+])
+def test_a_row_timed_on_a_busy_host_is_no_verdict_whichever_way_it_reads(measured: tuple, outcome: str,
+                                                                         reading: str) -> None:
+    """The withheld share at --perf-contended leaves every reading unresolved, a pass as a failure: the
+    withheld time need not fall on the two sides alike. Just under it, each is judged as on a quiet host."""
+    from perfgate.abrun import ABRow, judge
+    from perfgate.stats import CONTENDED
+
+    def judged(contention: float) -> ABRow:
+        ratio, low, high = measured
+        row = ABRow("k", "optimized", "smoke", "t::k", rev_times=[1.0] * 7, this_times=[1.0] * 7, ratio=ratio,
+                    low=low, high=high, contention=contention)
+        judge(row, 0.05, CONTENDED)
+        return row
+
+    busy = judged(CONTENDED)
+    assert busy.outcome == "unresolved", busy.message
+    assert f"this tree read {reading}" in busy.message and "withheld 5% of the CPU time" in busy.message
+    assert "no verdict on the code either way" in busy.message
+    assert judged(0.99 * CONTENDED).outcome == outcome
+
+
+def test_a_busy_hosts_share_reaches_the_verdict_of_a_row_timed_faster(monkeypatch) -> None:
+    """Pairs reading this tree 1.5x faster: ``faster`` on a quiet host; with the host withholding 30%
+    of the CPU while they ran (``time_row`` keeps the share), no verdict."""
+    from perfgate.abrun import Budget, judge
+
+    outcomes = []
+    for share in (0.0, 0.3):
+        scripted = _Scripted(monkeypatch, lambda k: 1.5 + 0.01 * (k % 3), Budget(seconds=0.0), share=share)
+        row = scripted.row()
+        scripted.comparer.time_row(row)
+        outcomes.append((judge(row, 0.05), row.contention))
+    assert outcomes == [("faster", 0.0), ("unresolved", 0.3)]
+
+
 def _units_case(offset: float, slowdown: float, seed: int) -> tuple[tuple, tuple]:
     """A row of 120 pairs on 6 units a side, block noise 10%, three of this tree's units (one
     worker's copies) ``offset`` slower for their whole life, this tree's code ``slowdown`` slower:

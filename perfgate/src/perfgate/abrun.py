@@ -102,10 +102,13 @@ def judge(row: ABRow, tolerance: float, contended: float = CONTENDED) -> str:
     assert row.ratio is not None and row.low is not None and row.high is not None
     measured = (f"REV/this {row.ratio:.3f}x (95% CI {row.low:.3f}-{row.high:.3f}x, {len(row.rev_times)} "
                 f"interleaved pairs)")
+    if row.contention is not None and row.contention >= contended:  # either way: see _busy
+        row.outcome, row.message = "unresolved", _busy(row, where, measured)
+        return row.outcome
     apart = (row.first_high is not None and row.first_high < line
              and row.confirm_high is not None and row.confirm_high < line)
     if row.high < line or apart:  # all the pairs, or each stretch on its own workers
-        row.outcome, row.message = _slower(row, f"{where}: this tree", measured, tolerance, contended)
+        row.outcome, row.message = _slower(row, f"{where}: this tree", measured, tolerance)
     elif row.low < line:
         row.outcome = "unresolved"
         row.message = (f"{where}: {measured} straddles {line:.3f}x ({tolerance:.0%} slower): neither shown "
@@ -123,13 +126,22 @@ def judge(row: ABRow, tolerance: float, contended: float = CONTENDED) -> str:
     return row.outcome
 
 
-def _slower(row: ABRow, this: str, measured: str, tolerance: float, contended: float) -> tuple[str, str]:
+def _busy(row: ABRow, where: str, measured: str) -> str:
+    """Why a row timed while the host withheld CPU time is no verdict, whichever way it read: the
+    withheld time need not fall on the two sides alike. A block of 2 threads waits at each parallel
+    region for the vCPU a neighbour holds, one of 1 thread barely, so a change that drops a
+    kernel's threading can read faster than REV beside a busy process and slower alone."""
+    assert row.ratio is not None
+    reading = (f"{1.0 / row.ratio:.2f}x slower" if row.ratio < 0.995 else f"{row.ratio:.2f}x faster"
+               if row.ratio > 1.005 else "as fast")
+    return (f"{where}: this tree read {reading} ({measured}), but the host withheld {row.contention:.0%} of the "
+            "CPU time while its pairs ran: no verdict on the code either way; rerun on a quieter host")
+
+
+def _slower(row: ABRow, this: str, measured: str, tolerance: float) -> tuple[str, str]:
     """The outcome and message of a row whose whole interval is under the line, or each of whose two
-    stretches' is: a failure, unless the host withheld CPU time or a second stretch disagreed."""
+    stretches' is: a failure, unless a second stretch disagreed."""
     line, slower = 1.0 / (1.0 + tolerance), 1.0 / row.ratio
-    if row.contention is not None and row.contention >= contended:
-        return "unresolved", (f"{this} read {slower:.2f}x slower ({measured}), but the host withheld "
-                              f"{row.contention:.0%} of the CPU time: no verdict on the code")
     if (row.confirm_ratio is not None and row.confirm_high is not None
             and row.confirm_ratio > row.high and row.confirm_high >= line):
         return "unresolved", (f"{this} read {slower:.2f}x slower ({measured}), but {row.confirmed} pairs timed "

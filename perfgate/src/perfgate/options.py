@@ -42,7 +42,8 @@ OPTIONS: list[tuple[str, Any, str]] = [
                                "time other processes took from our threads, and the hypervisor's steal, read "
                                "from Linux's /proc) "
                                "before the row's floor or baseline failure, or a pass the withheld time could "
-                               "explain, is reported unresolved instead: evidence about the host, not the kernel "
+                               "explain, or a --perf-against row's reading either way, is reported unresolved "
+                               "instead: evidence about the host, not the kernel "
                                "(default 0.05; inf: never, and a miss while the host ran torch's threads apart is "
                                "judged on all pairs too)"),
     ("--perf-shard", None, "K/N: run shard K of N of the perf suite (each test function with all its impls in one "
