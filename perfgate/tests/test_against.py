@@ -162,7 +162,7 @@ def test_unchanged_code_passes_against_head(project: pytest.Pytester) -> None:
     assert {r["outcome"] for r in rows.values()} <= {"ok", "unresolved"}, rows
     result.assert_outcomes(passed=2, skipped=2)  # the references: no floor or baseline needs their speedup
     assert json.loads((project.path / "out.json").read_text())["perfgate"]["speedups"] == []
-    result.stdout.fnmatch_lines(["*against HEAD (*): no row slower than REV by more than 5%*"])
+    result.stdout.fnmatch_lines(["*against HEAD (*): no row shown slower than REV by more than 5%*"])
     assert _left(project) == []
 
 
@@ -1018,8 +1018,8 @@ def test_the_report_reads_each_sides_time_and_names_what_it_could_not_compare() 
                                    "unresolved"]
     assert ("warn", "unresolved: t::k: straddles the line") in lines
     assert ("note", "t::n: not comparable: new in this tree") in lines
-    assert lines[-1] == ("warn", "against HEAD~1 (abc): no row slower than REV by more than 5% (0 faster, "
-                                 "1 unresolved)")
+    assert lines[-1] == ("warn", "against HEAD~1 (abc): no row shown slower than REV by more than 5% (0 within "
+                                 "it, 0 faster, 1 unresolved: no verdict)")
 
 
 def test_a_side_with_no_worker_left_stops_the_phase() -> None:
