@@ -21,7 +21,6 @@ import os
 import random
 import statistics
 import sys
-import time
 
 SHAPE = (8, 8, 512, 64)  # perf_tests/test_rope.py's smoke size
 
@@ -46,13 +45,11 @@ def _setup():
     return torch, lambda x, grad: torch.autograd.grad(rope(x), x, grad)[0]
 
 
-def _block(call, x, grad, calls: int = 10) -> float:
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        call(x, grad)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def _block(call, x, grad, warm: int = 0) -> float:
+    """The median seconds of 10 back-to-back calls, by perfgate's CPU timer."""
+    from perfgate.timing import timer_for
+
+    return statistics.median(timer_for("cpu").block((lambda: call(x, grad), None), 10, warm=warm))
 
 
 def _worker(conn, spacer_mib: int) -> None:
@@ -109,8 +106,7 @@ def heap(blocks: int, spacers: bool) -> None:
     for block in range(blocks):
         if spacers and block % 2 == 0:
             held.append(torch.ones(rng.randrange(1, 16384) * 1024))  # up to 64 MiB, 4 KiB steps, kept
-        call(x, grad)
-        medians.append(_block(call, x, grad))
+        medians.append(_block(call, x, grad, warm=1))
     print(f"one process, {blocks} blocks, spacers {'on' if spacers else 'off'}: block medians (ms)")
     print("  " + " ".join(f"{1e3 * t:.2f}" for t in medians))
 
