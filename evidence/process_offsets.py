@@ -4,13 +4,16 @@ workers: 4 worker processes (1 torch thread, glibc malloc in perfgate's ``cache`
 workers run) each build the rope rotation's smoke inputs 3 times (the A/B's copies), SPACER MiB x k
 of touched memory before copy k (0: none), so the copies land apart. The parent asks a worker at
 random for a block of 10 calls on a copy at random, one block at a time; the worker reads the vCPU
-it ran on before and after. Prints each worker's median block, each copy's, and each vCPU's.
+it ran on before and after. With SHIFT_KIB > 0 the worker holds a spacer of random size (0 to
+SHIFT_KIB KiB, in 64-byte steps, untouched) over each block and frees it after, so every block's
+outputs and temporaries land at another place of the heap. Prints each worker's median block, each
+copy's, and each vCPU's, and the share of the blocks' log-time variance that lies between workers.
 
 heap: one such process, its inputs fixed; with SPACERS=1 a spacer of random size is allocated (and
 kept) before every other block, so the heap serves the call's outputs and temporaries elsewhere.
 Prints each block's median.
 
-usage: python -m evidence.process_offsets workers BLOCKS [SPACER_MIB]
+usage: python -m evidence.process_offsets workers BLOCKS [SPACER_MIB [SHIFT_KIB]]
        python -m evidence.process_offsets heap BLOCKS [SPACERS: 0 or 1]
 """
 
@@ -52,7 +55,7 @@ def _block(call, x, grad, warm: int = 0) -> float:
     return statistics.median(timer_for("cpu").block((lambda: call(x, grad), None), 10, warm=warm))
 
 
-def _worker(conn, spacer_mib: int) -> None:
+def _worker(conn, spacer_mib: int, shift_kib: int) -> None:
     torch, call = _setup()
     copies, spacers = [], []
     for k in range(3):
@@ -63,17 +66,39 @@ def _worker(conn, spacer_mib: int) -> None:
     for x, grad in copies:
         call(x, grad)
     conn.send("ready")
+    rng = random.Random(os.getpid())
     while (copy := conn.recv()) is not None:
+        # the block's spacer: its outputs and temporaries land past it (held only over the block)
+        spacer = torch.empty(rng.randrange(shift_kib * 16) * 64, dtype=torch.uint8) if shift_kib else None
         before = _vcpu()
         conn.send((_block(call, *copies[copy]), before, _vcpu()))
+        del spacer
 
 
-def workers(blocks: int, spacer_mib: int) -> None:
+def _between(rows: list[tuple[int, int, int | None, float]]) -> str:
+    """The one-way ANOVA of the blocks' log times by worker: the between-worker variance component's
+    share of the total, and the F test's p-value (no lasting offset: share near 0, p not small)."""
+    import numpy as np
+    from scipy import stats
+
+    groups = [np.log([r[3] for r in rows if r[0] == w]) for w in sorted({r[0] for r in rows})]
+    n, k = sum(g.size for g in groups), len(groups)
+    grand = np.concatenate(groups).mean()
+    between = sum(g.size * (g.mean() - grand) ** 2 for g in groups) / (k - 1)
+    within = sum(((g - g.mean()) ** 2).sum() for g in groups) / (n - k)
+    n0 = (n - sum(g.size ** 2 for g in groups) / n) / (k - 1)
+    component = max(0.0, (between - within) / n0)
+    p = stats.f_oneway(*groups).pvalue
+    return (f"between workers {component / (component + within):.0%} of the log-time variance "
+            f"(sd {100 * component ** 0.5:.1f}% between, {100 * within ** 0.5:.1f}% within), F test p={p:.2g}")
+
+
+def workers(blocks: int, spacer_mib: int, shift_kib: int = 0) -> None:
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for _ in range(4):
         parent, child = ctx.Pipe()
-        procs.append(ctx.Process(target=_worker, args=(child, spacer_mib)))
+        procs.append(ctx.Process(target=_worker, args=(child, spacer_mib, shift_kib)))
         procs[-1].start()
         pipes.append(parent)
     assert all(p.recv() == "ready" for p in pipes)
@@ -91,11 +116,14 @@ def workers(blocks: int, spacer_mib: int) -> None:
         got = [r[3] for r in rows if r[0] == worker and copy in (None, r[1]) and vcpu in (None, r[2])]
         return f"{1e3 * statistics.median(got):.3f} ({len(got)})" if got else "-"
 
-    print(f"{blocks} blocks, 4 workers, spacer {spacer_mib} MiB x copy, vCPUs {os.cpu_count()}; ms (blocks)")
+    shift = f", a spacer of 0-{shift_kib} KiB over each block" if shift_kib else ""
+    print(f"{blocks} blocks, 4 workers, spacer {spacer_mib} MiB x copy{shift}, vCPUs {os.cpu_count()}; "
+          "ms (blocks)")
     for w in range(4):
         copies = ", ".join(f"{k}: {ms(w, copy=k)}" for k in range(3))
         vcpus = ", ".join(f"{c}: {ms(w, vcpu=c)}" for c in range(os.cpu_count()))
         print(f"  worker {w}: {ms(w)}; by copy {copies}; by vCPU {vcpus}")
+    print(f"  {_between(rows)}")
 
 
 def heap(blocks: int, spacers: bool) -> None:
@@ -114,4 +142,5 @@ def heap(blocks: int, spacers: bool) -> None:
 if __name__ == "__main__":
     mode, count = sys.argv[1], int(sys.argv[2])
     extra = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-    workers(count, extra) if mode == "workers" else heap(count, bool(extra))
+    shift = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    workers(count, extra, shift) if mode == "workers" else heap(count, bool(extra))
