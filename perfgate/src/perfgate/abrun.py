@@ -2,11 +2,12 @@
 pairs of blocks (ABBA order, each block on a worker of its side chosen at random), and the rule
 that judges their ratio.
 
-ratio = median(REV's blocks) / median(this tree's blocks), with a paired bootstrap interval:
-under 1, this tree is slower. A row FAILs when the whole interval is under 1 / (1 + tolerance)
-(this tree more than ``tolerance`` slower), or each of two stretches' interval is (the second on
-fresh workers: independent evidence), on a quiet host, and the second stretch does not disagree;
-a straddling interval is measured further within the row's budget and may end ``unresolved``; a
+ratio = the median of the pairs' ratios (REV's block / this tree's, the two timed back to back),
+with the sign test's interval, widened by the units' offsets: under 1, this tree is slower. A row
+FAILs when the whole interval is under 1 / (1 + tolerance) (this tree more than ``tolerance``
+slower), or each of two stretches' interval is (the second on fresh workers: independent
+evidence), on a quiet host, and the second stretch does not disagree; a straddling interval is
+measured further within the row's budget and may end ``unresolved``; a
 contended host gives no verdict. A row more than ``tolerance`` faster is
 ``faster`` when its second stretch, on fresh workers, reads faster by the tolerance too and not
 slower at its interval's low end. A row REV cannot rebuild or run is ``not comparable``, with the
@@ -37,7 +38,8 @@ BLOCK_TIMEOUT_S = 60.0  # a block's answer is awaited at least this long, and 20
 
 @dataclass
 class ABRow:
-    """One row compared: times are block medians in seconds, ``ratio`` REV / this tree."""
+    """One row compared: times are block medians in seconds, ``ratio`` the median of the pairs'
+    REV / this tree (``stats.clustered_interval``)."""
 
     kernel: str
     impl: str
