@@ -48,7 +48,7 @@ reported unmeasured, not failed (as an unpaired row is).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
@@ -107,7 +107,7 @@ def sign_interval(ratios: Sequence[float], confidence: float = 0.95) -> tuple[fl
 def _unit_variance(d: np.ndarray, units: np.ndarray) -> float:
     """The variance that ``units``' own offsets add to the mean of ``d``: their one-way ANOVA
     variance component (0 when the units differ no more than their pairs do), times sum(n_a^2) / N^2.
-    One unit, or a unit per pair, leaves nothing to separate: the bootstrap over pairs counts it."""
+    One unit, or a unit per pair, leaves nothing to separate: the pairs' own interval counts it."""
     _, index, counts = np.unique(units, return_inverse=True, return_counts=True)
     if counts.size < 2 or counts.size == d.size:
         return 0.0
@@ -118,6 +118,10 @@ def _unit_variance(d: np.ndarray, units: np.ndarray) -> float:
     n0 = (n - np.sum(counts ** 2) / n) / (counts.size - 1)
     component = max(0.0, (between - within) / n0)
     return component * float(np.sum(counts ** 2)) / n ** 2
+
+
+# a statistic of interleaved pairs: (rev, this, confidence) -> (point, low, high)
+Interval = Callable[[Sequence[float], Sequence[float], float], tuple[float, float, float]]
 
 
 def pair_ratio_interval(rev: Sequence[float], this: Sequence[float],
@@ -135,8 +139,10 @@ def pair_ratio_interval(rev: Sequence[float], this: Sequence[float],
 
 
 def clustered_interval(rev: Sequence[float], this: Sequence[float], rev_units: Sequence[int],
-                       this_units: Sequence[int], confidence: float = 0.95) -> tuple[float, float, float]:
-    """(ratio, low, high): ``pair_ratio_interval`` over interleaved pairs, pair i's blocks timed
+                       this_units: Sequence[int], confidence: float = 0.95,
+                       base: Interval | None = None) -> tuple[float, float, float]:
+    """(ratio, low, high): ``pair_ratio_interval`` (or ``base(rev, this, confidence)``, another
+    statistic of the pairs, given the same widening) over interleaved pairs, pair i's blocks timed
     on units ``rev_units[i]`` and ``this_units[i]`` (a worker process and a copy of the row's inputs
     in it). The sign test's interval counts the noise of pairs; each side's units add their own
     offsets (a process's state, an allocation's layout), which it would read as signal. Their
@@ -149,7 +155,7 @@ def clustered_interval(rev: Sequence[float], this: Sequence[float], rev_units: S
     u, v = np.asarray(rev_units), np.asarray(this_units)
     if not r.size == t.size == u.size == v.size:
         raise ValueError(f"clustered pairs need equal counts, got {r.size}, {t.size}, {u.size}, {v.size}")
-    point, low, high = pair_ratio_interval(r, t, confidence)
+    point, low, high = (base or pair_ratio_interval)(r, t, confidence)
     d = np.log(r) - np.log(t)
     parts = [(_unit_variance(d, units), np.unique(units).size - 1) for units in (u, v)]
     extra = sum(var for var, _ in parts)
