@@ -53,6 +53,7 @@ def rejudge(fields: dict, base, tolerance: float, contended: float) -> abrun.ABR
 def main(paths: list[str], verbose: bool) -> None:
     files = [f for p in map(Path, paths) for f in (sorted(p.glob("*.json")) if p.is_dir() else [p])]
     tally: dict[str, dict] = {}
+    moved: Counter = Counter()  # (old outcome, new outcome) of every row where they differ
     for path in files:
         run = json.loads(path.read_text())["perfgate"]
         against = run["against"]
@@ -68,6 +69,8 @@ def main(paths: list[str], verbose: bool) -> None:
             for name, row in got.items():
                 t[name][row.outcome] += 1
             old, new = got.values()
+            if old.outcome != new.outcome:
+                moved[(f"{'slowed' if slowed else 'unchanged'}: {old.outcome}", new.outcome)] += 1
             if old.low and new.low and math.isfinite(old.high) and math.isfinite(new.high):
                 t["widths"].append(math.log(new.high / new.low) / math.log(old.high / old.low))
             if verbose:
@@ -75,10 +78,17 @@ def main(paths: list[str], verbose: bool) -> None:
                       f"{len(fields['rev_times']):3d} pairs: " + " | ".join(
                           f"{name} {row.outcome} {row.ratio:.3f} ({row.low:.3f}-{row.high:.3f})"
                           for name, row in got.items() if row.ratio is not None))
+        if not path.stem.startswith("against-"):  # a make bench run: how much of the host's state a pair shares
+            corr = [np.corrcoef(np.log(r["rev_times"]), np.log(r["this_times"]))[0, 1]
+                    for r in against["rows"] if len(r["rev_times"]) > 2]
+            print(f"{path.name}: the two sides' log block times correlate {min(corr):.2f}-{max(corr):.2f} "
+                  f"across its {len(corr)} rows (median {np.median(corr):.2f})")
     for key, t in tally.items():
         outcomes = "; ".join(f"{name}: {dict(t[name])}" for name in STATISTICS)
         width = f"{np.median(t['widths']):.2f}" if t["widths"] else "-"
         print(f"{key}: {t['rows']}; {outcomes}; width new/old in the median row {width}")
+    print(f"rows in all: {sum(t['rows'] for t in tally.values())}; outcome changed, old -> new: " +
+          (", ".join(f"{a} -> {b} x{n}" for (a, b), n in sorted(moved.items())) or "none"))
 
 
 if __name__ == "__main__":

@@ -1150,7 +1150,7 @@ def test_rows_the_phase_did_not_finish_keep_their_reason_or_get_why_it_stopped(m
 
 def _phased_pairs(seed: int, pairs: int = 60, slowdown: float = 1.0) -> tuple[Any, Any]:
     """Interleaved pairs on a host with phases, as the A/A runs on the 2-vCPU hosts read (the two
-    sides' log block times correlated 0.3-0.85): each pair's two blocks share the host's state (a
+    sides' log block times correlated 0.09-0.85, median 0.5): each pair's two blocks share the host's state (a
     slow phase in 30% of the pairs, 25% slower), and each block has its own heavy-tailed noise
     (Student's t, 3 degrees of freedom, scale 5%); this tree's code ``slowdown`` slower."""
     import numpy as np
@@ -1202,3 +1202,38 @@ def test_the_pairs_median_ratio_is_unbounded_on_too_few_pairs_and_refuses_unequa
         pair_ratio_interval([1.0, 1.0], [1.0])
     with pytest.raises(ValueError, match="equal, nonzero counts"):
         pair_ratio_interval([], [])
+
+
+def test_the_units_widen_any_statistic_of_the_pairs_alike() -> None:
+    """``clustered_interval(base=...)`` (the replay of the statistic the A/B read before): the
+    units' offsets add the same variance to either statistic's interval, and with nothing to tell
+    units from pairs it is that statistic's own interval."""
+    import numpy as np
+
+    from perfgate.stats import clustered_interval, pair_ratio_interval, speedup_interval
+
+    def medians(rev: Any, this: Any, confidence: float) -> tuple[float, float, float]:
+        return speedup_interval(rev, this, confidence, paired=True)
+
+    rng = np.random.default_rng(3)
+    units = rng.integers(0, 4, 80)
+    rev = np.exp(rng.normal(0.0, 0.1, 80))
+    this = np.exp(rng.normal(0.0, 0.1, 80) + np.where(units < 2, 0.1, 0.0))  # two of this tree's units 10% off
+    added = []
+    for base in (pair_ratio_interval, medians):
+        point, low, high = base(rev, this, 0.95)
+        wide = clustered_interval(rev, this, np.arange(80), units, base=base)
+        assert wide[0] == point and wide[1] < low and wide[2] > high
+        added.append(math.log(wide[2] / point) ** 2 - math.log(high / point) ** 2)
+        one = np.zeros(80, dtype=int)
+        assert clustered_interval(rev, this, np.arange(80), one, base=base) == pytest.approx((point, low, high))
+    assert added[0] == pytest.approx(added[1], rel=1e-9) and added[0] > 0
+
+
+def test_too_few_pairs_stay_unbounded_whatever_the_units() -> None:
+    """5 pairs give the sign test no 95% bound; units 30% apart widen nothing into a bound."""
+    from perfgate.stats import clustered_interval
+
+    rev, this = [1.0, 1.1, 0.9, 1.3, 1.3], [1.0, 1.0, 1.0, 1.3, 1.3]
+    _, low, high = clustered_interval(rev, this, [0, 0, 0, 1, 1], [0, 0, 0, 1, 1])
+    assert (low, high) == (0.0, math.inf)

@@ -135,7 +135,9 @@ def pair_ratio_interval(rev: Sequence[float], this: Sequence[float],
         raise ValueError(f"pairs need equal, nonzero counts, got {r.size} and {t.size}")
     ratios = r / t
     low, high = sign_interval(ratios, confidence)
-    return float(np.exp(np.median(np.log(ratios)))), low, high
+    # the median in log space (of an even count, the two middle ratios' geometric mean), held
+    # within the interval that tied ratios' rounding could otherwise put it a step outside
+    return min(max(float(np.exp(np.median(np.log(ratios)))), low), high), low, high
 
 
 def clustered_interval(rev: Sequence[float], this: Sequence[float], rev_units: Sequence[int],
