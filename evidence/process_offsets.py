@@ -76,19 +76,17 @@ def _worker(conn, spacer_mib: int, shift_kib: int) -> None:
 
 
 def _between(rows: list[tuple[int, int, int | None, float]]) -> str:
-    """The one-way ANOVA of the blocks' log times by worker: the between-worker variance component's
-    share of the total, and the F test's p-value (no lasting offset: share near 0, p not small)."""
+    """The one-way ANOVA of the blocks' log times by worker (perfgate's ``unit_components``, as the
+    A/B reads its units): the between-worker component's share of the variance, and the F test's
+    p-value (no lasting offset: share near 0, p not small)."""
     import numpy as np
     from scipy import stats
 
-    groups = [np.log([r[3] for r in rows if r[0] == w]) for w in sorted({r[0] for r in rows})]
-    n, k = sum(g.size for g in groups), len(groups)
-    grand = np.concatenate(groups).mean()
-    between = sum(g.size * (g.mean() - grand) ** 2 for g in groups) / (k - 1)
-    within = sum(((g - g.mean()) ** 2).sum() for g in groups) / (n - k)
-    n0 = (n - sum(g.size ** 2 for g in groups) / n) / (k - 1)
-    component = max(0.0, (between - within) / n0)
-    p = stats.f_oneway(*groups).pvalue
+    from perfgate.stats import unit_components
+
+    logs, workers = np.log([r[3] for r in rows]), np.array([r[0] for r in rows])
+    component, within = unit_components(logs, workers)
+    p = stats.f_oneway(*(logs[workers == w] for w in np.unique(workers))).pvalue
     return (f"between workers {component / (component + within):.0%} of the log-time variance "
             f"(sd {100 * component ** 0.5:.1f}% between, {100 * within ** 0.5:.1f}% within), F test p={p:.2g}")
 

@@ -104,20 +104,27 @@ def sign_interval(ratios: Sequence[float], confidence: float = 0.95) -> tuple[fl
     return (float(r[k - 1]), float(r[n - k])) if k >= 1 else (0.0, math.inf)
 
 
-def _unit_variance(d: np.ndarray, units: np.ndarray) -> float:
-    """The variance that ``units``' own offsets add to the mean of ``d``: their one-way ANOVA
-    variance component (0 when the units differ no more than their pairs do), times sum(n_a^2) / N^2.
-    One unit, or a unit per pair, leaves nothing to separate: the pairs' own interval counts it."""
+def unit_components(d: np.ndarray, units: np.ndarray) -> tuple[float, float]:
+    """(between, within): the one-way ANOVA variance components of ``d`` by ``units``, the units'
+    own offsets' (0 when they differ no more than their members do) and their members' around
+    them. Needs at least 2 units and more members than units."""
     _, index, counts = np.unique(units, return_inverse=True, return_counts=True)
-    if counts.size < 2 or counts.size == d.size:
-        return 0.0
     n = d.size
     means = np.bincount(index, weights=d) / counts
     between = float(np.sum(counts * (means - d.mean()) ** 2) / (counts.size - 1))
     within = float(np.sum((d - means[index]) ** 2) / max(1, n - counts.size))
     n0 = (n - np.sum(counts ** 2) / n) / (counts.size - 1)
-    component = max(0.0, (between - within) / n0)
-    return component * float(np.sum(counts ** 2)) / n ** 2
+    return max(0.0, (between - within) / n0), within
+
+
+def _unit_variance(d: np.ndarray, units: np.ndarray) -> float:
+    """The variance that ``units``' own offsets add to the mean of ``d``: their variance component
+    (``unit_components``), times sum(n_a^2) / N^2. One unit, or a unit per pair, leaves nothing to
+    separate: the pairs' own interval counts it."""
+    counts = np.unique(units, return_counts=True)[1]
+    if counts.size < 2 or counts.size == d.size:
+        return 0.0
+    return unit_components(d, units)[0] * float(np.sum(counts ** 2)) / d.size ** 2
 
 
 # a statistic of interleaved pairs: (rev, this, confidence) -> (point, low, high)
