@@ -1,9 +1,10 @@
 """``--perf-against REV``: "is this tree slower than REV?", answered in the same session.
 
-After the session's own rows (its speedups and floors), every timed impl but the reference is
-rebuilt in worker processes, ``--perf-against-workers`` a side: the working tree's perf test
-bodies, with the library (``perfgate_against_library``: kernels/, reference/, workloads/ here)
-imported from the working tree on one side and from REV's copy on the other. Their blocks are
+After the session's own rows (its speedups and floors), every timed impl the suite makes a claim
+about (``case.claimed``: "optimized", and those a marker names) is rebuilt in worker processes,
+``--perf-against-workers`` a side: the working tree's perf test bodies, with the library
+(``perfgate_against_library``: kernels/, reference/, workloads/ here) imported from the working
+tree on one side and from REV's copy on the other. Their blocks are
 interleaved pair by pair (``abrun``), so both sides see the same host, threads and allocator,
 and the row gets REV's time over this tree's with its interval. A peer row (another library's
 code, the same on both sides) and the reference (whose speed is not the question) are not timed.

@@ -49,7 +49,8 @@ OPTIONS: list[tuple[str, Any, str]] = [
     ("--perf-shard", None, "K/N: run shard K of N of the perf suite (each test function with all its impls in one "
                            "shard, balanced by this fingerprint's stored run); merge the shards' --benchmark-json "
                            "files with python -m perfgate.report --merge"),
-    ("--perf-against", None, "REV: also time each impl but the reference against REV's library (a git revision "
+    ("--perf-against", None, "REV: also time each impl the suite makes a claim about (optimized, and those a "
+                             "speedup or memory marker names with impl=) against REV's library (a git revision "
                              "of this repository: HEAD, HEAD~1, a branch, a SHA; or a folder holding another "
                              "copy), in worker processes interleaved pair by pair, and fail a row this tree runs "
                              "more than --perf-against-tolerance slower than REV"),
