@@ -29,6 +29,19 @@ with contextlib.suppress(ImportError):
 
 
 
+# The streaming probe's reading of a quiet host, GB/s: what ``quiet_host`` pins it at
+QUIET_GBPS = 10.0
+
+
+@pytest.fixture
+def quiet_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host that withholds no CPU time and whose streaming probe reads its quiet figure
+    throughout: a test that scripts one host reading pins the rest, so a shared host's real
+    readings (a bandwidth shortfall excuses a miss) cannot move the verdict it expects."""
+    monkeypatch.setattr(timing.HostLoad, "share", lambda self, before, after: (0.1, 0.0, 0.0))
+    monkeypatch.setattr(timing.Bandwidth, "read", lambda self: QUIET_GBPS)
+
+
 @pytest.fixture
 def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     """pytester whose sessions (inline or in a fresh process) run without hypothesis's plugin: they

@@ -357,7 +357,7 @@ PEERED = MET.replace('@pytest.mark.parametrize("impl", ["reference", "optimized"
 
 @pytest.mark.parametrize(("suite", "rows"), [(MET, ["optimized"]),
                                              (PEERED, ["optimized", "optimized vs peer: slow"])])
-def test_the_low_bound_takes_the_references_own_block_size(pytester: pytest.Pytester,
+def test_the_low_bound_takes_the_references_own_block_size(pytester: pytest.Pytester, quiet_host: None,
                                                            monkeypatch: pytest.MonkeyPatch, suite: str,
                                                            rows: list[str]) -> None:
     """End to end, 4 ms of delay read around every block: the 8 ms reference's (or peer's) blocks are 3
@@ -366,7 +366,6 @@ def test_the_low_bound_takes_the_references_own_block_size(pytester: pytest.Pyte
     streaming probe reads the quiet figure throughout: its real readings on a host whose bandwidth
     moves charged the reference for a shortfall too (bound_low 2.37-2.74 where 2.92 is the delay's)."""
     monkeypatch.setattr(timing.HostLoad, "share", lambda self, before, after: (0.1, 0.3, 0.004))
-    monkeypatch.setattr(timing.Bandwidth, "read", lambda self: 10.0)
     pytester.makepyfile(test_slow=suite)
     result = pytester.runpytest(*FAST, "--benchmark-json=out.json")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
@@ -378,12 +377,7 @@ def test_the_low_bound_takes_the_references_own_block_size(pytester: pytest.Pyte
     assert sorted(r["impl"] for r in speedups if r["impl"] in rows) == sorted(rows)
 
 
-def test_a_quiet_session_fails_the_missed_floor(pytester: pytest.Pytester,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Quiet in every reading: no CPU time withheld, and the streaming probe at its quiet figure (a
-    real shortfall of 40% on a shared host would excuse the miss)."""
-    monkeypatch.setattr(timing.HostLoad, "share", lambda self, before, after: (0.1, 0.0, 0.0))
-    monkeypatch.setattr(timing.Bandwidth, "read", lambda self: 10.0)
+def test_a_quiet_session_fails_the_missed_floor(pytester: pytest.Pytester, quiet_host: None) -> None:
     pytester.makepyfile(test_slow=SUITE)
     result = pytester.runpytest(*FAST)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
@@ -428,14 +422,14 @@ def test_c_lost(perf, impl):
 """
 
 
-def test_a_bandwidth_shortfall_excuses_only_what_it_can_explain(pytester: pytest.Pytester,
+def test_a_bandwidth_shortfall_excuses_only_what_it_can_explain(pytester: pytest.Pytester, quiet_host: None,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """End to end, the probe read at half the session's quiet bandwidth beside two rows under their
     floor of 3: the 2x row could be a fully memory-bound 4x, so it is unresolved; the 1x row could
     be 2x at most, so it fails, contended or not."""
-    monkeypatch.setattr(timing.HostLoad, "share", lambda self, before, after: (0.1, 0.0, 0.0))
+    quiet = timing.Bandwidth.read  # quiet_host's figure; half of it beside the streamed row
     monkeypatch.setattr(timing.Bandwidth, "read",
-                        lambda self: 5.0 if os.environ.get("PERFGATE_TEST_STREAMED") else 10.0)
+                        lambda self: quiet(self) / 2 if os.environ.get("PERFGATE_TEST_STREAMED") else quiet(self))
     monkeypatch.delenv("PERFGATE_TEST_STREAMED", raising=False)
     pytester.makepyfile(test_streamed=STREAMED)
     try:

@@ -301,13 +301,11 @@ FAST = ["--perf-device", "cpu", "--perf-threads=2", "--benchmark-max-time=0.1", 
 
 
 @pytest.fixture
-def split_host(monkeypatch: pytest.MonkeyPatch):
+def split_host(monkeypatch: pytest.MonkeyPatch, quiet_host: None):
     """The probe reads 320 ns while PERFGATE_TEST_APART is 1, else 52; the host places the threads
-    near again while the session waits for it (``GateState._await_near``), or never. No CPU time
-    withheld and the streaming probe at its quiet figure: only the placement moves."""
+    near again while the session waits for it (``GateState._await_near``), or never. Otherwise a
+    quiet host: only the placement moves."""
     pytest.importorskip("torch")
-    monkeypatch.setattr(timing.HostLoad, "share", lambda self, before, after: (0.1, 0.0, 0.0))
-    monkeypatch.setattr(timing.Bandwidth, "read", lambda self: 10.0)
     monkeypatch.setattr(RoundTrip, "open", staticmethod(lambda threads: object.__new__(RoundTrip)))
     monkeypatch.setattr(RoundTrip, "read",
                         lambda self: 320.0 if os.environ.get("PERFGATE_TEST_APART") == "1" else 52.0)
