@@ -499,18 +499,60 @@ def test_a_rows_planned_pairs_stop_when_its_early_interval_clears_the_line(monke
 
 
 def test_a_straddling_row_is_extended_up_to_max_pairs_and_its_share_of_the_budget(monkeypatch) -> None:
-    """An extension doubles the pairs up to MAX_PAIRS in all, and within the row's share of what is left."""
+    """A row straddling the line after its planned pairs is extended, doubling, up to MAX_PAIRS in all and
+    within its share of what is left."""
     from perfgate.abrun import MAX_PAIRS, Budget
+    from perfgate.state import MIN_PAIRS
 
     straddling = lambda k: 0.9 if k % 2 else 1.0  # noqa: E731
     scripted = _Scripted(monkeypatch, straddling, Budget(seconds=0.0, extend_s=1e6, total_s=1e6))
     row = scripted.row()
-    scripted.comparer.time_row(row)
+    assert scripted.comparer.time_row(row) and len(row.rev_times) == MIN_PAIRS  # planned pairs only
+    scripted.comparer.extend(row)
     assert len(row.rev_times) == MAX_PAIRS
     scripted = _Scripted(monkeypatch, straddling, Budget(seconds=0.0, extend_s=100.0, total_s=40.0))
     row = scripted.row()
-    scripted.comparer.time_row(row, rows_left=4)  # 10 s: 7 pairs, then 3
+    scripted.comparer.time_row(row)
+    assert scripted.comparer.extension_s(rows_left=4) == 10.0
+    scripted.comparer.extend(row, rows_left=4)  # 10 s: 7 pairs, then 3
     assert len(row.rev_times) == 17
+    assert scripted.comparer.extension_s(rows_left=3) == 10.0  # (40 - 10) / 3
+
+
+def test_a_row_built_again_is_timed_on_new_units() -> None:
+    """The copies a row is built again with (to be measured further) are new units, in the same workers:
+    their own offsets are counted, not read as the first copies'."""
+    import types
+
+    from perfgate.abrun import ABRow, Budget, Comparer, Stretch
+
+    class Pool:
+        per_side = 1
+        workers = [types.SimpleNamespace(side=side, index=0, name=side) for side in ("rev", "this")]
+
+        def side(self, name: str) -> list:
+            return [w for w in self.workers if w.side == name]
+
+        def ask(self, worker, op: str, timeout: float, **kwargs) -> dict:
+            if op == "build":
+                return {"ok": True, "warm_s": 0.01, "builds": 1, "label": ""}
+            return {"ok": True, "times": [0.01], "share": None}
+
+    comparer, row = Comparer(Pool(), 0.05, Budget()), ABRow("k", "optimized", "smoke", "t::k")
+    got = Stretch(row.rev_times, row.this_times, row.rev_units, row.this_units)
+    for _ in range(2):
+        assert comparer.build(ABRow("k", "optimized", "smoke", "t::k"), {})
+        comparer.pairs(row, 1, got, [])
+    assert len(set(row.rev_units)) == 2 and len(set(row.this_units)) == 2  # each side's units apart
+
+
+def test_a_row_decided_by_its_planned_pairs_is_not_extended(monkeypatch) -> None:
+    """A row whose planned pairs clear the line (either way) is not reported straddling: nothing to extend."""
+    from perfgate.abrun import Budget
+
+    for ratio in (lambda k: 1.0 + 0.001 * (k % 3), lambda k: 0.8 + 0.001 * (k % 3)):
+        scripted = _Scripted(monkeypatch, ratio, Budget(seconds=0.0, extend_s=100.0))
+        assert not scripted.comparer.time_row(scripted.row())
 
 
 def test_a_second_stretch_is_at_least_twice_min_pairs_and_keeps_the_first_stretchs_contention(monkeypatch) -> None:
@@ -811,7 +853,8 @@ def test_an_incomplete_comparison_never_closes_on_a_pass_line() -> None:
 
 def test_a_row_timed_late_gets_its_share_of_the_extension_budget(monkeypatch) -> None:
     """``--perf-against-budget`` is the extensions' seconds: rows before a straddling one that
-    spent far more than it on their own planned pairs leave it the extension the first row gets."""
+    spent far more than it on their own planned pairs leave it the extension the first row gets.
+    A row extended after another gets its share of what that one left."""
     import random
     import types
 
@@ -845,10 +888,11 @@ def test_a_row_timed_late_gets_its_share_of_the_extension_budget(monkeypatch) ->
         comparer = A.Comparer(FakePool(30.0, 1.0, 0.001), 0.05, budget)
         comparer.blocks = {"rev": (1, 0, 0.01), "this": (1, 0, 0.01)}
         for k in range(rows_before):  # each clearly unchanged, its 7 pairs 420 s on the clock
-            comparer.time_row(A.ABRow("early", "optimized", "smoke", f"t::early{k}"), rows_left=rows_before + 1)
+            assert not comparer.time_row(A.ABRow("early", "optimized", "smoke", f"t::early{k}"))
         comparer.pool = FakePool(0.05, 1.045, 0.08)  # this tree 4.5% slower: its interval straddles 0.952
         row = A.ABRow("late", "optimized", "smoke", "t::late")
-        comparer.time_row(row, rows_left=1)
+        assert comparer.time_row(row)
+        comparer.extend(row, rows_left=1)
         return len(row.rev_times)
 
     first = late_pairs(0)
@@ -1056,29 +1100,43 @@ def test_only_the_claimed_impls_this_tree_ran_are_compared(tmp_path: Path) -> No
     assert [(kernel, impl) for _, kernel, impl in ag._targets(state)] == [("k", "optimized")]
 
 
-def test_each_row_is_told_the_rows_left_and_a_faster_one_is_timed_again(monkeypatch, tmp_path: Path) -> None:
-    """Rows share the extension budget by the rows left, this one included; a row read faster is,
-    as a slower one is, timed again on fresh workers before its verdict stands."""
+def test_straddling_rows_are_extended_after_every_rows_planned_pairs_cheapest_first(monkeypatch,
+                                                                                   tmp_path: Path) -> None:
+    """The rows straddling after their planned pairs are built again and extended once every row has
+    had its planned pairs, the cheapest pair first, each told the rows left to extend (itself included);
+    a row decided by its planned pairs is not; a row read faster, as a slower one is, is timed again
+    on fresh workers before its verdict stands."""
     import types
 
     import perfgate.against as A
     from perfgate.abrun import Budget
 
-    left, confirmed = [], []
+    events, confirmed = [], []
+    pair_s = {"k": 2.0, "j": 1.0, "i": 0.5}  # i is decided by its planned pairs
 
     class Comparer:
         def __init__(self, pool: object, tolerance: float, budget: Budget) -> None:
-            pass
+            self.planned = {}
 
         def use(self, pool: object) -> None:
             pass
 
         def build(self, row: A.ABRow, request: dict) -> bool:
+            events.append(("build", row.kernel))
             return True
 
-        def time_row(self, row: A.ABRow, rows_left: int = 1) -> None:  # this tree 1.14x faster
-            left.append(rows_left)
-            row.rev_times, row.this_times, row.contention = [1.144] * 7, [1.0] * 7, 0.0
+        def time_row(self, row: A.ABRow) -> bool:  # straddling, but for i
+            events.append(("planned", row.kernel))
+            self.planned[row.nodeid] = types.SimpleNamespace(pair_s=pair_s[row.kernel])
+            row.rev_times, row.this_times, row.contention = [1.0] * 7, [1.0] * 7, 0.0
+            row.ratio, row.low, row.high = 1.0, (0.99 if row.kernel == "i" else 0.9), 1.1
+            return row.kernel != "i"
+
+        def extension_s(self, rows_left: int = 1) -> float:
+            return 10.0
+
+        def extend(self, row: A.ABRow, rows_left: int = 1) -> None:  # this tree 1.14x faster
+            events.append(("extend", row.kernel, rows_left))
             row.ratio, row.low, row.high = 1.144, 1.052, 1.438
 
         def confirm(self, row: A.ABRow) -> None:
@@ -1102,14 +1160,65 @@ def test_each_row_is_told_the_rows_left_and_a_faster_one_is_timed_again(monkeypa
     monkeypatch.setattr(A, "Pool", Pool)
     for side in ("rev", "this"):
         (tmp_path / side).mkdir()
-        (tmp_path / side / "test_k.py").write_text("def test_k(perf):\n    pass\n\n\n"
-                                                   "def test_j(perf):\n    pass\n")
+        (tmp_path / side / "test_k.py").write_text("".join(f"def test_{k}(perf):\n    pass\n\n\n" for k in "kji"))
     ag = A.Against(None, "HEAD", 2, 0.05, 0.0)
-    state = types.SimpleNamespace(results={k: {"optimized": types.SimpleNamespace(label="")} for k in "kj"},
+    state = types.SimpleNamespace(results={k: {"optimized": types.SimpleNamespace(label="")} for k in "kji"},
                                   settings=types.SimpleNamespace(size="smoke", contended=0.05))
-    targets = [(_perf_item(tmp_path, f"test_{k}"), k, "optimized") for k in "kj"]
+    targets = [(_perf_item(tmp_path, f"test_{k}"), k, "optimized") for k in "kji"]
     ag._compare({}, targets, tmp_path / "rev", tmp_path / "this", state, Budget())
-    assert left == [2, 1] and confirmed == ["k", "j"]
+    assert events == [("build", "k"), ("planned", "k"), ("build", "j"), ("planned", "j"), ("build", "i"),
+                      ("planned", "i"), ("build", "j"), ("extend", "j", 2), ("build", "k"), ("extend", "k", 1),
+                      ("build", "j"), ("build", "k")]  # the last two: fresh workers, to be timed again
+    assert confirmed == ["j", "k"] and [r.outcome for r in ag.rows] == ["faster", "faster", "ok"]
+
+
+def test_a_straddling_row_whose_share_fits_no_pair_stands_on_its_planned_pairs() -> None:
+    """No budget left for a pair: the row is not built again, and keeps its planned pairs' interval."""
+    import types
+
+    import perfgate.against as A
+
+    class Comparer:
+        planned = {"t::k": types.SimpleNamespace(pair_s=2.0)}
+
+        def extension_s(self, rows_left: int = 1) -> float:
+            return 1.0
+
+        def build(self, row: A.ABRow, request: dict) -> bool:
+            raise AssertionError("built again with no budget for a pair")
+
+    row = A.ABRow("k", "optimized", "smoke", "t::k", ratio=1.0, low=0.9, high=1.1)
+    A.Against(None, "HEAD", 2, 0.05, 0.0)._extend(Comparer(), row, {}, 1)
+    assert (row.ratio, row.low, row.high) == (1.0, 0.9, 1.1)
+
+
+def test_a_straddling_row_that_cannot_be_built_again_is_judged_on_its_planned_pairs_or_fails() -> None:
+    """REV's worker cannot build it again: a note, and the planned pairs' interval stands; this tree's worker
+    broke on it: a failure, as in the first build."""
+    import types
+
+    import perfgate.against as A
+
+    for side, outcome in (("rev", "unresolved"), ("this", "FAIL")):
+        class Comparer:
+            planned = {"t::k": types.SimpleNamespace(pair_s=1.0)}
+
+            def extension_s(self, rows_left: int = 1) -> float:
+                return 10.0
+
+            def build(self, row: A.ABRow, request: dict, side=side) -> bool:
+                if side == "this":
+                    row.broken = "this worker 0: MemoryError"
+                else:
+                    row.reason = "REV cannot run it: MemoryError"
+                return False
+
+        ag = A.Against(None, "HEAD", 2, 0.05, 0.0)
+        row = A.ABRow("k", "optimized", "smoke", "t::k", rev_times=[1.0] * 7, this_times=[1.0] * 7,
+                      ratio=1.0, low=0.9, high=1.1)
+        ag._extend(Comparer(), row, {}, 1)
+        assert A.judge(row, 0.05) == outcome, row.message
+        assert (len(ag.notes) == 1 and "judged on its planned pairs" in ag.notes[0]) == (side == "rev")
 
 
 def test_rows_the_phase_did_not_finish_keep_their_reason_or_get_why_it_stopped(monkeypatch,

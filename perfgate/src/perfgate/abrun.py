@@ -163,8 +163,18 @@ class Budget:
 
     seconds: float = 1.0
     extend_s: float = 10.0  # at most this much a row
-    total_s: float = 240.0  # shared by every row's extension: a row gets its share of what is left
+    total_s: float = 240.0  # shared by the rows straddling after all planned pairs: each its share of what is left
     all_pairs: bool = False  # the stopping rule off (perfgate.fidelity's comparison)
+
+
+@dataclass
+class Planned:
+    """What a row's planned pairs leave its extension: each side's block shape, a pair's seconds,
+    and the host's (wall seconds, withheld share) readings so far."""
+
+    blocks: dict[str, tuple[int, int, float]]
+    pair_s: float
+    loads: list[tuple[float, float]]
 
 
 def _withheld(loads: list[tuple[float, float]]) -> float | None:
@@ -183,6 +193,8 @@ class Comparer:
         self.blocks: dict[str, tuple[int, int, float]] = {}
         self.copies: dict[tuple[str, int], int] = {}  # (side, worker index) -> copies of the row it built
         self.generation = 0  # the pool's: a fresh pool's units are new ones
+        self.builds: dict[str, int] = {}  # row -> times built: each build's copies are new units
+        self.planned: dict[str, Planned] = {}  # row -> what its planned pairs leave its extension
         self.extended_s = 0.0  # of budget.total_s: the seconds the rows' extensions have taken
 
     def use(self, pool: Pool) -> None:
@@ -192,6 +204,7 @@ class Comparer:
     def build(self, row: ABRow, request: dict[str, Any]) -> bool:
         """Rebuild ``row`` on every worker, up to COPIES copies each; False (and ``row.reason``)
         when a side cannot."""
+        self.builds[row.nodeid] = self.builds.get(row.nodeid, 0) + 1
         warm: dict[str, list[float]] = {"rev": [], "this": []}
         for worker in list(self.pool.workers):
             try:
@@ -241,7 +254,8 @@ class Comparer:
         row.used.setdefault(side, [0] * self.pool.per_side)[worker.index] += 1
         if reply["share"] is not None:
             loads.append((reply["share"][0], reply["share"][1]))
-        return float(np.median(reply["times"])), (self.generation * 100 + worker.index) * 100 + copy
+        build = self.builds.get(row.nodeid, 1) - 1  # a row built again is timed on new copies: new units
+        return float(np.median(reply["times"])), (self.generation * 100 + worker.index) * 100 + 10 * build + copy
 
     def pairs(self, row: ABRow, count: int, into: Stretch, loads: list[tuple[float, float]]) -> None:
         """Time ``count`` more pairs into ``into``: REV first in even pairs."""
@@ -257,11 +271,11 @@ class Comparer:
             into.rev_units.append(ru)
             into.this_units.append(tu)
 
-    def time_row(self, row: ABRow, rows_left: int = 1) -> None:
-        """Pairs until the row is decided at EARLY, its planned pairs are spent, or (straddling) its
-        extension is: at most ``budget.extend_s``, and its share of what is left of
-        ``budget.total_s`` with ``rows_left`` rows (this one included) still to time. Then
-        ``row``'s ratio and interval."""
+    def time_row(self, row: ABRow) -> bool:
+        """Pairs until the row is decided at EARLY or its planned pairs are spent; then ``row``'s
+        ratio and interval. True when that interval straddles the line: the row is measured further
+        (``extend``) after every row's planned pairs, so the extension budget goes only to the rows
+        that need it, not in equal shares to rows the planned pairs decide."""
         line = 1.0 / (1.0 + self.tolerance)
         loads: list[tuple[float, float]] = []
         got = Stretch(row.rev_times, row.this_times, row.rev_units, row.this_units)
@@ -276,14 +290,30 @@ class Comparer:
                 if high < line or low >= line:
                     break
             self.pairs(row, min(step, planned - len(got)), got, loads)
-        # the extension's share of what the rows before it left of total_s (their planned pairs and
-        # builds are not the budget's: a row timed late gets its share as the first did)
-        now = time.perf_counter()
-        share = max(0.0, self.budget.total_s - self.extended_s) / max(1, rows_left)
-        self._extend(row, got, loads, pair_s, MAX_PAIRS, now + min(self.budget.extend_s, share))
-        self.extended_s += time.perf_counter() - now
+        self.planned[row.nodeid] = Planned(dict(self.blocks), pair_s, loads)
         row.ratio, row.low, row.high = got.interval(0.95)
         row.contention = _withheld(loads)
+        return row.low < line <= row.high
+
+    def extension_s(self, rows_left: int = 1) -> float:
+        """The seconds the next row extended may take: at most ``budget.extend_s``, and its share of
+        what the rows extended before it left of ``budget.total_s``, with ``rows_left`` rows (it
+        included) still to extend."""
+        share = max(0.0, self.budget.total_s - self.extended_s) / max(1, rows_left)
+        return min(self.budget.extend_s, share)
+
+    def extend(self, row: ABRow, rows_left: int = 1) -> None:
+        """More pairs for a row whose planned pairs left it straddling (``time_row``), built again
+        (``build``: new copies, new units), in the block shape its planned pairs had: doubling
+        while it straddles, for ``extension_s``. Then ``row``'s ratio and interval over all its pairs."""
+        planned = self.planned[row.nodeid]
+        self.blocks = dict(planned.blocks)
+        got = Stretch(row.rev_times, row.this_times, row.rev_units, row.this_units)
+        now = time.perf_counter()
+        self._extend(row, got, planned.loads, planned.pair_s, MAX_PAIRS, now + self.extension_s(rows_left))
+        self.extended_s += time.perf_counter() - now
+        row.ratio, row.low, row.high = got.interval(0.95)
+        row.contention = _withheld(planned.loads)
 
     def _extend(self, row: ABRow, got: Stretch, loads: list[tuple[float, float]], pair_s: float, cap: int,
                 until: float, decided: Callable[[], bool] = lambda: False) -> None:

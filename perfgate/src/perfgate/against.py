@@ -273,13 +273,17 @@ class Against:
 
     def _compare(self, hellos: dict[str, Hello], targets: list, rev_root: Path, rootdir: Path, state: Any,
                  budget: Budget) -> None:
-        """Each row in turn on one pool of workers; then the rows that failed or read faster once
-        more, on fresh workers: a process-level effect (a worker's memory layout) does not follow
-        the code into new processes, a slower or faster kernel does."""
+        """Each row's planned pairs in turn on one pool of workers; then, on the same pool, the rows
+        whose interval straddles the line, built again and measured further within the extension
+        budget (cheapest pair first: the budget a row decided in a few pairs leaves, the next gets);
+        then the rows that failed or read faster once more, on fresh workers: a process-level effect
+        (a worker's memory layout) does not follow the code into new processes, a slower or faster
+        kernel does."""
         again: list[tuple[ABRow, dict]] = []
+        straddling: list[tuple[ABRow, dict]] = []
         with _started(Pool(hellos, self.per_side)) as pool:
             comparer = Comparer(pool, self.tolerance, budget)
-            for n, (item, kernel, impl) in enumerate(targets):
+            for item, kernel, impl in targets:
                 label = state.results[kernel][impl].label
                 row = ABRow(kernel, impl, state.settings.size, item.nodeid, label=label)
                 self.rows.append(row)
@@ -296,10 +300,21 @@ class Against:
                            "kernel": kernel, "impl": impl}
                 try:
                     if comparer.build(row, request):
-                        comparer.time_row(row, rows_left=len(targets) - n)
-                        if judge(row, self.tolerance, state.settings.contended) in ("FAIL", "faster"):
+                        if comparer.time_row(row):
+                            straddling.append((row, request))
+                        elif judge(row, self.tolerance, state.settings.contended) in ("FAIL", "faster"):
                             again.append((row, request))
                 except WorkerGone as exc:  # a worker died or hung on this row: the others go on
+                    row.reason = str(exc)
+                    _check_sides(pool)
+                comparer.drop(row)
+            straddling.sort(key=lambda pending: comparer.planned[pending[0].nodeid].pair_s)
+            for k, (row, request) in enumerate(straddling):
+                try:
+                    self._extend(comparer, row, request, len(straddling) - k)
+                    if judge(row, self.tolerance, state.settings.contended) in ("FAIL", "faster"):
+                        again.append((row, request))
+                except WorkerGone as exc:
                     row.reason = str(exc)
                     _check_sides(pool)
                 comparer.drop(row)
@@ -330,6 +345,21 @@ class Against:
             self.notes += [f"{row.kernel} [{row.impl}] was not timed again on fresh workers ({why[id(row)]}): "
                            "its first stretch's verdict stands, unconfirmed"
                            for row, _ in again if row.confirm_ratio is None]
+
+    def _extend(self, comparer: Comparer, row: ABRow, request: dict[str, Any], rows_left: int) -> None:
+        """A straddling row built again and measured further, where its share of the budget fits a
+        pair; a row that cannot be built again stands on its planned pairs, with a note (or FAILs:
+        this tree's worker broke on it)."""
+        if comparer.extension_s(rows_left) < comparer.planned[row.nodeid].pair_s:
+            return
+        fresh = ABRow(row.kernel, row.impl, row.size, row.nodeid)
+        if comparer.build(fresh, request):
+            comparer.extend(row, rows_left)
+            return
+        row.broken = fresh.broken  # this tree's worker broke on it: a failure
+        if not row.broken:
+            self.notes.append(f"{row.kernel} [{row.impl}] could not be built again to be measured further "
+                              f"({fresh.reason}): judged on its planned pairs")
 
     # -- the report -------------------------------------------------------------------------------
 
