@@ -59,8 +59,8 @@ OPTIONS: list[tuple[str, Any, str]] = [
     ("--perf-against-tolerance", 0.05, "with --perf-against: fail a row whose time is more than this fraction "
                                        "over REV's, the whole interval beyond it (default 0.05)"),
     ("--perf-against-budget", 240.0, "with --perf-against: seconds of extra pairs shared by the rows whose "
-                                     "interval straddles the tolerance, each taking at most its share of what "
-                                     "is left and --perf-extend (default 240)"),
+                                     "interval straddles the tolerance after every row's planned pairs, each "
+                                     "taking at most its share of what is left and --perf-extend (default 240)"),
     ("--perf-remeasure-limits", False, "measure this machine's streaming bandwidth and GEMM peaks anew for the "
                                        "roofline column, replacing the fingerprint's stored limits.json (default: "
                                        "measured once per fingerprint, each the first time a row needs it)"),
