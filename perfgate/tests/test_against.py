@@ -546,6 +546,26 @@ def test_a_row_built_again_is_timed_on_new_units() -> None:
     assert len(set(row.rev_units)) == 2 and len(set(row.this_units)) == 2  # each side's units apart
 
 
+def test_a_row_stopped_mid_extension_is_read_on_every_pair_it_has(monkeypatch) -> None:
+    """Ctrl-C during a row's extension: its interval is that of all its pairs, not its planned pairs' alone."""
+    from perfgate.abrun import Budget
+    from perfgate.stats import pair_ratio_interval
+
+    def ratio(k: int) -> float:
+        if k == 12:
+            raise KeyboardInterrupt
+        return 0.9 if k % 2 else 1.0
+
+    scripted = _Scripted(monkeypatch, ratio, Budget(seconds=0.0, extend_s=1e6, total_s=1e6))
+    row = scripted.row()
+    scripted.comparer.time_row(row)
+    with pytest.raises(KeyboardInterrupt):
+        scripted.comparer.extend(row)
+    assert len(row.rev_times) == 12  # 6 pairs at 0.9: the median ratio moved from the planned pairs' 1.0
+    assert (row.ratio, row.low, row.high) == pytest.approx(pair_ratio_interval(row.rev_times, row.this_times))
+    assert row.ratio == pytest.approx(0.9 ** 0.5)
+
+
 def test_a_row_decided_by_its_planned_pairs_is_not_extended(monkeypatch) -> None:
     """A row whose planned pairs clear the line (either way) is not reported straddling: nothing to extend."""
     from perfgate.abrun import Budget

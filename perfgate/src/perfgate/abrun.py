@@ -310,10 +310,12 @@ class Comparer:
         self.blocks = dict(planned.blocks)
         got = Stretch(row.rev_times, row.this_times, row.rev_units, row.this_units)
         now = time.perf_counter()
-        self._extend(row, got, planned.loads, planned.pair_s, MAX_PAIRS, now + self.extension_s(rows_left))
-        self.extended_s += time.perf_counter() - now
-        row.ratio, row.low, row.high = got.interval(0.95)
-        row.contention = _withheld(planned.loads)
+        try:
+            self._extend(row, got, planned.loads, planned.pair_s, MAX_PAIRS, now + self.extension_s(rows_left))
+        finally:  # Ctrl-C or a lost worker mid-extension: the row is judged on every pair it has
+            self.extended_s += time.perf_counter() - now
+            row.ratio, row.low, row.high = got.interval(0.95)
+            row.contention = _withheld(planned.loads)
 
     def _extend(self, row: ABRow, got: Stretch, loads: list[tuple[float, float]], pair_s: float, cap: int,
                 until: float, decided: Callable[[], bool] = lambda: False) -> None:
