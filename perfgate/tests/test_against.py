@@ -519,9 +519,9 @@ def test_a_straddling_row_is_extended_up_to_max_pairs_and_its_share_of_the_budge
     assert scripted.comparer.extension_s(rows_left=3) == 10.0  # (40 - 10) / 3
 
 
-def test_a_row_built_again_is_timed_on_new_units() -> None:
-    """The copies a row is built again with (to be measured further) are new units, in the same workers:
-    their own offsets are counted, not read as the first copies'."""
+def test_a_row_built_again_is_timed_on_the_first_builds_units() -> None:
+    """A copy built again in the same worker (to be measured further) is the unit the first build's copy of
+    its index was: in the same process it may land where the dropped one was, so it adds no unit."""
     import types
 
     from perfgate.abrun import ABRow, Budget, Comparer, Stretch
@@ -543,7 +543,7 @@ def test_a_row_built_again_is_timed_on_new_units() -> None:
     for _ in range(2):
         assert comparer.build(ABRow("k", "optimized", "smoke", "t::k"), {})
         comparer.pairs(row, 1, got, [])
-    assert len(set(row.rev_units)) == 2 and len(set(row.this_units)) == 2  # each side's units apart
+    assert len(set(row.rev_units)) == 1 and len(set(row.this_units)) == 1
 
 
 def test_a_row_stopped_mid_extension_is_read_on_every_pair_it_has(monkeypatch) -> None:
@@ -873,8 +873,7 @@ def test_an_incomplete_comparison_never_closes_on_a_pass_line() -> None:
 
 def test_a_row_timed_late_gets_its_share_of_the_extension_budget(monkeypatch) -> None:
     """``--perf-against-budget`` is the extensions' seconds: rows before a straddling one that
-    spent far more than it on their own planned pairs leave it the extension the first row gets.
-    A row extended after another gets its share of what that one left."""
+    spent far more than it on their own planned pairs leave it the extension the first row gets."""
     import random
     import types
 
@@ -1120,6 +1119,38 @@ def test_only_the_claimed_impls_this_tree_ran_are_compared(tmp_path: Path) -> No
     assert [(kernel, impl) for _, kernel, impl in ag._targets(state)] == [("k", "optimized")]
 
 
+def _compare_with(monkeypatch, tmp_path: Path, comparer: type, kernels: str) -> Any:
+    """``Against._compare`` over one row per letter of ``kernels`` (test_k.py's test_<letter>, impl
+    optimized) with ``comparer`` for perfgate's Comparer and a pool that starts nothing."""
+    import types
+
+    import perfgate.against as A
+    from perfgate.abrun import Budget
+
+    class Pool:
+        def __init__(self, hellos: dict, per_side: int) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(A, "Comparer", comparer)
+    monkeypatch.setattr(A, "Pool", Pool)
+    for side in ("rev", "this"):
+        (tmp_path / side).mkdir()
+        tests = "".join(f"def test_{k}(perf):\n    pass\n\n\n" for k in kernels)
+        (tmp_path / side / "test_k.py").write_text(tests)
+    ag = A.Against(None, "HEAD", 2, 0.05, 0.0)
+    state = types.SimpleNamespace(results={k: {"optimized": types.SimpleNamespace(label="")} for k in kernels},
+                                  settings=types.SimpleNamespace(size="smoke", contended=0.05))
+    targets = [(_perf_item(tmp_path, f"test_{k}"), k, "optimized") for k in kernels]
+    ag._compare({}, targets, tmp_path / "rev", tmp_path / "this", state, Budget())
+    return ag
+
+
 def test_straddling_rows_are_extended_after_every_rows_planned_pairs_cheapest_first(monkeypatch,
                                                                                    tmp_path: Path) -> None:
     """The rows straddling after their planned pairs are built again and extended once every row has
@@ -1166,30 +1197,54 @@ def test_straddling_rows_are_extended_after_every_rows_planned_pairs_cheapest_fi
         def drop(self, row: A.ABRow) -> None:
             pass
 
-    class Pool:
-        def __init__(self, hellos: dict, per_side: int) -> None:
-            pass
-
-        def start(self) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
-
-    monkeypatch.setattr(A, "Comparer", Comparer)
-    monkeypatch.setattr(A, "Pool", Pool)
-    for side in ("rev", "this"):
-        (tmp_path / side).mkdir()
-        (tmp_path / side / "test_k.py").write_text("".join(f"def test_{k}(perf):\n    pass\n\n\n" for k in "kji"))
-    ag = A.Against(None, "HEAD", 2, 0.05, 0.0)
-    state = types.SimpleNamespace(results={k: {"optimized": types.SimpleNamespace(label="")} for k in "kji"},
-                                  settings=types.SimpleNamespace(size="smoke", contended=0.05))
-    targets = [(_perf_item(tmp_path, f"test_{k}"), k, "optimized") for k in "kji"]
-    ag._compare({}, targets, tmp_path / "rev", tmp_path / "this", state, Budget())
+    ag = _compare_with(monkeypatch, tmp_path, Comparer, "kji")
     assert events == [("build", "k"), ("planned", "k"), ("build", "j"), ("planned", "j"), ("build", "i"),
                       ("planned", "i"), ("build", "j"), ("extend", "j", 2), ("build", "k"), ("extend", "k", 1),
                       ("build", "j"), ("build", "k")]  # the last two: fresh workers, to be timed again
     assert confirmed == ["j", "k"] and [r.outcome for r in ag.rows] == ["faster", "faster", "ok"]
+
+
+def test_a_straddling_row_this_trees_worker_cannot_build_again_fails_without_being_timed_again(
+        monkeypatch, tmp_path: Path) -> None:
+    """This tree's worker breaks on the row's second build: FAIL, and no fresh workers are started for a
+    verdict the break already fixes."""
+    import types
+
+    import perfgate.against as A
+    from perfgate.abrun import Budget
+
+    builds, confirmed = [], []
+
+    class Comparer:
+        def __init__(self, pool: object, tolerance: float, budget: Budget) -> None:
+            self.planned = {}
+
+        def build(self, row: A.ABRow, request: dict) -> bool:
+            builds.append(row.kernel)
+            if len(builds) > 1:
+                row.broken = "this worker 0: MemoryError"
+            return len(builds) == 1
+
+        def time_row(self, row: A.ABRow) -> bool:
+            self.planned[row.nodeid] = types.SimpleNamespace(pair_s=1.0)
+            row.rev_times, row.this_times, row.contention = [1.0] * 7, [1.0] * 7, 0.0
+            row.ratio, row.low, row.high = 1.0, 0.9, 1.1
+            return True
+
+        def extension_s(self, rows_left: int = 1) -> float:
+            return 10.0
+
+        def confirm(self, row: A.ABRow) -> None:
+            confirmed.append(row.kernel)
+
+        def use(self, pool: object) -> None:
+            pass
+
+        def drop(self, row: A.ABRow) -> None:
+            pass
+
+    ag = _compare_with(monkeypatch, tmp_path, Comparer, "k")
+    assert builds == ["k", "k"] and confirmed == [] and ag.rows[0].outcome == "FAIL"
 
 
 def test_a_straddling_row_whose_share_fits_no_pair_stands_on_its_planned_pairs() -> None:

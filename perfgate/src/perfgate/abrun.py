@@ -193,7 +193,6 @@ class Comparer:
         self.blocks: dict[str, tuple[int, int, float]] = {}
         self.copies: dict[tuple[str, int], int] = {}  # (side, worker index) -> copies of the row it built
         self.generation = 0  # the pool's: a fresh pool's units are new ones
-        self.builds: dict[str, int] = {}  # row -> times built: each build's copies are new units
         self.planned: dict[str, Planned] = {}  # row -> what its planned pairs leave its extension
         self.extended_s = 0.0  # of budget.total_s: the seconds the rows' extensions have taken
 
@@ -204,7 +203,6 @@ class Comparer:
     def build(self, row: ABRow, request: dict[str, Any]) -> bool:
         """Rebuild ``row`` on every worker, up to COPIES copies each; False (and ``row.reason``)
         when a side cannot."""
-        self.builds[row.nodeid] = self.builds.get(row.nodeid, 0) + 1
         warm: dict[str, list[float]] = {"rev": [], "this": []}
         for worker in list(self.pool.workers):
             try:
@@ -254,8 +252,7 @@ class Comparer:
         row.used.setdefault(side, [0] * self.pool.per_side)[worker.index] += 1
         if reply["share"] is not None:
             loads.append((reply["share"][0], reply["share"][1]))
-        build = self.builds.get(row.nodeid, 1) - 1  # a row built again is timed on new copies: new units
-        return float(np.median(reply["times"])), (self.generation * 100 + worker.index) * 100 + 10 * build + copy
+        return float(np.median(reply["times"])), (self.generation * 100 + worker.index) * 100 + copy
 
     def pairs(self, row: ABRow, count: int, into: Stretch, loads: list[tuple[float, float]]) -> None:
         """Time ``count`` more pairs into ``into``: REV first in even pairs."""
@@ -304,8 +301,10 @@ class Comparer:
 
     def extend(self, row: ABRow, rows_left: int = 1) -> None:
         """More pairs for a row whose planned pairs left it straddling (``time_row``), built again
-        (``build``: new copies, new units), in the block shape its planned pairs had: doubling
-        while it straddles, for ``extension_s``. Then ``row``'s ratio and interval over all its pairs."""
+        (``build``) in the same workers, in the block shape its planned pairs had: doubling while it
+        straddles, for ``extension_s``. Then ``row``'s ratio and interval over all its pairs. A copy
+        built again counts as the first build's copy of its index, the same unit: in the same process
+        it may land where the dropped one was, so it is not counted as independent of it."""
         planned = self.planned[row.nodeid]
         self.blocks = dict(planned.blocks)
         got = Stretch(row.rev_times, row.this_times, row.rev_units, row.this_units)

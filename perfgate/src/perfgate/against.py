@@ -312,7 +312,8 @@ class Against:
             for k, (row, request) in enumerate(straddling):
                 try:
                     self._extend(comparer, row, request, len(straddling) - k)
-                    if judge(row, self.tolerance, state.settings.contended) in ("FAIL", "faster"):
+                    outcome = judge(row, self.tolerance, state.settings.contended)
+                    if outcome in ("FAIL", "faster") and not row.broken:  # broken: no timing clears it
                         again.append((row, request))
                 except WorkerGone as exc:
                     row.reason = str(exc)
