@@ -1,9 +1,11 @@
-"""Where one call of ``per_sample_grads`` goes on the suite's MLP (784-256-256-10, B=64): the call
-with and without ``out=`` beside vmap(grad), the capture's parts (kernels.layer_capture), a bare
-forward and backward, and the write of the result alone (the streamed first layer, and a fill of
-the whole ``out=`` buffer), each a median of rounds interleaved in one process by perfgate's timer.
+"""Where one call of ``per_sample_grads`` goes on the suite's MLP (784-256-256-10, B=64 by default):
+the call with and without ``out=`` beside vmap(grad), the capture's parts (kernels.layer_capture),
+a bare forward and backward, and the write of the result alone (the streamed first layer, and a
+fill of the whole ``out=`` buffer), each a median of rounds interleaved in one process by
+perfgate's timer for the device (on CUDA its events: a part the host's launches bound reads their
+time).
 
-    python -m evidence.per_sample_parts [threads, default 2]
+    python -m evidence.per_sample_parts [threads, default 2] [cpu|cuda] [batch, default 64]
 """
 
 import sys
@@ -24,8 +26,9 @@ from perfgate.fingerprint import _cpu_model  # noqa: E402
 from workloads.common import per_sample_problem, vmap_grads  # noqa: E402
 
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
-batch = 64
-args = per_sample_problem(batch)
+device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+batch = int(sys.argv[3]) if len(sys.argv) > 3 else 64
+args = per_sample_problem(batch, device)
 model, _, x, y = args
 buffers = kernels.per_sample_grads(*args)
 names = ps.check_inputs(*args)
@@ -35,7 +38,7 @@ out, seen = capture._forward(model, x, layers, batch)
 losses = capture.per_sample_losses(F.cross_entropy, out, y)
 params = dict(model.named_parameters())
 first = buffers["net.0.weight"]
-g, a = torch.randn(batch, 256, 1), torch.randn(batch, 1, 784)
+g, a = torch.randn(batch, 256, 1, device=device), torch.randn(batch, 1, 784, device=device)
 stream = nontemporal.pays(sum(t.numel() * t.element_size() for t in buffers.values()))
 
 
@@ -63,7 +66,8 @@ parts = {
     "fill_ of the whole out= buffer": lambda: [t.fill_(1.0) for t in buffers.values()],
 }
 megabytes = sum(t.numel() * t.element_size() for t in buffers.values()) / 1e6
-print(f"# {_cpu_model()}, {torch.get_num_threads()} thread(s), malloc {malloc}, torch {torch.__version__}; "
+where = torch.cuda.get_device_name() if device == "cuda" else _cpu_model()
+print(f"# {where}, {device}, {torch.get_num_threads()} thread(s), malloc {malloc}, torch {torch.__version__}; "
       f"MLP 784-256-256-10, B={batch}, the result {megabytes:.1f} MB")
-for name, ms in medians(parts, rounds=15, calls=10).items():
+for name, ms in medians(parts, rounds=15, calls=10, device=device).items():
     print(f"{name:60s} {ms:8.3f} ms")
