@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import kernels
 import reference
 from correctness_tests.tolerances import ELEMENTWISE, assert_as_accurate, assert_close
+from kernels import optim
 
 STATE_KEYS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
@@ -118,6 +119,18 @@ def test_grad_layout_unlike_the_parameter(kind: str) -> None:
 def test_cpu_choice_is_fused(kind: str) -> None:
     opt = getattr(kernels, kind)([torch.zeros(3, requires_grad=True)])
     assert opt.defaults["fused"] is True
+
+
+@pytest.mark.parametrize(("kind", "fused"), [("adamw", True), ("sgd", False)])
+def test_cuda_choice_is_fused_adamw_and_torchs_default_sgd(kind: str, fused: bool) -> None:
+    """On CUDA, fused AdamW and torch's default (foreach) SGD, as measured: the choice is read from
+    the parameters' device, so fake CUDA tensors show it on a machine without a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        params = [torch.zeros(4, 3, device="cuda"), torch.zeros(3, device="cuda")]
+        assert optim.implementation(kind, params) == ({"fused": True} if fused else {})
+        assert optim.implementation(kind, [torch.zeros(4, 6, device="cuda")[:, ::2]]) == {}  # a strided view
 
 
 def test_sgd_momentum_with_dampening_is_not_fused() -> None:

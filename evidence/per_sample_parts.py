@@ -39,7 +39,7 @@ losses = capture.per_sample_losses(F.cross_entropy, out, y)
 params = dict(model.named_parameters())
 first = buffers["net.0.weight"]
 g, a = torch.randn(batch, 256, 1, device=device), torch.randn(batch, 1, 784, device=device)
-stream = nontemporal.pays(sum(t.numel() * t.element_size() for t in buffers.values()))
+stream = device == "cpu" and nontemporal.pays(sum(t.numel() * t.element_size() for t in buffers.values()))
 
 
 def forward_backward() -> None:

@@ -3,10 +3,10 @@
 ``adamw`` and ``sgd`` return ``torch.optim.AdamW`` / ``torch.optim.SGD`` objects (subclasses that
 add one step pre-hook that guards the fused step, see below, kept by ``copy.deepcopy``, and checks
 on groups added later; GradScaler, LR schedulers, hooks and ``state_dict`` work as usual) with the
-implementation chosen per device type: fused on CPU,
-where it measured fastest for AdamW and SGD in fp32 and bf16 (evidence/from-the-code.md),
-and on CUDA, torch's fastest documented path (not yet measured in this project). Other device
-types get torch's default.
+implementation chosen per optimizer and device type, as measured: fused on CPU, where it was
+fastest for AdamW and SGD in fp32 and bf16 (evidence/from-the-code.md); on CUDA fused AdamW, and
+torch's default (foreach) SGD, whose fused step there was slower (evidence/perf-cuda-h200-roofline.txt).
+Other device types get torch's default.
 
 torch 2.14.1's fused kernels index parameter, grad and state as flat arrays, so a grad whose
 strides differ from its parameter's (a transposed parameter with a grad set by hand, say) gets
@@ -56,7 +56,9 @@ from torch import Tensor
 from kernels import checks
 
 Params = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
-FUSED_DEVICES = ("cpu", "cuda")  # where torch has fused AdamW/SGD and we choose it (module note)
+# Where we choose torch's fused step, by optimizer (module note). CUDA's fused SGD (with its guard)
+# ran 0.67-0.71x of torch's foreach SGD on resnet18's parameters on an H100 and an H200.
+FUSED_DEVICES = {"adamw": ("cpu", "cuda"), "sgd": ("cpu",)}
 
 
 def _members(params: object, arg: str) -> list:
@@ -246,13 +248,14 @@ def _guard(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-def implementation(params: list[Tensor], dampened: bool = False) -> dict[str, bool]:
-    """The ``fused``/``foreach`` keywords for these parameters, as measured (module note):
-    fused on one CPU or CUDA device for dense real floating parameters; otherwise torch's own
-    default (fused kernels mis-step strided views and do not take complex parameters; SGD with
-    momentum and dampening, ``dampened``, has no exact zero buffer to start from)."""
+def implementation(kind: str, params: list[Tensor], dampened: bool = False) -> dict[str, bool]:
+    """The ``fused``/``foreach`` keywords of optimizer ``kind`` for these parameters, as measured
+    (module note): fused on one device of ``FUSED_DEVICES[kind]`` for dense real floating
+    parameters; otherwise torch's own default (fused kernels mis-step strided views and do not take
+    complex parameters; SGD with momentum and dampening, ``dampened``, has no exact zero buffer to
+    start from)."""
     devices = {p.device.type for p in params}
-    if (devices <= set(FUSED_DEVICES) and len(devices) == 1 and not dampened
+    if (devices <= set(FUSED_DEVICES[kind]) and len(devices) == 1 and not dampened
             and all(p.is_floating_point() and _dense(p) for p in params)):
         return {"fused": True}
     return {}
@@ -303,7 +306,8 @@ class _Chosen:
         defaults = self.defaults  # type: ignore[attr-defined]
         _group(self.kind, group, {k: v for k, v in defaults.items() if k in HYPERPARAMETERS[self.kind]},
                "param_group")
-        if defaults.get("fused") and not implementation(_tensors([group]), _dampened(defaults, [group])):
+        fusable = implementation(self.kind, _tensors([group]), _dampened(defaults, [group]))
+        if defaults.get("fused") and not fusable:
             raise ValueError(f"param_group cannot take the fused step kernels.{self.kind} chose for this "
                              "optimizer's parameters (a strided view, a complex parameter, another device, or SGD "
                              "momentum with dampening): build the optimizer with every group, "
@@ -325,7 +329,7 @@ def adamw(params: Params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0
     ``lr``, ``weight_decay`` >= 0, ``eps`` > 0, ``betas`` two numbers in [0, 1) (module note)."""
     groups = _groups(params, "params")
     hyper = _hyperparameters("adamw", dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), groups)
-    return _guard(AdamW(groups, **hyper, **implementation(_tensors(groups))))
+    return _guard(AdamW(groups, **hyper, **implementation("adamw", _tensors(groups))))
 
 
 def sgd(params: Params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
@@ -336,4 +340,4 @@ def sgd(params: Params, lr: float = 1e-3, momentum: float = 0.0, dampening: floa
     groups = _groups(params, "params")
     hyper = _hyperparameters("sgd", dict(lr=lr, momentum=momentum, dampening=dampening,
                                          weight_decay=weight_decay, nesterov=nesterov), groups)
-    return _guard(SGD(groups, **hyper, **implementation(_tensors(groups), _dampened(hyper, groups))))
+    return _guard(SGD(groups, **hyper, **implementation("sgd", _tensors(groups), _dampened(hyper, groups))))
