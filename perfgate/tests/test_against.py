@@ -1121,7 +1121,8 @@ def test_only_the_claimed_impls_this_tree_ran_are_compared(tmp_path: Path) -> No
 
 def _compare_with(monkeypatch, tmp_path: Path, comparer: type, kernels: str) -> Any:
     """``Against._compare`` over one row per letter of ``kernels`` (test_k.py's test_<letter>, impl
-    optimized) with ``comparer`` for perfgate's Comparer and a pool that starts nothing."""
+    optimized) with ``comparer`` for perfgate's Comparer and a pool that starts nothing; a Ctrl-C ends
+    it as it ends ``Against.run``."""
     import types
 
     import perfgate.against as A
@@ -1147,7 +1148,10 @@ def _compare_with(monkeypatch, tmp_path: Path, comparer: type, kernels: str) -> 
     state = types.SimpleNamespace(results={k: {"optimized": types.SimpleNamespace(label="")} for k in kernels},
                                   settings=types.SimpleNamespace(size="smoke", contended=0.05))
     targets = [(_perf_item(tmp_path, f"test_{k}"), k, "optimized") for k in kernels]
-    ag._compare({}, targets, tmp_path / "rev", tmp_path / "this", state, Budget())
+    try:
+        ag._compare({}, targets, tmp_path / "rev", tmp_path / "this", state, Budget())
+    except KeyboardInterrupt:
+        ag.interrupted = True
     return ag
 
 
@@ -1245,6 +1249,50 @@ def test_a_straddling_row_this_trees_worker_cannot_build_again_fails_without_bei
 
     ag = _compare_with(monkeypatch, tmp_path, Comparer, "k")
     assert builds == ["k", "k"] and confirmed == [] and ag.rows[0].outcome == "FAIL"
+
+
+def test_a_failure_left_unconfirmed_by_a_ctrl_c_in_the_extensions_says_so(monkeypatch, tmp_path: Path) -> None:
+    """Row k fails on its planned pairs and waits to be timed again; Ctrl-C lands while row j, straddling,
+    is extended: k's failure stands, with the note that it was not timed again, and nothing more is timed."""
+    import types
+
+    import perfgate.against as A
+    from perfgate.abrun import Budget
+
+    events = []
+
+    class Comparer:
+        def __init__(self, pool: object, tolerance: float, budget: Budget) -> None:
+            self.planned = {}
+
+        def build(self, row: A.ABRow, request: dict) -> bool:
+            events.append(("build", row.kernel))
+            return True
+
+        def time_row(self, row: A.ABRow) -> bool:  # k: this tree 1.25x slower, decided; j straddles
+            self.planned[row.nodeid] = types.SimpleNamespace(pair_s=1.0)
+            row.rev_times, row.this_times, row.contention = [1.0] * 7, [1.0] * 7, 0.0
+            row.ratio, row.low, row.high = (0.8, 0.75, 0.85) if row.kernel == "k" else (1.0, 0.9, 1.1)
+            return row.kernel == "j"
+
+        def extension_s(self, rows_left: int = 1) -> float:
+            return 10.0
+
+        def extend(self, row: A.ABRow, rows_left: int = 1) -> None:
+            events.append(("extend", row.kernel))
+            raise KeyboardInterrupt
+
+        def use(self, pool: object) -> None:
+            raise AssertionError("fresh workers started after Ctrl-C")
+
+        def drop(self, row: A.ABRow) -> None:
+            pass
+
+    ag = _compare_with(monkeypatch, tmp_path, Comparer, "kj")
+    assert ag.interrupted and events == [("build", "k"), ("build", "j"), ("build", "j"), ("extend", "j")]
+    assert ag.rows[0].outcome == "FAIL" and ag.rows[0].confirm_ratio is None
+    assert ag.notes == ["k [optimized] was not timed again on fresh workers (interrupted): its first stretch's "
+                        "verdict stands, unconfirmed"]
 
 
 def test_a_straddling_row_whose_share_fits_no_pair_stands_on_its_planned_pairs() -> None:

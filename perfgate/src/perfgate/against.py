@@ -279,7 +279,25 @@ class Against:
         then the rows that failed or read faster once more, on fresh workers: a process-level effect
         (a worker's memory layout) does not follow the code into new processes, a slower or faster
         kernel does."""
-        again: list[tuple[ABRow, dict]] = []
+        again: list[tuple[ABRow, dict]] = []  # rows that failed or read faster, to be timed again
+        why: dict[int, str] = {}  # what kept such a row from being timed again, where it was tried
+        stopped = "interrupted"  # what ends the phase early if it ends early: Ctrl-C, or a side's last worker lost
+        try:
+            comparer = self._first_stretch(hellos, targets, rev_root, rootdir, state, budget, again)
+            if again:
+                self._time_again(hellos, comparer, again, why)
+        except WorkerGone as exc:
+            stopped = str(exc)
+            raise
+        finally:  # stopped in either stretch, or a rebuild that failed: the first verdict stands, unconfirmed
+            self.notes += [f"{row.kernel} [{row.impl}] was not timed again on fresh workers "
+                           f"({why.get(id(row), stopped)}): its first stretch's verdict stands, unconfirmed"
+                           for row, _ in again if row.confirm_ratio is None]
+
+    def _first_stretch(self, hellos: dict[str, Hello], targets: list, rev_root: Path, rootdir: Path, state: Any,
+                       budget: Budget, again: list[tuple[ABRow, dict]]) -> Comparer:
+        """Every row's planned pairs, then the straddling rows' extensions, on one pool; the rows that
+        failed or read faster go on ``again`` as they are found (a Ctrl-C later leaves them there)."""
         straddling: list[tuple[ABRow, dict]] = []
         with _started(Pool(hellos, self.per_side)) as pool:
             comparer = Comparer(pool, self.tolerance, budget)
@@ -319,33 +337,31 @@ class Against:
                     row.reason = str(exc)
                     _check_sides(pool)
                 comparer.drop(row)
-        if not again:
-            return
-        why = {id(row): "interrupted" for row, _ in again}  # what kept each row from being timed again
-        try:
-            with _started(Pool(hellos, self.per_side)) as pool:
-                comparer.use(pool)
-                for row, request in again:  # timed again, after every other row, before the verdict stands
-                    first = len(row.rev_times)
-                    try:
-                        fresh = ABRow(row.kernel, row.impl, row.size, row.nodeid)
-                        if comparer.build(fresh, request):
-                            comparer.confirm(row)
-                        else:
-                            why[id(row)] = fresh.reason or fresh.broken
-                            row.broken = fresh.broken  # this tree's worker broke on it: a failure
-                    except WorkerGone as exc:
-                        why[id(row)] = str(exc)
-                        _check_sides(pool)
-                    finally:
-                        if row.confirm_ratio is None:  # not timed again to the end: its first stretch alone
-                            for times in (row.rev_times, row.this_times, row.rev_units, row.this_units):
-                                del times[first:]
-                    comparer.drop(row)
-        finally:  # a rebuild that failed, a worker lost or Ctrl-C: the first verdict stands, unconfirmed
-            self.notes += [f"{row.kernel} [{row.impl}] was not timed again on fresh workers ({why[id(row)]}): "
-                           "its first stretch's verdict stands, unconfirmed"
-                           for row, _ in again if row.confirm_ratio is None]
+        return comparer
+
+    def _time_again(self, hellos: dict[str, Hello], comparer: Comparer, again: list[tuple[ABRow, dict]],
+                    why: dict[int, str]) -> None:
+        """The rows on ``again`` timed once more on a fresh pool, after every other row, before their
+        verdict stands; ``why`` gets what kept a row from it (a rebuild that failed, a worker lost)."""
+        with _started(Pool(hellos, self.per_side)) as pool:
+            comparer.use(pool)
+            for row, request in again:
+                first = len(row.rev_times)
+                try:
+                    fresh = ABRow(row.kernel, row.impl, row.size, row.nodeid)
+                    if comparer.build(fresh, request):
+                        comparer.confirm(row)
+                    else:
+                        why[id(row)] = fresh.reason or fresh.broken
+                        row.broken = fresh.broken  # this tree's worker broke on it: a failure
+                except WorkerGone as exc:
+                    why[id(row)] = str(exc)
+                    _check_sides(pool)
+                finally:
+                    if row.confirm_ratio is None:  # not timed again to the end: its first stretch alone
+                        for times in (row.rev_times, row.this_times, row.rev_units, row.this_units):
+                            del times[first:]
+                comparer.drop(row)
 
     def _extend(self, comparer: Comparer, row: ABRow, request: dict[str, Any], rows_left: int) -> None:
         """A straddling row built again and measured further, where its share of the budget fits a
