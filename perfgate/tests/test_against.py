@@ -1295,6 +1295,59 @@ def test_a_failure_left_unconfirmed_by_a_ctrl_c_in_the_extensions_says_so(monkey
                         "verdict stands, unconfirmed"]
 
 
+@pytest.mark.parametrize("extended", [(1.02, 0.97, 1.06), (0.8, 0.75, 0.85)], ids=["within", "slower"])
+def test_a_rev_worker_lost_mid_extension_leaves_the_row_judged_on_its_pairs(monkeypatch, tmp_path: Path,
+                                                                           extended: tuple) -> None:
+    """REV's worker dies while a straddling row is extended: the row is judged on every pair it has (the
+    extension reads them, as after Ctrl-C), with a note, never 'not comparable'; one read slower is timed
+    again on fresh workers as any failure is."""
+    import types
+
+    import perfgate.against as A
+    from perfgate.abrun import Budget
+    from perfgate.workers import WorkerGone
+
+    confirmed = []
+
+    class Comparer:
+        def __init__(self, pool: object, tolerance: float, budget: Budget) -> None:
+            self.planned = {}
+
+        def build(self, row: A.ABRow, request: dict) -> bool:
+            return True
+
+        def time_row(self, row: A.ABRow) -> bool:
+            self.planned[row.nodeid] = types.SimpleNamespace(pair_s=1.0)
+            row.rev_times, row.this_times, row.contention = [1.0] * 7, [1.0] * 7, 0.0
+            row.ratio, row.low, row.high = 1.0, 0.9, 1.1
+            return True
+
+        def extension_s(self, rows_left: int = 1) -> float:
+            return 10.0
+
+        def extend(self, row: A.ABRow, rows_left: int = 1) -> None:  # 7 more pairs, then REV's worker dies
+            row.rev_times, row.this_times = [1.0] * 14, [1.0] * 14
+            row.ratio, row.low, row.high = extended
+            raise WorkerGone("rev1 died (exit -9)")
+
+        def confirm(self, row: A.ABRow) -> None:
+            confirmed.append(row.kernel)
+            row.confirm_ratio, row.confirm_low, row.confirm_high, row.first_high = 0.8, 0.75, 0.85, row.high
+
+        def use(self, pool: object) -> None:
+            pass
+
+        def drop(self, row: A.ABRow) -> None:
+            pass
+
+    monkeypatch.setattr(A, "_check_sides", lambda pool: None)  # the other REV worker goes on
+    ag = _compare_with(monkeypatch, tmp_path, Comparer, "k")
+    assert ag.notes == ["k [optimized] stopped being measured further (rev1 died (exit -9)): judged on the 14 "
+                        "pairs it has"]
+    assert ag.rows[0].outcome == ("ok" if extended[0] > 1 else "FAIL")
+    assert confirmed == ([] if extended[0] > 1 else ["k"])
+
+
 def test_a_straddling_row_whose_share_fits_no_pair_stands_on_its_planned_pairs() -> None:
     """No budget left for a pair: the row is not built again, and keeps its planned pairs' interval."""
     import types

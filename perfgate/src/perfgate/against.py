@@ -330,12 +330,14 @@ class Against:
             for k, (row, request) in enumerate(straddling):
                 try:
                     self._extend(comparer, row, request, len(straddling) - k)
-                    outcome = judge(row, self.tolerance, state.settings.contended)
-                    if outcome in ("FAIL", "faster") and not row.broken:  # broken: no timing clears it
-                        again.append((row, request))
-                except WorkerGone as exc:
-                    row.reason = str(exc)
+                except WorkerGone as exc:  # REV's worker lost (this tree's breaks the row): its pairs so far stand
+                    if not row.broken:
+                        self.notes.append(f"{row.kernel} [{row.impl}] stopped being measured further ({exc}): "
+                                          f"judged on the {len(row.rev_times)} pairs it has")
                     _check_sides(pool)
+                outcome = judge(row, self.tolerance, state.settings.contended)
+                if outcome in ("FAIL", "faster") and not row.broken:  # broken: no timing clears it
+                    again.append((row, request))
                 comparer.drop(row)
         return comparer
 
