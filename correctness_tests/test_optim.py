@@ -1,4 +1,4 @@
-"""kernels.adamw/sgd (fused torch optimizers) == reference per-parameter loops, over 10 steps."""
+"""kernels.adamw/sgd (torch optimizers, fused or foreach) == reference per-parameter loops, over 10 steps."""
 
 from __future__ import annotations
 
@@ -122,15 +122,18 @@ def test_cpu_choice_is_fused(kind: str) -> None:
 
 
 @pytest.mark.parametrize(("kind", "fused"), [("adamw", True), ("sgd", False)])
-def test_cuda_choice_is_fused_adamw_and_torchs_default_sgd(kind: str, fused: bool) -> None:
-    """On CUDA, fused AdamW and torch's default (foreach) SGD, as measured: the choice is read from
-    the parameters' device, so fake CUDA tensors show it on a machine without a GPU."""
+def test_cuda_choice_is_fused_adamw_and_foreach_sgd(kind: str, fused: bool) -> None:
+    """On CUDA, fused AdamW (guarded) and torch's foreach SGD (no guard to run), as measured: the
+    choice is read from the parameters' device, so fake CUDA tensors show it without a GPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        params = [torch.zeros(4, 3, device="cuda"), torch.zeros(3, device="cuda")]
-        assert optim.implementation(kind, params) == ({"fused": True} if fused else {})
-        assert optim.implementation(kind, [torch.zeros(4, 6, device="cuda")[:, ::2]]) == {}  # a strided view
+        params = [torch.zeros(shape, device="cuda", requires_grad=True) for shape in ((4, 3), (3,))]
+        opt = getattr(kernels, kind)(params)
+        assert bool(opt.defaults["fused"]) is fused and bool(opt.defaults["foreach"]) is not fused
+        assert len(opt._optimizer_step_pre_hooks) == (1 if fused else 0)
+        strided = [torch.zeros(4, 6, device="cuda")[:, ::2]]  # fused never; foreach takes it
+        assert optim.implementation(kind, strided) == ({} if fused else {"foreach": True})
 
 
 def test_sgd_momentum_with_dampening_is_not_fused() -> None:

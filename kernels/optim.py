@@ -5,7 +5,7 @@ add one step pre-hook that guards the fused step, see below, kept by ``copy.deep
 on groups added later; GradScaler, LR schedulers, hooks and ``state_dict`` work as usual) with the
 implementation chosen per optimizer and device type, as measured: fused on CPU, where it was
 fastest for AdamW and SGD in fp32 and bf16 (evidence/from-the-code.md); on CUDA fused AdamW, and
-torch's default (foreach) SGD, whose fused step there was slower (evidence/perf-cuda-h200-roofline.txt).
+torch's foreach SGD, whose fused step there was slower (evidence/perf-cuda-h200-roofline.txt).
 Other device types get torch's default.
 
 torch 2.14.1's fused kernels index parameter, grad and state as flat arrays, so a grad whose
@@ -56,9 +56,12 @@ from torch import Tensor
 from kernels import checks
 
 Params = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
-# Where we choose torch's fused step, by optimizer (module note). CUDA's fused SGD (with its guard)
-# ran 0.67-0.71x of torch's foreach SGD on resnet18's parameters on an H100 and an H200.
+# Where we choose torch's fused step, by optimizer (module note), and where its foreach step, named
+# rather than left to torch's default (which a later torch could make fused, without the guard below):
+# CUDA's fused SGD (with its guard) ran 0.67-0.71x of torch's foreach SGD on resnet18's parameters on an
+# H100 and an H200.
 FUSED_DEVICES = {"adamw": ("cpu", "cuda"), "sgd": ("cpu",)}
+FOREACH_DEVICES = {"adamw": (), "sgd": ("cuda",)}
 
 
 def _members(params: object, arg: str) -> list:
@@ -251,10 +254,12 @@ def _guard(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def implementation(kind: str, params: list[Tensor], dampened: bool = False) -> dict[str, bool]:
     """The ``fused``/``foreach`` keywords of optimizer ``kind`` for these parameters, as measured
     (module note): fused on one device of ``FUSED_DEVICES[kind]`` for dense real floating
-    parameters; otherwise torch's own default (fused kernels mis-step strided views and do not take
-    complex parameters; SGD with momentum and dampening, ``dampened``, has no exact zero buffer to
-    start from)."""
+    parameters; foreach on one device of ``FOREACH_DEVICES[kind]``; otherwise torch's own default
+    (fused kernels mis-step strided views and do not take complex parameters; SGD with momentum and
+    dampening, ``dampened``, has no exact zero buffer to start from)."""
     devices = {p.device.type for p in params}
+    if len(devices) == 1 and devices <= set(FOREACH_DEVICES[kind]):
+        return {"foreach": True}
     if (devices <= set(FUSED_DEVICES[kind]) and len(devices) == 1 and not dampened
             and all(p.is_floating_point() and _dense(p) for p in params)):
         return {"fused": True}

@@ -1,7 +1,8 @@
 """One task of the OCS workload (task 2 of rotated digits: selection with affinity, replay, the
 memory update): the reference method (loop-materialized scores, the plain loop) against the
 optimized one (ghost Gram scores, the engine under its measured recipe), both stepping the same
-fused SGD, from the same learner state. Smoke: one pass over the task (14 steps); full: the default 10 passes.
+SGD (kernels.sgd's: fused on the CPU, foreach on CUDA), from the same learner state. Smoke: one
+pass over the task (14 steps); full: the default 10 passes.
 When the measured recipe is fp32, the timed optimized task must select the reference's samples.
 """
 

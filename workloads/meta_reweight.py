@@ -12,7 +12,7 @@ workloads.cifar_resnet with pixel noise 8 (at its 2.5 every run reached 100% bal
 accuracy), standardized together (train, meta and test share one normalization), no download.
 
 Optimized (this module): the engine (kernels.training) under Recipe.auto with gradient
-accumulation k, fused SGD, kernels.darts_hypergradient with W's inputs held at theta.
+accumulation k, kernels.sgd, kernels.darts_hypergradient with W's inputs held at theta.
 Reference (reference/workloads/meta_reweight.py): the plain fp32 loop, per-parameter Python SGD,
 one batch per step, and the exact hypergradient (autograd through the step).
 

@@ -266,7 +266,7 @@ def optimized_recipe(cfg: Config, tasks: list[tuple[Split, Split]]) -> Recipe:
 
 
 def optimized(recipe: Recipe, scorer: Scorer = ocs_scores, name: str | None = None) -> Method:
-    """Ghost-Gram scores (or ``scorer``), the engine under ``recipe``, fused SGD."""
+    """Ghost-Gram scores (or ``scorer``), the engine under ``recipe``, kernels.sgd."""
     return Method(name or f"optimized (ghost Gram, {recipe.name})", scorer, train, sgd, recipe)
 
 

@@ -1,6 +1,6 @@
 """The OCS workload's ablation: reference / vmap / einsum / ghost Gram / ghost +
 AMP, each a full run of ``workloads.ocs`` measured in one process on one device; all
-rows step the same fused SGD, and the rows after the reference share the engine and differ in
+rows step the same SGD (kernels.sgd's), and the rows after the reference share the engine and differ in
 how the scores are computed (``python -m workloads.cli.ocs --ablation``)."""
 
 from __future__ import annotations

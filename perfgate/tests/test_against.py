@@ -705,13 +705,14 @@ def test_the_import_check_loads_the_compiled_modules_a_library_imports_when_firs
     assert done.stdout.splitlines()[-1] == COMPILED + json.dumps(["mylib.sub._bisect"])
 
 
-@pytest.mark.parametrize("mode", ["worker lost", "rebuild failed", "ctrl-c"])
+@pytest.mark.parametrize("mode", ["worker lost", "rebuild failed", "ctrl-c", "this tree's worker lost"])
 def test_a_slower_row_not_timed_again_leaves_its_failure_standing_unconfirmed(monkeypatch, tmp_path,
                                                                                mode: str) -> None:
-    """This tree 1.3x slower; one fresh worker dies while the row is timed again, or the fresh
-    pool cannot build it, or Ctrl-C lands among its second stretch's pairs: the first stretch's
-    verdict stands (a failure), judged on its own pairs (none of the second's half-taken), with a
-    note that says it was not timed again; never 'not comparable'."""
+    """This tree 1.3x slower; one fresh worker of REV's dies while the row is timed again, or the
+    fresh pool cannot build it, or Ctrl-C lands among its second stretch's pairs: the first
+    stretch's verdict stands (a failure), judged on its own pairs (none of the second's half-taken),
+    with a note that says it was not timed again; never 'not comparable'. One of this tree's dies: a
+    failure for that, its message naming the death, and no such note."""
     import random
     import types
 
@@ -751,8 +752,9 @@ def test_a_slower_row_not_timed_again_leaves_its_failure_standing_unconfirmed(mo
             self.blocks += 1
             if self.n == 1 and self.blocks == 5 and mode == "ctrl-c":
                 raise KeyboardInterrupt
-            if self.n == 1 and self.blocks == 5:  # a worker of the fresh pool dies while timing again
-                self.workers.remove(w)
+            dies = {"worker lost": "rev", "this tree's worker lost": "this"}.get(mode)
+            if self.n == 1 and self.blocks >= 5 and w.side == dies and len(self.side(dies)) == self.per_side:
+                self.workers.remove(w)  # a worker of the fresh pool dies while timing again
                 raise WorkerGone(f"{w.name} died (exit -9)")
             t = (1.0 if w.side == "rev" else 1.3) * (1 + 0.01 * self.rng.random())
             return {"ok": True, "times": [t], "share": None}
@@ -786,8 +788,12 @@ def test_a_slower_row_not_timed_again_leaves_its_failure_standing_unconfirmed(mo
     (row,) = ag.rows
     assert judge(row, 0.05) == "FAIL" and ag.failed() == [row], (row.reason, row.outcome)
     assert len(row.rev_times) == len(row.this_times) == len(row.rev_units) == first[0]
-    why = {"worker lost": "died (exit -9)", "rebuild failed": "out of memory", "ctrl-c": "interrupted"}[mode]
-    assert [n for n in ag.notes if "was not timed again" in n and why in n and "unconfirmed" in n], ag.notes
+    unconfirmed = [n for n in ag.notes if "was not timed again" in n and "unconfirmed" in n]
+    if mode == "this tree's worker lost":
+        assert "could not run it: this" in row.message and "died (exit -9)" in row.message and not unconfirmed
+        return
+    why = {"worker lost": "rev", "rebuild failed": "out of memory", "ctrl-c": "interrupted"}[mode]
+    assert [n for n in unconfirmed if why in n], ag.notes
 
 
 @pytest.mark.parametrize(("fails", "outcome"), [
@@ -1121,12 +1127,13 @@ def test_only_the_claimed_impls_this_tree_ran_are_compared(tmp_path: Path) -> No
 
 def _compare_with(monkeypatch, tmp_path: Path, comparer: type, kernels: str) -> Any:
     """``Against._compare`` over one row per letter of ``kernels`` (test_k.py's test_<letter>, impl
-    optimized) with ``comparer`` for perfgate's Comparer and a pool that starts nothing; a Ctrl-C ends
-    it as it ends ``Against.run``."""
+    optimized) with ``comparer`` for perfgate's Comparer and a pool that starts nothing; a Ctrl-C or a
+    side's last worker lost ends it as it ends ``Against.run``."""
     import types
 
     import perfgate.against as A
     from perfgate.abrun import Budget
+    from perfgate.workers import WorkerGone
 
     class Pool:
         def __init__(self, hellos: dict, per_side: int) -> None:
@@ -1137,6 +1144,9 @@ def _compare_with(monkeypatch, tmp_path: Path, comparer: type, kernels: str) -> 
 
         def close(self) -> None:
             pass
+
+        def side(self, name: str) -> list:  # a worker on each side, for _check_sides
+            return [name]
 
     monkeypatch.setattr(A, "Comparer", comparer)
     monkeypatch.setattr(A, "Pool", Pool)
@@ -1152,6 +1162,8 @@ def _compare_with(monkeypatch, tmp_path: Path, comparer: type, kernels: str) -> 
         ag._compare({}, targets, tmp_path / "rev", tmp_path / "this", state, Budget())
     except KeyboardInterrupt:
         ag.interrupted = True
+    except WorkerGone as exc:
+        ag.problem = str(exc)
     return ag
 
 
@@ -1253,7 +1265,8 @@ def test_a_straddling_row_this_trees_worker_cannot_build_again_fails_without_bei
 
 def test_a_failure_left_unconfirmed_by_a_ctrl_c_in_the_extensions_says_so(monkeypatch, tmp_path: Path) -> None:
     """Row k fails on its planned pairs and waits to be timed again; Ctrl-C lands while row j, straddling,
-    is extended: k's failure stands, with the note that it was not timed again, and nothing more is timed."""
+    is extended: j is judged on the pairs it has and k's failure stands, each with its note, and nothing
+    more is timed."""
     import types
 
     import perfgate.against as A
@@ -1291,23 +1304,35 @@ def test_a_failure_left_unconfirmed_by_a_ctrl_c_in_the_extensions_says_so(monkey
     ag = _compare_with(monkeypatch, tmp_path, Comparer, "kj")
     assert ag.interrupted and events == [("build", "k"), ("build", "j"), ("build", "j"), ("extend", "j")]
     assert ag.rows[0].outcome == "FAIL" and ag.rows[0].confirm_ratio is None
-    assert ag.notes == ["k [optimized] was not timed again on fresh workers (interrupted): its first stretch's "
+    assert ag.notes == ["j [optimized] stopped being measured further (interrupted): judged on the 7 pairs it has",
+                        "k [optimized] was not timed again on fresh workers (interrupted): its first stretch's "
                         "verdict stands, unconfirmed"]
 
 
-@pytest.mark.parametrize("extended", [(1.02, 0.97, 1.06), (0.8, 0.75, 0.85)], ids=["within", "slower"])
-def test_a_rev_worker_lost_mid_extension_leaves_the_row_judged_on_its_pairs(monkeypatch, tmp_path: Path,
-                                                                           extended: tuple) -> None:
-    """REV's worker dies while a straddling row is extended: the row is judged on every pair it has (the
-    extension reads them, as after Ctrl-C), with a note, never 'not comparable'; one read slower is timed
-    again on fresh workers as any failure is."""
+LOST = "stopped being measured further (rev1 died (exit -9)): judged on the 14 pairs it has"
+
+
+@pytest.mark.parametrize(("case", "extended", "outcome", "notes", "confirmed"), [
+    ("REV's worker", (1.02, 0.97, 1.06), "ok", [LOST], []),
+    ("REV's worker", (0.8, 0.75, 0.85), "FAIL", [LOST], ["k"]),
+    ("REV's last worker", (0.8, 0.75, 0.85), "FAIL",
+     [LOST, "was not timed again on fresh workers (every rev worker is gone): its first stretch's verdict stands, "
+      "unconfirmed"], []),
+    ("this tree's worker", (1.02, 0.97, 1.06), "FAIL", [], []),
+], ids=["REV's, within", "REV's, slower", "REV's last, slower", "this tree's"])
+def test_a_worker_lost_mid_extension(monkeypatch, tmp_path: Path, case: str, extended: tuple, outcome: str,
+                                     notes: list, confirmed: list) -> None:
+    """A worker dies while a straddling row is extended, after 7 more pairs. REV's: the row is judged on
+    every pair it has (the extension reads them, as after Ctrl-C), with a note, never 'not comparable';
+    read slower, it is timed again on fresh workers as any failure, unless that was REV's last worker (the
+    phase stops, and the note says it was not timed again). This tree's: FAIL, no note, not timed again."""
     import types
 
     import perfgate.against as A
     from perfgate.abrun import Budget
     from perfgate.workers import WorkerGone
 
-    confirmed = []
+    timed_again = []
 
     class Comparer:
         def __init__(self, pool: object, tolerance: float, budget: Budget) -> None:
@@ -1325,14 +1350,17 @@ def test_a_rev_worker_lost_mid_extension_leaves_the_row_judged_on_its_pairs(monk
         def extension_s(self, rows_left: int = 1) -> float:
             return 10.0
 
-        def extend(self, row: A.ABRow, rows_left: int = 1) -> None:  # 7 more pairs, then REV's worker dies
+        def extend(self, row: A.ABRow, rows_left: int = 1) -> None:
             row.rev_times, row.this_times = [1.0] * 14, [1.0] * 14
             row.ratio, row.low, row.high = extended
-            raise WorkerGone("rev1 died (exit -9)")
+            who = "this1" if case == "this tree's worker" else "rev1"
+            if who == "this1":
+                row.broken = "this1 died (exit -9)"  # as Comparer._block sets it
+            raise WorkerGone(f"{who} died (exit -9)")
 
         def confirm(self, row: A.ABRow) -> None:
-            confirmed.append(row.kernel)
-            row.confirm_ratio, row.confirm_low, row.confirm_high, row.first_high = 0.8, 0.75, 0.85, row.high
+            timed_again.append(row.kernel)
+            row.confirm_ratio = 0.8
 
         def use(self, pool: object) -> None:
             pass
@@ -1340,12 +1368,46 @@ def test_a_rev_worker_lost_mid_extension_leaves_the_row_judged_on_its_pairs(monk
         def drop(self, row: A.ABRow) -> None:
             pass
 
-    monkeypatch.setattr(A, "_check_sides", lambda pool: None)  # the other REV worker goes on
+    def last_worker_gone(pool: object) -> None:
+        raise WorkerGone("every rev worker is gone")
+
+    if case == "REV's last worker":
+        monkeypatch.setattr(A, "_check_sides", last_worker_gone)
     ag = _compare_with(monkeypatch, tmp_path, Comparer, "k")
-    assert ag.notes == ["k [optimized] stopped being measured further (rev1 died (exit -9)): judged on the 14 "
-                        "pairs it has"]
-    assert ag.rows[0].outcome == ("ok" if extended[0] > 1 else "FAIL")
-    assert confirmed == ([] if extended[0] > 1 else ["k"])
+    assert ag.notes == [f"k [optimized] {note}" for note in notes]
+    assert A.judge(ag.rows[0], 0.05) == outcome and timed_again == confirmed
+    assert ag.problem == ("every rev worker is gone" if case == "REV's last worker" else "")
+
+
+def test_the_last_rev_worker_lost_in_a_build_stops_the_phase(monkeypatch, tmp_path: Path) -> None:
+    """REV's last worker dies while row k is built (Comparer.build reads that as REV unable to run it):
+    the phase stops with the problem, so the run cannot pass on rows all 'not comparable'; j is not built."""
+    import perfgate.against as A
+    from perfgate.abrun import Budget
+    from perfgate.workers import WorkerGone
+
+    built, rev_left = [], [1]
+
+    class Comparer:
+        def __init__(self, pool: object, tolerance: float, budget: Budget) -> None:
+            self.planned = {}
+
+        def build(self, row: A.ABRow, request: dict) -> bool:
+            built.append(row.kernel)
+            rev_left[0] = 0
+            row.reason = "REV cannot run it: rev0 died (exit -9)"
+            return False
+
+        def drop(self, row: A.ABRow) -> None:
+            pass
+
+    def check_sides(pool: object) -> None:
+        if not rev_left[0]:
+            raise WorkerGone("every rev worker is gone")
+
+    monkeypatch.setattr(A, "_check_sides", check_sides)
+    ag = _compare_with(monkeypatch, tmp_path, Comparer, "kj")
+    assert built == ["k"] and ag.problem == "every rev worker is gone" and [r.kernel for r in ag.rows] == ["k"]
 
 
 def test_a_straddling_row_whose_share_fits_no_pair_stands_on_its_planned_pairs() -> None:

@@ -292,7 +292,7 @@ class Against:
         finally:  # stopped in either stretch, or a rebuild that failed: the first verdict stands, unconfirmed
             self.notes += [f"{row.kernel} [{row.impl}] was not timed again on fresh workers "
                            f"({why.get(id(row), stopped)}): its first stretch's verdict stands, unconfirmed"
-                           for row, _ in again if row.confirm_ratio is None]
+                           for row, _ in again if row.confirm_ratio is None and not row.broken]
 
     def _first_stretch(self, hellos: dict[str, Hello], targets: list, rev_root: Path, rootdir: Path, state: Any,
                        budget: Budget, again: list[tuple[ABRow, dict]]) -> Comparer:
@@ -322,23 +322,31 @@ class Against:
                             straddling.append((row, request))
                         elif judge(row, self.tolerance, state.settings.contended) in ("FAIL", "faster"):
                             again.append((row, request))
+                    else:  # a worker may have died in the build: the phase stops when a side has none left
+                        _check_sides(pool)
                 except WorkerGone as exc:  # a worker died or hung on this row: the others go on
                     row.reason = str(exc)
                     _check_sides(pool)
                 comparer.drop(row)
             straddling.sort(key=lambda pending: comparer.planned[pending[0].nodeid].pair_s)
             for k, (row, request) in enumerate(straddling):
+                stopped = ""  # what stopped its extension: its pairs so far stand (this tree's worker lost: FAIL)
                 try:
                     self._extend(comparer, row, request, len(straddling) - k)
-                except WorkerGone as exc:  # REV's worker lost (this tree's breaks the row): its pairs so far stand
-                    if not row.broken:
-                        self.notes.append(f"{row.kernel} [{row.impl}] stopped being measured further ({exc}): "
+                except WorkerGone as exc:
+                    stopped = str(exc)
+                except KeyboardInterrupt:
+                    stopped = "interrupted"
+                    raise
+                finally:  # judged on every pair it has, and timed again if it failed, however the extension ended
+                    if stopped and not row.broken:
+                        self.notes.append(f"{row.kernel} [{row.impl}] stopped being measured further ({stopped}): "
                                           f"judged on the {len(row.rev_times)} pairs it has")
-                    _check_sides(pool)
-                outcome = judge(row, self.tolerance, state.settings.contended)
-                if outcome in ("FAIL", "faster") and not row.broken:  # broken: no timing clears it
-                    again.append((row, request))
+                    outcome = judge(row, self.tolerance, state.settings.contended)
+                    if outcome in ("FAIL", "faster") and not row.broken:  # broken: no timing clears it
+                        again.append((row, request))
                 comparer.drop(row)
+                _check_sides(pool)  # a worker lost in the extension or its build: stop when a side has none
         return comparer
 
     def _time_again(self, hellos: dict[str, Hello], comparer: Comparer, again: list[tuple[ABRow, dict]],
