@@ -1125,6 +1125,34 @@ def test_only_the_claimed_impls_this_tree_ran_are_compared(tmp_path: Path) -> No
     assert [(kernel, impl) for _, kernel, impl in ag._targets(state)] == [("k", "optimized")]
 
 
+class _Straddling:
+    """A stand-in for perfgate's Comparer in ``_compare_with``: every row built, its planned pairs 7 at
+    1.0 with an interval straddling the line (0.9-1.1), 10 s of extension each; tests override the rest."""
+
+    def __init__(self, pool: object, tolerance: float, budget: object) -> None:
+        self.planned: dict = {}
+
+    def build(self, row: Any, request: dict) -> bool:
+        return True
+
+    def time_row(self, row: Any) -> bool:
+        import types
+
+        self.planned[row.nodeid] = types.SimpleNamespace(pair_s=1.0)
+        row.rev_times, row.this_times, row.contention = [1.0] * 7, [1.0] * 7, 0.0
+        row.ratio, row.low, row.high = 1.0, 0.9, 1.1
+        return True
+
+    def extension_s(self, rows_left: int = 1) -> float:
+        return 10.0
+
+    def use(self, pool: object) -> None:
+        pass
+
+    def drop(self, row: Any) -> None:
+        pass
+
+
 def _compare_with(monkeypatch, tmp_path: Path, comparer: type, kernels: str) -> Any:
     """``Against._compare`` over one row per letter of ``kernels`` (test_k.py's test_<letter>, impl
     optimized) with ``comparer`` for perfgate's Comparer and a pool that starts nothing; a Ctrl-C or a
@@ -1224,40 +1252,20 @@ def test_a_straddling_row_this_trees_worker_cannot_build_again_fails_without_bei
         monkeypatch, tmp_path: Path) -> None:
     """This tree's worker breaks on the row's second build: FAIL, and no fresh workers are started for a
     verdict the break already fixes."""
-    import types
 
     import perfgate.against as A
-    from perfgate.abrun import Budget
 
     builds, confirmed = [], []
 
-    class Comparer:
-        def __init__(self, pool: object, tolerance: float, budget: Budget) -> None:
-            self.planned = {}
-
+    class Comparer(_Straddling):
         def build(self, row: A.ABRow, request: dict) -> bool:
             builds.append(row.kernel)
             if len(builds) > 1:
                 row.broken = "this worker 0: MemoryError"
             return len(builds) == 1
 
-        def time_row(self, row: A.ABRow) -> bool:
-            self.planned[row.nodeid] = types.SimpleNamespace(pair_s=1.0)
-            row.rev_times, row.this_times, row.contention = [1.0] * 7, [1.0] * 7, 0.0
-            row.ratio, row.low, row.high = 1.0, 0.9, 1.1
-            return True
-
-        def extension_s(self, rows_left: int = 1) -> float:
-            return 10.0
-
         def confirm(self, row: A.ABRow) -> None:
             confirmed.append(row.kernel)
-
-        def use(self, pool: object) -> None:
-            pass
-
-        def drop(self, row: A.ABRow) -> None:
-            pass
 
     ag = _compare_with(monkeypatch, tmp_path, Comparer, "k")
     assert builds == ["k", "k"] and confirmed == [] and ag.rows[0].outcome == "FAIL"
@@ -1267,29 +1275,21 @@ def test_a_failure_left_unconfirmed_by_a_ctrl_c_in_the_extensions_says_so(monkey
     """Row k fails on its planned pairs and waits to be timed again; Ctrl-C lands while row j, straddling,
     is extended: j is judged on the pairs it has and k's failure stands, each with its note, and nothing
     more is timed."""
-    import types
 
     import perfgate.against as A
-    from perfgate.abrun import Budget
 
     events = []
 
-    class Comparer:
-        def __init__(self, pool: object, tolerance: float, budget: Budget) -> None:
-            self.planned = {}
-
+    class Comparer(_Straddling):
         def build(self, row: A.ABRow, request: dict) -> bool:
             events.append(("build", row.kernel))
             return True
 
         def time_row(self, row: A.ABRow) -> bool:  # k: this tree 1.25x slower, decided; j straddles
-            self.planned[row.nodeid] = types.SimpleNamespace(pair_s=1.0)
-            row.rev_times, row.this_times, row.contention = [1.0] * 7, [1.0] * 7, 0.0
-            row.ratio, row.low, row.high = (0.8, 0.75, 0.85) if row.kernel == "k" else (1.0, 0.9, 1.1)
+            super().time_row(row)
+            if row.kernel == "k":
+                row.ratio, row.low, row.high = 0.8, 0.75, 0.85
             return row.kernel == "j"
-
-        def extension_s(self, rows_left: int = 1) -> float:
-            return 10.0
 
         def extend(self, row: A.ABRow, rows_left: int = 1) -> None:
             events.append(("extend", row.kernel))
@@ -1297,9 +1297,6 @@ def test_a_failure_left_unconfirmed_by_a_ctrl_c_in_the_extensions_says_so(monkey
 
         def use(self, pool: object) -> None:
             raise AssertionError("fresh workers started after Ctrl-C")
-
-        def drop(self, row: A.ABRow) -> None:
-            pass
 
     ag = _compare_with(monkeypatch, tmp_path, Comparer, "kj")
     assert ag.interrupted and events == [("build", "k"), ("build", "j"), ("build", "j"), ("extend", "j")]
@@ -1326,30 +1323,13 @@ def test_a_worker_lost_mid_extension(monkeypatch, tmp_path: Path, case: str, ext
     every pair it has (the extension reads them, as after Ctrl-C), with a note, never 'not comparable';
     read slower, it is timed again on fresh workers as any failure, unless that was REV's last worker (the
     phase stops, and the note says it was not timed again). This tree's: FAIL, no note, not timed again."""
-    import types
 
     import perfgate.against as A
-    from perfgate.abrun import Budget
     from perfgate.workers import WorkerGone
 
     timed_again = []
 
-    class Comparer:
-        def __init__(self, pool: object, tolerance: float, budget: Budget) -> None:
-            self.planned = {}
-
-        def build(self, row: A.ABRow, request: dict) -> bool:
-            return True
-
-        def time_row(self, row: A.ABRow) -> bool:
-            self.planned[row.nodeid] = types.SimpleNamespace(pair_s=1.0)
-            row.rev_times, row.this_times, row.contention = [1.0] * 7, [1.0] * 7, 0.0
-            row.ratio, row.low, row.high = 1.0, 0.9, 1.1
-            return True
-
-        def extension_s(self, rows_left: int = 1) -> float:
-            return 10.0
-
+    class Comparer(_Straddling):
         def extend(self, row: A.ABRow, rows_left: int = 1) -> None:
             row.rev_times, row.this_times = [1.0] * 14, [1.0] * 14
             row.ratio, row.low, row.high = extended
@@ -1361,12 +1341,6 @@ def test_a_worker_lost_mid_extension(monkeypatch, tmp_path: Path, case: str, ext
         def confirm(self, row: A.ABRow) -> None:
             timed_again.append(row.kernel)
             row.confirm_ratio = 0.8
-
-        def use(self, pool: object) -> None:
-            pass
-
-        def drop(self, row: A.ABRow) -> None:
-            pass
 
     def last_worker_gone(pool: object) -> None:
         raise WorkerGone("every rev worker is gone")
@@ -1383,23 +1357,16 @@ def test_the_last_rev_worker_lost_in_a_build_stops_the_phase(monkeypatch, tmp_pa
     """REV's last worker dies while row k is built (Comparer.build reads that as REV unable to run it):
     the phase stops with the problem, so the run cannot pass on rows all 'not comparable'; j is not built."""
     import perfgate.against as A
-    from perfgate.abrun import Budget
     from perfgate.workers import WorkerGone
 
     built, rev_left = [], [1]
 
-    class Comparer:
-        def __init__(self, pool: object, tolerance: float, budget: Budget) -> None:
-            self.planned = {}
-
+    class Comparer(_Straddling):
         def build(self, row: A.ABRow, request: dict) -> bool:
             built.append(row.kernel)
             rev_left[0] = 0
             row.reason = "REV cannot run it: rev0 died (exit -9)"
             return False
-
-        def drop(self, row: A.ABRow) -> None:
-            pass
 
     def check_sides(pool: object) -> None:
         if not rev_left[0]:
