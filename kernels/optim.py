@@ -258,9 +258,11 @@ def implementation(kind: str, params: list[Tensor], dampened: bool = False) -> d
     (fused kernels mis-step strided views and do not take complex parameters; SGD with momentum and
     dampening, ``dampened``, has no exact zero buffer to start from)."""
     devices = {p.device.type for p in params}
-    if len(devices) == 1 and devices <= set(FOREACH_DEVICES[kind]):
+    if len(devices) != 1:
+        return {}
+    if devices <= set(FOREACH_DEVICES[kind]):
         return {"foreach": True}
-    if (devices <= set(FUSED_DEVICES[kind]) and len(devices) == 1 and not dampened
+    if (devices <= set(FUSED_DEVICES[kind]) and not dampened
             and all(p.is_floating_point() and _dense(p) for p in params)):
         return {"fused": True}
     return {}
@@ -311,8 +313,8 @@ class _Chosen:
         defaults = self.defaults  # type: ignore[attr-defined]
         _group(self.kind, group, {k: v for k, v in defaults.items() if k in HYPERPARAMETERS[self.kind]},
                "param_group")
-        fusable = implementation(self.kind, _tensors([group]), _dampened(defaults, [group]))
-        if defaults.get("fused") and not fusable:
+        chosen = implementation(self.kind, _tensors([group]), _dampened(defaults, [group]))
+        if defaults.get("fused") and not chosen.get("fused"):
             raise ValueError(f"param_group cannot take the fused step kernels.{self.kind} chose for this "
                              "optimizer's parameters (a strided view, a complex parameter, another device, or SGD "
                              "momentum with dampening): build the optimizer with every group, "
