@@ -19,7 +19,7 @@ F = torch.nn.functional
 def test_a_matmul_reads_its_inputs_writes_its_output_and_counts_2mnk() -> None:
     a, b = torch.randn(32, 64), torch.randn(64, 16)
     work = count_work(lambda: a @ b)
-    assert work.bytes == 4 * (32 * 64 + 64 * 16 + 32 * 16)
+    assert work.bytes == 4 * (32 * 64 + 64 * 16 + 32 * 16) and work.written == 4 * 32 * 16
     assert work.flops == {"float32": 2 * 32 * 64 * 16}
 
 
@@ -42,7 +42,7 @@ def test_complex_flops_count_as_real_flops_of_the_matching_real_dtype() -> None:
 def test_in_place_updates_count_read_and_written_once() -> None:
     p, g = torch.randn(1000), torch.randn(1000)
     work = count_work(lambda: (p.add_(g, alpha=-0.1), p.mul_(0.9)))  # p read and written once
-    assert work.bytes == 4 * 1000 * 3
+    assert work.bytes == 4 * 1000 * 3 and work.written == 4 * 1000
 
 
 def test_foreach_lists_and_out_buffers_are_seen() -> None:
@@ -50,6 +50,8 @@ def test_foreach_lists_and_out_buffers_are_seen() -> None:
     assert count_work(lambda: torch._foreach_add_(ps, gs)).bytes == 4 * 100 * 9  # read p, g; write p
     x, out = torch.randn(500), torch.empty(500)
     assert count_work(lambda: torch.mul(x, 2, out=out)).bytes == 4 * 500 * 2  # out= written, never read
+    assert count_work(lambda: torch.mul(x, 2, out=out)).written == 4 * 500
+    assert count_work(lambda: torch._foreach_add_(ps, gs)).written == 4 * 100 * 3
     assert count_work(lambda: out.copy_(x)).bytes == 4 * 500 * 2
 
 
@@ -84,6 +86,26 @@ def test_what_numpy_reads_counts_and_an_input_returned_nothing() -> None:
     a, b = torch.randn(10, 10), torch.randn(10, 10)
     assert count_work(lambda: (out.numpy().ctypes.data, torch.mul(a, b, out=out))).bytes == 3 * 400
     assert "numpy" not in vars(torch.Tensor)  # Tensor.numpy is torch's again
+
+
+def test_a_c_pass_that_raises_its_outputs_version_wrote_it() -> None:
+    """A C pass writing through ``.numpy()`` says so as torch's in-place ops do, by raising the
+    tensor's version (``kernels.nontemporal.outer``): its output counts as written, not read. A
+    version an op raised is the op's write, which leaves what ``.numpy()`` saw beside it read."""
+    x, out = torch.randn(100), torch.empty(100)
+
+    def c_pass() -> None:
+        out.numpy()[:] = x.numpy() * 2
+        torch.autograd.graph.increment_version(out)
+
+    work = count_work(c_pass)
+    assert work.bytes == 2 * 400 and work.written == 400
+    assert count_work(lambda: out.numpy().__setitem__(slice(None), 1.0)).written == 0  # no version raised: read
+    seen = count_work(lambda: (float(x.numpy().sum()), x[:50].mul_(2)))  # x read outside, half written by an op
+    assert seen.bytes == 400 + 200 and seen.written == 200
+    with torch.inference_mode():
+        frozen = torch.randn(100)
+    assert count_work(lambda: float(frozen.numpy().sum())).bytes == 400  # no version counter: read
 
 
 def test_a_read_outside_counts_whatever_ops_read_beside_it() -> None:
@@ -233,9 +255,9 @@ def test_setup_is_not_counted_and_cpu_attention_has_flops() -> None:
     assert work.flops == {"float32": 4 * 2 * 16 * 16 * 8}  # QK^T and PV: 2 * 2 * B*H*S*S*D
 
 
-def _limits(stream: float = 10.0, peak: float = 100.0) -> Limits:
+def _limits(stream: float = 10.0, peak: float = 100.0, fill: float | None = None) -> Limits:
     lim = Limits("cpu", "cpu-x", None)
-    lim.values.update(stream_gbps=stream, gemm_gflops={"float32": peak})
+    lim.values.update(stream_gbps=stream, fill_gbps=fill, gemm_gflops={"float32": peak})
     return lim
 
 
@@ -250,6 +272,22 @@ def test_a_figure_is_the_least_time_over_the_measured() -> None:
     assert lim.figure(Work(bytes=0.0), seconds=1.0) is None  # nothing counted: no figure
     assert lim.figure(Work(bytes=0.0, flops={"float32": 0.0}), seconds=1.0) is None  # an empty matmul's
     assert count_work(lambda: torch.randn(0, 4) @ torch.randn(4, 4)).total_flops == 0
+
+
+def test_the_bytes_written_are_held_to_the_writes_alone_rate() -> None:
+    """A call that writes more than it reads is bound by the fill's rate, which no write passes
+    however few bytes are read beside it; the stream bounds it when its reads make up the rest."""
+    lim = _limits(stream=10.0, fill=4.0)
+    writer = lim.figure(Work(bytes=1e9, written=8e8), seconds=0.4)  # least: 0.2 s writing, 0.1 s streaming
+    assert writer.bound == "write" and writer.fraction == pytest.approx(0.5) and writer.gbps == pytest.approx(2.5)
+    mixed = lim.figure(Work(bytes=1e9, written=3e8), seconds=0.4)  # 0.075 s writing: the stream's 0.1 s binds
+    assert mixed.bound == "memory" and mixed.fraction == pytest.approx(0.25)
+    tie = lim.figure(Work(bytes=1e9, written=4e8), seconds=0.2)  # 0.1 s each way: the stream's, as it was
+    assert tie.bound == "memory"
+    assert _limits(stream=10.0).figure(Work(bytes=1e9), 0.2).bound == "memory"  # nothing written: no fill needed
+    out, column, row = torch.empty(256, 256), torch.ones(256, 1), torch.ones(1, 256)
+    counted = count_work(lambda: torch.mul(column, row, out=out))  # an outer product: reads 2 x 256, writes 256^2
+    assert counted.written == out.nbytes and counted.bytes == out.nbytes + 2 * 4 * 256
 
 
 def test_a_side_not_measured_reads_a_dash_not_zero() -> None:
@@ -273,14 +311,19 @@ def test_the_roofline_sections_cells_and_why_an_impl_has_no_share() -> None:
               "bound": "compute", "note": ""}
     compute_only = {**placed, "bytes": 0.0, "gbps": 0.0}
     unseen = {**placed, "bytes": 0.0, "flops": {}, "gbps": 0.0, "gflops": None, "fraction": None, "bound": None}
-    uncounted = {**unseen, "bytes": None, "flops": None, "gbps": None, "note": "count_work raised"}
+    uncounted = {**unseen, "bytes": None, "written": None, "flops": None, "gbps": None,
+                 "note": "count_work raised"}
+    writer = {**placed, "bytes": 5e6, "written": 4.5e6, "flops": {}, "gflops": None, "fraction": 0.61,
+              "bound": "write"}
     rows = [dict(zip(PLACED_HEADER, cells, strict=True))
-            for cells in placed_cells([placed, compute_only, unseen, uncounted])]
-    assert rows[0] == {"kernel": "k", "impl": "optimized", "size": "B=8", "ms": "2.000", "MB moved": "3.0",
-                       "GFLOP": "5.000", "GB/s": "1.5", "GFLOP/s": "2500.0", "roofline": "42% flop"}
+            for cells in placed_cells([placed, compute_only, unseen, uncounted, writer])]
+    assert rows[0] == {"kernel": "k", "impl": "optimized", "size": "B=8", "ms": "2.000",
+                       "MB moved (written)": "3.0", "GFLOP": "5.000", "GB/s": "1.5", "GFLOP/s": "2500.0",
+                       "roofline": "42% flop"}
     assert rows[1]["roofline"] == "42% flop"  # FLOPs and no byte: placed by its FLOPs
     assert rows[2]["roofline"] == "- (no torch op seen)" and rows[2]["GFLOP"] == "-"
-    assert rows[3]["roofline"] == "- (not counted: count_work raised)" and rows[3]["MB moved"] == "-"
+    assert rows[3]["roofline"] == "- (not counted: count_work raised)" and rows[3]["MB moved (written)"] == "-"
+    assert rows[4]["MB moved (written)"] == "5.0 (4.5)" and rows[4]["roofline"] == "61% write"
 
 
 def test_a_limit_a_call_passed_is_measured_again_once_and_never_lowered(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -302,6 +345,17 @@ def test_a_limit_a_call_passed_is_measured_again_once_and_never_lowered(monkeypa
     monkeypatch.setattr(roofline, "_stream", lambda device: calls.append(device) or dict(rates))
     fresh = Limits("cpu", "cpu-x", None)  # a limit this session measured is not measured again
     assert fresh.recheck([(Work(bytes=1e12), 1.0)]) == [] and fresh.stream_gbps == 20.0 and calls == ["cpu"]
+
+
+def test_a_write_bound_call_past_the_fill_measures_the_stream_and_says_which_rose(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import perfgate.roofline as roofline
+
+    monkeypatch.setattr(roofline, "_stream", lambda device: {"scale": 9.0, "copy": 8.0, "triad": 8.0, "fill": 6.0})
+    lim = _limits(stream=10.0, fill=4.0)
+    assert lim.recheck([(Work(bytes=1e9, written=1e9), 0.2)]) == ["writes alone 4.0 -> 6.0 GB/s"]  # 5 GB/s written
+    assert lim.stream_gbps == 10.0 and lim.write_gbps == 6.0  # each kept at its best
+    assert lim.figure(Work(bytes=1e9, written=1e9), 0.2).fraction == pytest.approx(5.0 / 6.0)
 
 
 def test_the_stream_limit_is_the_best_read_and_write_rate_and_a_lower_one_is_no_rise(
@@ -387,6 +441,12 @@ def test_the_measured_rates_count_what_each_pass_moves_at_its_best(monkeypatch: 
     monkeypatch.setattr(roofline, "_best", lambda fn, device, calls=5: 0.1)
     n = 4 * 2**25 / 0.1 / 1e9  # GB/s of one array read or written a call
     assert roofline._stream("cpu") == pytest.approx({"scale": 2 * n, "copy": 2 * n, "triad": 3 * n, "fill": n})
+    # the fill is the faster of torch's and libc's memset, of a non-zero byte over the whole array
+    memsets: list[tuple[int, int]] = []
+    monkeypatch.setattr(roofline, "_libc_memset", lambda: lambda address, byte, size: memsets.append((byte, size)))
+    monkeypatch.setattr(roofline, "_best", lambda fn, device, calls=5: 0.05 if fn() is None else 0.1)
+    assert roofline._stream("cpu")["fill"] == pytest.approx(2 * n) and memsets == [(0x3F, 4 * 2**25)]
+    assert roofline._stream("meta")["fill"] == pytest.approx(n) and len(memsets) == 1  # a device: torch's only
     sizes: list[int] = []
 
     def best(fn: Any, device: str, calls: int = 5) -> float:
@@ -454,11 +514,12 @@ def test_a_session_prints_and_stores_each_impls_place(pytester: pytest.Pytester)
     assert result.ret == 0, result.stdout.str()
     result.stdout.re_match_lines([r"perfgate roofline at .*stream [\d.]+ GB/s \(writes alone [\d.]+\), "
                                   r"float32 GEMM [\d.]+ GFLOP/s",
-                                  r"mm\s+optimized\s+256\^2\s+[\d.]+\s+0\.8\s+0\.034\s+.*\d+% flop"])
+                                  r"mm\s+optimized\s+256\^2\s+[\d.]+\s+0\.8 \(0\.3\)\s+0\.034\s+.*\d+% flop"])
     section = json.loads((pytester.path / "out.json").read_text())["perfgate"]
     (entry,) = section["roofline"]["impls"]
     assert section["roofline"]["count_rule"] == COUNT_RULE
     assert entry["bytes"] == 3 * 4 * 256**2 and entry["flops"] == {"float32": 2 * 256**3}
+    assert entry["written"] == 4 * 256**2
     least = 2 * 256**3 / (section["roofline"]["limits"]["gemm_gflops"]["float32"] * 1e9)
     assert entry["fraction"] == pytest.approx(least / (entry["ms"] / 1e3))
     (row,) = section["speedups"]

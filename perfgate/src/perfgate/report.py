@@ -240,7 +240,7 @@ def _roofline_markdown(roofline: dict) -> list[str]:
     else:
         rule_note = []
     return [f"Roofline: {where}; each impl's least time (bytes moved at the "
-            "stream bandwidth, FLOPs at the GEMM peak) over its median "
+            "stream bandwidth, bytes written at the writes-alone rate, FLOPs at the GEMM peak) over its median "
             "([how to read it](perfgate.md#the-roofline-column)).", "", *rule_note,
             "| " + " | ".join(PLACED_HEADER) + " |", "|" + "---|" * len(PLACED_HEADER),
             *("| " + " | ".join(cells) + " |" for cells in placed_cells(entries)), ""]

@@ -1,9 +1,10 @@
 """The roofline: what one call must move and compute (``Work``), what this machine can move and
 compute (``Limits``), and how close a row's time comes to the least the two allow (``Figure``).
 
-A call's least time is ``max(bytes / bandwidth, sum over dtypes of flops / that dtype's GEMM
-peak)``: every input read once and every output written once at the streaming bandwidth, every
-FLOP at the GEMM rate. A row's roofline percentage is that least time over its measured median.
+A call's least time is ``max(bytes / stream, written / writes' rate, sum over dtypes of flops /
+that dtype's GEMM peak)``: every input read once and every output written once at the streaming
+bandwidth, the bytes written no faster than the machine writes alone, every FLOP at the GEMM
+rate. A row's roofline percentage is that least time over its measured median.
 docs/perfgate.md, "The roofline column", says how to read it and where the model is low.
 """
 
@@ -28,7 +29,7 @@ LIMITS_VERSION = 1
 # the counting rule's version, stored with every run's figures: raised whenever ``count_work``
 # counts some call differently (the CHANGELOG says how), so a report can tell figures counted
 # under an earlier rule from today's
-COUNT_RULE = 5
+COUNT_RULE = 6
 # a limits file's rates (GB/s) and the threads' round trip (ns): each a positive number, or None
 RATES = ("stream_gbps", "scale_gbps", "copy_gbps", "triad_gbps", "fill_gbps", "round_trip_ns")
 
@@ -36,12 +37,14 @@ RATES = ("stream_gbps", "scale_gbps", "copy_gbps", "triad_gbps", "fill_gbps", "r
 @dataclass(frozen=True)
 class Work:
     """One call's least work: ``bytes`` (the elements it reads of tensors that existed before it,
-    once; the elements it returns or writes in place, once) and ``flops`` by dtype name, as
+    once; the elements it returns or writes in place, once), ``written`` (those it returns or
+    writes in place, a part of ``bytes``) and ``flops`` by dtype name, as
     ``torch.utils.flop_counter`` counts them (matmuls, convolutions, attention); a complex op's
     count, which the counter makes as a real op's, is 4x that in its real dtype (complex64: float32)."""
 
     bytes: float
     flops: dict[str, float] = field(default_factory=dict)
+    written: float = 0.0
 
     @property
     def total_flops(self) -> float:
@@ -191,6 +194,15 @@ def _written(func: Any, args: tuple, kwargs: dict) -> tuple[set[int], set[int]]:
     return writes, pure
 
 
+def _version(t: Any) -> int | None:
+    """A tensor's version counter (raised by each write in place), None for one without (an
+    inference tensor)."""
+    try:
+        return int(t._version)
+    except (RuntimeError, AttributeError):
+        return None
+
+
 class _Traffic:
     """What one call's ops read, wrote and made, by storage, and their FLOPs by dtype. A storage is
     keyed by its address and how many storages the call saw there died before it (``key``): an
@@ -205,6 +217,9 @@ class _Traffic:
         self.made: dict[_Traffic.Key, _Views] = {}  # of those, the views overwritten (read after: the call's own)
         self.fresh: set[_Traffic.Key] = set()  # storages the call allocated
         self.outside: dict[_Traffic.Key, _Views] = {}  # of those, the views handed to .numpy()
+        # per storage handed out: its tensors, each with its version then and the ops' writes to it till then
+        self.versions: dict[_Traffic.Key, list[tuple[Any, int | None, int]]] = {}
+        self.op_writes: dict[_Traffic.Key, int] = {}  # of those, the tensors ops wrote (one version each)
         self.flops: dict[str, float] = {}
         self.generation: dict[int, int] = {}  # address -> storages seen there that died
         self.alive: dict[_Traffic.Key, list[weakref.ref]] = {}  # the storage objects of each key still alive
@@ -265,19 +280,32 @@ class _Traffic:
         span, key = self.spanned(t)
         if key is not None and key not in self.fresh:
             self.outside.setdefault(key, _Views()).add(span)
+            self.versions.setdefault(key, []).append((t, _version(t), self.op_writes.get(key, 0)))
+
+    def note_written(self, tensors: list, writes: set[int]) -> None:
+        """An op's writes to storages handed out: torch raises a tensor's version once for each
+        argument an op writes (after the op, so counted rather than read here)."""
+        for t in tensors:
+            if id(t) in writes and self.versions and (key := self.key(t)) in self.versions:
+                self.op_writes[key] = self.op_writes.get(key, 0) + 1
 
     def read_outside(self) -> None:
         """Count what was handed to ``.numpy()`` as read, beside whatever ops read of the same
         storage (a C pass over all of x, an op on its first row: x once), unless ops wrote all of
         it: then the array was a C pass's output, or a look at its pages before an op wrote it,
-        and the op's write counts."""
+        and the op's write counts. A storage whose version rose more than the ops that wrote it
+        raise it (once per tensor written), as a C pass raises it to say it wrote
+        (``torch.autograd.graph.increment_version``), counts as written there, not read."""
         for key, views in self.outside.items():
             wrote = _Views()
             for done in (self.written.get(key), self.made.get(key)):
                 wrote.spans.update(done.spans if done is not None else {})
+            ops = self.op_writes.get(key, 0)
+            raised = any(v is not None and (now := _version(t)) is not None and now - v > ops - before
+                         for t, v, before in self.versions.get(key, []))
             for span in views.spans.values():
                 if not wrote.covers(span):
-                    self.read.setdefault(key, _Views()).add(span)
+                    (self.written if raised else self.read).setdefault(key, _Views()).add(span)
 
     def note_cloned(self, storage: Any) -> None:
         """``storage``, a copy a storage's ``clone`` (a ``copy.deepcopy``'s) allocated outside the
@@ -333,8 +361,10 @@ def _counter() -> Any:
             # the storages the op's inputs hold before it runs, and those it takes as objects (set_'s)
             given = {s.data_ptr() for s in leaves if isinstance(s, torch.UntypedStorage) and s.data_ptr()}
             given |= {where[0] for t in flat if (where := _storage(t)) is not None}
-            self.note_inputs(flat, *_written(func, args, kwargs))
+            writes, pure = _written(func, args, kwargs)
+            self.note_inputs(flat, writes, pure)
             out = func(*args, **kwargs)
+            self.note_written(flat, writes)
             kind = None if formula is None else next(
                 (t.dtype for t in flat if t.is_floating_point() or t.is_complex()), None)
             if kind is not None:  # a counted op in floating point: an integer matmul has no GEMM peak
@@ -354,7 +384,8 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
     once under a dispatch mode that sees each op's tensors. Per storage, the views an op reads or
     writes count once each, as the union of their spans (a slice of a cache: the slice; two
     halves: the whole). A tensor handed to ``.numpy()`` during the call (a C pass, a peer's numpy)
-    counts as read, its own elements, unless ops wrote all of it (``_Traffic.read_outside``). What
+    counts as read, its own elements, unless ops wrote all of it, or its version rose with no op
+    writing it (a C pass's output: written; ``_Traffic.read_outside``). What
     it returns that it made counts as written; an input returned as is does not; a storage's clone
     (``copy.deepcopy``'s) is made. A ``torch.compile``'d function is counted by the ops its Python
     runs (compiled code is skipped)."""
@@ -396,19 +427,22 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
                 outputs.setdefault(key, _Views()).add(span)
     finally:
         counter.alive.clear()  # its watches end with the count, failed or not (each calls back into the counter)
+        counter.versions.clear()  # and the tensors handed out, which it held
         storage_base.clone = clone
         if own:
             torch.Tensor.numpy = numpy
         else:
             del torch.Tensor.numpy
-    moved = sum(v.bytes() for views in (counter.read, counter.written, outputs) for v in views.values())
-    return Work(bytes=float(moved), flops=dict(counter.flops))
+    written = sum(v.bytes() for views in (counter.written, outputs) for v in views.values())
+    moved = written + sum(v.bytes() for v in counter.read.values())
+    return Work(bytes=float(moved), flops=dict(counter.flops), written=float(written))
 
 
 @dataclass(frozen=True)
 class Figure:
     """A row's place under the roofline: ``fraction`` of the least time it could take,
-    ``bound`` ("memory" or "compute", the larger term), and what it achieved."""
+    ``bound`` (the largest term: "memory", the bytes at the stream bandwidth; "write", the bytes
+    written at the writes-alone rate; "compute"), and what it achieved."""
 
     fraction: float
     bound: str
@@ -449,6 +483,14 @@ class Limits:
             self._measure_stream()
         return float(self.values["stream_gbps"])
 
+    @property
+    def write_gbps(self) -> float:
+        """The best rate of writes alone over a 128 MiB array, GB/s (torch's fill, and on a CPU
+        libc's memset: ``_stream``): no call writes faster, however few bytes it reads."""
+        if self.values["fill_gbps"] is None:
+            self._measure_stream()
+        return float(self.values["fill_gbps"])
+
     def peak(self, dtype: str) -> float:
         """The best GEMM rate in ``dtype``, GFLOP/s (square matrices, grown until one product
         takes 50 ms)."""
@@ -487,12 +529,13 @@ class Limits:
             figure = self.figure(work, seconds)
             if figure is None or figure.fraction <= 1.0:
                 continue
-            if figure.bound == "memory" and "stream" not in self.rechecked:
-                self.rechecked.add("stream")
-                before = self.stream_gbps
+            if figure.bound in ("memory", "write") and "stream" not in self.rechecked:
+                self.rechecked.add("stream")  # the stream and the writes' rate are measured together
+                names = {"stream": "stream_gbps", "writes alone": "fill_gbps"}
+                before = {name: self.values[key] for name, key in names.items()}
                 self._measure_stream()
-                if self.stream_gbps > before:
-                    rose.append(f"stream {before:.1f} -> {self.stream_gbps:.1f} GB/s")
+                rose += [f"{name} {was:.1f} -> {self.values[names[name]]:.1f} GB/s" for name, was in before.items()
+                         if was is not None and self.values[names[name]] > was]
             for dtype in [d for d, f in work.flops.items() if f > 0] if figure.bound == "compute" else []:
                 if dtype not in self.rechecked:
                     self.rechecked.add(dtype)
@@ -521,9 +564,11 @@ class Limits:
         """Where a call of ``work`` taking ``seconds`` sits under this machine's roofline."""
         if seconds <= 0 or (work.bytes <= 0 and work.total_flops <= 0):
             return None
-        memory = work.bytes / (self.stream_gbps * 1e9)
-        compute = sum(f / (self.peak(d) * 1e9) for d, f in work.flops.items() if f > 0)
-        return Figure(fraction=max(memory, compute) / seconds, bound="memory" if memory >= compute else "compute",
+        terms = {"memory": work.bytes / (self.stream_gbps * 1e9),
+                 "write": work.written / (self.write_gbps * 1e9) if work.written > 0 else 0.0,
+                 "compute": sum(f / (self.peak(d) * 1e9) for d, f in work.flops.items() if f > 0)}
+        bound = max(terms, key=terms.__getitem__)  # the first of equal terms: memory before write before compute
+        return Figure(fraction=terms[bound] / seconds, bound=bound,
                       gbps=work.bytes / seconds / 1e9,
                       gflops=work.total_flops / seconds / 1e9 if work.total_flops > 0 else None)
 
@@ -586,14 +631,37 @@ def _best(fn: Callable[[], Any], device: str, calls: int = 5) -> float:
 def _stream(device: str) -> dict[str, float]:
     """GB/s of an in-place scale (a *= s), a copy (a = b) and a triad (a = b + s c) of 2**25
     floats (128 MiB an array), and of a fill (a = s): the write bandwidth a kernel whose output
-    dominates (a B x P per-sample gradient) is held to."""
+    dominates (a B x P per-sample gradient) is held to. On a CPU the fill is the faster of
+    torch's and libc's ``memset`` (which streams a large block past the cache on some CPUs, as a
+    kernel's streaming stores do), of a non-zero byte: a zero fill measured 1.7x faster on an AMD
+    Zen 3 guest, a rate no kernel's output reaches."""
     import torch
 
     n = 2**25
     a, b, c = (torch.ones(n, device=device) for _ in range(3))
     seconds = {"scale": (2, lambda: a.mul_(1.0)), "copy": (2, lambda: a.copy_(b)),
                "triad": (3, lambda: torch.add(b, c, alpha=1.5, out=a)), "fill": (1, lambda: a.fill_(1.0))}
-    return {name: arrays * 4 * n / _best(fn, device) / 1e9 for name, (arrays, fn) in seconds.items()}
+    rates = {name: arrays * 4 * n / _best(fn, device) / 1e9 for name, (arrays, fn) in seconds.items()}
+    memset = _libc_memset() if device == "cpu" else None
+    if memset is not None:
+        rates["fill"] = max(rates["fill"], 4 * n / _best(lambda: memset(a.data_ptr(), 0x3F, 4 * n), device) / 1e9)
+    return rates
+
+
+def _libc_memset() -> Callable[[int, int, int], Any] | None:
+    """libc's ``memset(address, byte, bytes)`` through ctypes, or None where no C library is found."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        memset = ctypes.CDLL(name).memset
+    except (OSError, AttributeError):
+        return None
+    memset.argtypes, memset.restype = (ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t), ctypes.c_void_p
+    return memset
 
 
 def _gemm(device: str, dtype: str) -> tuple[float, int]:
@@ -614,7 +682,7 @@ def _gemm(device: str, dtype: str) -> tuple[float, int]:
         n *= 2
 
 
-PLACED_HEADER = ("kernel", "impl", "size", "ms", "MB moved", "GFLOP", "GB/s", "GFLOP/s", "roofline")
+PLACED_HEADER = ("kernel", "impl", "size", "ms", "MB moved (written)", "GFLOP", "GB/s", "GFLOP/s", "roofline")
 
 
 def placed_cells(entries: list[dict]) -> list[tuple[str, ...]]:
@@ -631,7 +699,10 @@ def placed_cells(entries: list[dict]) -> list[tuple[str, ...]]:
             share = f"- (not counted: {e['note']})"
         elif e["bytes"] == 0 and not flops:  # e.g. a CUDA graph's replay, which no dispatch mode sees
             share = "- (no torch op seen)"
-        body.append((e["kernel"], e["impl"], e["label"], f"{e['ms']:.3f}", num(e["bytes"], 1e6),
+        moved = num(e["bytes"], 1e6)
+        if e["bytes"] is not None and e.get("written") is not None:  # a run before COUNT_RULE 6 has none
+            moved += f" ({num(e['written'], 1e6)})"
+        body.append((e["kernel"], e["impl"], e["label"], f"{e['ms']:.3f}", moved,
                      num(flops, 1e9, ".3f"), num(e["gbps"]), num(e["gflops"]), share))
     return body
 

@@ -304,6 +304,7 @@ class GateState:
                 entries.append({
                     "kernel": kernel, "impl": impl, "label": m.label, "ms": 1e3 * seconds,
                     "bytes": None if m.work is None else m.work.bytes,
+                    "written": None if m.work is None else m.work.written,
                     "flops": None if m.work is None else m.work.flops,
                     **({"fraction": None, "bound": None, "gbps": None, "gflops": None} if figure is None
                        else asdict(figure)), "note": m.work_note})

@@ -205,10 +205,11 @@ class SpeedupRow:
     reference_gbps: float | None = None
     optimized_gbps: float | None = None
     optimized_gflops: float | None = None
-    # the impl's least time (roofline.Limits.figure: counted bytes at the stream bandwidth, FLOPs at
-    # the GEMM peak) over its median: 1.0 is the machine's limit; and which term bounds it
+    # the impl's least time (roofline.Limits.figure: counted bytes at the stream bandwidth, the
+    # written ones at the writes-alone rate, FLOPs at the GEMM peak) over its median: 1.0 is the
+    # machine's limit; and which term bounds it
     roofline: float | None = None
-    roofline_bound: str | None = None  # "memory" or "compute"
+    roofline_bound: str | None = None  # "memory", "write" or "compute"
     memory_floor: float | None = None  # least fraction of the reference's peak memory saved
     memory_baseline: float | None = None  # the baseline's optimized/reference peak ratio
     floor_note: str = ""  # why no floor applies to this row where the test declares one
@@ -558,8 +559,12 @@ def _gb(ref: float | None, opt: float | None) -> str:
 
 
 def roofline_cell(fraction: float | None, bound: str | None) -> str:
-    """"38% mem": the share of the machine's limit reached, and which limit ("flop": compute)."""
-    return "-" if fraction is None else f"{fraction:.0%} {'mem' if bound == 'memory' else 'flop'}"
+    """"38% mem": the share of the machine's limit reached, and which limit binds ("mem": the
+    bytes at the stream bandwidth, "write": the bytes written at the writes-alone rate, "flop")."""
+    return "-" if fraction is None else f"{fraction:.0%} {_BOUNDS.get(bound, 'flop')}"
+
+
+_BOUNDS = {"memory": "mem", "write": "write", "compute": "flop"}
 
 
 def _outcome(r: dict) -> str:
