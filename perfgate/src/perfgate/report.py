@@ -239,8 +239,10 @@ def _roofline_markdown(roofline: dict) -> list[str]:
                  "again (the CHANGELOG says what each rule changed).", ""]
     else:
         rule_note = []
+    # rule 6 added the writes-alone term: an earlier run's figures were made without it
+    written = ", bytes written at the writes-alone rate" if rule is not None and rule >= 6 else ""
     return [f"Roofline: {where}; each impl's least time (bytes moved at the "
-            "stream bandwidth, bytes written at the writes-alone rate, FLOPs at the GEMM peak) over its median "
+            f"stream bandwidth{written}, FLOPs at the GEMM peak) over its median "
             "([how to read it](perfgate.md#the-roofline-column)).", "", *rule_note,
             "| " + " | ".join(PLACED_HEADER) + " |", "|" + "---|" * len(PLACED_HEADER),
             *("| " + " | ".join(cells) + " |" for cells in placed_cells(entries)), ""]
