@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from perfgate.roofline import COUNT_RULE, LIMITS_FILE, BadLimits, Limits, Work, count_work, read_limits
+from perfgate.roofline import COUNT_RULE, LIMITS_FILE, BadLimits, Limits, Work, count_work, read_limits, write_rate
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -105,7 +105,39 @@ def test_a_c_pass_that_raises_its_outputs_version_wrote_it() -> None:
     assert seen.bytes == 400 + 200 and seen.written == 200
     with torch.inference_mode():
         frozen = torch.randn(100)
-    assert count_work(lambda: float(frozen.numpy().sum())).bytes == 400  # no version counter: read
+    frozen_work = count_work(lambda: float(frozen.numpy().sum()))
+    assert frozen_work.bytes == 400 and frozen_work.written == 0  # no version counter: read
+
+
+def test_a_c_pass_beside_ops_on_one_storage_is_told_from_them_by_when_the_version_rose() -> None:
+    """An op's own rise is seen at the next look and is the op's; a rise with no op in between is
+    the C pass's, before an op writes the storage or after."""
+    out = torch.empty(100)
+
+    def c_pass() -> None:
+        out.numpy()[:] = 1.0
+        torch.autograd.graph.increment_version(out)
+
+    c_then_op = count_work(lambda: (c_pass(), out[:50].mul_(2)))
+    assert c_then_op.written == 400 and c_then_op.bytes == 400 + 200  # all of out written; the op read its half
+    op_then_c = count_work(lambda: (out[:50].mul_(2), c_pass()))
+    assert op_then_c.written == 400
+    two_ops = count_work(lambda: (float(out.numpy().sum()), out[:50].mul_(2), out[50:].add_(1), out.add_(out)))
+    assert two_ops.written == 400 and two_ops.bytes == 800  # every rise an op's: out read, then written by ops
+    x = torch.randn(100)
+    looked = count_work(lambda: (float(x.numpy().sum()), x[:50].mul_(2), x[:50].add_(x[:50])))
+    assert looked.written == 200  # the ops' rises, one each, are theirs: what .numpy() saw stays read
+
+
+def test_libcs_memset_is_called_as_c_declares_it() -> None:
+    import perfgate.roofline as roofline
+
+    memset = roofline._libc_memset()
+    if memset is None:
+        pytest.skip("no C library found by ctypes.util.find_library('c')")
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    memset(buffer.data_ptr() + 8, 0x3F, 16)
+    assert buffer.tolist() == [0] * 8 + [0x3F] * 16 + [0] * 40
 
 
 def test_a_read_outside_counts_whatever_ops_read_beside_it() -> None:
@@ -284,10 +316,20 @@ def test_the_bytes_written_are_held_to_the_writes_alone_rate() -> None:
     assert mixed.bound == "memory" and mixed.fraction == pytest.approx(0.25)
     tie = lim.figure(Work(bytes=1e9, written=4e8), seconds=0.2)  # 0.1 s each way: the stream's, as it was
     assert tie.bound == "memory"
-    assert _limits(stream=10.0).figure(Work(bytes=1e9), 0.2).bound == "memory"  # nothing written: no fill needed
+    scale = _limits(stream=41.0, fill=18.9)  # an in-place scale writes 20.5 GB/s beside its reads
+    scale.values["scale_gbps"] = 41.0
+    at_stream = scale.figure(Work(bytes=4.1e9, written=2.05e9), seconds=0.1)  # a pass of its shape, at its rate
+    assert at_stream.fraction == pytest.approx(1.0) and at_stream.bound == "memory"
     out, column, row = torch.empty(256, 256), torch.ones(256, 1), torch.ones(1, 256)
     counted = count_work(lambda: torch.mul(column, row, out=out))  # an outer product: reads 2 x 256, writes 256^2
     assert counted.written == out.nbytes and counted.bytes == out.nbytes + 2 * 4 * 256
+
+
+def test_a_call_that_writes_nothing_needs_no_write_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    import perfgate.roofline as roofline
+
+    monkeypatch.setattr(roofline, "_stream", lambda device: pytest.fail("the write rate measured"))
+    assert _limits(stream=10.0).figure(Work(bytes=1e9), 0.2).bound == "memory"  # no fill stored: none needed
 
 
 def test_a_side_not_measured_reads_a_dash_not_zero() -> None:
@@ -304,7 +346,7 @@ def test_a_side_not_measured_reads_a_dash_not_zero() -> None:
 
 
 def test_the_roofline_sections_cells_and_why_an_impl_has_no_share() -> None:
-    from perfgate.roofline import PLACED_HEADER, placed_cells
+    from perfgate.roofline import PLACED_HEADER, placed_cells, placed_header
 
     placed = {"kernel": "k", "impl": "optimized", "label": "B=8", "ms": 2.0, "bytes": 3e6,
               "flops": {"float32": 4e9, "bfloat16": 1e9}, "gbps": 1.5, "gflops": 2500.0, "fraction": 0.42,
@@ -324,6 +366,8 @@ def test_the_roofline_sections_cells_and_why_an_impl_has_no_share() -> None:
     assert rows[2]["roofline"] == "- (no torch op seen)" and rows[2]["GFLOP"] == "-"
     assert rows[3]["roofline"] == "- (not counted: count_work raised)" and rows[3]["MB moved (written)"] == "-"
     assert rows[4]["MB moved (written)"] == "5.0 (4.5)" and rows[4]["roofline"] == "61% write"
+    assert placed_header([placed, writer]) == PLACED_HEADER
+    assert placed_header([placed])[4] == "MB moved"  # a run before rule 6 counted no written bytes
 
 
 def test_a_limit_a_call_passed_is_measured_again_once_and_never_lowered(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -353,7 +397,7 @@ def test_a_write_bound_call_past_the_fill_measures_the_stream_and_says_which_ros
 
     monkeypatch.setattr(roofline, "_stream", lambda device: {"scale": 9.0, "copy": 8.0, "triad": 8.0, "fill": 6.0})
     lim = _limits(stream=10.0, fill=4.0)
-    assert lim.recheck([(Work(bytes=1e9, written=1e9), 0.2)]) == ["writes alone 4.0 -> 6.0 GB/s"]  # 5 GB/s written
+    assert lim.recheck([(Work(bytes=1e9, written=1e9), 0.2)]) == ["write rate 4.0 -> 6.0 GB/s"]  # 5 GB/s written
     assert lim.stream_gbps == 10.0 and lim.write_gbps == 6.0  # each kept at its best
     assert lim.figure(Work(bytes=1e9, written=1e9), 0.2).fraction == pytest.approx(5.0 / 6.0)
 
@@ -423,8 +467,11 @@ def test_the_limits_line_names_each_limit_measured() -> None:
     assert limits_line({"stream_gbps": 10.0}) == "stream 10.0 GB/s"
     values = {"stream_gbps": 34.06, "fill_gbps": 20.0, "gemm_gflops": {"float32": 134.4, "bfloat16": 500.0},
               "round_trip_ns": 85.4}
-    assert limits_line(values) == ("stream 34.1 GB/s (writes alone 20.0), bfloat16 GEMM 500.0 GFLOP/s, "
+    assert limits_line(values) == ("stream 34.1 GB/s (writes 20.0), bfloat16 GEMM 500.0 GFLOP/s, "
                                    "float32 GEMM 134.4 GFLOP/s, threads' round trip 85 ns")
+    # the write rate: a fill's, or the written share of a stream pass measured faster
+    assert write_rate({**values, "scale_gbps": 41.0, "copy_gbps": 30.0, "triad_gbps": 66.0}) == 22.0
+    assert write_rate({**values, "scale_gbps": 30.0}) == 20.0 and write_rate({"scale_gbps": 30.0}) is None
 
 
 def test_the_measured_rates_count_what_each_pass_moves_at_its_best(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -512,7 +559,7 @@ def test_a_session_prints_and_stores_each_impls_place(pytester: pytest.Pytester)
     args = ["--perf-device", "cpu", "--benchmark-max-time=0.05", "-p", "no:cacheprovider", "--perf-contended=inf"]
     result = pytester.runpytest(*args, "--benchmark-json=out.json")
     assert result.ret == 0, result.stdout.str()
-    result.stdout.re_match_lines([r"perfgate roofline at .*stream [\d.]+ GB/s \(writes alone [\d.]+\), "
+    result.stdout.re_match_lines([r"perfgate roofline at .*stream [\d.]+ GB/s \(writes [\d.]+\), "
                                   r"float32 GEMM [\d.]+ GFLOP/s",
                                   r"mm\s+optimized\s+256\^2\s+[\d.]+\s+0\.8 \(0\.3\)\s+0\.034\s+.*\d+% flop"])
     section = json.loads((pytester.path / "out.json").read_text())["perfgate"]

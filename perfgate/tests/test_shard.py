@@ -285,9 +285,9 @@ def test_figures_counted_under_an_earlier_rule_are_marked_so() -> None:
     assert marked(section(COUNT_RULE - 1)) and marked(section(None))
     assert f"rule {COUNT_RULE - 1};" in "".join(_roofline_markdown(section(COUNT_RULE - 1)))
     # the model as the run's rule made its figures: the writes-alone term from rule 6 on
-    assert "bytes written at the writes-alone rate" in "".join(_roofline_markdown(section(COUNT_RULE)))
+    assert "bytes written at the write rate" in "".join(_roofline_markdown(section(COUNT_RULE)))
     for earlier in (5, None):
-        assert "writes-alone" not in "".join(_roofline_markdown(section(earlier)))
+        assert "write rate" not in "".join(_roofline_markdown(section(earlier)))
     later = "".join(_roofline_markdown(section(COUNT_RULE + 1)))  # a newer perfgate's run, read by this one
     assert f"Counted under rule {COUNT_RULE + 1}, a later rule" in later and "earlier" not in later
     shards = [{"roofline": r, "shard": {"index": i + 1}} for i, r in enumerate([section(COUNT_RULE), section(1)])]

@@ -190,6 +190,7 @@ class PerfCase:
         work, work_note = self._work(fn, setup)
         bench.extra_info.update(peak_memory_bytes=peak, work_bytes=work_bytes,
                                 counted_bytes=None if work is None else work.bytes,
+                                counted_written=None if work is None else work.written,
                                 counted_flops=None if work is None else work.flops)
         if self.impl in state.results.get(self.kernel, {}):
             pytest.fail(f"two perf tests measure {self.kernel} [{self.impl}]: perf kernel names come "

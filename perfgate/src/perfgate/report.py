@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .floors import FloorPolicy, Unmeasured
-from .roofline import COUNT_RULE, LIMITS_FILE, PLACED_HEADER, limits_line, placed_cells
+from .roofline import COUNT_RULE, LIMITS_FILE, limits_line, placed_cells, placed_header
 from .session import JSON_KEY
 from .shard import MergeError, merge
 from .stats import CONTENDED, TABLE_HEADER, format_table, gate, row_from_dict, table_cells, verdict
@@ -239,12 +239,12 @@ def _roofline_markdown(roofline: dict) -> list[str]:
                  "again (the CHANGELOG says what each rule changed).", ""]
     else:
         rule_note = []
-    # rule 6 added the writes-alone term: an earlier run's figures were made without it
-    written = ", bytes written at the writes-alone rate" if rule is not None and rule >= 6 else ""
+    # rule 6 added the write-rate term: an earlier run's figures were made without it
+    written = ", bytes written at the write rate" if rule is not None and rule >= 6 else ""
     return [f"Roofline: {where}; each impl's least time (bytes moved at the "
             f"stream bandwidth{written}, FLOPs at the GEMM peak) over its median "
             "([how to read it](perfgate.md#the-roofline-column)).", "", *rule_note,
-            "| " + " | ".join(PLACED_HEADER) + " |", "|" + "---|" * len(PLACED_HEADER),
+            "| " + " | ".join(placed_header(entries)) + " |", "|" + "---|" * len(placed_header(entries)),
             *("| " + " | ".join(cells) + " |" for cells in placed_cells(entries)), ""]
 
 

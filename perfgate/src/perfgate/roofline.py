@@ -1,15 +1,16 @@
 """The roofline: what one call must move and compute (``Work``), what this machine can move and
 compute (``Limits``), and how close a row's time comes to the least the two allow (``Figure``).
 
-A call's least time is ``max(bytes / stream, written / writes' rate, sum over dtypes of flops /
+A call's least time is ``max(bytes / stream, written / write rate, sum over dtypes of flops /
 that dtype's GEMM peak)``: every input read once and every output written once at the streaming
-bandwidth, the bytes written no faster than the machine writes alone, every FLOP at the GEMM
+bandwidth, the bytes written no faster than the machine has written, every FLOP at the GEMM
 rate. A row's roofline percentage is that least time over its measured median.
 docs/perfgate.md, "The roofline column", says how to read it and where the model is low.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import datetime
 import json
@@ -29,7 +30,7 @@ LIMITS_VERSION = 1
 # the counting rule's version, stored with every run's figures: raised whenever ``count_work``
 # counts some call differently (the CHANGELOG says how), so a report can tell figures counted
 # under an earlier rule from today's
-COUNT_RULE = 6
+COUNT_RULE = 7
 # a limits file's rates (GB/s) and the threads' round trip (ns): each a positive number, or None
 RATES = ("stream_gbps", "scale_gbps", "copy_gbps", "triad_gbps", "fill_gbps", "round_trip_ns")
 
@@ -203,6 +204,18 @@ def _version(t: Any) -> int | None:
         return None
 
 
+@dataclass
+class _HandedOut:
+    """A tensor handed to ``.numpy()`` during a count: its view, the version last seen, whether an
+    op wrote its storage since, and whether its version rose with no op writing it."""
+
+    tensor: Any
+    span: _Span
+    seen: int | None
+    op_wrote: bool = False
+    raised: bool = False
+
+
 class _Traffic:
     """What one call's ops read, wrote and made, by storage, and their FLOPs by dtype. A storage is
     keyed by its address and how many storages the call saw there died before it (``key``): an
@@ -217,9 +230,7 @@ class _Traffic:
         self.made: dict[_Traffic.Key, _Views] = {}  # of those, the views overwritten (read after: the call's own)
         self.fresh: set[_Traffic.Key] = set()  # storages the call allocated
         self.outside: dict[_Traffic.Key, _Views] = {}  # of those, the views handed to .numpy()
-        # per storage handed out: its tensors, each with its version then and the ops' writes to it till then
-        self.versions: dict[_Traffic.Key, list[tuple[Any, int | None, int]]] = {}
-        self.op_writes: dict[_Traffic.Key, int] = {}  # of those, the tensors ops wrote (one version each)
+        self.handed: dict[_Traffic.Key, list[_HandedOut]] = {}  # of those, each tensor handed to .numpy()
         self.flops: dict[str, float] = {}
         self.generation: dict[int, int] = {}  # address -> storages seen there that died
         self.alive: dict[_Traffic.Key, list[weakref.ref]] = {}  # the storage objects of each key still alive
@@ -280,32 +291,44 @@ class _Traffic:
         span, key = self.spanned(t)
         if key is not None and key not in self.fresh:
             self.outside.setdefault(key, _Views()).add(span)
-            self.versions.setdefault(key, []).append((t, _version(t), self.op_writes.get(key, 0)))
+            self.handed.setdefault(key, []).append(_HandedOut(t, span, _version(t)))
+
+    def check_versions(self) -> None:
+        """Before each op and at the call's end: a tensor handed out whose version rose since the
+        last look, with no op writing its storage in between, was written outside the dispatcher
+        (a C pass raises it to say so, ``torch.autograd.graph.increment_version``; torch raises it
+        after an op returns, so an op's own rise is seen at the next look)."""
+        for handed in self.handed.values():
+            for h in handed:
+                now = _version(h.tensor)
+                if h.seen is not None and now is not None and now > h.seen and not h.op_wrote:
+                    h.raised = True
+                h.seen, h.op_wrote = now, False
 
     def note_written(self, tensors: list, writes: set[int]) -> None:
-        """An op's writes to storages handed out: torch raises a tensor's version once for each
-        argument an op writes (after the op, so counted rather than read here)."""
+        """An op wrote these of its tensors: a rise in their storages' versions is the op's."""
         for t in tensors:
-            if id(t) in writes and self.versions and (key := self.key(t)) in self.versions:
-                self.op_writes[key] = self.op_writes.get(key, 0) + 1
+            if id(t) in writes and self.handed:
+                for h in self.handed.get(self.key(t), []):
+                    h.op_wrote = True
 
     def read_outside(self) -> None:
         """Count what was handed to ``.numpy()`` as read, beside whatever ops read of the same
         storage (a C pass over all of x, an op on its first row: x once), unless ops wrote all of
         it: then the array was a C pass's output, or a look at its pages before an op wrote it,
-        and the op's write counts. A storage whose version rose more than the ops that wrote it
-        raise it (once per tensor written), as a C pass raises it to say it wrote
-        (``torch.autograd.graph.increment_version``), counts as written there, not read."""
+        and the op's write counts. A view whose tensor's version a C pass raised
+        (``check_versions``) counts as written instead: the C pass's output. The views of one
+        storage share a version, so one a C pass read beside another it wrote counts as written
+        too; an inference tensor has no version, and counts as read."""
+        self.check_versions()
         for key, views in self.outside.items():
             wrote = _Views()
             for done in (self.written.get(key), self.made.get(key)):
                 wrote.spans.update(done.spans if done is not None else {})
-            ops = self.op_writes.get(key, 0)
-            raised = any(v is not None and (now := _version(t)) is not None and now - v > ops - before
-                         for t, v, before in self.versions.get(key, []))
+            raised = {h.span.key for h in self.handed.get(key, []) if h.raised}
             for span in views.spans.values():
                 if not wrote.covers(span):
-                    (self.written if raised else self.read).setdefault(key, _Views()).add(span)
+                    (self.written if span.key in raised else self.read).setdefault(key, _Views()).add(span)
 
     def note_cloned(self, storage: Any) -> None:
         """``storage``, a copy a storage's ``clone`` (a ``copy.deepcopy``'s) allocated outside the
@@ -361,6 +384,8 @@ def _counter() -> Any:
             # the storages the op's inputs hold before it runs, and those it takes as objects (set_'s)
             given = {s.data_ptr() for s in leaves if isinstance(s, torch.UntypedStorage) and s.data_ptr()}
             given |= {where[0] for t in flat if (where := _storage(t)) is not None}
+            if self.handed:  # a rise since the last op that no op made: a C pass wrote
+                self.check_versions()
             writes, pure = _written(func, args, kwargs)
             self.note_inputs(flat, writes, pure)
             out = func(*args, **kwargs)
@@ -385,7 +410,7 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
     writes count once each, as the union of their spans (a slice of a cache: the slice; two
     halves: the whole). A tensor handed to ``.numpy()`` during the call (a C pass, a peer's numpy)
     counts as read, its own elements, unless ops wrote all of it, or its version rose with no op
-    writing it (a C pass's output: written; ``_Traffic.read_outside``). What
+    writing it in between (a C pass's output: written; ``_Traffic.read_outside``). What
     it returns that it made counts as written; an input returned as is does not; a storage's clone
     (``copy.deepcopy``'s) is made. A ``torch.compile``'d function is counted by the ops its Python
     runs (compiled code is skipped)."""
@@ -427,7 +452,7 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
                 outputs.setdefault(key, _Views()).add(span)
     finally:
         counter.alive.clear()  # its watches end with the count, failed or not (each calls back into the counter)
-        counter.versions.clear()  # and the tensors handed out, which it held
+        counter.handed.clear()  # and the tensors handed out, which it held
         storage_base.clone = clone
         if own:
             torch.Tensor.numpy = numpy
@@ -442,7 +467,7 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
 class Figure:
     """A row's place under the roofline: ``fraction`` of the least time it could take,
     ``bound`` (the largest term: "memory", the bytes at the stream bandwidth; "write", the bytes
-    written at the writes-alone rate; "compute"), and what it achieved."""
+    written at the write rate; "compute"), and what it achieved."""
 
     fraction: float
     bound: str
@@ -485,11 +510,11 @@ class Limits:
 
     @property
     def write_gbps(self) -> float:
-        """The best rate of writes alone over a 128 MiB array, GB/s (torch's fill, and on a CPU
-        libc's memset: ``_stream``): no call writes faster, however few bytes it reads."""
+        """The write rate, GB/s: the fastest this machine has written, alone or beside reads
+        (``write_rate``)."""
         if self.values["fill_gbps"] is None:
             self._measure_stream()
-        return float(self.values["fill_gbps"])
+        return float(write_rate(self.values))
 
     def peak(self, dtype: str) -> float:
         """The best GEMM rate in ``dtype``, GFLOP/s (square matrices, grown until one product
@@ -530,12 +555,13 @@ class Limits:
             if figure is None or figure.fraction <= 1.0:
                 continue
             if figure.bound in ("memory", "write") and "stream" not in self.rechecked:
-                self.rechecked.add("stream")  # the stream and the writes' rate are measured together
-                names = {"stream": "stream_gbps", "writes alone": "fill_gbps"}
-                before = {name: self.values[key] for name, key in names.items()}
+                self.rechecked.add("stream")  # the stream and the write rate are measured together
+                rates = {"stream": lambda: self.values["stream_gbps"],
+                         "write rate": lambda: write_rate(self.values)}
+                before = {name: rate() for name, rate in rates.items()}
                 self._measure_stream()
-                rose += [f"{name} {was:.1f} -> {self.values[names[name]]:.1f} GB/s" for name, was in before.items()
-                         if was is not None and self.values[names[name]] > was]
+                rose += [f"{name} {was:.1f} -> {rates[name]():.1f} GB/s" for name, was in before.items()
+                         if was is not None and rates[name]() > was]
             for dtype in [d for d, f in work.flops.items() if f > 0] if figure.bound == "compute" else []:
                 if dtype not in self.rechecked:
                     self.rechecked.add(dtype)
@@ -588,12 +614,21 @@ class Limits:
         return limits_line(self.values)
 
 
+def write_rate(values: dict[str, Any]) -> float | None:
+    """The fastest a limits file shows this machine writing, GB/s: a fill's rate (writes alone),
+    or the written share of a stream pass (half an in-place scale's or a copy's, a third of a
+    triad's), which reads beside it and may be measured at a quieter time; None before any."""
+    shares = {"fill_gbps": 1, "scale_gbps": 2, "copy_gbps": 2, "triad_gbps": 3}
+    rates = [values[k] / n for k, n in shares.items() if values.get(k) is not None]
+    return max(rates) if values.get("fill_gbps") is not None else None
+
+
 def limits_line(values: dict[str, Any]) -> str:
     """A limits file's figures in words: "stream 34.1 GB/s, float32 GEMM 134.4 GFLOP/s"."""
     if values.get("stream_gbps") is None:
         return "no limits measured"
     peaks = ", ".join(f"{d} GEMM {g:.1f} GFLOP/s" for d, g in sorted(values.get("gemm_gflops", {}).items()))
-    fill = f" (writes alone {values['fill_gbps']:.1f})" if values.get("fill_gbps") else ""
+    fill = f" (writes {write_rate(values):.1f})" if values.get("fill_gbps") else ""
     near = f", threads' round trip {values['round_trip_ns']:.0f} ns" if values.get("round_trip_ns") else ""
     return f"stream {values['stream_gbps']:.1f} GB/s{fill}" + (f", {peaks}" if peaks else "") + near
 
@@ -643,8 +678,15 @@ def _stream(device: str) -> dict[str, float]:
                "triad": (3, lambda: torch.add(b, c, alpha=1.5, out=a)), "fill": (1, lambda: a.fill_(1.0))}
     rates = {name: arrays * 4 * n / _best(fn, device) / 1e9 for name, (arrays, fn) in seconds.items()}
     memset = _libc_memset() if device == "cpu" else None
-    if memset is not None:
-        rates["fill"] = max(rates["fill"], 4 * n / _best(lambda: memset(a.data_ptr(), 0x3F, 4 * n), device) / 1e9)
+    if memset is not None:  # on the session's threads, a block each (ctypes lets go of the GIL)
+        threads = max(1, torch.get_num_threads())
+        block = -(-4 * n // threads)
+        starts = range(a.data_ptr(), a.data_ptr() + 4 * n, block)
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            def fill() -> None:
+                list(pool.map(lambda at: memset(at, 0x3F, min(block, a.data_ptr() + 4 * n - at)), starts))
+
+            rates["fill"] = max(rates["fill"], 4 * n / _best(fill, device) / 1e9)
     return rates
 
 
@@ -685,6 +727,14 @@ def _gemm(device: str, dtype: str) -> tuple[float, int]:
 PLACED_HEADER = ("kernel", "impl", "size", "ms", "MB moved (written)", "GFLOP", "GB/s", "GFLOP/s", "roofline")
 
 
+def placed_header(entries: list[dict]) -> tuple[str, ...]:
+    """``PLACED_HEADER``, its bytes column without "(written)" for a run that counted none (rule 5
+    and before)."""
+    if any(e.get("written") is not None for e in entries):
+        return PLACED_HEADER
+    return tuple("MB moved" if h == "MB moved (written)" else h for h in PLACED_HEADER)
+
+
 def placed_cells(entries: list[dict]) -> list[tuple[str, ...]]:
     """``GateState.placed`` entries as the cells of ``PLACED_HEADER``: what each impl moves and
     computes a call, what it achieves, and its share of the machine's limit (or why it has none)."""
@@ -709,4 +759,4 @@ def placed_cells(entries: list[dict]) -> list[tuple[str, ...]]:
 
 def format_placed(entries: list[dict]) -> list[str]:
     """``placed_cells`` as fixed-width lines."""
-    return fixed_width(PLACED_HEADER, placed_cells(entries))
+    return fixed_width(placed_header(entries), placed_cells(entries))

@@ -521,7 +521,7 @@ class PerfSession:
         threads = state.settings.threads or "default"
         tr.write_line(f"perfgate roofline at {threads} thread(s): {state.limits.line()} "
                       f"({state.limits.path or 'not stored'}); roofline = max(bytes moved / stream, "
-                      "bytes written / writes alone, GFLOP / GEMM peak) over the impl's median, 100% the "
+                      "bytes written / write rate, GFLOP / GEMM peak) over the impl's median, 100% the "
                       "machine's limit (docs/perfgate.md)")
         if state.tally.limits_rose:
             tr.write_line("perfgate roofline: an impl passed a stored limit, measured again and kept as the "

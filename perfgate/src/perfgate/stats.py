@@ -206,7 +206,7 @@ class SpeedupRow:
     optimized_gbps: float | None = None
     optimized_gflops: float | None = None
     # the impl's least time (roofline.Limits.figure: counted bytes at the stream bandwidth, the
-    # written ones at the writes-alone rate, FLOPs at the GEMM peak) over its median: 1.0 is the
+    # written ones at the write rate, FLOPs at the GEMM peak) over its median: 1.0 is the
     # machine's limit; and which term bounds it
     roofline: float | None = None
     roofline_bound: str | None = None  # "memory", "write" or "compute"
@@ -560,7 +560,7 @@ def _gb(ref: float | None, opt: float | None) -> str:
 
 def roofline_cell(fraction: float | None, bound: str | None) -> str:
     """"38% mem": the share of the machine's limit reached, and which limit binds ("mem": the
-    bytes at the stream bandwidth, "write": the bytes written at the writes-alone rate, "flop")."""
+    bytes at the stream bandwidth, "write": the bytes written at the write rate, "flop")."""
     return "-" if fraction is None else f"{fraction:.0%} {_BOUNDS.get(bound, 'flop')}"
 
 
