@@ -105,13 +105,16 @@ def test_rerun_against_saved_baseline_passes(pytester: pytest.Pytester) -> None:
 
 
 def test_speedup_fallen_under_baseline_fails(pytester: pytest.Pytester) -> None:
-    _suite(pytester, floor=1.5)
+    # 1.25x: above the floor, under the baseline's 4x and, as the rule asks, under its interval's
+    # lower bound, which a baseline saved while CI's other paced sessions ran read as low as 1.82x
+    # (a 2x row's interval reached that: unresolved, as the rule says it should be)
+    _suite(pytester, floor=1.1)
     assert _run(pytester, "--benchmark-save=base").ret == 0
-    _suite(pytester, opt=0.004, floor=1.5)  # 2x: above the floor, but half the baseline's 4x
+    _suite(pytester, opt=0.0064, floor=1.1)
     result = _run(pytester, "--benchmark-compare")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*GATE FAILED*fell more than 20% under the stored baseline's*"])
-    assert _run(pytester, "--benchmark-compare", "--perf-tolerance=0.6").ret == 0
+    assert _run(pytester, "--benchmark-compare", "--perf-tolerance=0.75").ret == 0  # 1.25x over 4x less 75%
 
 
 def test_baseline_from_another_fingerprint_is_refused(pytester: pytest.Pytester) -> None:

@@ -122,8 +122,28 @@ def test_a_c_pass_beside_ops_on_one_storage_is_told_from_them_by_when_the_versio
     assert c_then_op.written == 400 and c_then_op.bytes == 400 + 200  # all of out written; the op read its half
     op_then_c = count_work(lambda: (out[:50].mul_(2), c_pass()))
     assert op_then_c.written == 400
-    two_ops = count_work(lambda: (float(out.numpy().sum()), out[:50].mul_(2), out[50:].add_(1), out.add_(out)))
-    assert two_ops.written == 400 and two_ops.bytes == 800  # every rise an op's: out read, then written by ops
+    # handed out, an op writes half, then a C pass writes all of it: the pass's raise looks first,
+    # so the op's rise is the op's and the pass's its own
+    x = torch.randn(100)
+
+    def op_then_pass() -> None:
+        seen = x.numpy()
+        x[:50].mul_(2)
+        seen[:] = 1.0
+        torch.autograd.graph.increment_version(x)
+
+    after_op = count_work(op_then_pass)
+    assert after_op.written == 400 and after_op.bytes == 200 + 400  # the op read its half
+    # an op writing through another tensor of the storage (.data: its own version) raises none
+    # of the one handed out: the pass's raise after it is still the pass's
+    hidden = count_work(lambda: (x.numpy(), x.data[:50].mul_(2), x.numpy().fill(1.0),
+                                 torch.autograd.graph.increment_version(x)))
+    assert hidden.written == 400
+    unraised = count_work(lambda: (float(x.numpy().sum()), x.data[:50].mul_(2)))  # no rise: x read, half written
+    assert unraised.written == 200 and unraised.bytes == 400 + 200
+    h = out[:50]
+    two_ops = count_work(lambda: (float(out.numpy().sum()), h.mul_(2), h.add_(h)))
+    assert two_ops.written == 200 and two_ops.bytes == 600  # both rises the ops': out read, its half written
     x = torch.randn(100)
     looked = count_work(lambda: (float(x.numpy().sum()), x[:50].mul_(2), x[:50].add_(x[:50])))
     assert looked.written == 200  # the ops' rises, one each, are theirs: what .numpy() saw stays read
@@ -472,6 +492,8 @@ def test_the_limits_line_names_each_limit_measured() -> None:
     # the write rate: a fill's, or the written share of a stream pass measured faster
     assert write_rate({**values, "scale_gbps": 41.0, "copy_gbps": 30.0, "triad_gbps": 66.0}) == 22.0
     assert write_rate({**values, "scale_gbps": 30.0}) == 20.0 and write_rate({"scale_gbps": 30.0}) is None
+    copy_best = {**values, "scale_gbps": 30.0, "copy_gbps": 50.0, "triad_gbps": 60.0}
+    assert write_rate(copy_best) == 25.0  # a copy's half
 
 
 def test_the_measured_rates_count_what_each_pass_moves_at_its_best(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -489,11 +511,19 @@ def test_the_measured_rates_count_what_each_pass_moves_at_its_best(monkeypatch: 
     n = 4 * 2**25 / 0.1 / 1e9  # GB/s of one array read or written a call
     assert roofline._stream("cpu") == pytest.approx({"scale": 2 * n, "copy": 2 * n, "triad": 3 * n, "fill": n})
     # the fill is the faster of torch's and libc's memset, of a non-zero byte over the whole array
-    memsets: list[tuple[int, int]] = []
-    monkeypatch.setattr(roofline, "_libc_memset", lambda: lambda address, byte, size: memsets.append((byte, size)))
+    # on the session's threads, a block of whole pages each, the last the shorter, covering the array
+    memsets: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(roofline, "_libc_memset", lambda: lambda at, byte, size: memsets.append((at, byte, size)))
     monkeypatch.setattr(roofline, "_best", lambda fn, device, calls=5: 0.05 if fn() is None else 0.1)
-    assert roofline._stream("cpu")["fill"] == pytest.approx(2 * n) and memsets == [(0x3F, 4 * 2**25)]
-    assert roofline._stream("meta")["fill"] == pytest.approx(n) and len(memsets) == 1  # a device: torch's only
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert roofline._stream("cpu")["fill"] == pytest.approx(2 * n)
+    blocks = sorted(memsets)
+    assert len(blocks) == 3 and {byte for _, byte, _ in blocks} == {0x3F}
+    ends = [at + size for at, _, size in blocks]
+    assert ends[:-1] == [at for at, _, _ in blocks[1:]]  # each block starts where the last ended
+    assert sum(size for _, _, size in blocks) == 4 * 2**25 and blocks[0][2] % 4096 == 0
+    assert blocks[-1][2] < blocks[0][2] == blocks[1][2]
+    assert roofline._stream("meta")["fill"] == pytest.approx(n) and len(memsets) == 3  # a device: torch's only
     sizes: list[int] = []
 
     def best(fn: Any, device: str, calls: int = 5) -> float:

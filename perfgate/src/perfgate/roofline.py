@@ -16,6 +16,7 @@ import datetime
 import json
 import math
 import os
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -291,13 +292,16 @@ class _Traffic:
         span, key = self.spanned(t)
         if key is not None and key not in self.fresh:
             self.outside.setdefault(key, _Views()).add(span)
-            self.handed.setdefault(key, []).append(_HandedOut(t, span, _version(t)))
+            handed = self.handed.setdefault(key, [])
+            if not any(h.tensor is t and h.span.key == span.key for h in handed):  # handed again: one record
+                handed.append(_HandedOut(t, span, _version(t)))
 
     def check_versions(self) -> None:
-        """Before each op and at the call's end: a tensor handed out whose version rose since the
-        last look, with no op writing its storage in between, was written outside the dispatcher
-        (a C pass raises it to say so, ``torch.autograd.graph.increment_version``; torch raises it
-        after an op returns, so an op's own rise is seen at the next look)."""
+        """Before each op, each ``increment_version`` outside torch and at the call's end: a
+        tensor handed out whose version rose since the last look, with no op writing its storage
+        in between, was written outside the dispatcher (a C pass raises it to say so,
+        ``torch.autograd.graph.increment_version``; torch raises it after an op returns, so an
+        op's own rise is seen at the next look, at the latest at the pass's own raise)."""
         for handed in self.handed.values():
             for h in handed:
                 now = _version(h.tensor)
@@ -305,12 +309,12 @@ class _Traffic:
                     h.raised = True
                 h.seen, h.op_wrote = now, False
 
-    def note_written(self, tensors: list, writes: set[int]) -> None:
-        """An op wrote these of its tensors: a rise in their storages' versions is the op's."""
-        for t in tensors:
-            if id(t) in writes and self.handed:
-                for h in self.handed.get(self.key(t), []):
-                    h.op_wrote = True
+    def note_written(self, keys: list[_Traffic.Key | None]) -> None:
+        """An op wrote these storages (their keys taken before it ran: ``set_`` and ``resize_``
+        move a tensor to other memory): a rise in their tensors' versions is the op's."""
+        for key in keys:
+            for h in self.handed.get(key, []):
+                h.op_wrote = True
 
     def read_outside(self) -> None:
         """Count what was handed to ``.numpy()`` as read, beside whatever ops read of the same
@@ -388,8 +392,9 @@ def _counter() -> Any:
                 self.check_versions()
             writes, pure = _written(func, args, kwargs)
             self.note_inputs(flat, writes, pure)
+            wrote = [self.key(t) for t in flat if id(t) in writes] if self.handed else []
             out = func(*args, **kwargs)
-            self.note_written(flat, writes)
+            self.note_written(wrote)
             kind = None if formula is None else next(
                 (t.dtype for t in flat if t.is_floating_point() or t.is_complex()), None)
             if kind is not None:  # a counted op in floating point: an integer matmul has no GEMM peak
@@ -436,7 +441,17 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
         counter.note_cloned(made)
         return made
 
-    torch.Tensor.numpy, storage_base.clone = noted, cloned
+    # a C pass says it wrote a tensor by raising its version: what rose before (an op's write of
+    # the same storage just before the pass) is looked at first, so that the pass's rise is its own
+    # (torch's own calls, a custom op's after its kernel, are the op's and pass straight through)
+    graph, bump = torch.autograd.graph, torch.autograd.graph.increment_version
+
+    def bumped(tensor: Any) -> None:
+        if counter.handed and not sys._getframe(1).f_globals.get("__name__", "").startswith("torch."):
+            counter.check_versions()
+        bump(tensor)
+
+    torch.Tensor.numpy, storage_base.clone, graph.increment_version = noted, cloned, bumped
     try:
         # a torch.compile'd call runs its Python eagerly for the count: inductor's kernels are no
         # ops a dispatch mode sees, and the least work is the function's, however it is compiled
@@ -453,7 +468,7 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
     finally:
         counter.alive.clear()  # its watches end with the count, failed or not (each calls back into the counter)
         counter.handed.clear()  # and the tensors handed out, which it held
-        storage_base.clone = clone
+        storage_base.clone, graph.increment_version = clone, bump
         if own:
             torch.Tensor.numpy = numpy
         else:
@@ -679,8 +694,8 @@ def _stream(device: str) -> dict[str, float]:
     rates = {name: arrays * 4 * n / _best(fn, device) / 1e9 for name, (arrays, fn) in seconds.items()}
     memset = _libc_memset() if device == "cpu" else None
     if memset is not None:  # on the session's threads, a block each (ctypes lets go of the GIL)
-        threads = max(1, torch.get_num_threads())
-        block = -(-4 * n // threads)
+        threads, page = max(1, torch.get_num_threads()), 4096
+        block = -(-4 * n // threads // page) * page  # whole pages, the last block the shorter
         starts = range(a.data_ptr(), a.data_ptr() + 4 * n, block)
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             def fill() -> None:
