@@ -5,13 +5,15 @@ on the CPU: its parts timed alone, interleaved in one process with the whole cal
 
 The perf suite's row (B8 H8 S512 D64, interleaved RoPE, 2 threads). Timed, medians of interleaved
 rounds (evidence/ab.py): ours (the fused path), the peer, SDPA on q and k rotated before, the
-peer's rotation of q and k alone; then the fused path's own parts over its chunks of heads
-(kernels/attention.py, FUSED_BYTES), each alone on q and k rotated before: the two matmuls (scores
-by ``baddbmm``, then probabilities times v by ``bmm``), and the softmax in place, by torch.softmax
-and by the fused path's own (``_softmax_``: kernels._softmax's widest kernel here). Ours
-cannot take less than its matmuls plus its softmax, so the peer's time over that sum is the most
-ours could lead by with nothing else left to trim; the roofline's least time (its FLOPs at this
-machine's float32 GEMM peak, perfgate's measure) is printed beside it.
+peer's rotation of q and k alone, ours' rotation alone and followed by SDPA (the unfused path);
+then the fused path's own parts over its chunks of heads (kernels/attention.py, FUSED_BYTES),
+each alone on q and k rotated before: the two matmuls (scores by ``baddbmm``, then probabilities
+times v by ``bmm``), and the softmax in place, by torch.softmax and by the fused path's own
+(``_softmax_``: kernels._softmax's widest kernel here). Ours cannot take less than its matmuls
+plus its softmax, so the peer's time over that sum is the most ours could lead by with nothing
+else left to trim. The peer is SDPA plus its rotation, so an attention no faster than SDPA leads
+it by the rotation's share of SDPA's time at most (peer / SDPA alone). The roofline's least time
+(its FLOPs at this machine's float32 GEMM peak, perfgate's measure) is printed beside it.
 """
 
 import sys
@@ -67,6 +69,8 @@ fns = {"ours (rope_attention)": lambda: kernels.rope_attention(q, k, v, rope),
        "peer (rotary-embedding-torch + SDPA)": lambda: peer(q, k, v, causal=False),
        "SDPA on q, k rotated before": lambda: F.scaled_dot_product_attention(qr, kr, v),
        "peer's rotation of q and k": lambda: (peer_rotate(q), peer_rotate(k)),
+       "ours' rotation of q and k": lambda: (rope.paired(q), rope.paired(k)),
+       "ours' rotation, then SDPA": lambda: F.scaled_dot_product_attention(rope.paired(q), rope.paired(k), v),
        "ours' matmuls alone": matmuls,
        "torch.softmax alone": softmaxes(lambda sc: torch.softmax(sc, -1, out=sc)),
        "ours' softmax alone": softmaxes(_softmax_)}
@@ -82,7 +86,11 @@ for run in range(3):
         print(f"   {name:38s} {t:7.2f}{extra}")
     least = ms["ours' matmuls alone"] + ms["ours' softmax alone"]
     peer_ms, ours = ms["peer (rotary-embedding-torch + SDPA)"], ms["ours (rope_attention)"]
+    sdpa, unfused = ms["SDPA on q, k rotated before"], ms["ours' rotation, then SDPA"]
     print(f"   peer / ours {peer_ms / ours:.2f}x; peer / (ours' matmuls + softmax, {least:.2f} ms) "
           f"{peer_ms / least:.2f}x at most; 1.2x needs ours at {peer_ms / 1.2:.2f} ms")
+    # the peer is SDPA plus its rotation: an attention no faster than SDPA leads it by that rotation's share
+    print(f"   peer / SDPA alone {peer_ms / sdpa:.2f}x (ours no faster than SDPA: at most that); "
+          f"peer / (ours' rotation, then SDPA) {peer_ms / unfused:.2f}x")
 print(f"\nroofline: {flops / 1e9:.2f} GFLOP at the float32 GEMM peak {limits.peak('float32'):.1f} GFLOP/s "
       f"(perfgate's measure, this process) = {flops / limits.peak('float32') / 1e6:.2f} ms")
