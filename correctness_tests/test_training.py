@@ -536,6 +536,32 @@ def test_recipe_auto_times_no_emulated_bf16(monkeypatch) -> None:
     assert choice.step_ms == timed and choice.recipe.autocast_dtype is torch.bfloat16
 
 
+def test_recipe_auto_times_fp16_and_bf16_on_cuda(monkeypatch) -> None:
+    """Given the model and batch, auto on CUDA times fp32, fp16 (with its GradScaler) and bf16
+    where the GPU computes it, channels_last too for images, and leaves fp32 only for a clear win;
+    without them it takes fp16 + GradScaler + channels_last unmeasured."""
+    import kernels.training as engine
+
+    x = torch.randn(4, 3, 8, 8)
+    y = torch.randint(0, 2, (4,))
+    model = nn.Sequential(nn.Conv2d(3, 2, 3), nn.Flatten(), nn.Linear(72, 2))
+    timed = {"fp32": 10.0, "float16": 9.5, "bfloat16": 9.6, "fp32+channels_last": 10.2,
+             "float16+channels_last": 9.4, "bfloat16+channels_last": 9.7}
+    seen: list[Recipe] = []
+    monkeypatch.setattr(engine, "_time_step", lambda recipe, *a, **k: seen.append(recipe) or timed[recipe.name])
+    monkeypatch.setattr(engine, "_cuda_bf16", lambda device: True)  # an Ampere or later GPU
+    choice = Recipe.choose("cuda", accumulation=2, model=model, loss_fn=F.cross_entropy, batch=(x, y))
+    assert choice.step_ms == timed and choice.recipe == Recipe(accumulation=2)  # no candidate 10% faster
+    assert all(r.grad_scaler == (r.autocast_dtype == torch.float16) for r in seen)
+    timed["float16+channels_last"] = 8.0
+    choice = Recipe.choose("cuda", accumulation=2, model=model, loss_fn=F.cross_entropy, batch=(x, y))
+    assert choice.recipe == Recipe(torch.float16, True, 2, channels_last=True)
+    monkeypatch.setattr(engine, "_cuda_bf16", lambda device: False)  # an older GPU emulates bf16
+    choice = Recipe.choose("cuda", model=model[1:], loss_fn=F.cross_entropy, batch=(x.flatten(1)[:, :72], y))
+    assert set(choice.step_ms) == {"fp32", "float16"}  # no images: no channels_last
+    assert Recipe.choose("cuda") == Choice(Recipe(torch.float16, True, channels_last=True))
+
+
 @pytest.mark.parametrize(("compiled_ms", "kept"), [(9.5, None), (9.0, "max-autotune"), (8.5, "max-autotune")])
 def test_recipe_auto_keeps_a_compile_mode_only_when_it_measures_faster(monkeypatch, compiled_ms: float,
                                                                        kept: str | None) -> None:

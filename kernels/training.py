@@ -38,8 +38,10 @@ on the caller's model and batch when given them, and otherwise keeps plain fp32;
 only for a candidate at least 10% faster (a smaller gain is timing noise, not a reason to lose
 precision and the reference's exact selections). bf16 is a candidate only on a CPU that computes
 it natively (``native_bf16``): elsewhere autocast converts it in software, 9-20x slower than
-fp32, so timing it would only cost the caller seconds. CUDA: fp16 + GradScaler + channels_last,
-torch's documented fast path, not yet measured in this project.
+fp32, so timing it would only cost the caller seconds. On CUDA ``auto`` times fp32, fp16 with its
+GradScaler and bf16 (from compute capability 8.0) the same way when given the model and batch (a
+small model's step is its launches, to which autocast adds casts: lower precision need not pay);
+without them it takes fp16 + GradScaler + channels_last, torch's documented fast path.
 """
 
 from __future__ import annotations
@@ -138,10 +140,9 @@ class Recipe:
             if mode not in COMPILE_MODES[1:]:
                 raise ValueError(f"compile_modes must be among {COMPILE_MODES[1:]}, got {mode!r}")
         measured = model is not None and loss_fn is not None and batch is not None
-        if torch.device(device).type == "cuda":
-            best, step_ms = cls(torch.float16, True, accumulation, channels_last=True), {}
-        elif not measured:
-            best, step_ms = cls(accumulation=accumulation), {}
+        if not measured:  # CUDA: torch's documented fast path; CPU: plain fp32
+            cuda = torch.device(device).type == "cuda"
+            best, step_ms = cls(torch.float16 if cuda else None, cuda, accumulation, channels_last=cuda), {}
         else:
             best, step_ms = _fastest_eager(cls(accumulation=accumulation), model, loss_fn, batch, device)
         if not compile_modes or not measured:
@@ -170,13 +171,24 @@ def native_bf16(device: str | torch.device) -> bool:
     return any(probe() for probe in probes)
 
 
+def _cuda_bf16(device: str | torch.device) -> bool:
+    """Whether the GPU computes bf16 in its own units (compute capability 8.0 on: Ampere, Hopper);
+    older ones emulate it, slower than fp32."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def _fastest_eager(base: Recipe, model: nn.Module, loss_fn: LossFn, batch: tuple[Tensor, Tensor],
                    device: str | torch.device) -> tuple[Recipe, dict[str, float]]:
-    """The fastest of ``base``'s CPU candidates (bf16 where native, channels_last for images),
-    ``base`` unless one is ``AUTO_MARGIN`` faster, and every candidate's ms a step."""
+    """The fastest of ``base``'s candidates (on CPU bf16 where native; on CUDA fp16 with its
+    GradScaler, and bf16 from compute capability 8.0; channels_last for images), ``base`` unless
+    one is ``AUTO_MARGIN`` faster, and every candidate's ms a step."""
     layouts = [False, True] if batch[0].ndim == 4 else [False]  # channels_last is for images
-    dtypes = [None, torch.bfloat16] if native_bf16(device) else [None]
-    candidates = [replace(base, autocast_dtype=d, channels_last=c) for c in layouts for d in dtypes]
+    if torch.device(device).type == "cuda":
+        dtypes = [None, torch.float16] + ([torch.bfloat16] if _cuda_bf16(device) else [])
+    else:
+        dtypes = [None, torch.bfloat16] if native_bf16(device) else [None]
+    candidates = [replace(base, autocast_dtype=d, grad_scaler=d == torch.float16, channels_last=c)
+                  for c in layouts for d in dtypes]
     step_ms = {r.name: _time_step(r, model, loss_fn, batch, device) for r in candidates}
     best = min(candidates, key=lambda r: step_ms[r.name])
     if step_ms[best.name] > (1 - AUTO_MARGIN) * step_ms[base.name]:

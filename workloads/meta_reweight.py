@@ -232,8 +232,8 @@ def run(name: str, step: StepFn, ln: Learner, cfg: Config, reweight: bool = True
 
 
 def optimized_recipe(cfg: Config, accumulation: int | None = None) -> Recipe:
-    """Recipe.auto with ``accumulation`` (default ``cfg.accumulation``), timed (on CPU) on the
-    classifier at the micro-batch size."""
+    """Recipe.auto with ``accumulation`` (default ``cfg.accumulation``), timed on the classifier
+    at the micro-batch size."""
     accumulation = cfg.accumulation if accumulation is None else accumulation
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or not 1 <= accumulation <= cfg.batch:
         raise ValueError(f"accumulation must be an int in [1, batch={cfg.batch}], got {accumulation!r}")
