@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import reference.training as ref
+from correctness_tests.conftest import requires_cuda
 from correctness_tests.tolerances import REDUCTION, assert_close
 from kernels.models import MLP
 from kernels.training import Choice, Recipe, native_bf16, train
@@ -394,8 +395,8 @@ def test_channels_last_matches_fp32() -> None:
 
 
 def test_channels_last_leaves_batches_of_other_ranks_as_they_are() -> None:
-    """Recipe.auto picks channels_last on CUDA for any model: an MLP's (B, D) batches train under it
-    exactly as without it (only 4-d inputs have a channels_last layout)."""
+    """Recipe.auto picks channels_last on CUDA for any model it is not given to time: an MLP's
+    (B, D) batches train under it exactly as without it (only 4-d inputs have a channels_last layout)."""
     (m1, o1), (m2, o2) = _setup(), _setup()
     data = _data(2, 8)
     train(m1, F.cross_entropy, o1, data, Recipe(channels_last=True))
@@ -444,7 +445,8 @@ def test_recipe_auto() -> None:
     chosen = Recipe.choose("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y))
     # channels_last only for images; bf16 only where the CPU computes it (this one, or not)
     assert set(chosen.step_ms) == ({"fp32", "bfloat16"} if native_bf16("cpu") else {"fp32"})
-    assert native_bf16("cuda")  # a GPU's bf16 is its own hardware's
+    # a GPU's bf16 is its own hardware's from compute capability 8.0; one this process cannot query: measured
+    assert native_bf16("cuda") == (not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] >= 8)
     assert all(0 < ms < 1e4 for ms in chosen.step_ms.values()) and chosen.compile_s == {}
     assert chosen.recipe.name in chosen.step_ms and Recipe.choose("cpu") == Choice(Recipe())
     assert _params(model).equal(_params(_setup()[0]))  # timed on a copy: the model is untouched
@@ -549,17 +551,35 @@ def test_recipe_auto_times_fp16_and_bf16_on_cuda(monkeypatch) -> None:
              "float16+channels_last": 9.4, "bfloat16+channels_last": 9.7}
     seen: list[Recipe] = []
     monkeypatch.setattr(engine, "_time_step", lambda recipe, *a, **k: seen.append(recipe) or timed[recipe.name])
-    monkeypatch.setattr(engine, "_cuda_bf16", lambda device: True)  # an Ampere or later GPU
+    monkeypatch.setattr(engine, "native_bf16", lambda device: True)  # an Ampere or later GPU
     choice = Recipe.choose("cuda", accumulation=2, model=model, loss_fn=F.cross_entropy, batch=(x, y))
     assert choice.step_ms == timed and choice.recipe == Recipe(accumulation=2)  # no candidate 10% faster
     assert all(r.grad_scaler == (r.autocast_dtype == torch.float16) for r in seen)
     timed["float16+channels_last"] = 8.0
     choice = Recipe.choose("cuda", accumulation=2, model=model, loss_fn=F.cross_entropy, batch=(x, y))
     assert choice.recipe == Recipe(torch.float16, True, 2, channels_last=True)
-    monkeypatch.setattr(engine, "_cuda_bf16", lambda device: False)  # an older GPU emulates bf16
+    monkeypatch.setattr(engine, "native_bf16", lambda device: False)  # an older GPU emulates bf16
     choice = Recipe.choose("cuda", model=model[1:], loss_fn=F.cross_entropy, batch=(x.flatten(1)[:, :72], y))
     assert set(choice.step_ms) == {"fp32", "float16"}  # no images: no channels_last
     assert Recipe.choose("cuda") == Choice(Recipe(torch.float16, True, channels_last=True))
+
+
+@requires_cuda
+def test_recipe_auto_times_every_candidate_on_a_gpu() -> None:
+    """On a GPU, each candidate trains for real on a copy: fp16 under its GradScaler, bf16 where
+    the GPU computes it, channels_last for images; the model and the random streams are left
+    as they were."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)).cuda()
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(8, 3, 8, 8, device="cuda"), torch.randint(0, 2, (8,), device="cuda")
+    state = torch.cuda.get_rng_state()
+    choice = Recipe.choose("cuda", accumulation=2, model=model, loss_fn=F.cross_entropy, batch=(x, y))
+    dtypes = {"fp32", "float16"} | ({"bfloat16"} if torch.cuda.get_device_capability()[0] >= 8 else set())
+    assert set(choice.step_ms) == dtypes | {f"{d}+channels_last" for d in dtypes}
+    assert all(0 < ms < 1e4 for ms in choice.step_ms.values()) and choice.recipe.accumulation == 2
+    assert choice.recipe.name in choice.step_ms and torch.cuda.get_rng_state().equal(state)
+    assert all(p.equal(b) for p, b in zip(model.parameters(), before, strict=True))
 
 
 @pytest.mark.parametrize(("compiled_ms", "kept"), [(9.5, None), (9.0, "max-autotune"), (8.5, "max-autotune")])

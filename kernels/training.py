@@ -132,8 +132,8 @@ class Recipe:
     def choose(cls, device: str | torch.device, *, accumulation: int = 1, model: nn.Module | None = None,
                loss_fn: LossFn | None = None, batch: tuple[Tensor, Tensor] | None = None,
                compile_modes: tuple[str, ...] = ()) -> Choice:
-        """The fastest recipe for ``device`` and the timings it was chosen by; on CPU measured on
-        ``model``/``batch`` (see module). ``compile_modes`` (opt-in: each compiles the model,
+        """The fastest recipe for ``device`` and the timings it was chosen by, measured on
+        ``model``/``batch`` when given them (see module). ``compile_modes`` (opt-in: each compiles the model,
         seconds to minutes): torch.compile modes tried on top of the chosen recipe, one kept only
         when its steps measure at least ``AUTO_MARGIN`` faster; compile time is kept apart."""
         for mode in compile_modes:
@@ -160,21 +160,20 @@ class Choice:
 
 
 def native_bf16(device: str | torch.device) -> bool:
-    """Whether bf16 autocast on ``device`` runs in hardware: CUDA, or a CPU with AVX512-BF16 or
-    AMX (torch's own checks). Without them oneDNN converts bf16 in software. A torch without
-    the checks answers True, so ``auto`` measures rather than guesses."""
-    if torch.device(device).type != "cpu":
+    """Whether bf16 autocast on ``device`` runs in hardware: a GPU of compute capability 8.0 or
+    later (Ampere, Hopper; older ones emulate it), or a CPU with AVX512-BF16 or AMX (torch's own
+    checks; without them oneDNN converts bf16 in software). A device this process cannot query
+    (CUDA absent, another backend) or a torch without the checks answers True, so ``auto``
+    measures rather than guesses."""
+    kind = torch.device(device).type
+    if kind == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_capability(device)[0] >= 8
+    if kind != "cpu":
         return True
     probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     if None in probes:
         return True
     return any(probe() for probe in probes)
-
-
-def _cuda_bf16(device: str | torch.device) -> bool:
-    """Whether the GPU computes bf16 in its own units (compute capability 8.0 on: Ampere, Hopper);
-    older ones emulate it, slower than fp32."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def _fastest_eager(base: Recipe, model: nn.Module, loss_fn: LossFn, batch: tuple[Tensor, Tensor],
@@ -184,7 +183,7 @@ def _fastest_eager(base: Recipe, model: nn.Module, loss_fn: LossFn, batch: tuple
     one is ``AUTO_MARGIN`` faster, and every candidate's ms a step."""
     layouts = [False, True] if batch[0].ndim == 4 else [False]  # channels_last is for images
     if torch.device(device).type == "cuda":
-        dtypes = [None, torch.float16] + ([torch.bfloat16] if _cuda_bf16(device) else [])
+        dtypes = [None, torch.float16] + ([torch.bfloat16] if native_bf16(device) else [])
     else:
         dtypes = [None, torch.bfloat16] if native_bf16(device) else [None]
     candidates = [replace(base, autocast_dtype=d, grad_scaler=d == torch.float16, channels_last=c)

@@ -62,7 +62,8 @@ def amp_recipe(device: str, accumulation: int = 1):  # -> kernels.training.Recip
 
 def bf16_emulated(device: str) -> bool:
     """Whether bf16 autocast on ``device`` runs in software: a CPU without AVX512-BF16 or AMX-BF16
-    (there the ablations' AMP rows ran 9-20x slower than fp32, on a Zen 3)."""
+    (there the ablations' AMP rows ran 9-20x slower than fp32, on a Zen 3), or a GPU before compute
+    capability 8.0."""
     from kernels.training import native_bf16
 
     return not native_bf16(device)

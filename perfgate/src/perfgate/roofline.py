@@ -442,14 +442,20 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
         return made
 
     # a C pass says it wrote a tensor by raising its version: what rose before (an op's write of
-    # the same storage just before the pass) is looked at first, so that the pass's rise is its own
-    # (torch's own calls, a custom op's after its kernel, are the op's and pass straight through)
+    # the same storage just before the pass) is looked at first, so that the pass's rise is its own;
+    # torch's own raise (a custom op's, before its kernel runs) is the op's, noted as an op's write
     graph, bump = torch.autograd.graph, torch.autograd.graph.increment_version
 
     def bumped(tensor: Any) -> None:
-        if counter.handed and not sys._getframe(1).f_globals.get("__name__", "").startswith("torch."):
+        if not counter.handed:
+            return bump(tensor)
+        tensors = [tensor] if isinstance(tensor, torch.Tensor) else list(tensor)
+        torch_own = sys._getframe(1).f_globals.get("__name__", "").startswith("torch.")
+        if not torch_own:
             counter.check_versions()
-        bump(tensor)
+        bump(tensor if isinstance(tensor, torch.Tensor) else tensors)
+        if torch_own:
+            counter.note_written([counter.key(t) for t in tensors])
 
     torch.Tensor.numpy, storage_base.clone, graph.increment_version = noted, cloned, bumped
     try:
@@ -695,11 +701,14 @@ def _stream(device: str) -> dict[str, float]:
     memset = _libc_memset() if device == "cpu" else None
     if memset is not None:  # on the session's threads, a block each (ctypes lets go of the GIL)
         threads, page = max(1, torch.get_num_threads()), 4096
-        block = -(-4 * n // threads // page) * page  # whole pages, the last block the shorter
-        starts = range(a.data_ptr(), a.data_ptr() + 4 * n, block)
+        start, end = a.data_ptr(), a.data_ptr() + 4 * n
+        block = -(-(end - start) // threads // page) * page  # whole pages a thread
+        # blocks cut at page boundaries: no two threads write one page
+        edges = [start, *range(-(-start // page) * page + block, end, block), end]
+        spans = list(zip(edges, edges[1:], strict=False))
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             def fill() -> None:
-                list(pool.map(lambda at: memset(at, 0x3F, min(block, a.data_ptr() + 4 * n - at)), starts))
+                list(pool.map(lambda span: memset(span[0], 0x3F, span[1] - span[0]), spans))
 
             rates["fill"] = max(rates["fill"], 4 * n / _best(fill, device) / 1e9)
     return rates
