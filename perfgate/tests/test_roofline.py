@@ -145,18 +145,17 @@ def test_a_c_pass_beside_ops_on_one_storage_is_told_from_them_by_when_the_versio
     two_ops = count_work(lambda: (float(out.numpy().sum()), h.mul_(2), h.add_(h)))
     assert two_ops.written == 200 and two_ops.bytes == 600  # both rises the ops': out read, its half written
     # a custom op's version is raised by torch before the op reaches the dispatch mode: the op's
-    # (x stays read, half of it written)
     custom = count_work(lambda: (float(x.numpy().sum()), _filled(x[:50])))
-    assert custom.written == 200
+    assert custom.written == 200 and custom.bytes == 400 + 200  # x read, its half written
+    x = torch.randn(100)
+    looked = count_work(lambda: (float(x.numpy().sum()), x[:50].mul_(2), x[:50].add_(x[:50])))
+    assert looked.written == 200  # the ops' rises, one each, are theirs: what .numpy() saw stays read
 
 
 @torch.library.custom_op("perfgate_tests::filled", mutates_args=("t",))
 def _filled(t: torch.Tensor) -> None:
     """A custom op writing all of ``t`` in place."""
     t.fill_(1.0)
-    x = torch.randn(100)
-    looked = count_work(lambda: (float(x.numpy().sum()), x[:50].mul_(2), x[:50].add_(x[:50])))
-    assert looked.written == 200  # the ops' rises, one each, are theirs: what .numpy() saw stays read
 
 
 def test_libcs_memset_is_called_as_c_declares_it() -> None:
