@@ -182,10 +182,8 @@ def _fastest_eager(base: Recipe, model: nn.Module, loss_fn: LossFn, batch: tuple
     GradScaler, and bf16 from compute capability 8.0; channels_last for images), ``base`` unless
     one is ``AUTO_MARGIN`` faster, and every candidate's ms a step."""
     layouts = [False, True] if batch[0].ndim == 4 else [False]  # channels_last is for images
-    if torch.device(device).type == "cuda":
-        dtypes = [None, torch.float16] + ([torch.bfloat16] if native_bf16(device) else [])
-    else:
-        dtypes = [None, torch.bfloat16] if native_bf16(device) else [None]
+    cuda = torch.device(device).type == "cuda"  # fp16 a candidate on a GPU only, as torch AMP has it
+    dtypes = [None] + [torch.float16] * cuda + [torch.bfloat16] * native_bf16(device)
     candidates = [replace(base, autocast_dtype=d, grad_scaler=d == torch.float16, channels_last=c)
                   for c in layouts for d in dtypes]
     step_ms = {r.name: _time_step(r, model, loss_fn, batch, device) for r in candidates}

@@ -453,7 +453,7 @@ def count_work(fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -
         torch_own = sys._getframe(1).f_globals.get("__name__", "").startswith("torch.")
         if not torch_own:
             counter.check_versions()
-        bump(tensor if isinstance(tensor, torch.Tensor) else tensors)
+        bump(tensors)
         if torch_own:
             counter.note_written([counter.key(t) for t in tensors])
 
