@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from kernels.coreset import top_k
 from reference.coreset import literal_scores
+from workloads.common import vmap_grads
 
 
 @functools.cache  # resolved once, outside the timed calls after the first (a skip is not cached)
@@ -118,6 +119,17 @@ def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(fn)
 
 
+# Per-sample gradients by torch.func's vmap(grad) recipe compiled by inductor: a torch user's first
+# alternative to a hand-written per-sample kernel (the reference's loop of backward passes does not
+# compile whole: each autograd.grad call breaks the graph).
+COMPILED_VMAP = "peer: torch.compile(vmap)"
+
+
+def compiled_vmap_grads(model: nn.Module, loss_fn: Callable, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    """``workloads.common.vmap_grads`` through ``torch.compile`` (compiled once per process)."""
+    return compiled(vmap_grads)(model, loss_fn, x, y)
+
+
 # RoPE: rotary-embedding-torch's rotation (the interleaved RoPE our RotaryEmbedding(interleaved=True)
 # computes), alone and before torch's SDPA.
 ROTATION = "peer: rotary-embedding-torch"
@@ -183,6 +195,7 @@ def torch_step(model: nn.Module, loss_fn: Callable, opt: torch.optim.Optimizer, 
 
 PEERS: dict[str, Any] = {
     "peer: opacus": opacus_grads,
+    COMPILED_VMAP: compiled_vmap_grads,
     "peer: opacus norms": opacus_norms,
     "peer: opacus ghost clipping": opacus_ghost_norms,
     "peer: opacus Gram": opacus_gram,

@@ -8,7 +8,9 @@ Peer rows (perf_tests/peers.py): Opacus's GradSampleModule (per-layer hooks; its
 clipping computes them; its E @ E.T for the Gram) and its ghost clipping (fast gradient clipping,
 the norms from each Linear layer's activations and backprops), the library a user would pick for
 per-sample gradients; skipped with the reason where opacus is not installed. The "vmap" row is torch.func's
-vmap(grad) recipe for every layer; "optimized vs X" rows time ours against X directly.
+vmap(grad) recipe for every layer, and "peer: torch.compile(vmap)" that recipe compiled by inductor (a
+torch user's first alternative; no floor: docs/peers.md); "optimized vs X" rows time ours against X
+directly.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 import kernels
 import reference
 from correctness_tests.tolerances import ELEMENTWISE, REDUCTION, assert_close, assert_dicts_close
-from perf_tests.peers import PEERS
+from perf_tests.peers import COMPILED_VMAP, PEERS
 from workloads.common import per_sample_problem, vmap_grads
 
 BATCH = {"smoke": 64, "full": 256}
@@ -62,7 +64,10 @@ def _materialized_gram(model, loss_fn, x, y):
 @pytest.mark.speedup(cpu={"smoke": 1.0}, over="vmap")
 @pytest.mark.speedup(impl="optimized, out=", cpu={"smoke": 0.95}, over="vmap")
 @pytest.mark.speedup(cpu={"smoke": 1.4}, over="peer: opacus")
-@pytest.mark.parametrize("impl", ["reference", "vmap", "optimized", "optimized, out=", "peer: opacus"])
+@pytest.mark.speedup(over=COMPILED_VMAP)
+@pytest.mark.speedup(impl="optimized, out=", over=COMPILED_VMAP)
+@pytest.mark.parametrize("impl", ["reference", "vmap", "optimized", "optimized, out=", "peer: opacus",
+                                  COMPILED_VMAP])
 def test_per_sample_grads(perf, impl: str) -> None:
     fn = (PEERS[impl] if impl.startswith("peer") else vmap_grads if impl == "vmap" else
           _into_buffers() if impl == "optimized, out=" else IMPLS[impl].per_sample_grads)
