@@ -130,6 +130,20 @@ def compiled_vmap_grads(model: nn.Module, loss_fn: Callable, x: Tensor, y: Tenso
     return compiled(vmap_grads)(model, loss_fn, x, y)
 
 
+# Standardization as a torch user writes it instead of scikit-learn's StandardScaler (the reference,
+# numpy code torch.compile cannot take), eager and compiled.
+TORCH_OPS = "peer: torch ops"
+COMPILED_OPS = "peer: torch.compile(torch ops)"
+
+
+def torch_standardize(x: Tensor) -> Tensor:
+    """StandardScaler's fit and transform of x (N, D) in torch ops: each column's mean and population
+    variance in one call, a zero scale taken as 1 (a constant column), then (x - mean) / scale."""
+    var, mean = torch.var_mean(x, 0, correction=0)
+    scale = var.sqrt()
+    return (x - mean) / torch.where(scale == 0, 1.0, scale)
+
+
 # RoPE: rotary-embedding-torch's rotation (the interleaved RoPE our RotaryEmbedding(interleaved=True)
 # computes), alone and before torch's SDPA.
 ROTATION = "peer: rotary-embedding-torch"
