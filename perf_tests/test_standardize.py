@@ -26,8 +26,9 @@ IMPLS = {"reference": Reference, "optimized": Standardizer}
 @pytest.mark.speedup(over=COMPILED_OPS)
 @pytest.mark.parametrize("impl", [*IMPLS, "optimized, out=", TORCH_OPS, COMPILED_OPS])
 def test_standardize(perf, impl: str) -> None:
-    """The reference is the peer, scikit-learn's StandardScaler. "optimized, out=" transforms into
-    the previous call's result, as a loop can: no fresh (N, D) result to page-fault."""
+    """The reference is scikit-learn's StandardScaler, the library most users call; the torch ops
+    are the other peers. "optimized, out=" transforms into the previous call's result, as a loop
+    can: no fresh (N, D) result to page-fault."""
     n = ROWS[perf.size]
     x = (5.0 + 3.0 * torch.randn(n, 512, generator=torch.Generator().manual_seed(0))).to(perf.device)
     if impl == "optimized, out=":
