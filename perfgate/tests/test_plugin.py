@@ -17,7 +17,7 @@ import pytest
 from perfgate import fidelity
 from perfgate.fingerprint import slug
 from perfgate.report import main as report_main
-from perfgate.stats import SpeedupRow, gate, speedup_interval
+from perfgate.stats import SpeedupRow, decided, gate, imprecise, speedup_interval
 
 pytestmark = pytest.mark.paced  # perf sessions whose timed calls sleep: one a core (make correctness)
 
@@ -115,6 +115,52 @@ def test_speedup_fallen_under_baseline_fails(pytester: pytest.Pytester) -> None:
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*GATE FAILED*fell more than 20% under the stored baseline's*"])
     assert _run(pytester, "--benchmark-compare", "--perf-tolerance=0.75").ret == 0  # 1.25x over 4x less 75%
+
+
+JITTERY = """
+import random
+import time
+import pytest
+
+JITTER = random.Random(0)
+
+@pytest.mark.speedup(cpu=1.1)
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_jittery(perf, impl):
+    # the optimized side takes 1 to 7 ms a call at random: a 2x row whose few first pairs read wide
+    perf(lambda: time.sleep(0.008 if impl == "reference" else 0.001 * (1 + 6 * JITTER.random())), label="8ms")
+"""
+
+
+def test_a_saved_baseline_is_timed_until_its_interval_is_narrow_enough_to_gate(pytester: pytest.Pytester) -> None:
+    """A row the session saves is timed further until its interval lies within half the tolerance
+    of its speedup (``stats.imprecise``): a wide baseline would shield a later run's drop (its low)
+    or misplace the machine's level (its point). Unsaved, the same row stops once its floor is met."""
+    pytester.makepyfile(test_jittery=JITTERY)
+
+    def row(*args: str) -> dict:
+        assert _run(pytester, "--benchmark-json=out.json", *args).ret == 0
+        return json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]
+
+    plain = row()
+    assert plain["extended"] == 0 and not plain["tightened"]
+    saved = row("--benchmark-save=base")
+    assert saved["tightened"] and saved["extended"] > 0, saved
+    assert 0.9 * saved["speedup"] <= saved["low"] <= saved["high"] <= 1.1 * saved["speedup"], saved
+    assert saved["rounds"][0] > plain["rounds"][0]
+
+
+def test_imprecise_is_half_the_tolerance_either_side_and_never_a_peers() -> None:
+    row = SpeedupRow(kernel="k", impl="optimized", size="smoke", label="", device="cpu", reference_ms=4.0,
+                     optimized_ms=1.0, speedup=4.0, low=3.6, high=4.4, rounds=(9, 9))
+    assert not imprecise(row, 0.2)  # 4.0 +- 10%
+    row.low = 3.59
+    assert imprecise(row, 0.2) and not imprecise(row, 0.3)
+    row.low, row.high = 3.6, 4.41
+    assert imprecise(row, 0.2)
+    assert decided(row, 0.2) and not decided(row, 0.2, saving=True)  # no rule applies, but it is saved
+    row.peer = True  # a peer's row is reported, never gated by a baseline
+    assert not imprecise(row, 0.2) and decided(row, 0.2, saving=True)
 
 
 def test_baseline_from_another_fingerprint_is_refused(pytester: pytest.Pytester) -> None:

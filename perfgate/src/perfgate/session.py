@@ -194,6 +194,7 @@ class PerfSession:
         settings = Settings(device=device, size=size, threads=threads, tolerance=o.tolerance, fingerprint=fp,
                             slug=slug(fp), visits=o.visits, extend_s=o.extend_s, contended=o.contended,
                             all_visits=o.all_visits, gated_only=o.gated_only, compared=self.against is not None,
+                            saving=self.saving,
                             wrap=self._wrap(device))
         timer = timer_for(device, l2_flush=o.l2_flush, host_timer=compat.host_timer(self.config),
                           disable_gc=bool(self.config.getoption("benchmark_disable_gc")))
@@ -531,6 +532,8 @@ class PerfSession:
 
     def _baseline_note(self, tr: Any, rows: list) -> None:
         """What became of the stored baseline: saved, not saved (interrupted), compared, or none."""
+        from .stats import imprecise
+
         state = self.state
         slug = state.settings.slug
         if self.saving and state.interrupted:
@@ -547,6 +550,14 @@ class PerfSession:
                 tr.write_line(f"{len(unjudged)} saved row(s) had too few pairs timed with torch's threads near "
                               f"to stand for this machine: {', '.join(unjudged)}; save again when the host "
                               "places them near (docs/gate.md, \"The threads' placement\")", yellow=True)
+            wide = [f"{r.kernel} [{r.impl}] {r.speedup:.2f}x ({r.low:.2f}-{r.high:.2f}x)" for r in rows
+                    if imprecise(r, state.settings.tolerance)]
+            if wide:
+                half = state.settings.tolerance / 2
+                tr.write_line(f"{len(wide)} saved row(s) are wider than a baseline should be (their 95% interval "
+                              f"reaches past {half:.0%} of the speedup) after the --perf-extend budget: "
+                              f"{', '.join(wide)}; a later --benchmark-compare catches less against them. Save "
+                              "again on a quieter host, or with a longer --perf-extend", yellow=True)
         elif state.stored.speedups is None:
             tr.write_line(f"no stored baseline compared for {slug}: save one on this machine with "
                           "--benchmark-save=NAME, then --benchmark-compare gates against it")

@@ -21,6 +21,7 @@ from .stats import (
     apart,
     decided,
     gate,
+    imprecise,
     misses,
     speedup_interval,
     straddles,
@@ -89,6 +90,7 @@ class Settings:
     all_visits: bool = False  # --perf-all-visits: the stopping rule off
     gated_only: bool = False  # --perf-gated-only: time only the impls and pairs a floor or baseline judges
     compared: bool = False  # --perf-against: the impls it compares count as judged under --perf-gated-only
+    saving: bool = False  # --benchmark-save or --benchmark-autosave: the rows become a stored baseline
     wrap: Wrap | None = None  # a test plugin's wrapper of the timed callables (hooks.pytest_perfgate_wrap_timed)
 
 
@@ -194,7 +196,7 @@ class GateState:
                 m = self.results[p.kernel][p.impl]
                 early = self._row(p.kernel, p.impl, EARLY)
                 if not self.settings.all_visits and len(m.paired) >= MIN_PAIRS and \
-                        decided(early, self.settings.tolerance):
+                        decided(early, self.settings.tolerance, self.settings.saving):
                     self.later.skipped[(p.kernel, p.impl)] = sum(p.shares[v:])
                     m.visits -= len(p.shares) - v
                     p.shares = p.shares[:v]
@@ -217,10 +219,10 @@ class GateState:
 
     def compute_rows(self) -> list[SpeedupRow]:
         """Speedup rows for every impl measured beside its reference (computed once). A row whose
-        interval straddles its floor or its stored baseline's line gets more interleaved pairs
-        first (``resolve``); then every kept callable is freed. Ctrl-C during that extra timing
-        stops it, and the rows are made from what was measured (the session then ends
-        interrupted, plugin.py)."""
+        interval straddles its floor or its stored baseline's line, or is too wide for the baseline
+        this session saves, gets more interleaved pairs first (``resolve``); then every kept
+        callable is freed. Ctrl-C during that extra timing stops it, and the rows are made from
+        what was measured (the session then ends interrupted, plugin.py)."""
         if self.rows is not None:
             return self.rows
         try:
@@ -243,15 +245,15 @@ class GateState:
                         except KeyboardInterrupt:
                             self.interrupted = True
                             row = self._row(kernel, impl)
-                    if straddles(row, self.settings.tolerance) and not row.failures and not self.interrupted:
+                    if self._open(row) and not row.failures and not self.interrupted:
                         try:
                             row = self.resolve(row)
                             # a failure the extension's pairs brought is timed again too, as any failure is
                             if row.failures and any(misses(row, self.settings.tolerance)) \
                                     and self.results[kernel][impl].again is None:
-                                extended = row.extended
+                                extended, tightened = row.extended, row.tightened
                                 row = self.confirm(row)
-                                row.extended = extended
+                                row.extended, row.tightened = extended, tightened
                         except KeyboardInterrupt:
                             self.interrupted = True
                             row = self._row(kernel, impl)
@@ -346,17 +348,27 @@ class GateState:
             time.sleep(0.1)
         self.tally.placement_wait += time.perf_counter() - start
 
+    def _open(self, row: SpeedupRow) -> bool:
+        """``row``'s interval straddles its floor or its stored baseline's line (``stats.straddles``),
+        or is too wide for the baseline this session saves (``stats.imprecise``)."""
+        tolerance = self.settings.tolerance
+        return straddles(row, tolerance) or (self.settings.saving and imprecise(row, tolerance))
+
     def resolve(self, row: SpeedupRow) -> SpeedupRow:
         """Time more interleaved pairs of ``row`` until its interval leaves its floor and its stored
-        baseline's line (``stats.straddles``; above: met, under: missed) or ``extend_s`` is spent:
-        each step doubles the pairs, so the interval narrows by about 1/sqrt(2) a step, and a step
-        is taken only while the budget holds it."""
+        baseline's line (``stats.straddles``; above: met, under: missed) and, where this session
+        saves a baseline, is narrow enough to be one (``stats.imprecise``), or ``extend_s`` is
+        spent: each step doubles the pairs, so the interval narrows by about 1/sqrt(2) a step, and a
+        step is taken only while the budget holds it."""
         timer = self.later.timers.get((row.kernel, row.impl))
         if timer is None:  # timed apart from its reference (e.g. under -k): nothing to extend
             return row
         m = self.results[row.kernel][row.impl]
         start, pairs = time.perf_counter(), len(m.paired)
-        while straddles(row, self.settings.tolerance):
+        # extended for the saved baseline's sake alone: its interval clear of every line it may fail
+        tightened = self.settings.saving and imprecise(row, self.settings.tolerance) and \
+            not straddles(row, self.settings.tolerance)
+        while self._open(row):
             spent = time.perf_counter() - start
             per_pair = (spent / (len(m.paired) - pairs)) if len(m.paired) > pairs else \
                 _pair_seconds(m, timer, self.probes.timer.cost)
@@ -368,7 +380,7 @@ class GateState:
                 m.visits += 1  # the extension's pairs are one more visit, at the session's end
             self._time_pairs(timer, step)
             row = self._row(row.kernel, row.impl)
-            row.extended = len(m.paired) - pairs
+            row.extended, row.tightened = len(m.paired) - pairs, tightened
         return row
 
     def _row(self, kernel: str, impl: str, confidence: float = 0.95) -> SpeedupRow:

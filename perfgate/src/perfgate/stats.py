@@ -214,6 +214,7 @@ class SpeedupRow:
     memory_baseline: float | None = None  # the baseline's optimized/reference peak ratio
     floor_note: str = ""  # why no floor applies to this row where the test declares one
     extended: int = 0  # interleaved pairs added at the session's end to resolve a straddled floor or baseline
+    tightened: bool = False  # extended only because it is saved as a baseline and was too wide (imprecise)
     skipped: int = 0  # later interleaved pairs not timed: the row was decided before them (GateState.revisit)
     contention: float | None = None  # share of CPU time the host withheld during its pairs (None: unread)
     bandwidth: float | None = None  # share of the streaming probe's bandwidth withheld during its pairs
@@ -486,14 +487,25 @@ def misses(row: SpeedupRow, tolerance: float) -> tuple[bool, bool]:
     return under_floor, under_baseline
 
 
-def decided(row: SpeedupRow, tolerance: float) -> bool:
+def imprecise(row: SpeedupRow, tolerance: float) -> bool:
+    """``row``, saved as a stored baseline, is too wide to judge a later run's drop of
+    ``tolerance`` against: its interval reaches past ``tolerance / 2`` of its speedup on either
+    side. Such a baseline's point may sit far from the machine's level (a 1.5x slower kernel then
+    reads less than ``tolerance`` under it), and its low bound far under it (the rule asks a drop's
+    whole interval to clear it). A peer's row is not gated by a baseline: never imprecise."""
+    half = tolerance / 2.0
+    return not row.peer and not (1.0 - half) * row.speedup <= row.low <= row.high <= (1.0 + half) * row.speedup
+
+
+def decided(row: SpeedupRow, tolerance: float, saving: bool = False) -> bool:
     """More pairs would not change ``row``'s verdict (``row`` gated on a wider interval than the
     final verdict's, ``state.EARLY``): no floor or gated baseline applies to it, or each that does
     is cleared, met (its interval above the floor, above the baseline's threshold) or missed (the
     whole interval under it, on a quiet host). A straddled floor, a baseline the interval still
     reaches, or a failure left unjudged on a contended host (it may quiet down) is undecided. The
-    caller asks only of a row on enough pairs to fail (``state.MIN_PAIRS``)."""
-    if row.unresolved:
+    caller asks only of a row on enough pairs to fail (``state.MIN_PAIRS``). In a session that
+    ``saving`` a baseline, a row the baseline will gate is undecided while ``imprecise``."""
+    if row.unresolved or (saving and imprecise(row, tolerance)):
         return False
     if row.baseline is not None and not row.peer and not row.failures:
         return row.low >= _base_line(row, tolerance)
@@ -518,8 +530,9 @@ def verdict(rows: Sequence[SpeedupRow], what: str, budget: str,
             now = f"now {r.speedup:.2f}x (95% CI {r.low:.2f}-{r.high:.2f}x), {r.outcome}"
             lines_of = ([f"the floor {r.floor:.2f}x"] if r.floor is not None else []) + \
                 ([f"the stored baseline's {r.baseline:.2f}x"] if r.baseline is not None and not r.peer else [])
+            why = "was wider than a saved baseline may be" if r.tightened else f"straddled {' or '.join(lines_of)}"
             lines.append(("note", f"extended: {r.kernel} [{r.impl}] +{r.extended} interleaved pairs at the "
-                                  f"session's end, its interval straddled {' or '.join(lines_of)}: {now}"))
+                                  f"session's end, its interval {why}: {now}"))
     for r in rows:
         for u in r.unresolved:
             how = (f"after +{r.extended} pairs" if r.extended else "not extended") + f" ({budget})"
