@@ -36,8 +36,9 @@ OPTIONS: list[tuple[str, Any, str]] = [
                                  "reads them) are 5, not sized to --benchmark-max-time; for a CI gate (make test) "
                                  "or a comparison with REV (make bench), not for a report or a saved baseline"),
     ("--perf-extend", 60.0, "seconds of extra interleaved pairs a row may take when its interval straddles its "
-                            "floor or its stored baseline's line, before it is reported unresolved (default "
-                            "60; 0: never extend)"),
+                            "floor or its stored baseline's line, before it is reported unresolved, or, in a "
+                            "session saving a baseline, while its interval reaches past half the tolerance of its "
+                            "speedup (default 60; 0: never extend)"),
     ("--perf-contended", 0.05, "share of the CPU time the host may withhold while a row's pairs run (CPU "
                                "time other processes took from our threads, and the hypervisor's steal, read "
                                "from Linux's /proc) "
