@@ -150,6 +150,25 @@ def test_a_saved_baseline_is_timed_until_its_interval_is_narrow_enough_to_gate(p
     assert saved["rounds"][0] > plain["rounds"][0]
 
 
+def test_a_compare_names_the_baseline_rows_saved_loose(pytester: pytest.Pytester) -> None:
+    """A baseline row whose interval reaches more than half the tolerance under its speedup (saved
+    by a perfgate that did not measure saves precise, or past --perf-extend's budget) shields a
+    drop down to that low: the compare names it; a precise one is not named."""
+    _suite(pytester)
+    assert _run(pytester, "--benchmark-save=base").ret == 0
+    result = _run(pytester, "--benchmark-compare")
+    assert result.ret == 0 and "catch less" not in result.stdout.str()
+    [saved] = _saved(pytester)
+    data = json.loads(saved.read_text())
+    row = data["perfgate"]["speedups"][0]
+    row["low"] = 0.5 * row["speedup"]
+    saved.write_text(json.dumps(data))
+    result = _run(pytester, "--benchmark-compare")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["1 gated row(s) of that baseline have an interval reaching more than 10% under "
+                                 "their speedup: sleepy [[]optimized] *x (from *x); a drop must clear that low*"])
+
+
 def test_imprecise_is_half_the_tolerance_either_side_and_never_a_peers() -> None:
     row = SpeedupRow(kernel="k", impl="optimized", size="smoke", label="", device="cpu", reference_ms=4.0,
                      optimized_ms=1.0, speedup=4.0, low=3.6, high=4.4, rounds=(9, 9))
