@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import gc
 import math
+import time
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -510,13 +511,41 @@ def test_recipe_auto_leaves_fp32_only_for_a_clear_win(monkeypatch, bf16_ms: floa
     import kernels.training as engine
 
     timed = {"fp32": 10.0, "bfloat16": bf16_ms}
-    monkeypatch.setattr(engine, "_time_step", lambda recipe, *a, **k: timed[recipe.name])
+    monkeypatch.setattr(engine, "_time_steps", lambda recipes, *a, **k: {r.name: timed[r.name] for r in recipes})
     monkeypatch.setattr(engine, "native_bf16", lambda device: True)  # a CPU with bf16 instructions
     model, _ = _setup()
     x, y = _data(1, 16)[0]
     choice = Recipe.choose("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y))
     assert choice.recipe.autocast_dtype is chosen and choice.step_ms == timed
     assert Recipe.auto("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y)) == choice.recipe
+
+
+def test_recipe_auto_times_its_candidates_interleaved(monkeypatch) -> None:
+    """Each candidate trains on its own copy of the model (the caller's untouched), a warm-up step
+    each, then rounds of one step of each in an order rotated every round; each median is of its
+    own steps."""
+    import kernels.training as engine
+
+    calls: list[tuple[str, int]] = []
+    sleep = {"fp32": 0.002, "fp32+channels_last": 0.006}
+
+    def fake_train(model, loss_fn, opt, data, recipe, device=None):
+        calls.append((recipe.name, id(model)))
+        time.sleep(sleep[recipe.name])
+
+    monkeypatch.setattr(engine, "train", fake_train)
+    model, _ = _setup()
+    recipes = [Recipe(), Recipe(channels_last=True)]
+    ms = engine._time_steps(recipes, model, F.cross_entropy, _data(1, 4)[0], "cpu")
+    names = [name for name, _ in calls]
+    assert names[:2] == ["fp32", "fp32+channels_last"]  # the warm-ups
+    rounds = [names[i:i + 2] for i in range(2, len(names), 2)]
+    assert len(rounds) >= engine.MIN_ROUNDS and rounds[0] == ["fp32", "fp32+channels_last"]
+    assert rounds[1] == ["fp32+channels_last", "fp32"] and rounds[2] == rounds[0]  # rotated
+    models = {name: {m for n, m in calls if n == name} for name in sleep}
+    assert all(len(m) == 1 for m in models.values()) and not models["fp32"] & models["fp32+channels_last"]
+    assert id(model) not in models["fp32"] | models["fp32+channels_last"]
+    assert 1.5 < ms["fp32"] < 5.0 < ms["fp32+channels_last"]
 
 
 def test_recipe_auto_times_no_emulated_bf16(monkeypatch) -> None:
@@ -528,7 +557,7 @@ def test_recipe_auto_times_no_emulated_bf16(monkeypatch) -> None:
     y = torch.randint(0, 2, (4,))
     model = nn.Sequential(nn.Conv2d(3, 2, 3), nn.Flatten(), nn.Linear(72, 2))
     timed = {"fp32": 10.0, "fp32+channels_last": 8.5, "bfloat16": 1.0, "bfloat16+channels_last": 1.0}
-    monkeypatch.setattr(engine, "_time_step", lambda recipe, *a, **k: timed[recipe.name])
+    monkeypatch.setattr(engine, "_time_steps", lambda recipes, *a, **k: {r.name: timed[r.name] for r in recipes})
     monkeypatch.setattr(engine, "native_bf16", lambda device: False)
     choice = Recipe.choose("cpu", model=model, loss_fn=F.cross_entropy, batch=(x, y))
     assert choice.step_ms == {"fp32": 10.0, "fp32+channels_last": 8.5} and choice.recipe.channels_last
@@ -550,7 +579,8 @@ def test_recipe_auto_times_fp16_and_bf16_on_cuda(monkeypatch) -> None:
     timed = {"fp32": 10.0, "float16": 9.5, "bfloat16": 9.6, "fp32+channels_last": 10.2,
              "float16+channels_last": 9.4, "bfloat16+channels_last": 9.7}
     seen: list[Recipe] = []
-    monkeypatch.setattr(engine, "_time_step", lambda recipe, *a, **k: seen.append(recipe) or timed[recipe.name])
+    monkeypatch.setattr(engine, "_time_steps",
+                        lambda recipes, *a, **k: seen.extend(recipes) or {r.name: timed[r.name] for r in recipes})
     monkeypatch.setattr(engine, "native_bf16", lambda device: True)  # an Ampere or later GPU
     choice = Recipe.choose("cuda", accumulation=2, model=model, loss_fn=F.cross_entropy, batch=(x, y))
     assert choice.step_ms == timed and choice.recipe == Recipe(accumulation=2)  # no candidate 10% faster
@@ -589,12 +619,13 @@ def test_recipe_auto_keeps_a_compile_mode_only_when_it_measures_faster(monkeypat
 
     timed = {"fp32": 10.0, "bfloat16": 12.0, "fp32+compile": 9.8, "fp32+compile:max-autotune": compiled_ms}
 
-    def fake(recipe, *a, first_s=None, **k):
-        if first_s is not None:
-            first_s.append(30.0 if recipe.compile_mode else 0.01)  # the compile, reported apart
-        return timed[recipe.name]
+    def fake(recipes, *a, first_s=None, **k):
+        for recipe in recipes:
+            if first_s is not None:
+                first_s.append(30.0 if recipe.compile_mode else 0.01)  # the compile, reported apart
+        return {recipe.name: timed[recipe.name] for recipe in recipes}
 
-    monkeypatch.setattr(engine, "_time_step", fake)
+    monkeypatch.setattr(engine, "_time_steps", fake)
     monkeypatch.setattr(engine, "native_bf16", lambda device: True)
     model, _ = _setup()
     x, y = _data(1, 16)[0]

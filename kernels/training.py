@@ -34,7 +34,9 @@ loss the engine already reads once per optimizer step, and the scale the skip co
 ``Recipe.auto`` picks per device what measured faster. On CPU the answer differs between CPU
 kinds (bf16 and channels_last sped a ResNet-10 up on an AVX512-BF16 AMD EPYC and slowed
 resnet18 down on a Xeon; evidence/from-the-code.md), so ``auto`` times the candidates
-on the caller's model and batch when given them, and otherwise keeps plain fp32; it leaves fp32
+on the caller's model and batch when given them (interleaved, each on its own copy of the model:
+a round is one step of each, so a change in the host's speed falls on all of them alike), and
+otherwise keeps plain fp32; it leaves fp32
 only for a candidate at least 10% faster (a smaller gain is timing noise, not a reason to lose
 precision and the reference's exact selections). bf16 is a candidate only on a CPU that computes
 it natively (``native_bf16``): elsewhere autocast converts it in software, 9-20x slower than
@@ -186,7 +188,7 @@ def _fastest_eager(base: Recipe, model: nn.Module, loss_fn: LossFn, batch: tuple
     dtypes = [None] + [torch.float16] * cuda + [torch.bfloat16] * native_bf16(device)
     candidates = [replace(base, autocast_dtype=d, grad_scaler=d == torch.float16, channels_last=c)
                   for c in layouts for d in dtypes]
-    step_ms = {r.name: _time_step(r, model, loss_fn, batch, device) for r in candidates}
+    step_ms = _time_steps(candidates, model, loss_fn, batch, device)
     best = min(candidates, key=lambda r: step_ms[r.name])
     if step_ms[best.name] > (1 - AUTO_MARGIN) * step_ms[base.name]:
         best = base  # a win inside the timing noise does not pay for reduced precision
@@ -226,26 +228,46 @@ def _rng_kept(device: str | torch.device):
 
 
 def _time_step(recipe: Recipe, model: nn.Module, loss_fn: LossFn, batch: tuple[Tensor, Tensor],
-               device: str | torch.device, budget_s: float = 0.05, max_repeats: int = 50,
-               first_s: list[float] | None = None) -> float:
-    """Median ms of a training step under ``recipe`` on a copy of the model, after a warm-up
-    step (its seconds appended to ``first_s``: compilation lives there): at least 3 steps, more
-    while they fit in ``budget_s`` (millisecond steps are noisy)."""
-    trial = copy.deepcopy(model).to(device)
-    opt = torch.optim.SGD(trial.parameters(), lr=0.0)
-    times: list[float] = []
+               device: str | torch.device, first_s: list[float] | None = None) -> float:
+    """Median ms of a training step under ``recipe`` alone (``_time_steps``)."""
+    return _time_steps([recipe], model, loss_fn, batch, device, first_s=first_s)[recipe.name]
+
+
+MIN_ROUNDS = 7  # interleaved rounds Recipe.auto times at least: a 10% margin is judged on their medians
+
+
+def _time_steps(recipes: list[Recipe], model: nn.Module, loss_fn: LossFn, batch: tuple[Tensor, Tensor],
+                device: str | torch.device, budget_s: float = 0.1, max_rounds: int = 50,
+                first_s: list[float] | None = None) -> dict[str, float]:
+    """Median ms of a training step under each of ``recipes`` (by name), each on its own copy of
+    the model, interleaved: after a warm-up step of each (its seconds appended to ``first_s``:
+    compilation lives there), rounds of one step of each, in an order rotated every round, so a
+    change in the host's speed falls on every recipe alike; ``MIN_ROUNDS`` at least, more while
+    they fit in ``budget_s`` a recipe (millisecond steps are noisy). Every copy is held until the
+    end: memory for len(recipes) models, their gradients and one step's activations."""
+    trials = []
+    for recipe in recipes:
+        trial = copy.deepcopy(model).to(device)
+        trials.append((recipe, trial, torch.optim.SGD(trial.parameters(), lr=0.0)))
+    times: dict[str, list[float]] = {recipe.name: [] for recipe in recipes}
+    spent, rounds = 0.0, 0
     # a fresh GradScaler per timed call may skip its first step: not news here
     with _rng_kept(device), warnings.catch_warnings():
         warnings.filterwarnings("ignore", r"\d+ of \d+ optimizer steps were skipped", RuntimeWarning)
-        t0 = time.perf_counter()
-        train(trial, loss_fn, opt, [batch], recipe, device=device)
-        if first_s is not None:
-            first_s.append(time.perf_counter() - t0)
-        while len(times) < 3 or (sum(times) < budget_s and len(times) < max_repeats):
+        for recipe, trial, opt in trials:
             t0 = time.perf_counter()
             train(trial, loss_fn, opt, [batch], recipe, device=device)
-            times.append(time.perf_counter() - t0)
-    return 1e3 * sorted(times)[len(times) // 2]
+            if first_s is not None:
+                first_s.append(time.perf_counter() - t0)
+        while rounds < MIN_ROUNDS or (spent < budget_s * len(trials) and rounds < max_rounds):
+            shift = rounds % len(trials)
+            for recipe, trial, opt in trials[shift:] + trials[:shift]:
+                t0 = time.perf_counter()
+                train(trial, loss_fn, opt, [batch], recipe, device=device)
+                times[recipe.name].append(time.perf_counter() - t0)
+                spent += times[recipe.name][-1]
+            rounds += 1
+    return {name: 1e3 * sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
 @dataclass
