@@ -17,7 +17,7 @@ import pytest
 from perfgate import fidelity
 from perfgate.fingerprint import slug
 from perfgate.report import main as report_main
-from perfgate.stats import SpeedupRow, decided, gate, imprecise, speedup_interval
+from perfgate.stats import SpeedupRow, decided, gate, imprecise, loose_baseline, speedup_interval
 
 pytestmark = pytest.mark.paced  # perf sessions whose timed calls sleep: one a core (make correctness)
 
@@ -179,6 +179,12 @@ def test_imprecise_is_half_the_tolerance_either_side_and_never_a_peers() -> None
     assert decided(row, 0.2) and not decided(row, 0.2, saving=True)  # no rule applies, but it is saved
     row.peer = True  # a peer's row is reported, never gated by a baseline
     assert not imprecise(row, 0.2) and decided(row, 0.2, saving=True)
+    row.peer, row.baseline, row.baseline_low = False, 5.0, 4.5  # a stored baseline's low within 10%
+    assert not loose_baseline(row, 0.2)
+    row.baseline_low = 4.49
+    assert loose_baseline(row, 0.2) and not loose_baseline(row, 0.3)
+    row.peer = True
+    assert not loose_baseline(row, 0.2)
 
 
 def test_baseline_from_another_fingerprint_is_refused(pytester: pytest.Pytester) -> None:

@@ -532,7 +532,7 @@ class PerfSession:
 
     def _baseline_note(self, tr: Any, rows: list) -> None:
         """What became of the stored baseline: saved, not saved (interrupted), compared, or none."""
-        from .stats import imprecise
+        from .stats import imprecise, loose_baseline
 
         state = self.state
         slug = state.settings.slug
@@ -565,11 +565,9 @@ class PerfSession:
             matched = sum(r.baseline is not None for r in rows)
             tr.write_line(f"compared against baseline in {state.stored.path}: {matched} of {len(rows)} "
                           f"row(s) have a stored speedup at size {state.settings.size}")
-            # a gated row whose stored interval reaches far under its point: a drop must clear that low
             half = state.settings.tolerance / 2
             loose = [f"{r.kernel} [{r.impl}] {r.baseline:.2f}x (from {r.baseline_low:.2f}x)" for r in rows
-                     if r.baseline is not None and r.baseline_low is not None and not r.peer
-                     and r.baseline_low < (1 - half) * r.baseline]
+                     if loose_baseline(r, state.settings.tolerance)]
             if loose:
                 tr.write_line(f"{len(loose)} gated row(s) of that baseline have an interval reaching more than "
                               f"{half:.0%} under their speedup: {', '.join(loose)}; a drop must clear that low to "

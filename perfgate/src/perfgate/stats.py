@@ -493,8 +493,20 @@ def imprecise(row: SpeedupRow, tolerance: float) -> bool:
     side. Such a baseline's point may sit far from the machine's level (a 1.5x slower kernel then
     reads less than ``tolerance`` under it), and its low bound far under it (the rule asks a drop's
     whole interval to clear it). A peer's row is not gated by a baseline: never imprecise."""
+    return not row.peer and not _within_half(row.speedup, row.low, row.high, tolerance)
+
+
+def loose_baseline(row: SpeedupRow, tolerance: float) -> bool:
+    """``row``'s stored baseline gates it but was saved ``imprecise`` on its low side (its interval
+    reaches past ``tolerance / 2`` under its speedup): a drop must clear that low to fail."""
+    return row.baseline is not None and row.baseline_low is not None and not row.peer and \
+        not _within_half(row.baseline, row.baseline_low, None, tolerance)
+
+
+def _within_half(point: float, low: float, high: float | None, tolerance: float) -> bool:
+    """The interval [low, high] (high None: unbounded above) lies within ``tolerance / 2`` of ``point``."""
     half = tolerance / 2.0
-    return not row.peer and not (1.0 - half) * row.speedup <= row.low <= row.high <= (1.0 + half) * row.speedup
+    return (1.0 - half) * point <= low and (high is None or high <= (1.0 + half) * point)
 
 
 def decided(row: SpeedupRow, tolerance: float, saving: bool = False) -> bool:
