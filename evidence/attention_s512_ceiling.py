@@ -1,9 +1,9 @@
 """What bounds rope_attention's lead over rotary-embedding-torch + SDPA at S=512, non-causal, fp32,
 on the CPU: its parts timed alone, interleaved in one process with the whole calls.
 
-    python -m evidence.attention_s512_ceiling [cache|default]
+    python -m evidence.attention_s512_ceiling [cache|default] [threads, default 2]
 
-The perf suite's row (B8 H8 S512 D64, interleaved RoPE, 2 threads). Timed, medians of interleaved
+The perf suite's row (B8 H8 S512 D64, interleaved RoPE; 2 threads unless told). Timed, medians of interleaved
 rounds (evidence/ab.py): ours (the fused path), the peer, SDPA on q and k rotated before, the
 peer's rotation of q and k alone, ours' rotation alone and followed by SDPA (the unfused path);
 then the fused path's own parts over its chunks of heads (kernels/attention.py, FUSED_BYTES),
@@ -34,7 +34,7 @@ from perf_tests.peers import rotary_attention, rotary_rotation  # noqa: E402
 from perfgate.fingerprint import _cpu_model  # noqa: E402
 from perfgate.roofline import Limits  # noqa: E402
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
 B, H, S, D = 8, 8, 512, 64
 torch.manual_seed(0)
 q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
