@@ -618,8 +618,10 @@ def test_recipe_auto_keeps_a_compile_mode_only_when_it_measures_faster(monkeypat
     import kernels.training as engine
 
     timed = {"fp32": 10.0, "bfloat16": 12.0, "fp32+compile": 9.8, "fp32+compile:max-autotune": compiled_ms}
+    groups = []
 
     def fake(recipes, *a, first_s=None, **k):
+        groups.append([recipe.name for recipe in recipes])
         for recipe in recipes:
             if first_s is not None:
                 first_s.append(30.0 if recipe.compile_mode else 0.01)  # the compile, reported apart
@@ -634,6 +636,8 @@ def test_recipe_auto_keeps_a_compile_mode_only_when_it_measures_faster(monkeypat
     assert choice.recipe.compile_mode == kept and choice.recipe.autocast_dtype is None
     assert choice.step_ms == timed
     assert choice.compile_s == {"fp32+compile": 30.0, "fp32+compile:max-autotune": 30.0}
+    # the eager candidates in one group, then eager's pick and every compiled one interleaved in another
+    assert groups == [["fp32", "bfloat16"], ["fp32", "fp32+compile", "fp32+compile:max-autotune"]]
     with pytest.raises(ValueError, match="compile_modes must be among"):
         Recipe.auto("cpu", compile_modes=("fast",))
     assert Recipe.choose("cpu", compile_modes=("default",)) == Choice(Recipe())  # nothing to time them on

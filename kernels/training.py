@@ -198,15 +198,15 @@ def _fastest_eager(base: Recipe, model: nn.Module, loss_fn: LossFn, batch: tuple
 def _keep_faster_compile(eager: Choice, modes: tuple[str, ...], model: nn.Module, loss_fn: LossFn,
                          batch: tuple[Tensor, Tensor], device: str | torch.device) -> Choice:
     """``eager``'s recipe compiled in the fastest of ``modes`` when that is at least AUTO_MARGIN
-    faster per step than eager (compile time aside), else eager's; both timings recorded."""
-    best, step_ms, compile_s = eager.recipe, dict(eager.step_ms), {}
-    if best.name not in step_ms:
-        step_ms[best.name] = _time_step(best, model, loss_fn, batch, device)
+    faster per step than eager (compile time aside), else eager's. Eager and every compiled
+    candidate are timed in one interleaved group (``_time_steps``: each compiled model held at
+    once), so a change in the host's speed falls on all alike; eager's time there replaces its
+    earlier one, and each candidate's first step (its compile) is reported apart."""
+    best = eager.recipe
     compiled = [replace(best, compile_mode=m) for m in modes]
-    for r in compiled:
-        first: list[float] = []
-        step_ms[r.name] = _time_step(r, model, loss_fn, batch, device, first_s=first)
-        compile_s[r.name] = first[0]
+    first: list[float] = []
+    step_ms = {**eager.step_ms, **_time_steps([best, *compiled], model, loss_fn, batch, device, first_s=first)}
+    compile_s = {r.name: s for r, s in zip(compiled, first[1:], strict=True)}
     fastest = min(compiled, key=lambda r: step_ms[r.name])
     keep = fastest if step_ms[fastest.name] <= (1 - AUTO_MARGIN) * step_ms[best.name] else best
     return Choice(keep, step_ms, compile_s)
@@ -225,12 +225,6 @@ def _rng_kept(device: str | torch.device):
     finally:
         random.setstate(py)
         np.random.set_state(npy)
-
-
-def _time_step(recipe: Recipe, model: nn.Module, loss_fn: LossFn, batch: tuple[Tensor, Tensor],
-               device: str | torch.device, first_s: list[float] | None = None) -> float:
-    """Median ms of a training step under ``recipe`` alone (``_time_steps``)."""
-    return _time_steps([recipe], model, loss_fn, batch, device, first_s=first_s)[recipe.name]
 
 
 MIN_ROUNDS = 7  # interleaved rounds Recipe.auto times at least: a 10% margin is judged on their medians
