@@ -546,6 +546,48 @@ def test_a_row_built_again_is_timed_on_the_first_builds_units() -> None:
     assert len(set(row.rev_units)) == 1 and len(set(row.this_units)) == 1
 
 
+@pytest.mark.parametrize(("first_copies", "again"), [(1, (2, float("inf"))), (3, (3, 3.0))])
+def test_a_row_built_on_too_few_units_is_built_again_with_a_new_unit_a_worker(first_copies: int, again) -> None:
+    """A straddling row whose workers built one copy each (2 units a side: its units' offsets read at 1
+    degree of freedom) is built again with one copy more a worker, built whatever it takes: its further
+    pairs land on 4 units a side, the first builds' 2 among them. A row built on 3 copies a worker is
+    built again as it was built first (COPIES within COPIES_S)."""
+    import types
+
+    from perfgate.abrun import COPIES, COPIES_S, MIN_UNITS, ABRow, Budget, Comparer, Stretch
+
+    asked: list[tuple[int, float]] = []
+
+    class Pool:
+        per_side = 2
+        workers = [types.SimpleNamespace(side=side, index=i, name=f"{side}{i}") for side in ("rev", "this")
+                   for i in range(2)]
+
+        def side(self, name: str) -> list:
+            return [w for w in self.workers if w.side == name]
+
+        def ask(self, worker, op: str, timeout: float, **kwargs) -> dict:
+            if op == "build":
+                asked.append((kwargs["builds"], kwargs["build_s"]))
+                made = first_copies if len(asked) <= 4 else kwargs["builds"]  # the first builds: as slow as told
+                return {"ok": True, "warm_s": 0.01, "builds": made, "label": ""}
+            return {"ok": True, "times": [0.01], "share": None}
+
+    assert (COPIES, COPIES_S) == (3, 3.0) and MIN_UNITS == 3
+    comparer = Comparer(Pool(), 0.05, Budget(seconds=0.0))
+    row, request = ABRow("k", "optimized", "smoke", "t::k"), {}
+    assert comparer.build(row, request)
+    comparer.time_row(row)
+    first = {side: set(units) for side, units in (("rev", row.rev_units), ("this", row.this_units))}
+    assert all(len(u) <= 2 * first_copies for u in first.values())
+    assert comparer.build_again(row, ABRow("k", "optimized", "smoke", "t::k"), request)
+    assert asked[4:] == [again] * 4  # every worker, as the rule says
+    got = Stretch(row.rev_times, row.this_times, row.rev_units, row.this_units)
+    comparer.pairs(row, 200, got, [])
+    units = {side: set(u) for side, u in (("rev", row.rev_units), ("this", row.this_units))}
+    assert all(len(u) == 2 * again[0] and first[side] <= u for side, u in units.items())
+
+
 def test_a_row_stopped_mid_extension_is_read_on_every_pair_it_has(monkeypatch) -> None:
     """Ctrl-C during a row's extension: its interval is that of all its pairs, not its planned pairs' alone."""
     from perfgate.abrun import Budget
@@ -1135,6 +1177,9 @@ class _Straddling:
     def build(self, row: Any, request: dict) -> bool:
         return True
 
+    def build_again(self, row: Any, fresh: Any, request: dict) -> bool:
+        return self.build(fresh, request)
+
     def time_row(self, row: Any) -> bool:
         import types
 
@@ -1219,6 +1264,9 @@ def test_straddling_rows_are_extended_after_every_rows_planned_pairs_cheapest_fi
         def build(self, row: A.ABRow, request: dict) -> bool:
             events.append(("build", row.kernel))
             return True
+
+        def build_again(self, row: A.ABRow, fresh: A.ABRow, request: dict) -> bool:
+            return self.build(fresh, request)
 
         def time_row(self, row: A.ABRow) -> bool:  # straddling, but for i
             events.append(("planned", row.kernel))
@@ -1389,7 +1437,7 @@ def test_a_straddling_row_whose_share_fits_no_pair_stands_on_its_planned_pairs()
         def extension_s(self, rows_left: int = 1) -> float:
             return 1.0
 
-        def build(self, row: A.ABRow, request: dict) -> bool:
+        def build_again(self, row: A.ABRow, fresh: A.ABRow, request: dict) -> bool:
             raise AssertionError("built again with no budget for a pair")
 
     row = A.ABRow("k", "optimized", "smoke", "t::k", ratio=1.0, low=0.9, high=1.1)
@@ -1411,7 +1459,8 @@ def test_a_straddling_row_that_cannot_be_built_again_is_judged_on_its_planned_pa
             def extension_s(self, rows_left: int = 1) -> float:
                 return 10.0
 
-            def build(self, row: A.ABRow, request: dict, side=side) -> bool:
+            def build_again(self, row: A.ABRow, fresh: A.ABRow, request: dict, side=side) -> bool:
+                row = fresh
                 if side == "this":
                     row.broken = "this worker 0: MemoryError"
                 else:

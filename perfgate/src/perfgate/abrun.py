@@ -33,6 +33,11 @@ from .workers import Pool, WorkerGone
 MAX_PAIRS = 400  # a row's pairs in all (the session's own rows: state.MAX_PAIRS)
 COPIES = 3  # copies of a row's inputs each worker builds (units: a block times one at random) ...
 COPIES_S = 3.0  # ... while building them takes under this many seconds
+# The fewest units a side a straddling row is measured further on: with 2 (a row too slow to build
+# for a second copy, on 2 workers a side) its units' offsets are read at 1 degree of freedom, and
+# Student's t (12.7 at 95%) widens the interval past any pairs' resolving it. Such a row is built
+# again with one more copy a worker, a new unit each (``Comparer.build_again``).
+MIN_UNITS = 3
 BLOCK_TIMEOUT_S = 60.0  # a block's answer is awaited at least this long, and 20 x its expected time
 
 
@@ -175,6 +180,7 @@ class Planned:
     blocks: dict[str, tuple[int, int, float]]
     pair_s: float
     loads: list[tuple[float, float]]
+    copies: dict[tuple[str, int], int] = field(default_factory=dict)  # (side, worker index) -> copies built
 
 
 def _withheld(loads: list[tuple[float, float]]) -> float | None:
@@ -200,13 +206,16 @@ class Comparer:
         """Time on ``pool`` from now on (fresh workers: new units)."""
         self.pool, self.generation = pool, self.generation + 1
 
-    def build(self, row: ABRow, request: dict[str, Any]) -> bool:
-        """Rebuild ``row`` on every worker, up to COPIES copies each; False (and ``row.reason``)
-        when a side cannot."""
+    def build(self, row: ABRow, request: dict[str, Any], copies: dict[tuple[str, int], int] | None = None) -> bool:
+        """Rebuild ``row`` on every worker, up to COPIES copies each while they build within
+        COPIES_S, or exactly ``copies[(side, worker index)]`` (default 1) when given; False (and
+        ``row.reason``) when a side cannot."""
         warm: dict[str, list[float]] = {"rev": [], "this": []}
         for worker in list(self.pool.workers):
+            builds, build_s = ((COPIES, COPIES_S) if copies is None
+                               else (copies.get((worker.side, worker.index), 1), math.inf))
             try:
-                reply = self.pool.ask(worker, "build", 600.0, builds=COPIES, build_s=COPIES_S, **request)
+                reply = self.pool.ask(worker, "build", 600.0, builds=builds, build_s=build_s, **request)
             except WorkerGone as exc:
                 reply = {"ok": False, "reason": str(exc)}
             if not reply.get("ok"):
@@ -287,10 +296,19 @@ class Comparer:
                 if high < line or low >= line:
                     break
             self.pairs(row, min(step, planned - len(got)), got, loads)
-        self.planned[row.nodeid] = Planned(dict(self.blocks), pair_s, loads)
+        self.planned[row.nodeid] = Planned(dict(self.blocks), pair_s, loads, dict(self.copies))
         row.ratio, row.low, row.high = got.interval(0.95)
         row.contention = _withheld(loads)
         return row.low < line <= row.high
+
+    def build_again(self, row: ABRow, fresh: ABRow, request: dict[str, Any]) -> bool:
+        """Build straddling ``row`` again on its workers to be measured further (``extend``), into
+        ``fresh`` (its reason when a side cannot). Each worker builds the copies it built for the
+        planned pairs (the same units), and one more where a side has fewer than MIN_UNITS units:
+        built while the others are alive, the new copy lands elsewhere, a unit of its own."""
+        copies = self.planned[row.nodeid].copies
+        few = min(sum(n for (side, _), n in copies.items() if side == s) for s in ("rev", "this")) < MIN_UNITS
+        return self.build(fresh, request, {key: n + 1 for key, n in copies.items()} if few else None)
 
     def extension_s(self, rows_left: int = 1) -> float:
         """The seconds the next row extended may take: at most ``budget.extend_s``, and its share of

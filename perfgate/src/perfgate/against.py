@@ -380,7 +380,7 @@ class Against:
         if comparer.extension_s(rows_left) < comparer.planned[row.nodeid].pair_s:
             return
         fresh = ABRow(row.kernel, row.impl, row.size, row.nodeid)
-        if comparer.build(fresh, request):
+        if comparer.build_again(row, fresh, request):
             comparer.extend(row, rows_left)
             return
         row.broken = fresh.broken  # this tree's worker broke on it: a failure
