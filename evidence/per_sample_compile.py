@@ -6,7 +6,8 @@ Rows, each a median of interleaved rounds in one process (perfgate's timer, evid
 compile per batch size, shapes fixed, outside the timing: a training loop's steady state), and
 "identity, bare": the Linear identity written out for this MLP with none of ours' checks (its
 forward hooked, one backward to the layer outputs, the outer products and bias sums into the
-``out=`` buffers, streamed where ours streams). bare / ours is the share of ours' call its checks
+``out=`` buffers, streamed where ours streams; its buffers are torch.empty_like, not ours' huge
+pages, which if anything counts against it at large B). bare / ours is the share of ours' call its checks
 and bookkeeping leave to the arithmetic and the write; compiled / ours (ours with ``out=``) the
 lead, with its paired 95% interval.
 

@@ -546,46 +546,103 @@ def test_a_row_built_again_is_timed_on_the_first_builds_units() -> None:
     assert len(set(row.rev_units)) == 1 and len(set(row.this_units)) == 1
 
 
+class _Builds:
+    """A pool of 2 workers a side whose builds make ``made(n)`` copies for the n-th build asked (``None``:
+    as many as asked) and take ``seconds`` on a fake clock each, or fail where ``fails(n)``; every ask kept."""
+
+    def __init__(self, monkeypatch, made, seconds: float = 1.0, fails=lambda n: False) -> None:
+        import types
+
+        import perfgate.abrun as A
+
+        self.clock, self.asked = [0.0], []
+        monkeypatch.setattr(A, "time", types.SimpleNamespace(perf_counter=lambda: self.clock[0]))
+        self.made, self.seconds, self.fails = made, seconds, fails
+        self.per_side = 2
+        self.workers = [types.SimpleNamespace(side=side, index=i, name=f"{side}{i}") for side in ("rev", "this")
+                        for i in range(2)]
+
+    def side(self, name: str) -> list:
+        return [w for w in self.workers if w.side == name]
+
+    def ask(self, worker, op: str, timeout: float, **kwargs) -> dict:
+        if op != "build":
+            return {"ok": True, "times": [0.01], "share": None}
+        self.asked.append((kwargs["row"], kwargs["builds"], kwargs["build_s"]))
+        n = len(self.asked)
+        self.clock[0] += self.seconds
+        if self.fails(n):
+            return {"ok": False, "reason": "MemoryError"}
+        made = self.made(n)
+        return {"ok": True, "warm_s": 0.01, "builds": kwargs["builds"] if made is None else made, "label": ""}
+
+
+def _built_again(pool: _Builds) -> tuple:
+    """Row k built and timed on ``pool``, another row built after it, then k built again: (k, its
+    first units a side, its units a side after 200 more pairs, the asks of that last build)."""
+    from perfgate.abrun import ABRow, Budget, Comparer, Stretch
+
+    comparer = Comparer(pool, 0.05, Budget(seconds=0.0))
+    row = ABRow("k", "optimized", "smoke", "t::k")
+    assert comparer.build(row, {"row": "t::k"})
+    comparer.time_row(row)
+    first = [set(row.rev_units), set(row.this_units)]
+    assert comparer.build(ABRow("j", "optimized", "smoke", "t::j"), {"row": "t::j"})  # another row between
+    asked = len(pool.asked)
+    fresh = ABRow("k", "optimized", "smoke", "t::k")
+    assert comparer.build_again(row, fresh, {"row": "t::k"}) and not fresh.broken
+    comparer.pairs(row, 200, Stretch(row.rev_times, row.this_times, row.rev_units, row.this_units), [])
+    return row, first, [set(row.rev_units), set(row.this_units)], pool.asked[asked:]
+
+
 @pytest.mark.parametrize(("first_copies", "again"), [(1, (2, float("inf"))), (3, (3, 3.0))])
-def test_a_row_built_on_too_few_units_is_built_again_with_a_new_unit_a_worker(first_copies: int, again) -> None:
+def test_a_row_built_on_too_few_units_is_built_again_with_a_new_unit_a_worker(monkeypatch, first_copies: int,
+                                                                              again) -> None:
     """A straddling row whose workers built one copy each (2 units a side: its units' offsets read at 1
     degree of freedom) is built again with one copy more a worker, built whatever it takes: its further
-    pairs land on 4 units a side, the first builds' 2 among them. A row built on 3 copies a worker is
-    built again as it was built first (COPIES within COPIES_S)."""
-    import types
-
-    from perfgate.abrun import COPIES, COPIES_S, MIN_UNITS, ABRow, Budget, Comparer, Stretch
-
-    asked: list[tuple[int, float]] = []
-
-    class Pool:
-        per_side = 2
-        workers = [types.SimpleNamespace(side=side, index=i, name=f"{side}{i}") for side in ("rev", "this")
-                   for i in range(2)]
-
-        def side(self, name: str) -> list:
-            return [w for w in self.workers if w.side == name]
-
-        def ask(self, worker, op: str, timeout: float, **kwargs) -> dict:
-            if op == "build":
-                asked.append((kwargs["builds"], kwargs["build_s"]))
-                made = first_copies if len(asked) <= 4 else kwargs["builds"]  # the first builds: as slow as told
-                return {"ok": True, "warm_s": 0.01, "builds": made, "label": ""}
-            return {"ok": True, "times": [0.01], "share": None}
+    pairs land on 4 units a side, the first builds' 2 among them, whatever another row built in between.
+    A row built on 3 copies a worker is built again as it was built first (COPIES within COPIES_S)."""
+    from perfgate.abrun import COPIES, COPIES_S, MIN_UNITS
 
     assert (COPIES, COPIES_S) == (3, 3.0) and MIN_UNITS == 3
-    comparer = Comparer(Pool(), 0.05, Budget(seconds=0.0))
-    row, request = ABRow("k", "optimized", "smoke", "t::k"), {}
-    assert comparer.build(row, request)
+    # row k's first build as told, row j's between on 3 copies a worker, k's again as asked
+    pool = _Builds(monkeypatch, lambda n: first_copies if n <= 4 else 3 if n <= 8 else None)
+    _, first, units, asked = _built_again(pool)
+    assert all(len(u) <= 2 * first_copies for u in first)
+    assert asked == [("t::k", *again)] * 4  # every worker, as the rule says
+    assert all(len(u) == 2 * again[0] and f <= u for f, u in zip(first, units, strict=True))
+
+
+def test_a_slow_build_or_a_failed_extra_copy_builds_the_row_again_as_it_was(monkeypatch) -> None:
+    """No extra copy where the row's build took its slowest worker over EXTRA_COPY_S (its cost is not the
+    extension budget's); where the build with the extra copy fails on this tree's side (its memory), the row
+    is built again as it was, not failed: 2 units a side either way."""
+    from perfgate.abrun import EXTRA_COPY_S
+
+    assert EXTRA_COPY_S == 30.0
+    slow = _Builds(monkeypatch, lambda n: 1, seconds=31.0)  # one copy a worker within COPIES_S
+    _, _, units, asked = _built_again(slow)
+    assert [a[1:] for a in asked] == [(3, 3.0)] * 4 and all(len(u) == 2 for u in units)
+    failing = _Builds(monkeypatch, lambda n: 1, fails=lambda n: n == 12)  # this tree's second worker, extra copy
+    _, _, units, asked = _built_again(failing)
+    assert [a[1:] for a in asked] == [(2, float("inf"))] * 4 + [(3, 3.0)] * 4 and all(len(u) == 2 for u in units)
+
+
+def test_a_worker_lost_on_an_earlier_row_is_no_unit_of_a_later_one(monkeypatch) -> None:
+    """Row j built on 3 copies a worker, then REV's second worker lost: row k, built on one copy by REV's
+    worker left and two by each of this tree's, has 1 unit on REV's side, not the lost worker's 3 besides,
+    so it is built again with an extra copy a worker."""
+    from perfgate.abrun import ABRow, Budget, Comparer
+
+    pool = _Builds(monkeypatch, lambda n: 3 if n <= 4 else 1 if n == 5 else 2 if n <= 7 else None)
+    comparer = Comparer(pool, 0.05, Budget(seconds=0.0))
+    assert comparer.build(ABRow("j", "optimized", "smoke", "t::j"), {"row": "t::j"})
+    pool.workers.remove(pool.side("rev")[1])
+    row = ABRow("k", "optimized", "smoke", "t::k")
+    assert comparer.build(row, {"row": "t::k"})
     comparer.time_row(row)
-    first = {side: set(units) for side, units in (("rev", row.rev_units), ("this", row.this_units))}
-    assert all(len(u) <= 2 * first_copies for u in first.values())
-    assert comparer.build_again(row, ABRow("k", "optimized", "smoke", "t::k"), request)
-    assert asked[4:] == [again] * 4  # every worker, as the rule says
-    got = Stretch(row.rev_times, row.this_times, row.rev_units, row.this_units)
-    comparer.pairs(row, 200, got, [])
-    units = {side: set(u) for side, u in (("rev", row.rev_units), ("this", row.this_units))}
-    assert all(len(u) == 2 * again[0] and first[side] <= u for side, u in units.items())
+    assert comparer.build_again(row, ABRow("k", "optimized", "smoke", "t::k"), {"row": "t::k"})
+    assert [a[1:] for a in pool.asked[7:]] == [(2, float("inf")), (3, float("inf")), (3, float("inf"))]
 
 
 def test_a_row_stopped_mid_extension_is_read_on_every_pair_it_has(monkeypatch) -> None:

@@ -36,8 +36,10 @@ COPIES_S = 3.0  # ... while building them takes under this many seconds
 # The fewest units a side a straddling row is measured further on: with 2 (a row too slow to build
 # for a second copy, on 2 workers a side) its units' offsets are read at 1 degree of freedom, and
 # Student's t (12.7 at 95%) widens the interval past any pairs' resolving it. Such a row is built
-# again with one more copy a worker, a new unit each (``Comparer.build_again``).
+# again with one more copy a worker, a new unit each (``Comparer.build_again``), where building the
+# row took its slowest worker under EXTRA_COPY_S seconds (the extra copy's cost is not the budget's).
 MIN_UNITS = 3
+EXTRA_COPY_S = 30.0
 BLOCK_TIMEOUT_S = 60.0  # a block's answer is awaited at least this long, and 20 x its expected time
 
 
@@ -181,6 +183,7 @@ class Planned:
     pair_s: float
     loads: list[tuple[float, float]]
     copies: dict[tuple[str, int], int] = field(default_factory=dict)  # (side, worker index) -> copies built
+    build_s: float = 0.0  # the slowest worker's seconds to build them
 
 
 def _withheld(loads: list[tuple[float, float]]) -> float | None:
@@ -198,6 +201,7 @@ class Comparer:
         # side -> (timed calls, warming calls, a call's seconds) for the row being timed
         self.blocks: dict[str, tuple[int, int, float]] = {}
         self.copies: dict[tuple[str, int], int] = {}  # (side, worker index) -> copies of the row it built
+        self.build_s = 0.0  # the slowest worker's seconds in the last build
         self.generation = 0  # the pool's: a fresh pool's units are new ones
         self.planned: dict[str, Planned] = {}  # row -> what its planned pairs leave its extension
         self.extended_s = 0.0  # of budget.total_s: the seconds the rows' extensions have taken
@@ -211,13 +215,16 @@ class Comparer:
         COPIES_S, or exactly ``copies[(side, worker index)]`` (default 1) when given; False (and
         ``row.reason``) when a side cannot."""
         warm: dict[str, list[float]] = {"rev": [], "this": []}
+        self.copies, self.build_s = {}, 0.0  # this row's: a worker lost on an earlier row builds none
         for worker in list(self.pool.workers):
             builds, build_s = ((COPIES, COPIES_S) if copies is None
                                else (copies.get((worker.side, worker.index), 1), math.inf))
+            t0 = time.perf_counter()
             try:
                 reply = self.pool.ask(worker, "build", 600.0, builds=builds, build_s=build_s, **request)
             except WorkerGone as exc:
                 reply = {"ok": False, "reason": str(exc)}
+            self.build_s = max(self.build_s, time.perf_counter() - t0)
             if not reply.get("ok"):
                 if worker.side == "this" and not reply.get("not_comparable"):
                     row.broken = f"{worker.name}: {reply.get('reason')}"  # the session ran it: this tree broke
@@ -296,19 +303,26 @@ class Comparer:
                 if high < line or low >= line:
                     break
             self.pairs(row, min(step, planned - len(got)), got, loads)
-        self.planned[row.nodeid] = Planned(dict(self.blocks), pair_s, loads, dict(self.copies))
+        self.planned[row.nodeid] = Planned(dict(self.blocks), pair_s, loads, dict(self.copies), self.build_s)
         row.ratio, row.low, row.high = got.interval(0.95)
         row.contention = _withheld(loads)
         return row.low < line <= row.high
 
     def build_again(self, row: ABRow, fresh: ABRow, request: dict[str, Any]) -> bool:
         """Build straddling ``row`` again on its workers to be measured further (``extend``), into
-        ``fresh`` (its reason when a side cannot). Each worker builds the copies it built for the
-        planned pairs (the same units), and one more where a side has fewer than MIN_UNITS units:
-        built while the others are alive, the new copy lands elsewhere, a unit of its own."""
-        copies = self.planned[row.nodeid].copies
-        few = min(sum(n for (side, _), n in copies.items() if side == s) for s in ("rev", "this")) < MIN_UNITS
-        return self.build(fresh, request, {key: n + 1 for key, n in copies.items()} if few else None)
+        ``fresh`` (its reason when a side cannot), as it was built for its planned pairs (the same
+        units); but where a side had fewer than MIN_UNITS units and the build took under
+        EXTRA_COPY_S, every worker builds the copies it had and one more: built while the others
+        are alive, the new copy lands elsewhere, a unit of its own. Where that build fails (the
+        extra copy's memory, a lost worker), the row is built as it was."""
+        planned = self.planned[row.nodeid]
+        units = [sum(n for (side, _), n in planned.copies.items() if side == s) for s in ("rev", "this")]
+        if not planned.copies or min(units) >= MIN_UNITS or planned.build_s > EXTRA_COPY_S:
+            return self.build(fresh, request)
+        if self.build(fresh, request, {key: n + 1 for key, n in planned.copies.items()}):
+            return True
+        fresh.reason = fresh.broken = ""
+        return self.build(fresh, request)
 
     def extension_s(self, rows_left: int = 1) -> float:
         """The seconds the next row extended may take: at most ``budget.extend_s``, and its share of
