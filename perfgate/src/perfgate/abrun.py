@@ -183,7 +183,7 @@ class Planned:
     pair_s: float
     loads: list[tuple[float, float]]
     copies: dict[tuple[str, int], int] = field(default_factory=dict)  # (side, worker index) -> copies built
-    build_s: float = 0.0  # the slowest worker's seconds to build them
+    built_s: float = 0.0  # the slowest worker's seconds to build them
 
 
 def _withheld(loads: list[tuple[float, float]]) -> float | None:
@@ -201,7 +201,7 @@ class Comparer:
         # side -> (timed calls, warming calls, a call's seconds) for the row being timed
         self.blocks: dict[str, tuple[int, int, float]] = {}
         self.copies: dict[tuple[str, int], int] = {}  # (side, worker index) -> copies of the row it built
-        self.build_s = 0.0  # the slowest worker's seconds in the last build
+        self.built_s = 0.0  # the slowest worker's seconds in the last build
         self.generation = 0  # the pool's: a fresh pool's units are new ones
         self.planned: dict[str, Planned] = {}  # row -> what its planned pairs leave its extension
         self.extended_s = 0.0  # of budget.total_s: the seconds the rows' extensions have taken
@@ -215,7 +215,7 @@ class Comparer:
         COPIES_S, or exactly ``copies[(side, worker index)]`` (default 1) when given; False (and
         ``row.reason``) when a side cannot."""
         warm: dict[str, list[float]] = {"rev": [], "this": []}
-        self.copies, self.build_s = {}, 0.0  # this row's: a worker lost on an earlier row builds none
+        self.copies, self.built_s = {}, 0.0  # this row's: a worker lost on an earlier row builds none
         for worker in list(self.pool.workers):
             builds, build_s = ((COPIES, COPIES_S) if copies is None
                                else (copies.get((worker.side, worker.index), 1), math.inf))
@@ -224,7 +224,7 @@ class Comparer:
                 reply = self.pool.ask(worker, "build", 600.0, builds=builds, build_s=build_s, **request)
             except WorkerGone as exc:
                 reply = {"ok": False, "reason": str(exc)}
-            self.build_s = max(self.build_s, time.perf_counter() - t0)
+            self.built_s = max(self.built_s, time.perf_counter() - t0)
             if not reply.get("ok"):
                 if worker.side == "this" and not reply.get("not_comparable"):
                     row.broken = f"{worker.name}: {reply.get('reason')}"  # the session ran it: this tree broke
@@ -303,7 +303,7 @@ class Comparer:
                 if high < line or low >= line:
                     break
             self.pairs(row, min(step, planned - len(got)), got, loads)
-        self.planned[row.nodeid] = Planned(dict(self.blocks), pair_s, loads, dict(self.copies), self.build_s)
+        self.planned[row.nodeid] = Planned(dict(self.blocks), pair_s, loads, dict(self.copies), self.built_s)
         row.ratio, row.low, row.high = got.interval(0.95)
         row.contention = _withheld(loads)
         return row.low < line <= row.high
@@ -317,7 +317,7 @@ class Comparer:
         extra copy's memory, a lost worker), the row is built as it was."""
         planned = self.planned[row.nodeid]
         units = [sum(n for (side, _), n in planned.copies.items() if side == s) for s in ("rev", "this")]
-        if not planned.copies or min(units) >= MIN_UNITS or planned.build_s > EXTRA_COPY_S:
+        if not planned.copies or min(units) >= MIN_UNITS or planned.built_s > EXTRA_COPY_S:
             return self.build(fresh, request)
         if self.build(fresh, request, {key: n + 1 for key, n in planned.copies.items()}):
             return True
