@@ -4,6 +4,7 @@ and gradients of q, k, v; bf16 against an fp64 oracle; refusals; the fused path'
 from __future__ import annotations
 
 import copy
+import itertools
 import platform
 import subprocess
 import sys
@@ -114,8 +115,9 @@ class Doubled(RotaryEmbedding):
        st.sampled_from([None, "offset", "positions"]))
 def test_fused_path_equals_reference(p: dict, budget: int, strided: bool, where: str | None) -> None:
     """The fused CPU path (each chunk's q and k rotated by the C pass, then its scores) at any chunk
-    size, chunks of whole batch rows or of one row's heads; grouped heads, masks, q, k and v as
-    views into one projection (strides the C pass reads as they are), v of another head dim."""
+    size, chunks of whole batch rows or of one row's heads; grouped heads, masks or the causal
+    one, q, k and v as views into one projection (strides the C pass reads as they are), v of
+    another head dim."""
     q, k, v, mask = p["q"], p["k"], p["v"], p["attn_mask"]
     b, h, s, d = q.shape
     hk = k.shape[1]
@@ -124,11 +126,12 @@ def test_fused_path_equals_reference(p: dict, budget: int, strided: bool, where:
         q, k = qkv[:, :, :h].transpose(1, 2), qkv[:, :, h:].transpose(1, 2)
         v = torch.randn(b, s, hk, d // 2).transpose(1, 2)
     kw = {"offset": {"offset": 5}, "positions": {"positions": torch.randperm(s) * 3}}.get(where, {})
+    causal = p["causal"] and mask is None  # causal with a mask: SDPA (as measured)
     with (torch.no_grad(), mock.patch.object(KA, "FUSED_BYTES", budget),
           mock.patch.object(KA, "_fused_attention", wraps=KA._fused_attention) as fused):
-        got = kernels.rope_attention(q, k, v, p["rope"], attn_mask=mask, **kw)
-    assert fused.call_count == 1
-    want = RA.rope_attention(q, k, v, p["rope"], attn_mask=mask, **kw)
+        got = kernels.rope_attention(q, k, v, p["rope"], causal=causal, attn_mask=mask, **kw)
+    assert fused.call_count == (1 if not causal or KA._softmax_in_c() else 0)  # causal: a C kernel's rows
+    want = RA.rope_attention(q, k, v, p["rope"], causal=causal, attn_mask=mask, **kw)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert_close(got, want, REDUCTION)
 
@@ -168,7 +171,8 @@ def test_fused_path_at_one_thread_up_to_its_longest(path: str) -> None:
 
 
 def test_fused_path_only_where_it_measured_faster() -> None:
-    """CPU fp32, not causal, up to CPU_FUSED_SEQ positions (without a mask the CPU vendor's
+    """CPU fp32, up to CPU_FUSED_SEQ positions (causal: without a mask, where a C softmax kernel runs;
+    not causal, without a mask, the CPU vendor's
     CPU_FUSED_SEQ_TWO_THREADS at 2 threads, for grouped heads not where kernels._softmax's AVX2 kernel
     runs, and its CPU_FUSED_SEQ_ONE_THREAD at 1 where the AVX-512F kernel runs; CPU_FUSED_SEQ on a
     CPU of no vendor measured), one table for all batch rows, nothing to differentiate, no autocast
@@ -203,7 +207,15 @@ def test_fused_path_only_where_it_measured_faster() -> None:
                     assert fuses(KA.CPU_FUSED_SEQ) and not fuses(KA.CPU_FUSED_SEQ + 1)
         with on_cpu(vendor), torch_threads(3):
             assert fuses(KA.CPU_FUSED_SEQ) and not fuses(KA.CPU_FUSED_SEQ + 1)
-    assert not fuses(causal=True) and not fuses(dtype=torch.float64) and not fuses(dtype=torch.bfloat16)
+    # causal: without a mask, up to CPU_FUSED_SEQ on every CPU and thread count, where a C kernel's
+    # causal rows run (evidence/fused-causal-zen3.txt)
+    for vendor, threads, path in itertools.product(VENDORS, (1, 2, 3), [*ISAS, "torch"]):
+        with on_cpu(vendor), torch_threads(threads), through_softmax(path):
+            assert fuses(KA.CPU_FUSED_SEQ, causal=True) == (path != "torch"), (vendor, threads, path)
+            assert not fuses(KA.CPU_FUSED_SEQ + 1, causal=True)
+            assert not fuses(8, causal=True, mask=torch.ones(8, 8, dtype=torch.bool))
+    assert not fuses(dtype=torch.float64) and not fuses(dtype=torch.bfloat16)
+    assert not fuses(dtype=torch.float64, causal=True)
     assert fuses(positions=torch.arange(8)) and not fuses(positions=torch.arange(8).expand(2, 8))
     assert not fuses(positions=list(range(8)))  # refused by the rotation's own checks, with its message
     assert not fuses(grad="v") and not fuses(grad="q")
@@ -429,22 +441,25 @@ def _trained(mod: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> dict[
 
 @SOFTMAX_PATHS
 @given(dim_heads=st.sampled_from([(32, 4, 4), (48, 6, 2), (64, 4, 1), (192, 6, 6)]), b=st.integers(1, 3),
-       s=st.integers(1, 40), interleaved=st.booleans(), bias=st.booleans(), threads=st.integers(1, 3))
-def test_module_training_path_equals_reference_module(path, dim_heads, b, s, interleaved, bias, threads) -> None:
+       s=st.integers(1, 40), interleaved=st.booleans(), bias=st.booleans(), threads=st.integers(1, 3),
+       causal=st.booleans())
+def test_module_training_path_equals_reference_module(path, dim_heads, b, s, interleaved, bias, threads,
+                                                      causal) -> None:
     """The projected attention (module note): the module's output and the gradients of x and every
     parameter equal the reference module's and the unfused path's; grouped heads, either pair
-    layout, every softmax kernel, any threads."""
+    layout, causal or not (causal where a C softmax kernel runs), every softmax kernel, any threads."""
     dim, heads, kv = dim_heads
     torch.manual_seed(s)
-    mod, ref = _module_pair(dim, heads, kv, interleaved=interleaved, bias=bias)
+    mod, ref = _module_pair(dim, heads, kv, interleaved=interleaved, bias=bias, causal=causal)
     x, grad = torch.randn(b, s, dim), torch.randn(b, s, dim)
+    taken = 0 if causal and path == "torch" else 1
     with (torch_threads(threads), through_softmax(path),
           mock.patch.object(KA._ProjectedAttention, "apply", wraps=KA._ProjectedAttention.apply) as fused):
         got = _trained(mod, x, grad)
-        assert fused.call_count == 1
+        assert fused.call_count == taken
         with mock.patch.object(KA, "_trains_fused", lambda *a: False):
             unfused = _trained(mod, x, grad)
-    assert fused.call_count == 1
+    assert fused.call_count == taken
     assert_dicts_close(got, _trained(ref, x, grad), REDUCTION)
     assert_dicts_close(got, unfused, REDUCTION)
 
@@ -467,8 +482,9 @@ class OwnAttend(kernels.RopeSelfAttention):
 
 
 def test_module_training_path_only_where_it_applies() -> None:
-    """A gradient to build, CPU fp32, not causal, no mask, S in 1..CPU_MATH_MAX_SEQ, the module's own
-    attention and rotation, kernels._rope built, no autocast, nothing traced or transformed."""
+    """A gradient to build, CPU fp32, no mask, S in 1..CPU_MATH_MAX_SEQ, causal only where a C softmax
+    kernel runs, the module's own attention and rotation, kernels._rope built, no autocast, nothing
+    traced or transformed."""
     x = torch.randn(2, 8, 32)
 
     def takes(mod=None, x=x, mask=None, qkv=None, **kw) -> bool:
@@ -476,7 +492,9 @@ def test_module_training_path_only_where_it_applies() -> None:
         return KA._trains_fused(mod, mod.qkv(x) if qkv is None else qkv, mask)
 
     assert takes() and takes(n_kv_heads=2, interleaved=True)
-    assert not takes(causal=True) and not takes(mask=torch.ones(8, 8, dtype=torch.bool))
+    assert takes(causal=True) == bool(ISAS) and not takes(mask=torch.ones(8, 8, dtype=torch.bool))
+    with through_softmax("torch"):
+        assert not takes(causal=True) and takes()
     assert not takes(x=x.double(), mod=kernels.RopeSelfAttention(32, 4).double())
     assert not takes(x=x[:, :0]) and not takes(x=torch.randn(1, KA.CPU_MATH_MAX_SEQ + 1, 32))
     assert not takes(mod=OwnAttend(32, 4))
@@ -505,11 +523,12 @@ def test_module_training_path_only_where_it_applies() -> None:
     assert seen == [False]
 
 
-def test_module_training_path_differentiates_twice() -> None:
+@pytest.mark.parametrize("causal", [False, pytest.param(True, marks=runs_c)])
+def test_module_training_path_differentiates_twice(causal: bool) -> None:
     """create_graph through the projected attention (a gradient penalty): its backward recomputes
     the attention in differentiable torch ops, and the second derivatives equal the reference's."""
     torch.manual_seed(0)
-    mod, ref = _module_pair(48, 6, 2)
+    mod, ref = _module_pair(48, 6, 2, causal=causal)
     x, grad = torch.randn(2, 7, 48), torch.randn(2, 7, 48)
 
     def penalty_grads(m: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -749,13 +768,45 @@ def test_softmax_nan_rows_where_torch_gives_them(path: str) -> None:
     assert_close(got[4], torch.softmax(x[4].double(), -1).float(), ELEMENTWISE)
 
 
+@given(squares=st.integers(1, 4), n=st.integers(1, 70), spread=st.sampled_from([0.1, 10.0]),
+       seed=st.integers(0, 2**16))
+@SOFTMAX_PATHS
+def test_causal_softmax_equals_float64_softmax_of_the_masked_scores(path: str, squares: int, n: int,
+                                                                     spread: float, seed: int) -> None:
+    """Stacked (n, n) squares, causal: each row's softmax over its keys up to its position, within an
+    elementwise op's tolerance of float64's softmax with the later scores -inf, and those exactly 0
+    whatever they held (NaN, +inf: never read)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(squares, n, n, generator=g) * spread
+    above = torch.ones(n, n, dtype=torch.bool).triu(1)
+    want = torch.softmax(x.double().masked_fill(above, -float("inf")), -1)
+    x.masked_fill_(above, float("nan") if seed % 2 else float("inf"))
+    with through_softmax(path):
+        got = KA._softmax_(x.clone().view(squares * n, n), causal=True).view(squares, n, n)
+    assert_close(got, want.float(), ELEMENTWISE)
+    assert (got[:, above] == 0).all()
+
+
 @EACH_ISA
-def test_the_c_softmax_splits_rows_over_threads_to_the_same_bits(isa: str) -> None:
-    x = torch.randn(37, 100) * 5
-    one, two = x.clone(), x.clone()
-    C.softmax_(one.numpy(), 1, isa)
-    C.softmax_(two.numpy(), 2, isa)
-    assert torch.equal(one, two)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rows, n", [(3 * 37, 37), (5, 5), (1, 1)])
+def test_the_c_softmax_splits_rows_over_threads_to_the_same_bits(isa: str, causal: bool, rows: int,
+                                                                  n: int) -> None:
+    """Any thread count, more threads than rows too (causal: the rows' shares by their work), gives
+    one thread's bits."""
+    x = torch.randn(rows, n) * 5
+    one = x.clone()
+    C.softmax_(one.numpy(), 1, isa, causal)
+    for threads in (2, 3, 7):
+        many = x.clone()
+        C.softmax_(many.numpy(), threads, isa, causal)
+        assert torch.equal(one, many), threads
+
+
+@runs_c
+def test_the_c_softmax_refuses_causal_rows_that_are_not_squares() -> None:
+    with pytest.raises(ValueError, match="stacked n x n squares"):
+        C.softmax_(torch.zeros(5, 3).numpy(), 1, C.ISA, True)
 
 
 @EACH_ISA

@@ -14,8 +14,13 @@
    with nothing but -inf gets NaN throughout, as torch.softmax gives. Lanes past a row's end
    compute exp(0).
 
-   softmax_(x, threads, isa)  x: writable C-contiguous float32 buffer of at least one dim; its rows
-                              (the last dim) split over `threads` OpenMP threads; isa one of ISAS
+   softmax_(x, threads, isa, causal=False)
+                              x: writable C-contiguous float32 buffer of at least one dim; its rows
+                              (the last dim) split over `threads` OpenMP threads; isa one of ISAS;
+                              causal: x's rows are stacked n x n squares (n its last dim; the row
+                              count a multiple of n), row r's softmax is over its first r % n + 1
+                              entries (a query's keys up to its own position) and the rest are set
+                              to 0, what -inf there would give, with no exp computed for them
    ISA                        the widest kernel this CPU runs: "avx512f", "avx2" (with FMA) or ""
                               (none: softmax_ raises)
    ISAS                       every kernel this CPU runs, widest first
@@ -179,6 +184,25 @@ TARGET_AVX2_FMA static void row8(float *x, Py_ssize_t n) {
 
 typedef void (*Row)(float *, Py_ssize_t);
 
+/* The work of the first r causal rows of n x n squares, a row of `keep` entries counted as its
+   softmax's three passes over them and one write of the n - keep zeros: 3 keep + n. */
+static double causal_work(Py_ssize_t r, Py_ssize_t n) {
+    const double squares = (double)(r / n), rest = (double)(r % n), m = (double)n;
+    return squares * (3.0 * m * (m + 1.0) / 2.0 + m * m) + 3.0 * rest * (rest + 1.0) / 2.0 + rest * m;
+}
+
+/* The first row whose work up to it reaches `work`: a thread's share starts there (all rows when
+   no row does). */
+static Py_ssize_t causal_start(double work, Py_ssize_t rows, Py_ssize_t n) {
+    Py_ssize_t lo = 0, hi = rows;
+    while (lo < hi) {
+        const Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (causal_work(mid, n) < work) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
 /* The kernel named `isa` where this CPU runs it, else NULL. */
 static Row kernel(const char *isa) {
 #if HAVE_KERNELS
@@ -195,7 +219,8 @@ static PyObject *softmax_(PyObject *self, PyObject *args) {
     PyObject *xo;
     Py_ssize_t threads;
     const char *isa;
-    if (!PyArg_ParseTuple(args, "Ons:softmax_", &xo, &threads, &isa)) return NULL;
+    int causal = 0;
+    if (!PyArg_ParseTuple(args, "Ons|p:softmax_", &xo, &threads, &isa, &causal)) return NULL;
     if (threads < 1 || threads > MAX_THREADS)
         return PyErr_Format(PyExc_ValueError, "threads must be 1..%d, got %zd", MAX_THREADS, threads);
     const Row row = kernel(isa);
@@ -210,13 +235,35 @@ static PyObject *softmax_(PyObject *self, PyObject *args) {
         return NULL;
     }
     const Py_ssize_t n = x.shape[x.ndim - 1], rows = n ? x.len / 4 / n : 0;
+    if (causal && rows % (n ? n : 1)) {
+        PyErr_Format(PyExc_ValueError, "causal: x must be stacked n x n squares (n = %zd, its last dim), got %zd "
+                                       "rows", n, rows);
+        PyBuffer_Release(&x);
+        return NULL;
+    }
     float *base = x.buf;
     if (threads > rows) threads = rows > 0 ? rows : 1;
     Py_BEGIN_ALLOW_THREADS
-    /* one contiguous share of the rows a thread */
-    #pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (Py_ssize_t t = 0; t < threads; t++)
-        for (Py_ssize_t r = rows * t / threads; r < rows * (t + 1) / threads; r++) row(base + r * n, n);
+    if (causal) {
+        /* row r of a stack of n x n squares keeps its first r % n + 1 entries, the rest set to 0;
+           a contiguous share of the rows a thread, of equal work (causal_work), not of equal rows:
+           one square halved would give one thread its short rows and the other its long ones */
+        const double total = causal_work(rows, n);
+        #pragma omp parallel for num_threads(threads) schedule(static, 1)
+        for (Py_ssize_t t = 0; t < threads; t++) {
+            const Py_ssize_t stop = causal_start(total * (t + 1) / threads, rows, n);
+            for (Py_ssize_t r = causal_start(total * t / threads, rows, n); r < stop; r++) {
+                const Py_ssize_t keep = r % n + 1;
+                row(base + r * n, keep);
+                memset(base + r * n + keep, 0, (size_t)(n - keep) * sizeof(float));
+            }
+        }
+    } else {
+        /* one contiguous share of the rows a thread */
+        #pragma omp parallel for num_threads(threads) schedule(static, 1)
+        for (Py_ssize_t t = 0; t < threads; t++)
+            for (Py_ssize_t r = rows * t / threads; r < rows * (t + 1) / threads; r++) row(base + r * n, n);
+    }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&x);
     Py_RETURN_NONE;
@@ -224,7 +271,8 @@ static PyObject *softmax_(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"softmax_", softmax_, METH_VARARGS,
-     "softmax_(x, threads, isa): softmax over x's last dim, in place, by the kernel `isa` (one of ISAS)"},
+     "softmax_(x, threads, isa, causal=False): softmax over x's last dim, in place, by the kernel `isa` (one of "
+     "ISAS); causal: row r of its stacked n x n squares over its first r % n + 1 entries, the rest 0"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -27,10 +27,17 @@ are read from the caches they were written to instead of from memory, and no (B,
 written whole. The lengths are where the fused path stops being faster than rotating first, and
 a mask applied chunk by chunk slower than SDPA's own (evidence/fused-attention-*.txt and
 evidence/fused_attention_parts.py have the measurements).
+The causal mask without another takes the fused path up to ``CPU_FUSED_SEQ`` positions where one of
+kernels._softmax's kernels runs: each query row's softmax over its keys up to its own position,
+the later probabilities set to 0 with no mask pass and no exp computed for them (its causal
+rows); measured faster than rotating first and SDPA's causal call up to 128 positions, at 1 and 2
+threads, and slower from 256 at 2 threads (evidence/fused-causal-zen3.txt). The causal mask with
+another one is one mask, and SDPA's (masking each chunk measured slower there).
 A training forward keeps the unfused paths, whose rotation is differentiable.
 
-RopeSelfAttention in training (a gradient to build) on CPU in float32, without the causal mask or
-a mask, over at most ``CPU_MATH_MAX_SEQ`` positions, attends through ``_ProjectedAttention``: one
+RopeSelfAttention in training (a gradient to build) on CPU in float32, without a mask (the causal
+one only where a kernels._softmax kernel runs: its causal rows, as the fused path's), over at most
+``CPU_MATH_MAX_SEQ`` positions, attends through ``_ProjectedAttention``: one
 autograd node from the qkv projection's output to the output projection's input, instead of a
 graph of the split, the rotations, the scores, their scale, the softmax and the products. Its
 forward reads q and k from their strided views of the projection (the C rotation), its backward
@@ -194,19 +201,21 @@ FUSED_BYTES = 5 << 20  # a chunk's rotated q and k and its scores, at most one k
 
 def _fuses(q: Tensor, k: Tensor, v: Tensor, rope: nn.Module, causal: bool, mask: Tensor | None,
            positions: object) -> bool:
-    """Whether the fused CPU path takes this call (module note): float32 on the CPU without the
-    causal mask, S at most CPU_FUSED_SEQ (without a mask, this CPU vendor's CPU_FUSED_SEQ_TWO_THREADS
-    at 2 threads, for grouped-query heads not where kernels._softmax's AVX2 kernel runs, and its
-    CPU_FUSED_SEQ_ONE_THREAD at 1 where its AVX-512F kernel runs), a
-    RotaryEmbedding whose rotation is ours, one table for every batch row, plain tensors, nothing to
-    differentiate (no gradient to build, no forward-mode tangent, no torch.func transform) and no
-    autocast, not while a graph is traced (torch.compile, torch.export, torch.jit.trace: none
-    records the C parts). The C pass must also rotate q and k (``_c_rotates``, checked with the
-    tables)."""
-    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or causal or q.device.type != "cpu"
+    """Whether the fused CPU path takes this call (module note): float32 on the CPU, S at most
+    CPU_FUSED_SEQ (causal: without a mask, where a kernels._softmax kernel runs; not causal, without
+    a mask, this CPU vendor's CPU_FUSED_SEQ_TWO_THREADS at 2 threads, for grouped-query heads not
+    where kernels._softmax's AVX2 kernel runs, and its CPU_FUSED_SEQ_ONE_THREAD at 1 where its
+    AVX-512F kernel runs), a RotaryEmbedding whose rotation is ours, one table for every batch row,
+    plain tensors, nothing to differentiate (no gradient to build, no forward-mode tangent, no
+    torch.func transform) and no autocast, not while a graph is traced (torch.compile, torch.export,
+    torch.jit.trace: none records the C parts). The C pass must also rotate q and k
+    (``_c_rotates``, checked with the tables)."""
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or q.device.type != "cpu"
             or q.dtype != torch.float32 or not _rotates_ours(rope)):
         return False
     threads, isa, vendor = torch.get_num_threads(), _softmax_in_c(), cpu.vendor()
+    if causal and (mask is not None or not isa or q.shape[2] > CPU_FUSED_SEQ):  # causal: measured these only
+        return False
     # grouped-query heads past 128 positions at 2 threads with the AVX2 softmax: slower fused (module note)
     grouped_avx2 = isa == "avx2" and k.shape[1] != q.shape[1]
     limit = (CPU_FUSED_SEQ_TWO_THREADS.get(vendor, CPU_FUSED_SEQ) if threads == 2 and not grouped_avx2 else
@@ -246,14 +255,20 @@ def _softmax_in_c() -> str:
     return "" if _c_softmax is None else _c_softmax.ISA
 
 
-def _softmax_(scores: Tensor) -> Tensor:
+def _softmax_(scores: Tensor, causal: bool = False) -> Tensor:
     """softmax over the last dim of ``scores`` (a C-contiguous float32 CPU tensor needing no
     gradient), in place: by kernels._softmax where it runs (``_softmax_in_c``), else by
-    torch.softmax. Returns ``scores``."""
+    torch.softmax. ``causal``: scores are stacked (S, S) squares, (..., S) with a multiple of S
+    rows, and each row's softmax is over the keys up to its own position, the later ones 0.
+    Returns ``scores``."""
     isa = _softmax_in_c()
     if not isa:
+        if causal:
+            s = scores.shape[-1]
+            above = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu_(1)
+            scores.view(-1, s, s).masked_fill_(above, float("-inf"))
         return torch.softmax(scores, -1, out=scores)  # in place: each row is read before it is written
-    _c_softmax.softmax_(scores.numpy(), c_team(scores.numel(), _c_softmax.MAX_THREADS), isa)
+    _c_softmax.softmax_(scores.numpy(), c_team(scores.numel(), _c_softmax.MAX_THREADS), isa, causal)
     return scores
 
 
@@ -273,10 +288,11 @@ def _units(b: int, hk: int, per: int):
 
 
 def _fused_attention(q: Tensor, k: Tensor, v: Tensor, tables: tuple, interleaved: bool,
-                     mask: Tensor | None) -> Tensor:
+                     mask: Tensor | None, causal: bool = False) -> Tensor:
     """softmax(R(q) R(k)^T / sqrt(D) + mask) v, a chunk of heads at a time: q (B, H, S, D), k
     (B, H_kv, S, D), v (B, H_kv, S, Dv), cos and sin (S, D/2), ``mask`` combined_mask's or None
-    -> (B, H, S, Dv).
+    -> (B, H, S, Dv). ``causal`` (with no mask): each query over the keys up to its position, by
+    the softmax's causal rows.
 
     Each chunk's q and k are rotated by the C pass into buffers of their own (pairs made
     neighbours, as ``RotaryEmbedding.paired`` does) and read by the scores' matmul from the
@@ -306,7 +322,7 @@ def _fused_attention(q: Tensor, k: Tensor, v: Tensor, tables: tuple, interleaved
         torch.baddbmm(sc, rq.view(n, g * s, d), rk.view(n, s, d).transpose(1, 2), beta=0, alpha=d**-0.5, out=sc)
         if full is not None:
             _mask_scores(sc, full[rows, qh].reshape(n, g * s, s))
-        _softmax_(sc)
+        _softmax_(sc, causal)
         torch.bmm(sc, v[rows, heads].reshape(n, s, dv), out=out[rows, qh].view(n, g * s, dv))
     return out
 
@@ -333,7 +349,7 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, rope: RotaryEmbedding, *, ca
     if _fuses(q, k, v, rope, causal, mask, positions):
         tables = rope.tables(q, offset, positions)  # checks q; k has q's B, S and D (check_attention)
         if _c_rotates(q, *tables) and _c_rotates(k, *tables):
-            return _fused_attention(q, k, v, tables, rope.interleaved, mask)
+            return _fused_attention(q, k, v, tables, rope.interleaved, mask, causal)
     if (not torch.compiler.is_compiling() and v.is_inference() and torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad)):
         v = v.clone()  # a value cache made under inference_mode: autograd cannot save it for q's and k's backward
@@ -360,13 +376,15 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) ->
 
 def _trains_fused(module: RopeSelfAttention, qkv: Tensor, attn_mask: Tensor | None) -> bool:
     """Whether RopeSelfAttention's forward takes ``_ProjectedAttention`` (module note): a gradient to
-    build, float32 on the CPU, not causal, no mask, S at most CPU_MATH_MAX_SEQ (where the explicit
-    attention measured faster than SDPA), the module's own attention and a RotaryEmbedding rotating
+    build, float32 on the CPU, no mask, S at most CPU_MATH_MAX_SEQ (where the explicit attention
+    measured faster than SDPA), causal only where a C softmax kernel runs (its causal rows), the
+    module's own attention and a RotaryEmbedding rotating
     as ours, kernels._rope built, and nothing traced (torch.compile, torch.export, torch.jit.trace)
     or transformed (torch.func, forward-mode AD): those take the differentiable torch ops."""
     s = qkv.shape[1]
     if (not (torch.is_grad_enabled() and qkv.requires_grad) or torch.compiler.is_compiling()
-            or torch.jit.is_tracing() or module.causal or attn_mask is not None or not 0 < s <= CPU_MATH_MAX_SEQ
+            or torch.jit.is_tracing() or (module.causal and not _softmax_in_c()) or attn_mask is not None
+            or not 0 < s <= CPU_MATH_MAX_SEQ
             or qkv.device.type != "cpu" or qkv.dtype != torch.float32 or not qkv.numel()):
         return False
     ours = module.attend is rope_attention and _rotates_ours(module.rope)  # not a subclass's or instance's own
@@ -402,7 +420,7 @@ class _ProjectedAttention(torch.autograd.Function):
     backward recomputes the attention with the differentiable torch ops."""
 
     @staticmethod
-    def forward(ctx, qkv: Tensor, rope: RotaryEmbedding, h: int, hk: int) -> Tensor:
+    def forward(ctx, qkv: Tensor, rope: RotaryEmbedding, h: int, hk: int, causal: bool = False) -> Tensor:
         b, s, _ = qkv.shape
         d, g = rope.head_dim, h // hk
         n = b * hk  # kv heads; the g q heads of one are rows of one matmul (grouped-query attention)
@@ -411,22 +429,23 @@ class _ProjectedAttention(torch.autograd.Function):
         rq, rk = _rotated(q, k, cos, sin, rope.interleaved)
         p = torch.baddbmm(qkv.new_empty(n, g * s, s), rq.view(n, g * s, d), rk.view(n, s, d).mT, beta=0,
                           alpha=d**-0.5)
-        _softmax_(p)
+        _softmax_(p, causal)
         out = torch.bmm(p, v.reshape(n, s, d))
         ctx.save_for_backward(qkv, p, cos, sin)
-        ctx.rope, ctx.h, ctx.hk = rope, h, hk
+        ctx.rope, ctx.h, ctx.hk, ctx.causal = rope, h, hk, causal
         return out.view(b, h, s, d).transpose(1, 2).reshape(b, s, h * d)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         qkv, p, cos, sin = ctx.saved_tensors
-        rope, h, hk = ctx.rope, ctx.h, ctx.hk
+        rope, h, hk, causal = ctx.rope, ctx.h, ctx.hk, ctx.causal
         with torch.autocast("cpu", enabled=False):  # a backward run under autocast: the forward's dtypes
             if torch.is_grad_enabled():  # create_graph: the attention again, in differentiable torch ops
-                with torch.enable_grad():
+                # (SDPA's math backend where causal takes SDPA: its flash CPU backward has no derivative)
+                with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
                     q, k, v = _heads(qkv, h, hk, rope.head_dim)
-                    out = rope_attention(q, k, v, rope).transpose(1, 2).reshape(grad.shape)
-                return torch.autograd.grad(out, qkv, grad, create_graph=True)[0], None, None, None
+                    out = rope_attention(q, k, v, rope, causal=causal).transpose(1, 2).reshape(grad.shape)
+                return torch.autograd.grad(out, qkv, grad, create_graph=True)[0], None, None, None, None
             b, s, _ = qkv.shape
             d, g, n = rope.head_dim, h // hk, b * hk
             q, k, v = _heads(qkv, h, hk, d)
@@ -443,7 +462,7 @@ class _ProjectedAttention(torch.autograd.Function):
             for x, out in ((dq_, dq), (dk_, dk)):  # rotated back, into their heads of the gradient
                 rotate_into(x.view(out.shape), out, cos, sin, x_pairs=True, out_pairs=rope.interleaved,
                             inverse=True)
-        return dqkv, None, None, None
+        return dqkv, None, None, None, None
 
 
 def check_module(dim: int, n_heads: int, n_kv_heads: int | None, causal: bool, bias: bool) -> int:
@@ -492,7 +511,7 @@ class RopeSelfAttention(nn.Module):
         b, s, dim = x.shape
         qkv = self.qkv(x)
         if _trains_fused(self, qkv, attn_mask):
-            return self.proj(_ProjectedAttention.apply(qkv, self.rope, self.n_heads, self.n_kv_heads))
+            return self.proj(_ProjectedAttention.apply(qkv, self.rope, self.n_heads, self.n_kv_heads, self.causal))
         q, k, v = _heads(qkv, self.n_heads, self.n_kv_heads, self.head_dim)
         out = self.attend(q, k, v, self.rope, causal=self.causal, attn_mask=attn_mask)
         return self.proj(out.transpose(1, 2).reshape(b, s, dim))
