@@ -171,12 +171,13 @@ def test_fused_path_at_one_thread_up_to_its_longest(path: str) -> None:
 
 
 def test_fused_path_only_where_it_measured_faster() -> None:
-    """CPU fp32, up to CPU_FUSED_SEQ positions (causal: without a mask, where a C softmax kernel runs;
-    not causal, without a mask, the CPU vendor's
-    CPU_FUSED_SEQ_TWO_THREADS at 2 threads, for grouped heads not where kernels._softmax's AVX2 kernel
-    runs, and its CPU_FUSED_SEQ_ONE_THREAD at 1 where the AVX-512F kernel runs; CPU_FUSED_SEQ on a
-    CPU of no vendor measured), one table for all batch rows, nothing to differentiate, no autocast
-    (evidence/fused-attention-zen4.txt, fused-attention-zen3.txt, fused-attention-xeon.txt)."""
+    """CPU fp32, up to CPU_FUSED_SEQ positions (causal: without another mask, where a C softmax kernel
+    runs, where the unmasked path is taken short of the causal blocks' lengths; without a mask the
+    CPU vendor's CPU_FUSED_SEQ_TWO_THREADS at 2 threads, for grouped heads not where
+    kernels._softmax's AVX2 kernel runs, and its CPU_FUSED_SEQ_ONE_THREAD at 1 where the AVX-512F
+    kernel runs; CPU_FUSED_SEQ on a CPU of no vendor measured), one table for all batch rows,
+    nothing to differentiate, no autocast (evidence/fused-attention-zen4.txt, fused-attention-zen3.txt,
+    fused-attention-xeon.txt, fused-causal-zen3.txt)."""
     rope = RotaryEmbedding(8)
 
     def fuses(s: int = 8, dtype: torch.dtype = torch.float32, *, causal: bool = False, mask=None,
@@ -207,12 +208,17 @@ def test_fused_path_only_where_it_measured_faster() -> None:
                     assert fuses(KA.CPU_FUSED_SEQ) and not fuses(KA.CPU_FUSED_SEQ + 1)
         with on_cpu(vendor), torch_threads(3):
             assert fuses(KA.CPU_FUSED_SEQ) and not fuses(KA.CPU_FUSED_SEQ + 1)
-    # causal: without a mask, up to CPU_FUSED_SEQ on every CPU and thread count, where a C kernel's
-    # causal rows run (evidence/fused-causal-zen3.txt)
+    # causal: where the unmasked path is taken, short of the causal blocks' lengths, without another
+    # mask, where a C kernel's causal rows run (evidence/fused-causal-zen3.txt)
+    ends = (KA.CPU_FUSED_SEQ, *KA.CPU_FUSED_SEQ_TWO_THREADS.values(), *KA.CPU_FUSED_SEQ_ONE_THREAD.values(),
+            *KA.CPU_CAUSAL_SEQ)
+    lengths = sorted({n + e for n in ends for e in (-1, 0, 1)})
     for vendor, threads, path in itertools.product(VENDORS, (1, 2, 3), [*ISAS, "torch"]):
         with on_cpu(vendor), torch_threads(threads), through_softmax(path):
-            assert fuses(KA.CPU_FUSED_SEQ, causal=True) == (path != "torch"), (vendor, threads, path)
-            assert not fuses(KA.CPU_FUSED_SEQ + 1, causal=True)
+            for s in lengths:
+                want = fuses(s) and path != "torch" and s < KA.CPU_CAUSAL_SEQ[0]
+                assert fuses(s, causal=True) == want, (vendor, threads, path, s)
+            assert fuses(8, causal=True) == (path != "torch")
             assert not fuses(8, causal=True, mask=torch.ones(8, 8, dtype=torch.bool))
     assert not fuses(dtype=torch.float64) and not fuses(dtype=torch.bfloat16)
     assert not fuses(dtype=torch.float64, causal=True)

@@ -27,11 +27,14 @@ are read from the caches they were written to instead of from memory, and no (B,
 written whole. The lengths are where the fused path stops being faster than rotating first, and
 a mask applied chunk by chunk slower than SDPA's own (evidence/fused-attention-*.txt and
 evidence/fused_attention_parts.py have the measurements).
-The causal mask without another takes the fused path up to ``CPU_FUSED_SEQ`` positions where one of
-kernels._softmax's kernels runs: each query row's softmax over its keys up to its own position,
-the later probabilities set to 0 with no mask pass and no exp computed for them (its causal
-rows); measured faster than rotating first and SDPA's causal call up to 128 positions, at 1 and 2
-threads, and slower from 256 at 2 threads (evidence/fused-causal-zen3.txt). The causal mask with
+The causal mask without another takes the fused path where one of kernels._softmax's kernels
+runs: each query row's softmax over its keys up to its own position, the later probabilities set
+to 0 with no mask pass and no exp computed for them (its causal rows). It does the unmasked
+path's matmuls and less of its softmax, while SDPA's causal call costs what its full one does
+below the causal blocks' lengths, so it takes the unmasked path's lengths short of those
+(``CPU_CAUSAL_SEQ``); measured on the Zen 3, faster than rotating first and SDPA's causal call
+up to 256 positions at 2 threads and up to 128 at 1 (where the unmasked path stops), and slower
+than the causal blocks at 384 and 512 (evidence/fused-causal-zen3.txt). The causal mask with
 another one is one mask, and SDPA's (masking each chunk measured slower there).
 A training forward keeps the unfused paths, whose rotation is differentiable.
 
@@ -202,10 +205,11 @@ FUSED_BYTES = 5 << 20  # a chunk's rotated q and k and its scores, at most one k
 def _fuses(q: Tensor, k: Tensor, v: Tensor, rope: nn.Module, causal: bool, mask: Tensor | None,
            positions: object) -> bool:
     """Whether the fused CPU path takes this call (module note): float32 on the CPU, S at most
-    CPU_FUSED_SEQ (causal: without a mask, where a kernels._softmax kernel runs; not causal, without
-    a mask, this CPU vendor's CPU_FUSED_SEQ_TWO_THREADS at 2 threads, for grouped-query heads not
-    where kernels._softmax's AVX2 kernel runs, and its CPU_FUSED_SEQ_ONE_THREAD at 1 where its
-    AVX-512F kernel runs), a RotaryEmbedding whose rotation is ours, one table for every batch row,
+    CPU_FUSED_SEQ (without a mask, this CPU vendor's CPU_FUSED_SEQ_TWO_THREADS at 2 threads, for
+    grouped-query heads not where kernels._softmax's AVX2 kernel runs, and its
+    CPU_FUSED_SEQ_ONE_THREAD at 1 where its AVX-512F kernel runs; causal: without another mask,
+    where a kernels._softmax kernel runs, and short of CPU_CAUSAL_SEQ), a RotaryEmbedding whose
+    rotation is ours, one table for every batch row,
     plain tensors, nothing to differentiate (no gradient to build, no forward-mode tangent, no
     torch.func transform) and no autocast, not while a graph is traced (torch.compile, torch.export,
     torch.jit.trace: none records the C parts). The C pass must also rotate q and k
@@ -214,13 +218,15 @@ def _fuses(q: Tensor, k: Tensor, v: Tensor, rope: nn.Module, causal: bool, mask:
             or q.dtype != torch.float32 or not _rotates_ours(rope)):
         return False
     threads, isa, vendor = torch.get_num_threads(), _softmax_in_c(), cpu.vendor()
-    if causal and (mask is not None or not isa or q.shape[2] > CPU_FUSED_SEQ):  # causal: measured these only
+    if causal and (mask is not None or not isa):  # causal: by the C softmax's causal rows, no other mask
         return False
     # grouped-query heads past 128 positions at 2 threads with the AVX2 softmax: slower fused (module note)
     grouped_avx2 = isa == "avx2" and k.shape[1] != q.shape[1]
     limit = (CPU_FUSED_SEQ_TWO_THREADS.get(vendor, CPU_FUSED_SEQ) if threads == 2 and not grouped_avx2 else
              CPU_FUSED_SEQ_ONE_THREAD.get(vendor, CPU_FUSED_SEQ) if threads == 1 and isa == "avx512f" else
              CPU_FUSED_SEQ)
+    if causal:  # the unmasked lengths, short of the causal blocks' (module note)
+        limit = min(limit, CPU_CAUSAL_SEQ[0] - 1)
     one_table = positions is None or (isinstance(positions, Tensor) and positions.ndim == 1)
     if q.shape[2] > (limit if mask is None else CPU_FUSED_SEQ) or not one_table:  # a mask: up to 128 only
         return False
