@@ -172,7 +172,7 @@ def test_fused_path_at_one_thread_up_to_its_longest(path: str) -> None:
 
 def test_fused_path_only_where_it_measured_faster() -> None:
     """CPU fp32, up to CPU_FUSED_SEQ positions (causal: without another mask, where a C softmax kernel
-    runs, where the unmasked path is taken short of the causal blocks' lengths; without a mask the
+    runs, where the unmasked path is taken up to CPU_FUSED_CAUSAL_SEQ; without a mask the
     CPU vendor's CPU_FUSED_SEQ_TWO_THREADS at 2 threads, for grouped heads not where
     kernels._softmax's AVX2 kernel runs, and its CPU_FUSED_SEQ_ONE_THREAD at 1 where the AVX-512F
     kernel runs; CPU_FUSED_SEQ on a CPU of no vendor measured), one table for all batch rows,
@@ -208,15 +208,15 @@ def test_fused_path_only_where_it_measured_faster() -> None:
                     assert fuses(KA.CPU_FUSED_SEQ) and not fuses(KA.CPU_FUSED_SEQ + 1)
         with on_cpu(vendor), torch_threads(3):
             assert fuses(KA.CPU_FUSED_SEQ) and not fuses(KA.CPU_FUSED_SEQ + 1)
-    # causal: where the unmasked path is taken, short of the causal blocks' lengths, without another
-    # mask, where a C kernel's causal rows run (evidence/fused-causal-zen3.txt)
+    # causal: where the unmasked path is taken, up to CPU_FUSED_CAUSAL_SEQ, without another mask,
+    # where a C kernel's causal rows run (evidence/fused-causal-zen3.txt)
     ends = (KA.CPU_FUSED_SEQ, *KA.CPU_FUSED_SEQ_TWO_THREADS.values(), *KA.CPU_FUSED_SEQ_ONE_THREAD.values(),
-            *KA.CPU_CAUSAL_SEQ)
+            KA.CPU_FUSED_CAUSAL_SEQ, *KA.CPU_CAUSAL_SEQ)
     lengths = sorted({n + e for n in ends for e in (-1, 0, 1)})
     for vendor, threads, path in itertools.product(VENDORS, (1, 2, 3), [*ISAS, "torch"]):
         with on_cpu(vendor), torch_threads(threads), through_softmax(path):
             for s in lengths:
-                want = fuses(s) and path != "torch" and s < KA.CPU_CAUSAL_SEQ[0]
+                want = fuses(s) and path != "torch" and s <= KA.CPU_FUSED_CAUSAL_SEQ
                 assert fuses(s, causal=True) == want, (vendor, threads, path, s)
             assert fuses(8, causal=True) == (path != "torch")
             assert not fuses(8, causal=True, mask=torch.ones(8, 8, dtype=torch.bool))
@@ -807,6 +807,17 @@ def test_the_c_softmax_splits_rows_over_threads_to_the_same_bits(isa: str, causa
         many = x.clone()
         C.softmax_(many.numpy(), threads, isa, causal)
         assert torch.equal(one, many), threads
+
+
+@SOFTMAX_PATHS
+@pytest.mark.parametrize("shape", [(0, 0), (0, 5), (3, 0)])
+def test_causal_softmax_of_nothing(path: str, shape: tuple[int, int]) -> None:
+    """No rows, or rows of no keys: returned as they are (no division by a row length of 0), by
+    ``_softmax_`` and by the C kernel called on them."""
+    with through_softmax(path):
+        assert KA._softmax_(torch.empty(shape), causal=True).shape == shape
+    if path != "torch":
+        C.softmax_(torch.empty(shape).numpy(), 2, path, True)
 
 
 @runs_c

@@ -244,7 +244,7 @@ static PyObject *softmax_(PyObject *self, PyObject *args) {
     float *base = x.buf;
     if (threads > rows) threads = rows > 0 ? rows : 1;
     Py_BEGIN_ALLOW_THREADS
-    if (causal) {
+    if (causal && rows > 0) {
         /* row r of a stack of n x n squares keeps its first r % n + 1 entries, the rest set to 0;
            a contiguous share of the rows a thread, of equal work (causal_work), not of equal rows:
            one square halved would give one thread its short rows and the other its long ones */

@@ -12,8 +12,8 @@ positions, where one batched matmul, in-place scale and mask, softmax and a seco
 measured faster than torch's flash CPU kernel (evidence/from-the-code.md): there grouped-query
 heads become extra query rows of their kv head (no repeated k, v).
 
-Without the causal mask in float32 on the CPU, with nothing to differentiate (inference, or q, k, v
-and the mask needing no gradient), up to ``CPU_FUSED_SEQ`` = 128 positions, or without a mask
+In float32 on the CPU (the causal mask: below), with nothing to differentiate (inference, or q, k,
+v and the mask needing no gradient), up to ``CPU_FUSED_SEQ`` = 128 positions, or without a mask
 longer on the CPUs where that measured faster (``CPU_FUSED_SEQ_TWO_THREADS``,
 ``CPU_FUSED_SEQ_ONE_THREAD``, by the vendor /proc/cpuinfo names): on AMD 512 at 2 threads
 (grouped-query heads: not where kernels._softmax's AVX2 kernel runs) and 256 at 1 where its
@@ -31,10 +31,10 @@ The causal mask without another takes the fused path where one of kernels._softm
 runs: each query row's softmax over its keys up to its own position, the later probabilities set
 to 0 with no mask pass and no exp computed for them (its causal rows). It does the unmasked
 path's matmuls and less of its softmax, while SDPA's causal call costs what its full one does
-below the causal blocks' lengths, so it takes the unmasked path's lengths short of those
-(``CPU_CAUSAL_SEQ``); measured on the Zen 3, faster than rotating first and SDPA's causal call
-up to 256 positions at 2 threads and up to 128 at 1 (where the unmasked path stops), and slower
-than the causal blocks at 384 and 512 (evidence/fused-causal-zen3.txt). The causal mask with
+below the causal blocks' lengths, so it takes the unmasked path's lengths up to
+``CPU_FUSED_CAUSAL_SEQ`` = 256; measured on the Zen 3, faster than rotating first and SDPA's
+causal call up to 256 positions at 2 threads and up to 128 at 1 (where the unmasked path stops),
+and slower than the causal blocks at 384 and 512 (evidence/fused-causal-zen3.txt). The causal mask with
 another one is one mask, and SDPA's (masking each chunk measured slower there).
 A training forward keeps the unfused paths, whose rotation is differentiable.
 
@@ -199,6 +199,7 @@ CPU_FUSED_SEQ = 128  # the longest S of the fused path (module note)
 CPU_FUSED_SEQ_TWO_THREADS = {"AuthenticAMD": 512, "GenuineIntel": 192}
 # ... and at 1 thread where kernels._softmax's AVX-512F kernel runs
 CPU_FUSED_SEQ_ONE_THREAD = {"AuthenticAMD": 256}
+CPU_FUSED_CAUSAL_SEQ = 256  # causal: the longest S measured faster fused, short of the causal blocks'
 FUSED_BYTES = 5 << 20  # a chunk's rotated q and k and its scores, at most one kv head's over it
 
 
@@ -208,7 +209,7 @@ def _fuses(q: Tensor, k: Tensor, v: Tensor, rope: nn.Module, causal: bool, mask:
     CPU_FUSED_SEQ (without a mask, this CPU vendor's CPU_FUSED_SEQ_TWO_THREADS at 2 threads, for
     grouped-query heads not where kernels._softmax's AVX2 kernel runs, and its
     CPU_FUSED_SEQ_ONE_THREAD at 1 where its AVX-512F kernel runs; causal: without another mask,
-    where a kernels._softmax kernel runs, and short of CPU_CAUSAL_SEQ), a RotaryEmbedding whose
+    where a kernels._softmax kernel runs, and at most CPU_FUSED_CAUSAL_SEQ), a RotaryEmbedding whose
     rotation is ours, one table for every batch row,
     plain tensors, nothing to differentiate (no gradient to build, no forward-mode tangent, no
     torch.func transform) and no autocast, not while a graph is traced (torch.compile, torch.export,
@@ -225,8 +226,8 @@ def _fuses(q: Tensor, k: Tensor, v: Tensor, rope: nn.Module, causal: bool, mask:
     limit = (CPU_FUSED_SEQ_TWO_THREADS.get(vendor, CPU_FUSED_SEQ) if threads == 2 and not grouped_avx2 else
              CPU_FUSED_SEQ_ONE_THREAD.get(vendor, CPU_FUSED_SEQ) if threads == 1 and isa == "avx512f" else
              CPU_FUSED_SEQ)
-    if causal:  # the unmasked lengths, short of the causal blocks' (module note)
-        limit = min(limit, CPU_CAUSAL_SEQ[0] - 1)
+    if causal:  # the unmasked lengths, up to the longest measured causal (module note)
+        limit = min(limit, CPU_FUSED_CAUSAL_SEQ)
     one_table = positions is None or (isinstance(positions, Tensor) and positions.ndim == 1)
     if q.shape[2] > (limit if mask is None else CPU_FUSED_SEQ) or not one_table:  # a mask: up to 128 only
         return False
@@ -268,6 +269,8 @@ def _softmax_(scores: Tensor, causal: bool = False) -> Tensor:
     rows, and each row's softmax is over the keys up to its own position, the later ones 0.
     Returns ``scores``."""
     isa = _softmax_in_c()
+    if not scores.numel():  # nothing to normalize (rows of no keys, or no rows)
+        return scores
     if not isa:
         if causal:
             s = scores.shape[-1]
@@ -414,7 +417,8 @@ def _rotated(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) 
 class _ProjectedAttention(torch.autograd.Function):
     """softmax(R(q) R(k)^T / sqrt(D)) v over the heads of one projection, for RopeSelfAttention's
     training forward (module note): qkv (B, S, (H + 2 H_kv) D) -> (B, S, H D), the layout the
-    output projection takes; the backward returns qkv's gradient in qkv's own layout.
+    output projection takes; the backward returns qkv's gradient in qkv's own layout. ``causal``:
+    the softmax in causal rows (kernels._softmax), each query over its keys up to its position.
 
     Forward: q and k rotated by the C pass (pairs made neighbours) from their strided views into
     tensors of their own, scored by one batched matmul (the scale its alpha), turned into

@@ -1,8 +1,9 @@
 """RoPE attention, B8 H8 D64, causal or not: per-call RoPE + explicit softmax (the reference)
 against cached RoPE + SDPA (on CPU the measured paths of kernels/attention.py: in fp32 the
 rotation fused into the attention a chunk of heads at a time, without the causal mask up to 512
-positions at 2 threads on AMD CPUs and 192 on Intel ones, with it up to 128; causal SDPA in blocks
-of query rows over 384-512 positions). Forward only;
+positions at 2 threads on AMD CPUs and 192 on Intel ones, with it at those lengths up to 256
+(docs/kernels/attention.md); causal SDPA in blocks of query rows over 384-512 positions). Forward
+only;
 the timed result must equal the reference's.
 
 The floors sit under the measured spread and above a kernel that lost its fast path (~1.0x)
