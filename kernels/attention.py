@@ -210,11 +210,10 @@ def _fuses(q: Tensor, k: Tensor, v: Tensor, rope: nn.Module, causal: bool, mask:
     grouped-query heads not where kernels._softmax's AVX2 kernel runs, and its
     CPU_FUSED_SEQ_ONE_THREAD at 1 where its AVX-512F kernel runs; causal: without another mask,
     where a kernels._softmax kernel runs, and at most CPU_FUSED_CAUSAL_SEQ), a RotaryEmbedding whose
-    rotation is ours, one table for every batch row,
-    plain tensors, nothing to differentiate (no gradient to build, no forward-mode tangent, no
-    torch.func transform) and no autocast, not while a graph is traced (torch.compile, torch.export,
-    torch.jit.trace: none records the C parts). The C pass must also rotate q and k
-    (``_c_rotates``, checked with the tables)."""
+    rotation is ours, one table for every batch row, plain tensors, nothing to differentiate (no
+    gradient to build, no forward-mode tangent, no torch.func transform) and no autocast, not while
+    a graph is traced (torch.compile, torch.export, torch.jit.trace: none records the C parts). The
+    C pass must also rotate q and k (``_c_rotates``, checked with the tables)."""
     if (torch.compiler.is_compiling() or torch.jit.is_tracing() or q.device.type != "cpu"
             or q.dtype != torch.float32 or not _rotates_ours(rope)):
         return False
@@ -387,14 +386,14 @@ def _trains_fused(module: RopeSelfAttention, qkv: Tensor, attn_mask: Tensor | No
     """Whether RopeSelfAttention's forward takes ``_ProjectedAttention`` (module note): a gradient to
     build, float32 on the CPU, no mask, S at most CPU_MATH_MAX_SEQ (where the explicit attention
     measured faster than SDPA), causal only where a C softmax kernel runs (its causal rows), the
-    module's own attention and a RotaryEmbedding rotating
-    as ours, kernels._rope built, and nothing traced (torch.compile, torch.export, torch.jit.trace)
-    or transformed (torch.func, forward-mode AD): those take the differentiable torch ops."""
+    module's own attention and a RotaryEmbedding rotating as ours, kernels._rope built, and nothing
+    traced (torch.compile, torch.export, torch.jit.trace) or transformed (torch.func, forward-mode
+    AD): those take the differentiable torch ops."""
     s = qkv.shape[1]
     if (not (torch.is_grad_enabled() and qkv.requires_grad) or torch.compiler.is_compiling()
             or torch.jit.is_tracing() or (module.causal and not _softmax_in_c()) or attn_mask is not None
-            or not 0 < s <= CPU_MATH_MAX_SEQ
-            or qkv.device.type != "cpu" or qkv.dtype != torch.float32 or not qkv.numel()):
+            or not 0 < s <= CPU_MATH_MAX_SEQ or qkv.device.type != "cpu" or qkv.dtype != torch.float32
+            or not qkv.numel()):
         return False
     ours = module.attend is rope_attention and _rotates_ours(module.rope)  # not a subclass's or instance's own
     return ours and c_built() and _plain((qkv,))
@@ -430,7 +429,7 @@ class _ProjectedAttention(torch.autograd.Function):
     backward recomputes the attention with the differentiable torch ops."""
 
     @staticmethod
-    def forward(ctx, qkv: Tensor, rope: RotaryEmbedding, h: int, hk: int, causal: bool = False) -> Tensor:
+    def forward(ctx, qkv: Tensor, rope: RotaryEmbedding, h: int, hk: int, causal: bool) -> Tensor:
         b, s, _ = qkv.shape
         d, g = rope.head_dim, h // hk
         n = b * hk  # kv heads; the g q heads of one are rows of one matmul (grouped-query attention)
