@@ -1,5 +1,6 @@
 """kernels.hugepages.empty: the tensor torch.empty gives, its whole 2 MiB pages advised huge where
-Linux takes the advice, and left alone where it would not help."""
+Linux takes the advice (and, under a hypervisor with several threads, faulted by the calling thread),
+and left alone where it would not help."""
 
 from __future__ import annotations
 
@@ -90,6 +91,69 @@ def test_advice_covers_the_whole_huge_pages_inside_the_tensor(monkeypatch: pytes
     calls.clear()
     hugepages.empty((1000,), like=torch.zeros(1))  # no whole huge page inside: no call
     assert calls == []
+
+
+def _written_by_empty(monkeypatch: pytest.MonkeyPatch, **kwargs) -> tuple[torch.Tensor, list]:
+    """A 12 MiB float32 tensor from ``empty`` (advice recorded, not given), allocated as 7s: what
+    ``empty`` itself wrote reads 0."""
+    calls = []
+    monkeypatch.setattr(hugepages, "_madvise",
+                        lambda: lambda start, length, advice: calls.append((start, length)) or 0)
+    monkeypatch.setattr(hugepages.torch, "empty", lambda shape, dtype, device: torch.full(shape, 7.0, dtype=dtype))
+    return hugepages.empty((3 << 20,), like=torch.zeros(1), **kwargs), calls
+
+
+def test_prefault_writes_the_first_element_of_each_advised_page(monkeypatch: pytest.MonkeyPatch) -> None:
+    """prefault=True: one element at the start of every advised huge page is written (its fault maps
+    the page), nothing else; prefault=False: nothing."""
+    t, [(start, length)] = _written_by_empty(monkeypatch, prefault=True)
+    written = (t == 0).nonzero().flatten().tolist()
+    expected = [(page - t.data_ptr()) // 4 for page in range(start, start + length, hugepages.HUGE_PAGE)]
+    assert written == expected and len(written) == length // hugepages.HUGE_PAGE
+    t, _ = _written_by_empty(monkeypatch, prefault=False)
+    assert (t == 7).all()
+
+
+@pytest.mark.parametrize(("threads", "virtual", "prefaults"),
+                         [(2, True, True), (1, True, False), (2, False, False)])
+def test_prefault_by_default_under_a_hypervisor_with_several_threads(monkeypatch: pytest.MonkeyPatch, threads: int,
+                                                                     virtual: bool, prefaults: bool) -> None:
+    monkeypatch.setattr(hugepages.cpu, "virtual", lambda: virtual)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        t, _ = _written_by_empty(monkeypatch)
+    finally:
+        torch.set_num_threads(before)
+    assert bool((t == 0).any()) == prefaults
+
+
+PREFAULTED_IN_A_FRESH_PROCESS = """
+import torch
+from kernels import hugepages, nontemporal
+
+if hugepages._madvise() is None or nontemporal._nontemporal is None:
+    print("not here")
+else:
+    # 64 MiB: over glibc's largest mmap threshold, so each is a fresh mapping, not yet faulted
+    for prefault in (False, True):
+        t = hugepages.empty((16 << 20,), like=torch.zeros(1), prefault=prefault)
+        lo = -(-t.data_ptr() // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE
+        inside = t.view(-1)[(lo - t.data_ptr()) // 4:][: 8 * hugepages.HUGE_PAGE // 4]
+        print(nontemporal._nontemporal.resident(inside.numpy()))
+"""
+
+
+def test_prefaulted_pages_are_resident() -> None:
+    """The prefault maps the advised pages (mincore reads them resident) before anything else
+    writes the tensor; without it a fresh mapping has none."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("THP_MEM_ALLOC_ENABLE", None)
+    out = subprocess.run([sys.executable, "-c", PREFAULTED_IN_A_FRESH_PROCESS], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    if out == ["not here"]:
+        pytest.skip("no THP advice taken here, or kernels._nontemporal (its mincore) not built")
+    assert out == ["False", "True"]
 
 
 @pytest.mark.usefixtures("fresh_advice")

@@ -24,10 +24,12 @@ EXCEPTIONS: dict[str, str] = {
     "kernels/layer_capture.py": "internal to per_sample (captures Linear inputs and output grads)",
     "kernels/nontemporal.py": "a way of writing per_sample's outer products, torch.mul's bits "
                               "(test_nontemporal.py): no slow counterpart; its effect is per_sample's rows",
-    "kernels/hugepages.py": "an allocation with no slow counterpart: tested by the advice it leaves "
-                            "(test_hugepages.py); its effect is per_sample's rows under --perf-malloc default",
-    "kernels/cpu.py": "reads the CPU's vendor for kernels.attention's path lengths: no slow counterpart; "
-                      "tested on written cpuinfo files (test_cpu.py); its effect is attention's rows",
+    "kernels/hugepages.py": "an allocation with no slow counterpart: tested by the advice it leaves and the "
+                            "pages it faults (test_hugepages.py); its effect is per_sample's and standardize's "
+                            "rows under --perf-malloc default",
+    "kernels/cpu.py": "reads the CPU's vendor for kernels.attention's path lengths and its hypervisor flag for "
+                      "kernels.hugepages: no slow counterpart; tested on written cpuinfo files (test_cpu.py); "
+                      "its effect is those kernels' rows",
     "kernels/feature_cache.py": "a cache has no slow counterpart: its test compares cached to recomputed; "
                                 "timed as spectral_probe's cached rerun",
     "kernels/training.py": "timed as the workloads' steps (perf_tests/test_cifar_resnet.py, ...)",

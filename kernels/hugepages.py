@@ -7,6 +7,14 @@ the tensor's 2 MiB-aligned interior (``madvise(MADV_HUGEPAGE)``) before anything
 the first write faults one 2 MiB page instead of 512 small ones. Memory glibc already has
 resident (a reused block) is not moved. Elsewhere (CUDA, another OS, THP ``always`` or
 ``never``, torch's own ``THP_MEM_ALLOC_ENABLE=1``) it is plain ``torch.empty``.
+
+Under a hypervisor, where torch runs more than one thread, the calling thread then faults those
+huge pages itself, one write a page, before the caller's threads write the tensor. A VM's memory
+is backed by its host as it is touched, and a 2-vCPU VM's two threads faulting huge pages the
+host had not backed at once took ten times as long as one thread faulting them alone (one
+thread's zeroing: docs/kernels/per_sample.md). One writing thread faults them as it writes,
+each page's zeroing still in cache for its write, and outside a VM (not measured) the writers
+fault them as before. A page already mapped costs the prefault a store.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from kernels import cpu
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's and arm64's (4 KiB base pages) transparent huge page
 MADV_HUGEPAGE = 14  # linux/mman.h
@@ -44,15 +54,21 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     return fn
 
 
-def empty(shape: tuple[int, ...], like: Tensor) -> Tensor:
+def empty(shape: tuple[int, ...], like: Tensor, *, prefault: bool | None = None) -> Tensor:
     """An uninitialized tensor of ``shape`` in ``like``'s dtype and device; on CPU its whole
-    2 MiB pages advised huge (module note). Advice the kernel refuses changes nothing."""
+    2 MiB pages advised huge and, with ``prefault`` (default: under a hypervisor, where torch runs
+    more than one thread), faulted by this thread (module note). Advice the kernel refuses
+    changes nothing."""
     out = torch.empty(shape, dtype=like.dtype, device=like.device)
     madvise = _madvise() if out.device.type == "cpu" else None
     if madvise is not None:
-        start = out.data_ptr()
+        start, size = out.data_ptr(), out.element_size()
         lo = -(-start // HUGE_PAGE) * HUGE_PAGE
-        hi = (start + out.numel() * out.element_size()) // HUGE_PAGE * HUGE_PAGE
+        hi = (start + out.numel() * size) // HUGE_PAGE * HUGE_PAGE
         if hi > lo:
             madvise(lo, hi - lo, MADV_HUGEPAGE)
+            if (torch.get_num_threads() > 1 and cpu.virtual()) if prefault is None else prefault:
+                # an element at the start of each advised page, written here: its fault maps the
+                # whole huge page (a strided write this short runs on this thread alone)
+                out.view(-1)[(lo - start) // size:(hi - start) // size:HUGE_PAGE // size].zero_()
     return out

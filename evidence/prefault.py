@@ -1,0 +1,96 @@
+"""A fresh result in huge pages, written by torch's threads: its pages faulted by the writers as
+they go, or first by the calling thread (``kernels.hugepages.empty``'s ``prefault``).
+
+1. A 69 MB buffer (the per-sample result at B=64) from ``hugepages.empty``, then ``fill_`` by
+   torch's threads: "hot", back to back (each call gets the huge pages the last one freed);
+   "cold", each call after a 70 MB tensor in small pages is made and kept (as a peer's result is
+   alive between ours' calls in the suite's pairs); "idle", each call after 5 s of sleep (as
+   between a training loop's epochs). The two methods call by call in turn. ms: median [min-max].
+2. The suite's pairs, each call timed (perfgate's interleaved ABBA pairs, 15 rounds of 3 calls a
+   side): ``per_sample_grads`` with a fresh result (MLP B=64) beside the reference, Opacus and
+   vmap(grad), and ``Standardizer().fit(X).transform(X)`` (50000 x 512) beside the reference and
+   the torch ops, without the prefault, with it, with it, without (a host that changes over minutes
+   reads on both). Ours' calls, ms: median, mean, max, and how many took over twice the median.
+
+    python -m evidence.prefault [threads, default 2] [malloc mode, default "default"]
+"""
+
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+
+from perfgate.timing import configure_malloc, interleaved, timer_for
+
+malloc = configure_malloc(sys.argv[2] if len(sys.argv) > 2 else "default")  # before any large allocation
+
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+import reference  # noqa: E402
+from kernels import hugepages  # noqa: E402
+from perf_tests.peers import opacus_grads, torch_standardize  # noqa: E402
+from perfgate.fingerprint import _cpu_model  # noqa: E402
+from workloads.common import per_sample_problem, vmap_grads  # noqa: E402
+
+warnings.filterwarnings("ignore", message="Full backward hook")  # Opacus's, on every call
+torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
+ELEMENTS = 69_000_000 // 4
+held: list[torch.Tensor] = []
+before = {"hot": lambda: None, "cold": lambda: (held.clear(), held.append(torch.ones(70_000_000 // 4))),
+          "idle": lambda: time.sleep(5)}
+
+
+def fresh(prefault: bool) -> float:
+    """ms to get a fresh 69 MB buffer from hugepages.empty and fill it with torch's threads."""
+    start = time.perf_counter()
+    hugepages.empty((ELEMENTS,), like=torch.empty(0), prefault=prefault).fill_(1.0)
+    return (time.perf_counter() - start) * 1e3
+
+
+print(f"# {_cpu_model()}, {torch.get_num_threads()} thread(s), malloc {malloc}, torch {torch.__version__}, "
+      f"THP advice {'taken' if hugepages._madvise() else 'not taken (plain torch.empty)'}")
+print("# 1. hugepages.empty((69 MB,)) then fill_ by torch's threads, the two methods call by call in turn: "
+      "median [min-max] ms")
+for condition, calls in (("hot", 12), ("cold", 12), ("idle", 6)):
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(calls):
+        for prefault in (False, True) if i % 2 == 0 else (True, False):
+            before[condition]()
+            times[prefault].append(fresh(prefault))
+    for prefault, ms in times.items():
+        how = "prefaulted" if prefault else "writers fault"
+        print(f"{condition:5s} {how:14s} {statistics.median(ms):7.1f} [{min(ms):.1f}-{max(ms):.1f}], "
+              f"{calls} calls", flush=True)
+held.clear()
+
+print("# 2. the suite's pairs: ours' calls, ms")
+advised = hugepages.empty
+
+
+def writers_fault(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    return advised(shape, like, prefault=False)
+
+
+def pairs(label: str, peer: Callable[[], object], ours: Callable[[], object]) -> None:
+    """Ours' call times beside ``peer``, without the prefault, with it, with it, without (a line each)."""
+    for prefault in (False, True, True, False):
+        hugepages.empty = advised if prefault else writers_fault
+        times = [b * 1e3 for _, b in interleaved(timer_for("cpu"), (peer, None), (ours, None), 15, (3, 3))]
+        median = statistics.median(times)
+        print(f"{label:44s} {'prefaulted' if prefault else 'writers fault':14s} median {median:6.1f}  mean "
+              f"{statistics.mean(times):6.1f}  max {max(times):6.1f}  over 2x the median: "
+              f"{sum(t > 2 * median for t in times)}/{len(times)}", flush=True)
+    hugepages.empty = advised
+
+args = per_sample_problem(64)
+x = 5.0 + 3.0 * torch.randn(50_000, 512, generator=torch.Generator().manual_seed(0))
+for label, peer in (("per_sample_grads B=64 beside the reference", reference.per_sample_grads),
+                    ("per_sample_grads B=64 beside opacus", opacus_grads),
+                    ("per_sample_grads B=64 beside vmap(grad)", vmap_grads)):
+    pairs(label, lambda peer=peer: peer(*args), lambda: kernels.per_sample_grads(*args))
+for label, peer in (("Standardizer 50000x512 beside the reference",
+                     lambda: reference.Standardizer().fit(x).transform(x)),
+                    ("Standardizer 50000x512 beside torch ops", lambda: torch_standardize(x))):
+    pairs(label, peer, lambda: kernels.Standardizer().fit(x).transform(x))
