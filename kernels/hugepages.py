@@ -9,12 +9,12 @@ resident (a reused block) is not moved. Elsewhere (CUDA, another OS, THP ``alway
 ``never``, torch's own ``THP_MEM_ALLOC_ENABLE=1``) it is plain ``torch.empty``.
 
 Under a hypervisor, where torch runs more than one thread, the calling thread then faults those
-huge pages itself, one write a page, before the caller's threads write the tensor. A VM's memory
-is backed by its host as it is touched, and a 2-vCPU VM's two threads faulting huge pages the
-host had not backed at once took ten times as long as one thread faulting them alone (one
-thread's zeroing: docs/kernels/per_sample.md). One writing thread faults them as it writes,
-each page's zeroing still in cache for its write, and outside a VM (not measured) the writers
-fault them as before. A page already mapped costs the prefault a store.
+huge pages itself, one write a page, before the caller's threads write the tensor: on a 2-vCPU
+VM, two threads faulting them at once took ten times as long as one thread faulting them alone,
+in stretches of minutes (docs/kernels/per_sample.md), and the prefault costs about one thread's
+zeroing of the tensor where they would not have. One writing thread faults them as it writes,
+each page's zeroing still in cache for its write; outside a VM (not measured) the writers fault
+them as before. A page already mapped costs the prefault a store.
 """
 
 from __future__ import annotations
