@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from correctness_tests.conftest import requires_cuda
+from correctness_tests.conftest import requires_cuda, torch_threads
 from kernels import hugepages
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,9 +34,17 @@ def test_empty_is_torch_empty_of_like() -> None:
         assert t.shape == shape and t.dtype == like.dtype and t.device == like.device and t.is_contiguous()
 
 
-# Run in a fresh process: in a test worker, earlier tests may have left glibc serving large blocks
-# from a heap that an advised tensor once occupied (its flag stays), or perfgate's malloc mode on.
-IN_A_FRESH_PROCESS = """
+def _in_a_fresh_process(script: str) -> str:
+    """``script``'s output, run by this Python in a fresh process with the checkout importable: in a
+    test worker, earlier tests may have left glibc serving large blocks from a heap that an advised
+    tensor once occupied (its flag stays, its pages mapped), or perfgate's malloc mode on."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("THP_MEM_ALLOC_ENABLE", None)
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+ADVISED = """
 import torch
 from pathlib import Path
 from kernels import hugepages
@@ -51,106 +59,127 @@ def vm_flags(address):
         elif inside and head == "VmFlags:":
             return line.split()[1:]
 
-def interior(t):
-    return -(-t.data_ptr() // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE
-
 if hugepages._madvise() is None:
     print("no advice")
 else:
     # 64 MiB: over glibc's largest mmap threshold, so each is a fresh mapping of its own
     advised, plain = hugepages.empty((16 << 20,), like=torch.zeros(1)), torch.empty(16 << 20)
     advised.fill_(1.0)
-    print("hg" in vm_flags(interior(advised)), "hg" in vm_flags(interior(plain)), bool((advised == 1).all()))
+    print("hg" in vm_flags(hugepages.interior(advised)[0]), "hg" in vm_flags(hugepages.interior(plain)[0]),
+          bool((advised == 1).all()))
 """
 
 
 def test_interior_pages_advised_huge() -> None:
     """A tensor from ``empty`` has its 2 MiB pages advised huge (smaps' ``hg`` flag), a plain
     torch.empty beside it not; writing it works."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    env.pop("THP_MEM_ALLOC_ENABLE", None)
-    out = subprocess.run([sys.executable, "-c", IN_A_FRESH_PROCESS], env=env, capture_output=True, text=True,
-                         check=True).stdout.strip()
+    out = _in_a_fresh_process(ADVISED)
     if out == "no advice":
         mode = Path(hugepages.THP_MODE).read_text().strip() if Path(hugepages.THP_MODE).exists() else "absent"
         pytest.skip(f"no advice taken here: {sys.platform}, THP mode {mode!r}")
     assert out == "True False True"
 
 
-def test_advice_covers_the_whole_huge_pages_inside_the_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def advice(monkeypatch: pytest.MonkeyPatch) -> list:
+    """madvise recorded, not given: the (start, length, advice) of each call, each answered 0 (taken)."""
+    calls: list = []
+    monkeypatch.setattr(hugepages, "_madvise", lambda: lambda *call: calls.append(call) or 0)
+    return calls
+
+
+def test_advice_covers_the_whole_huge_pages_inside_the_tensor(advice: list) -> None:
     """The range advised: 2 MiB-aligned, inside the tensor, every whole huge page of it."""
-    calls = []
-    monkeypatch.setattr(hugepages, "_madvise", lambda: lambda start, length, advice: calls.append((start, length,
-                                                                                                  advice)) or 0)
     t = hugepages.empty((3 << 20,), like=torch.zeros(1))  # 12 MiB
-    ((start, length, advice),) = calls
+    ((start, length, how),) = advice
     lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * 4
     huge = hugepages.HUGE_PAGE
-    assert advice == hugepages.MADV_HUGEPAGE and start % huge == 0 and length % huge == 0
+    assert how == hugepages.MADV_HUGEPAGE and start % huge == 0 and length % huge == 0
     assert lo <= start < lo + huge and hi - huge < start + length <= hi
-    calls.clear()
+    assert hugepages.interior(t) == (start, start + length)
+    advice.clear()
     hugepages.empty((1000,), like=torch.zeros(1))  # no whole huge page inside: no call
-    assert calls == []
+    assert advice == []
 
 
-def _written_by_empty(monkeypatch: pytest.MonkeyPatch, **kwargs) -> tuple[torch.Tensor, list]:
-    """A 12 MiB float32 tensor from ``empty`` (advice recorded, not given), allocated as 7s: what
-    ``empty`` itself wrote reads 0."""
-    calls = []
-    monkeypatch.setattr(hugepages, "_madvise",
-                        lambda: lambda start, length, advice: calls.append((start, length)) or 0)
-    monkeypatch.setattr(hugepages.torch, "empty", lambda shape, dtype, device: torch.full(shape, 7.0, dtype=dtype))
-    return hugepages.empty((3 << 20,), like=torch.zeros(1), **kwargs), calls
+MARK = 0xAB  # the byte a tensor "allocated" by the tests below holds before empty writes to it
 
 
-def test_prefault_writes_the_first_element_of_each_advised_page(monkeypatch: pytest.MonkeyPatch) -> None:
-    """prefault=True: one element at the start of every advised huge page is written (its fault maps
-    the page), nothing else; prefault=False: nothing."""
-    t, [(start, length)] = _written_by_empty(monkeypatch, prefault=True)
-    written = (t == 0).nonzero().flatten().tolist()
-    expected = [(page - t.data_ptr()) // 4 for page in range(start, start + length, hugepages.HUGE_PAGE)]
-    assert written == expected and len(written) == length // hugepages.HUGE_PAGE
-    t, _ = _written_by_empty(monkeypatch, prefault=False)
-    assert (t == 7).all()
+def _bytes_written(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype = torch.float32, **kwargs) -> list[int]:
+    """The addresses of the bytes ``empty`` wrote in a 12 MiB tensor of ``dtype`` allocated holding MARK bytes."""
+    size = torch.zeros((), dtype=dtype).element_size()
+
+    def allocated(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.full((shape[0] * size,), MARK, dtype=torch.uint8).view(dtype)
+
+    monkeypatch.setattr(hugepages.torch, "empty", allocated)
+    t = hugepages.empty(((12 << 20) // size,), like=torch.zeros(1, dtype=dtype), **kwargs)
+    return [t.data_ptr() + i for i in (t.view(torch.uint8) != MARK).nonzero().flatten().tolist()]
 
 
-@pytest.mark.parametrize(("threads", "virtual", "prefaults"),
-                         [(2, True, True), (1, True, False), (2, False, False)])
-def test_prefault_by_default_under_a_hypervisor_with_several_threads(monkeypatch: pytest.MonkeyPatch, threads: int,
-                                                                     virtual: bool, prefaults: bool) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8, torch.bfloat16, torch.complex128])
+def test_prefault_writes_the_first_byte_of_each_advised_page(advice: list, monkeypatch: pytest.MonkeyPatch,
+                                                             dtype: torch.dtype) -> None:
+    """prefault=True: the first byte of every advised huge page is written (its fault maps the page),
+    nothing else; prefault=False: nothing."""
+    written = _bytes_written(monkeypatch, dtype, prefault=True)
+    ((start, length, _),) = advice
+    assert written == list(range(start, start + length, hugepages.HUGE_PAGE)) and len(written) >= 5
+    advice.clear()
+    assert _bytes_written(monkeypatch, dtype, prefault=False) == []
+
+
+@pytest.mark.usefixtures("advice")
+@pytest.mark.parametrize(("threads", "virtual", "prefault", "writes"),
+                         [(2, True, None, True), (1, True, None, False), (2, False, None, False),
+                          (2, True, False, False), (1, False, True, True)])
+def test_prefault_by_default_under_a_hypervisor_with_several_threads(
+        monkeypatch: pytest.MonkeyPatch, threads: int, virtual: bool, prefault: bool | None, writes: bool) -> None:
+    """The default prefaults under a hypervisor at 2 threads or more; an explicit prefault= decides."""
     monkeypatch.setattr(hugepages.cpu, "virtual", lambda: virtual)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    with torch_threads(threads):
+        assert bool(_bytes_written(monkeypatch, prefault=prefault)) == writes
+
+
+@pytest.mark.usefixtures("advice")
+def test_no_prefault_where_torch_fills_uninitialized_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's deterministic mode fills a fresh tensor (NaN): a prefault's zeros would break that fill."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
     try:
-        t, _ = _written_by_empty(monkeypatch)
+        assert _bytes_written(monkeypatch, prefault=True) == []
     finally:
-        torch.set_num_threads(before)
-    assert bool((t == 0).any()) == prefaults
+        torch.use_deterministic_algorithms(before)
 
 
-PREFAULTED_IN_A_FRESH_PROCESS = """
+def test_no_prefault_where_the_advice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hugepages, "_madvise", lambda: lambda *call: -1)
+    assert _bytes_written(monkeypatch, prefault=True) == []
+
+
+PREFAULTED = """
 import torch
 from kernels import hugepages, nontemporal
 
 if hugepages._madvise() is None or nontemporal._nontemporal is None:
     print("not here")
 else:
-    # 64 MiB: over glibc's largest mmap threshold, so each is a fresh mapping, not yet faulted
+    # 64 MiB: over glibc's largest mmap threshold, so each is a fresh mapping, not yet faulted; the
+    # first 4 KiB of each of its first 8 advised pages read by mincore (mapped whole where Linux has
+    # the huge page, those 4 KiB where it falls back to small ones)
     for prefault in (False, True):
         t = hugepages.empty((16 << 20,), like=torch.zeros(1), prefault=prefault)
-        lo = -(-t.data_ptr() // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE
-        inside = t.view(-1)[(lo - t.data_ptr()) // 4:][: 8 * hugepages.HUGE_PAGE // 4]
-        print(nontemporal._nontemporal.resident(inside.numpy()))
+        lo, _ = hugepages.interior(t)
+        pages = t.view(torch.uint8)[lo - t.data_ptr():]
+        print(all(nontemporal._nontemporal.resident(pages[k * hugepages.HUGE_PAGE:][:4096].numpy())
+                  for k in range(8)))
 """
 
 
-def test_prefaulted_pages_are_resident() -> None:
-    """The prefault maps the advised pages (mincore reads them resident) before anything else
-    writes the tensor; without it a fresh mapping has none."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    env.pop("THP_MEM_ALLOC_ENABLE", None)
-    out = subprocess.run([sys.executable, "-c", PREFAULTED_IN_A_FRESH_PROCESS], env=env, capture_output=True,
-                         text=True, check=True).stdout.split()
+def test_prefaulted_pages_are_mapped() -> None:
+    """The prefault maps the advised pages (mincore reads them resident) before anything else writes
+    the tensor; without it a fresh mapping has none of them."""
+    out = _in_a_fresh_process(PREFAULTED).split()
     if out == ["not here"]:
         pytest.skip("no THP advice taken here, or kernels._nontemporal (its mincore) not built")
     assert out == ["False", "True"]

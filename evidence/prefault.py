@@ -15,6 +15,7 @@ they go, or first by the calling thread (``kernels.hugepages.empty``'s ``prefaul
     python -m evidence.prefault [threads, default 2] [malloc mode, default "default"]
 """
 
+import functools
 import statistics
 import sys
 import time
@@ -67,16 +68,13 @@ held.clear()
 
 print("# 2. the suite's pairs: ours' calls, ms")
 advised = hugepages.empty
-
-
-def writers_fault(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    return advised(shape, like, prefault=False)
+prefaulted, writers_fault = (functools.partial(advised, prefault=on) for on in (True, False))
 
 
 def pairs(label: str, peer: Callable[[], object], ours: Callable[[], object]) -> None:
     """Ours' call times beside ``peer``, without the prefault, with it, with it, without (a line each)."""
     for prefault in (False, True, True, False):
-        hugepages.empty = advised if prefault else writers_fault
+        hugepages.empty = prefaulted if prefault else writers_fault
         times = [b * 1e3 for _, b in interleaved(timer_for("cpu"), (peer, None), (ours, None), 15, (3, 3))]
         median = statistics.median(times)
         print(f"{label:44s} {'prefaulted' if prefault else 'writers fault':14s} median {median:6.1f}  mean "

@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import functools
+import types
+from collections.abc import Mapping
 
 CPUINFO = "/proc/cpuinfo"
 
 
 @functools.cache
-def first_processor() -> dict[str, str]:
-    """The first processor's fields in Linux's /proc/cpuinfo, {} where there is none (another OS)."""
-    fields = {}
+def first_processor() -> Mapping[str, str]:
+    """The first processor's fields in Linux's /proc/cpuinfo (read-only: the one cached copy), empty
+    where there is none (another OS)."""
+    fields: dict[str, str] = {}
     try:
         with open(CPUINFO, encoding="utf8") as f:
             for line in f:
@@ -21,7 +24,7 @@ def first_processor() -> dict[str, str]:
                 fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return fields
+    return types.MappingProxyType(fields)
 
 
 def vendor() -> str:

@@ -10,9 +10,9 @@ resident (a reused block) is not moved. Elsewhere (CUDA, another OS, THP ``alway
 
 Under a hypervisor, where torch runs more than one thread, the calling thread then faults those
 huge pages itself, one write a page, before the caller's threads write the tensor: on a 2-vCPU
-VM, two threads faulting them at once took ten times as long as one thread faulting them alone,
-in stretches of minutes (docs/kernels/per_sample.md), and the prefault costs about one thread's
-zeroing of the tensor where they would not have. One writing thread faults them as it writes,
+VM, two threads faulting them at once took about nine times as long as one thread faulting them,
+in stretches of minutes (docs/kernels/per_sample.md); where they would have been fast, the
+prefault costs about one thread's zeroing of the tensor. One writing thread faults them as it writes,
 each page's zeroing still in cache for its write; outside a VM (not measured) the writers fault
 them as before. A page already mapped costs the prefault a store.
 """
@@ -54,21 +54,32 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     return fn
 
 
+def interior(t: Tensor) -> tuple[int, int]:
+    """The addresses [lo, hi) of the whole 2 MiB pages inside contiguous ``t``'s memory (lo >= hi:
+    none)."""
+    start = t.data_ptr()
+    return -(-start // HUGE_PAGE) * HUGE_PAGE, (start + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
+
+
 def empty(shape: tuple[int, ...], like: Tensor, *, prefault: bool | None = None) -> Tensor:
     """An uninitialized tensor of ``shape`` in ``like``'s dtype and device; on CPU its whole
     2 MiB pages advised huge and, with ``prefault`` (default: under a hypervisor, where torch runs
     more than one thread), faulted by this thread (module note). Advice the kernel refuses
-    changes nothing."""
+    changes nothing, and is not followed by a prefault."""
     out = torch.empty(shape, dtype=like.dtype, device=like.device)
     madvise = _madvise() if out.device.type == "cpu" else None
-    if madvise is not None:
-        start, size = out.data_ptr(), out.element_size()
-        lo = -(-start // HUGE_PAGE) * HUGE_PAGE
-        hi = (start + out.numel() * size) // HUGE_PAGE * HUGE_PAGE
-        if hi > lo:
-            madvise(lo, hi - lo, MADV_HUGEPAGE)
-            if (torch.get_num_threads() > 1 and cpu.virtual()) if prefault is None else prefault:
-                # an element at the start of each advised page, written here: its fault maps the
-                # whole huge page (a strided write this short runs on this thread alone)
-                out.view(-1)[(lo - start) // size:(hi - start) // size:HUGE_PAGE // size].zero_()
+    if madvise is None:
+        return out
+    lo, hi = interior(out)
+    if hi > lo and madvise(lo, hi - lo, MADV_HUGEPAGE) == 0:
+        if prefault is None:
+            prefault = torch.get_num_threads() > 1 and cpu.virtual()
+        # torch's deterministic mode filled the tensor (NaN) already, its pages with it: no store of ours
+        filled = (torch.are_deterministic_algorithms_enabled()
+                  and torch.utils.deterministic.fill_uninitialized_memory)
+        if prefault and not filled:
+            # a byte at the start of each advised page, written here: its fault maps the whole huge
+            # page (a strided write this short runs on this thread alone; bytes: any dtype)
+            start = out.data_ptr()
+            out.view(-1).view(torch.uint8)[lo - start:hi - start:HUGE_PAGE].zero_()
     return out
