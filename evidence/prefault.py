@@ -43,11 +43,15 @@ before = {"hot": lambda: None, "cold": lambda: (held.clear(), held.append(torch.
           "idle": lambda: time.sleep(5)}
 
 
-def fresh(prefault: bool) -> float:
-    """ms to get a fresh 69 MB buffer from hugepages.empty and fill it with torch's threads."""
-    start = time.perf_counter()
-    hugepages.empty((ELEMENTS,), like=torch.empty(0), prefault=prefault).fill_(1.0)
-    return (time.perf_counter() - start) * 1e3
+timer = timer_for("cpu")
+
+
+def fresh(prefault: bool, condition: str) -> float:
+    """ms of one call, by perfgate's timer: a fresh 69 MB buffer from hugepages.empty filled by
+    torch's threads, ``condition``'s setup run before it, outside the reading."""
+    call = (lambda _: hugepages.empty((ELEMENTS,), like=torch.empty(0), prefault=prefault).fill_(1.0),
+            before[condition])
+    return timer.block(call, 1, warm=0)[0] * 1e3
 
 
 print(f"# {_cpu_model()}, {torch.get_num_threads()} thread(s), malloc {malloc}, torch {torch.__version__}, "
@@ -58,8 +62,7 @@ for condition, calls in (("hot", 12), ("cold", 12), ("idle", 6)):
     times: dict[bool, list[float]] = {False: [], True: []}
     for i in range(calls):
         for prefault in (False, True) if i % 2 == 0 else (True, False):
-            before[condition]()
-            times[prefault].append(fresh(prefault))
+            times[prefault].append(fresh(prefault, condition))
     for prefault, ms in times.items():
         how = "prefaulted" if prefault else "writers fault"
         print(f"{condition:5s} {how:14s} {statistics.median(ms):7.1f} [{min(ms):.1f}-{max(ms):.1f}], "
@@ -75,7 +78,7 @@ def pairs(label: str, peer: Callable[[], object], ours: Callable[[], object]) ->
     """Ours' call times beside ``peer``, without the prefault, with it, with it, without (a line each)."""
     for prefault in (False, True, True, False):
         hugepages.empty = prefaulted if prefault else writers_fault
-        times = [b * 1e3 for _, b in interleaved(timer_for("cpu"), (peer, None), (ours, None), 15, (3, 3))]
+        times = [b * 1e3 for _, b in interleaved(timer, (peer, None), (ours, None), 15, (3, 3))]
         median = statistics.median(times)
         print(f"{label:44s} {'prefaulted' if prefault else 'writers fault':14s} median {median:6.1f}  mean "
               f"{statistics.mean(times):6.1f}  max {max(times):6.1f}  over 2x the median: "
