@@ -1,6 +1,6 @@
 """kernels.hugepages.empty: the tensor torch.empty gives, its whole 2 MiB pages advised huge where
-Linux takes the advice (and, under a hypervisor with several threads, faulted by the calling thread),
-and left alone where it would not help."""
+Linux takes the advice, huge unasked where its THP mode is ``always`` (in both, under a hypervisor with
+several threads, faulted by the calling thread), and left alone where it would not help."""
 
 from __future__ import annotations
 
@@ -22,9 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def fresh_advice(monkeypatch: pytest.MonkeyPatch):
     """The advice decided anew for the test (the decision is cached per process), and after it."""
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
-    hugepages._madvise.cache_clear()
+    for cached in (hugepages._mode, hugepages._madvise):
+        cached.cache_clear()
     yield
-    hugepages._madvise.cache_clear()
+    for cached in (hugepages._mode, hugepages._madvise):
+        cached.cache_clear()
 
 
 def test_empty_is_torch_empty_of_like() -> None:
@@ -105,8 +107,10 @@ def test_advice_covers_the_whole_huge_pages_inside_the_tensor(advice: list) -> N
 MARK = 0xAB  # the byte a tensor "allocated" by the tests below holds before empty writes to it
 
 
-def _bytes_written(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype = torch.float32, **kwargs) -> list[int]:
-    """The addresses of the bytes ``empty`` wrote in a 12 MiB tensor of ``dtype`` allocated holding MARK bytes."""
+def _bytes_written(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype = torch.float32,
+                   **kwargs) -> tuple[list[int], tuple[int, int]]:
+    """The addresses of the bytes ``empty`` wrote in a 12 MiB tensor of ``dtype`` allocated holding MARK
+    bytes, and the tensor's whole huge pages (``interior``)."""
     size = torch.zeros((), dtype=dtype).element_size()
 
     def allocated(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -114,7 +118,8 @@ def _bytes_written(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype = torch.f
 
     monkeypatch.setattr(hugepages.torch, "empty", allocated)
     t = hugepages.empty(((12 << 20) // size,), like=torch.zeros(1, dtype=dtype), **kwargs)
-    return [t.data_ptr() + i for i in (t.view(torch.uint8) != MARK).nonzero().flatten().tolist()]
+    written = [t.data_ptr() + i for i in (t.view(torch.uint8) != MARK).nonzero().flatten().tolist()]
+    return written, hugepages.interior(t)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.uint8, torch.bfloat16, torch.complex128])
@@ -122,11 +127,11 @@ def test_prefault_writes_the_first_byte_of_each_advised_page(advice: list, monke
                                                              dtype: torch.dtype) -> None:
     """prefault=True: the first byte of every advised huge page is written (its fault maps the page),
     nothing else; prefault=False: nothing."""
-    written = _bytes_written(monkeypatch, dtype, prefault=True)
+    written, _ = _bytes_written(monkeypatch, dtype, prefault=True)
     ((start, length, _),) = advice
     assert written == list(range(start, start + length, hugepages.HUGE_PAGE)) and len(written) >= 5
     advice.clear()
-    assert _bytes_written(monkeypatch, dtype, prefault=False) == []
+    assert _bytes_written(monkeypatch, dtype, prefault=False)[0] == []
 
 
 @pytest.mark.usefixtures("advice")
@@ -138,7 +143,7 @@ def test_prefault_by_default_under_a_hypervisor_with_several_threads(
     """The default prefaults under a hypervisor at 2 threads or more; an explicit prefault= decides."""
     monkeypatch.setattr(hugepages.cpu, "virtual", lambda: virtual)
     with torch_threads(threads):
-        assert bool(_bytes_written(monkeypatch, prefault=prefault)) == writes
+        assert bool(_bytes_written(monkeypatch, prefault=prefault)[0]) == writes
 
 
 @pytest.mark.usefixtures("advice")
@@ -147,21 +152,37 @@ def test_no_prefault_where_torch_fills_uninitialized_memory(monkeypatch: pytest.
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert _bytes_written(monkeypatch, prefault=True) == []
+        assert _bytes_written(monkeypatch, prefault=True)[0] == []
     finally:
         torch.use_deterministic_algorithms(before)
 
 
 def test_no_prefault_where_the_advice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hugepages, "_madvise", lambda: lambda *call: -1)
-    assert _bytes_written(monkeypatch, prefault=True) == []
+    assert _bytes_written(monkeypatch, prefault=True)[0] == []
+
+
+@pytest.mark.parametrize("unasked", [True, False])
+def test_huge_unasked_prefaulted_without_advice(monkeypatch: pytest.MonkeyPatch, unasked: bool) -> None:
+    """THP ``always`` (pages huge unasked, no madvise to call): no advice, the same bytes prefaulted
+    (the first of each whole huge page), and by the same default; THP ``never``: nothing written."""
+    monkeypatch.setattr(hugepages, "_madvise", lambda: None)
+    monkeypatch.setattr(hugepages, "_huge_unasked", lambda: unasked)
+    monkeypatch.setattr(hugepages.cpu, "virtual", lambda: True)
+    written, (lo, hi) = _bytes_written(monkeypatch, prefault=True)
+    assert hi - lo >= 5 * hugepages.HUGE_PAGE
+    assert written == (list(range(lo, hi, hugepages.HUGE_PAGE)) if unasked else [])
+    with torch_threads(2):
+        assert bool(_bytes_written(monkeypatch)[0]) == unasked
+    with torch_threads(1):
+        assert _bytes_written(monkeypatch)[0] == []
 
 
 PREFAULTED = """
 import torch
 from kernels import hugepages, nontemporal
 
-if hugepages._madvise() is None or nontemporal._nontemporal is None:
+if (hugepages._madvise() is None and not hugepages._huge_unasked()) or nontemporal._nontemporal is None:
     print("not here")
 else:
     # 64 MiB: over glibc's largest mmap threshold, so each is a fresh mapping, not yet faulted; the
@@ -177,30 +198,36 @@ else:
 
 
 def test_prefaulted_pages_are_mapped() -> None:
-    """The prefault maps the advised pages (mincore reads them resident) before anything else writes
-    the tensor; without it a fresh mapping has none of them."""
+    """The prefault maps the huge pages (advised or unasked; mincore reads them resident) before
+    anything else writes the tensor; without it a fresh mapping has none of them."""
     out = _in_a_fresh_process(PREFAULTED).split()
     if out == ["not here"]:
-        pytest.skip("no THP advice taken here, or kernels._nontemporal (its mincore) not built")
+        pytest.skip("no THP here (mode never, or unreadable), or kernels._nontemporal (its mincore) not built")
     assert out == ["False", "True"]
 
 
 @pytest.mark.usefixtures("fresh_advice")
 def test_no_advice_where_torch_aligns_for_thp(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
-    assert hugepages._madvise() is None
+    assert hugepages._madvise() is None and not hugepages._huge_unasked()
 
 
 @pytest.mark.usefixtures("fresh_advice")
 def test_no_advice_unless_madvise_mode(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for mode in ["[always] madvise never", "always madvise [never]"]:
-        (tmp_path / "enabled").write_text(mode + "\n")
+    """madvise only in ``madvise`` mode; huge pages unasked only in ``always`` mode; neither where the
+    mode file is missing."""
+    modes = [("always [madvise] never", True, False), ("[always] madvise never", False, True),
+             ("always madvise [never]", False, False)]
+    for text, advised, unasked in modes:
+        (tmp_path / "enabled").write_text(text + "\n")
         monkeypatch.setattr(hugepages, "THP_MODE", str(tmp_path / "enabled"))
-        hugepages._madvise.cache_clear()
-        assert hugepages._madvise() is None, mode
+        for cached in (hugepages._mode, hugepages._madvise):
+            cached.cache_clear()
+        assert (hugepages._madvise() is not None, hugepages._huge_unasked()) == (advised, unasked), text
     monkeypatch.setattr(hugepages, "THP_MODE", str(tmp_path / "missing"))
-    hugepages._madvise.cache_clear()
-    assert hugepages._madvise() is None
+    for cached in (hugepages._mode, hugepages._madvise):
+        cached.cache_clear()
+    assert hugepages._madvise() is None and not hugepages._huge_unasked()
 
 
 @requires_cuda

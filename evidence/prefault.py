@@ -54,8 +54,9 @@ def fresh(prefault: bool, condition: str) -> float:
     return timer.block(call, 1, warm=0)[0] * 1e3
 
 
+pages = "advised" if hugepages._madvise() else "unasked" if hugepages._huge_unasked() else "none: torch.empty"
 print(f"# {_cpu_model()}, {torch.get_num_threads()} thread(s), malloc {malloc}, torch {torch.__version__}, "
-      f"THP advice {'taken' if hugepages._madvise() else 'not taken (plain torch.empty)'}")
+      f"THP mode {hugepages._mode() or 'unknown'} (huge pages {pages})")
 print("# 1. hugepages.empty((69 MB,)) then fill_ by torch's threads, the two methods call by call in turn: "
       "median [min-max] ms")
 for condition, calls in (("hot", 12), ("cold", 12), ("idle", 6)):

@@ -4,9 +4,10 @@ A tensor of tens of MB that glibc's default malloc maps fresh is written at the 
 faults: one per 4 KiB page. Where Linux offers transparent huge pages on request (its
 ``/sys/kernel/mm/transparent_hugepage/enabled`` mode is ``madvise``), ``empty`` asks for them on
 the tensor's 2 MiB-aligned interior (``madvise(MADV_HUGEPAGE)``) before anything touches it, so
-the first write faults one 2 MiB page instead of 512 small ones. Memory glibc already has
-resident (a reused block) is not moved. Elsewhere (CUDA, another OS, THP ``always`` or
-``never``, torch's own ``THP_MEM_ALLOC_ENABLE=1``) it is plain ``torch.empty``.
+the first write faults one 2 MiB page instead of 512 small ones. Where the mode is ``always``, the
+interior's pages come huge unasked, and ``empty`` asks nothing. Memory glibc already has resident
+(a reused block) is not moved. Elsewhere (CUDA, another OS, THP ``never``, torch's own
+``THP_MEM_ALLOC_ENABLE=1``) it is plain ``torch.empty``.
 
 Under a hypervisor, where torch runs more than one thread, the calling thread then faults those
 huge pages itself, one write a page, before the caller's threads write the tensor: on a 2-vCPU
@@ -36,22 +37,36 @@ THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 @functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's madvise where asking helps: Linux, THP in ``madvise`` mode, torch not already
-    aligning its CPU allocations for THP; None elsewhere."""
+def _mode() -> str:
+    """Linux's THP mode ("always", "madvise", "never"); "" off Linux, where the mode file cannot be
+    read, or where torch aligns its CPU allocations for THP itself."""
     if not sys.platform.startswith("linux") or os.environ.get("THP_MEM_ALLOC_ENABLE") == "1":
-        return None
+        return ""
     try:
         with open(THP_MODE) as f:
-            mode = f.read()
+            text = f.read()
+    except OSError:
+        return ""
+    return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise where asking helps (THP in ``madvise`` mode, ``_mode``); None elsewhere."""
+    if _mode() != "madvise":
+        return None
+    try:
         fn = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
-        return None
-    if "[madvise]" not in mode:
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
+
+
+def _huge_unasked() -> bool:
+    """Whether fresh anonymous memory comes in huge pages without advice (THP ``always``)."""
+    return _mode() == "always"
 
 
 def interior(t: Tensor) -> tuple[int, int]:
@@ -63,23 +78,28 @@ def interior(t: Tensor) -> tuple[int, int]:
 
 def empty(shape: tuple[int, ...], like: Tensor, *, prefault: bool | None = None) -> Tensor:
     """An uninitialized tensor of ``shape`` in ``like``'s dtype and device; on CPU its whole
-    2 MiB pages advised huge and, with ``prefault`` (default: under a hypervisor, where torch runs
-    more than one thread), faulted by this thread (module note). Advice the kernel refuses
-    changes nothing, and is not followed by a prefault."""
+    2 MiB pages huge (advised where THP asks for advice) and, with ``prefault`` (default: under a
+    hypervisor, where torch runs more than one thread), faulted by this thread (module note).
+    Advice the kernel refuses changes nothing, and is not followed by a prefault."""
     out = torch.empty(shape, dtype=like.dtype, device=like.device)
-    madvise = _madvise() if out.device.type == "cpu" else None
-    if madvise is None:
+    if out.device.type != "cpu":
         return out
     lo, hi = interior(out)
-    if hi > lo and madvise(lo, hi - lo, MADV_HUGEPAGE) == 0:
-        if prefault is None:
-            prefault = torch.get_num_threads() > 1 and cpu.virtual()
-        # torch's deterministic mode filled the tensor (NaN) already, its pages with it: no store of ours
-        filled = (torch.are_deterministic_algorithms_enabled()
-                  and torch.utils.deterministic.fill_uninitialized_memory)
-        if prefault and not filled:
-            # a byte at the start of each advised page, written here: its fault maps the whole huge
-            # page (a strided write this short runs on this thread alone; bytes: any dtype)
-            start = out.data_ptr()
-            out.view(-1).view(torch.uint8)[lo - start:hi - start:HUGE_PAGE].zero_()
+    if hi <= lo:
+        return out
+    madvise = _madvise()
+    if madvise is not None:
+        if madvise(lo, hi - lo, MADV_HUGEPAGE) != 0:
+            return out
+    elif not _huge_unasked():
+        return out
+    if prefault is None:
+        prefault = torch.get_num_threads() > 1 and cpu.virtual()
+    # torch's deterministic mode filled the tensor (NaN) already, its pages with it: no store of ours
+    filled = torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory
+    if prefault and not filled:
+        # a byte at the start of each huge page, written here: its fault maps the whole huge page (a
+        # strided write this short runs on this thread alone; bytes: any dtype)
+        start = out.data_ptr()
+        out.view(-1).view(torch.uint8)[lo - start:hi - start:HUGE_PAGE].zero_()
     return out
