@@ -12,7 +12,7 @@ they go, or first by the calling thread (``kernels.hugepages.empty``'s ``prefaul
    the torch ops, without the prefault, with it, with it, without (a host that changes over minutes
    reads on both). Ours' calls, ms: median, mean, max, and how many took over twice the median.
 
-    python -m evidence.prefault [threads, default 2] [malloc mode, default "default"]
+    python -m evidence.prefault [threads, default 2] [malloc mode, default "default"] [parts, default "12"]
 """
 
 import functools
@@ -21,6 +21,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 from perfgate.timing import configure_malloc, interleaved, timer_for
 
@@ -55,8 +56,12 @@ def fresh(prefault: bool, condition: str) -> float:
 
 
 pages = "advised" if hugepages._madvise() else "unasked" if hugepages._huge_unasked() else "none: torch.empty"
+try:  # the THP defrag setting: whether a fault may compact memory for a huge page
+    defrag = Path(hugepages.THP_MODE).with_name("defrag").read_text().split("[")[1].split("]")[0]
+except (OSError, IndexError):
+    defrag = "unknown"
 print(f"# {_cpu_model()}, {torch.get_num_threads()} thread(s), malloc {malloc}, torch {torch.__version__}, "
-      f"THP mode {hugepages._mode() or 'unknown'} (huge pages {pages})")
+      f"THP mode {hugepages._mode() or 'unknown'} (huge pages {pages}), defrag {defrag}")
 print("# 1. hugepages.empty((69 MB,)) then fill_ by torch's threads, the two methods call by call in turn: "
       "median [min-max] ms")
 for condition, calls in (("hot", 12), ("cold", 12), ("idle", 6)):
@@ -70,6 +75,8 @@ for condition, calls in (("hot", 12), ("cold", 12), ("idle", 6)):
               f"{calls} calls", flush=True)
 held.clear()
 
+if "2" not in (sys.argv[3] if len(sys.argv) > 3 else "12"):  # part 1 alone
+    sys.exit()
 print("# 2. the suite's pairs: ours' calls, ms")
 advised = hugepages.empty
 prefaulted, writers_fault = (functools.partial(advised, prefault=on) for on in (True, False))
