@@ -18,15 +18,19 @@ from kernels import hugepages
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _decide_anew() -> None:
+    """Forget the THP mode and the advice function read so far (each is cached per process)."""
+    for cached in (hugepages._mode, hugepages._madvise):
+        cached.cache_clear()
+
+
 @pytest.fixture
 def fresh_advice(monkeypatch: pytest.MonkeyPatch):
-    """The advice decided anew for the test (the decision is cached per process), and after it."""
+    """The advice decided anew for the test, and after it."""
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
-    for cached in (hugepages._mode, hugepages._madvise):
-        cached.cache_clear()
+    _decide_anew()
     yield
-    for cached in (hugepages._mode, hugepages._madvise):
-        cached.cache_clear()
+    _decide_anew()
 
 
 def test_empty_is_torch_empty_of_like() -> None:
@@ -186,8 +190,8 @@ if (hugepages._madvise() is None and not hugepages._huge_unasked()) or nontempor
     print("not here")
 else:
     # 64 MiB: over glibc's largest mmap threshold, so each is a fresh mapping, not yet faulted; the
-    # first 4 KiB of each of its first 8 advised pages read by mincore (mapped whole where Linux has
-    # the huge page, those 4 KiB where it falls back to small ones)
+    # first 4 KiB of each of its first 8 huge pages (advised or unasked) read by mincore (mapped whole
+    # where Linux has the huge page, those 4 KiB where it falls back to small ones)
     for prefault in (False, True):
         t = hugepages.empty((16 << 20,), like=torch.zeros(1), prefault=prefault)
         lo, _ = hugepages.interior(t)
@@ -200,33 +204,40 @@ else:
 def test_prefaulted_pages_are_mapped() -> None:
     """The prefault maps the huge pages (advised or unasked; mincore reads them resident) before
     anything else writes the tensor; without it a fresh mapping has none of them."""
-    out = _in_a_fresh_process(PREFAULTED).split()
-    if out == ["not here"]:
+    out = _in_a_fresh_process(PREFAULTED)
+    if out == "not here":
         pytest.skip("no THP here (mode never, or unreadable), or kernels._nontemporal (its mincore) not built")
-    assert out == ["False", "True"]
+    assert out.split() == ["False", "True"]
 
 
 @pytest.mark.usefixtures("fresh_advice")
-def test_no_advice_where_torch_aligns_for_thp(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nothing_asked_where_torch_aligns_for_thp(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """THP_MEM_ALLOC_ENABLE=1 (torch aligns and advises its own allocations): neither advice nor a
+    prefault of pages huge unasked, whatever the mode."""
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
-    assert hugepages._madvise() is None and not hugepages._huge_unasked()
+    monkeypatch.setattr(hugepages, "THP_MODE", str(tmp_path / "enabled"))
+    for text in ["always [madvise] never", "[always] madvise never"]:
+        (tmp_path / "enabled").write_text(text + "\n")
+        _decide_anew()
+        assert hugepages._madvise() is None and not hugepages._huge_unasked(), text
 
 
 @pytest.mark.usefixtures("fresh_advice")
-def test_no_advice_unless_madvise_mode(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_thp_mode_decides_advice_and_unasked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """madvise only in ``madvise`` mode; huge pages unasked only in ``always`` mode; neither where the
-    mode file is missing."""
+    mode file is missing or marks no mode."""
     modes = [("always [madvise] never", True, False), ("[always] madvise never", False, True),
              ("always madvise [never]", False, False)]
     for text, advised, unasked in modes:
         (tmp_path / "enabled").write_text(text + "\n")
         monkeypatch.setattr(hugepages, "THP_MODE", str(tmp_path / "enabled"))
-        for cached in (hugepages._mode, hugepages._madvise):
-            cached.cache_clear()
+        _decide_anew()
         assert (hugepages._madvise() is not None, hugepages._huge_unasked()) == (advised, unasked), text
+    for text in ["madvise [always\n", "always madvise never\n"]:  # no mode marked: none read
+        (tmp_path / "enabled").write_text(text)
+        assert hugepages._bracketed(str(tmp_path / "enabled")) == "", text
     monkeypatch.setattr(hugepages, "THP_MODE", str(tmp_path / "missing"))
-    for cached in (hugepages._mode, hugepages._madvise):
-        cached.cache_clear()
+    _decide_anew()
     assert hugepages._madvise() is None and not hugepages._huge_unasked()
 
 

@@ -12,7 +12,7 @@ they go, or first by the calling thread (``kernels.hugepages.empty``'s ``prefaul
    the torch ops, without the prefault, with it, with it, without (a host that changes over minutes
    reads on both). Ours' calls, ms: median, mean, max, and how many took over twice the median.
 
-    python -m evidence.prefault [threads, default 2] [malloc mode, default "default"] [parts, default "12"]
+    python -m evidence.prefault [threads, default 2] [malloc mode, default "default"] [1: part 1 alone]
 """
 
 import functools
@@ -56,10 +56,8 @@ def fresh(prefault: bool, condition: str) -> float:
 
 
 pages = "advised" if hugepages._madvise() else "unasked" if hugepages._huge_unasked() else "none: torch.empty"
-try:  # the THP defrag setting: whether a fault may compact memory for a huge page
-    defrag = Path(hugepages.THP_MODE).with_name("defrag").read_text().split("[")[1].split("]")[0]
-except (OSError, IndexError):
-    defrag = "unknown"
+# the THP defrag setting: where a fault may compact memory for a huge page
+defrag = hugepages._bracketed(str(Path(hugepages.THP_MODE).with_name("defrag"))) or "unknown"
 print(f"# {_cpu_model()}, {torch.get_num_threads()} thread(s), malloc {malloc}, torch {torch.__version__}, "
       f"THP mode {hugepages._mode() or 'unknown'} (huge pages {pages}), defrag {defrag}")
 print("# 1. hugepages.empty((69 MB,)) then fill_ by torch's threads, the two methods call by call in turn: "
@@ -75,11 +73,11 @@ for condition, calls in (("hot", 12), ("cold", 12), ("idle", 6)):
               f"{calls} calls", flush=True)
 held.clear()
 
-if "2" not in (sys.argv[3] if len(sys.argv) > 3 else "12"):  # part 1 alone
+if sys.argv[3:4] == ["1"]:  # part 1 alone
     sys.exit()
 print("# 2. the suite's pairs: ours' calls, ms")
-advised = hugepages.empty
-prefaulted, writers_fault = (functools.partial(advised, prefault=on) for on in (True, False))
+original = hugepages.empty
+prefaulted, writers_fault = (functools.partial(original, prefault=on) for on in (True, False))
 
 
 def pairs(label: str, peer: Callable[[], object], ours: Callable[[], object]) -> None:
@@ -91,7 +89,7 @@ def pairs(label: str, peer: Callable[[], object], ours: Callable[[], object]) ->
         print(f"{label:44s} {'prefaulted' if prefault else 'writers fault':14s} median {median:6.1f}  mean "
               f"{statistics.mean(times):6.1f}  max {max(times):6.1f}  over 2x the median: "
               f"{sum(t > 2 * median for t in times)}/{len(times)}", flush=True)
-    hugepages.empty = advised
+    hugepages.empty = original
 
 args = per_sample_problem(64)
 x = 5.0 + 3.0 * torch.randn(50_000, 512, generator=torch.Generator().manual_seed(0))

@@ -5,7 +5,8 @@ faults: one per 4 KiB page. Where Linux offers transparent huge pages on request
 ``/sys/kernel/mm/transparent_hugepage/enabled`` mode is ``madvise``), ``empty`` asks for them on
 the tensor's 2 MiB-aligned interior (``madvise(MADV_HUGEPAGE)``) before anything touches it, so
 the first write faults one 2 MiB page instead of 512 small ones. Where the mode is ``always``, the
-interior's pages come huge unasked, and ``empty`` asks nothing. Memory glibc already has resident
+kernel gives the interior huge pages unasked where it has them free (it compacts memory for them
+only where its ``defrag`` setting says so), and ``empty`` asks nothing. Memory glibc already has resident
 (a reused block) is not moved. Elsewhere (CUDA, another OS, THP ``never``, torch's own
 ``THP_MEM_ALLOC_ENABLE=1``) it is plain ``torch.empty``.
 
@@ -36,24 +37,34 @@ MADV_HUGEPAGE = 14  # linux/mman.h
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
-@functools.cache
-def _mode() -> str:
-    """Linux's THP mode ("always", "madvise", "never"); "" off Linux, where the mode file cannot be
-    read, or where torch aligns its CPU allocations for THP itself."""
-    if not sys.platform.startswith("linux") or os.environ.get("THP_MEM_ALLOC_ENABLE") == "1":
-        return ""
+def _bracketed(path: str) -> str:
+    """The setting a Linux THP file (``enabled``, ``defrag``) marks as chosen, ``[madvise]`` in
+    "always [madvise] never"; "" where the file cannot be read or marks none."""
     try:
-        with open(THP_MODE) as f:
+        with open(path) as f:
             text = f.read()
     except OSError:
         return ""
-    return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else ""
+
+
+@functools.cache
+def _mode() -> str:
+    """Linux's THP mode ("always", "madvise", "never"); "" off Linux or where it cannot be read."""
+    return _bracketed(THP_MODE) if sys.platform.startswith("linux") else ""
+
+
+def _torch_aligns() -> bool:
+    """Whether torch's CPU allocator aligns its allocations for THP itself (``THP_MEM_ALLOC_ENABLE=1``)."""
+    return os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
 
 
 @functools.cache
 def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's madvise where asking helps (THP in ``madvise`` mode, ``_mode``); None elsewhere."""
-    if _mode() != "madvise":
+    """libc's madvise where asking helps (THP in ``madvise`` mode, torch not aligning for THP itself);
+    None elsewhere."""
+    if _mode() != "madvise" or _torch_aligns():
         return None
     try:
         fn = ctypes.CDLL(None, use_errno=True).madvise
@@ -65,8 +76,9 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 
 
 def _huge_unasked() -> bool:
-    """Whether fresh anonymous memory comes in huge pages without advice (THP ``always``)."""
-    return _mode() == "always"
+    """Whether fresh anonymous memory comes in huge pages without advice (THP ``always``; torch not
+    aligning for THP itself)."""
+    return _mode() == "always" and not _torch_aligns()
 
 
 def interior(t: Tensor) -> tuple[int, int]:
