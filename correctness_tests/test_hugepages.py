@@ -81,8 +81,7 @@ def test_interior_pages_advised_huge() -> None:
     torch.empty beside it not; writing it works."""
     out = _in_a_fresh_process(ADVISED)
     if out == "no advice":
-        mode = Path(hugepages.THP_MODE).read_text().strip() if Path(hugepages.THP_MODE).exists() else "absent"
-        pytest.skip(f"no advice taken here: {sys.platform}, THP mode {mode!r}")
+        pytest.skip(f"no advice taken here: {sys.platform}, THP mode {hugepages._mode() or 'unreadable'!r}")
     assert out == "True False True"
 
 

@@ -5,15 +5,14 @@ faults: one per 4 KiB page. Where Linux offers transparent huge pages on request
 ``/sys/kernel/mm/transparent_hugepage/enabled`` mode is ``madvise``), ``empty`` asks for them on
 the tensor's 2 MiB-aligned interior (``madvise(MADV_HUGEPAGE)``) before anything touches it, so
 the first write faults one 2 MiB page instead of 512 small ones. Where the mode is ``always``, the
-kernel gives the interior huge pages unasked where it has them free (it compacts memory for them
-only where its ``defrag`` setting says so), and ``empty`` asks nothing. Memory glibc already has resident
-(a reused block) is not moved. Elsewhere (CUDA, another OS, THP ``never``, torch's own
-``THP_MEM_ALLOC_ENABLE=1``) it is plain ``torch.empty``.
+kernel gives the interior huge pages unasked where it has them free, and ``empty`` asks nothing.
+Memory glibc already has resident (a reused block) is not moved. Elsewhere (CUDA, another OS, THP
+``never``, torch's own ``THP_MEM_ALLOC_ENABLE=1``) it is plain ``torch.empty``.
 
 Under a hypervisor, where torch runs more than one thread, the calling thread then faults those
 huge pages itself, one write a page, before the caller's threads write the tensor: on a 2-vCPU
-VM, two threads faulting them at once took about nine times as long as one thread faulting them,
-in stretches of minutes (docs/kernels/per_sample.md); where they would have been fast, the
+VM, two threads faulting them at once were many times slower than one thread faulting them, in
+stretches of minutes (docs/kernels/per_sample.md); where they would have been fast, the
 prefault costs about one thread's zeroing of the tensor. One writing thread faults them as it writes,
 each page's zeroing still in cache for its write; outside a VM (not measured) the writers fault
 them as before. A page already mapped costs the prefault a store.
