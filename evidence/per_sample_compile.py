@@ -78,9 +78,10 @@ def measure(batch: int) -> str:
             + f"  {ms['bare'] / ms['out=']:9.2f}  {point:.2f}x ({low:.2f}-{high:.2f})")
 
 
-print(f"# {_cpu_model()}, {torch.get_num_threads()} thread(s), malloc {malloc}, torch {torch.__version__}; "
-      "MLP 784-256-256-10; ms a call, medians of 15 rounds of 3 calls each")
-print(f"{'B':>4} {'MB':>6} {'ours':>8} {'out=':>8} {'bare':>8} {'compiled':>8} {'vmap':>8}  bare/out=  "
-      "ours over compiled: its time / out='s (95% CI, 15 pairs)")
-for batch in batches:
-    print(measure(batch), flush=True)
+if __name__ == "__main__":  # evidence.per_sample_write_rate imports bare_identity
+    print(f"# {_cpu_model()}, {torch.get_num_threads()} thread(s), malloc {malloc}, torch {torch.__version__}; "
+          "MLP 784-256-256-10; ms a call, medians of 15 rounds of 3 calls each")
+    print(f"{'B':>4} {'MB':>6} {'ours':>8} {'out=':>8} {'bare':>8} {'compiled':>8} {'vmap':>8}  bare/out=  "
+          "ours over compiled: its time / out='s (95% CI, 15 pairs)")
+    for batch in batches:
+        print(measure(batch), flush=True)

@@ -1,0 +1,121 @@
+"""per_sample_grads(out=) at B=64 against the write rate the host gives at that moment: whether the
+call's share of the write limit (issue 32's 40% target) is set by the call or by the host.
+
+Each round times, back to back and in turn: a fill of the ``out=`` buffers (the rate the host
+writes them at that moment: the faster of torch's ``fill_`` and libc's ``memset`` from the
+session's threads, as perfgate's limit is measured), ours with ``out=``, the Linear identity bare
+(``evidence.per_sample_compile``: no check at all), a bare forward and backward (the arithmetic
+every recipe does), and ``torch.compile(vmap(grad))``. Each row prints, per round, the call's GB/s
+over the result's bytes and its share of the stored write limit, and the rounds are split at the
+median fill rate: slow stretches against fast ones.
+
+    python -m evidence.per_sample_write_rate [threads, default 2] [batch, default 64] [rounds, default 40]
+"""
+
+import concurrent.futures
+import statistics
+import sys
+from pathlib import Path
+
+from perfgate.timing import configure_malloc
+
+malloc = configure_malloc("cache")  # the suite's mode, before any large allocation
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import kernels  # noqa: E402
+from evidence.per_sample_compile import bare_identity  # noqa: E402
+from perfgate.fingerprint import _cpu_model, fingerprint, slug  # noqa: E402
+from perfgate.roofline import _libc_memset, read_limits, write_rate  # noqa: E402
+from perfgate.timing import timer_for  # noqa: E402
+from workloads.common import per_sample_problem, vmap_grads  # noqa: E402
+
+threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+batch = int(sys.argv[2]) if len(sys.argv) > 2 else 64
+rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 40
+torch.set_num_threads(threads)
+args = per_sample_problem(batch)
+model, _, x, y = args
+buffers = kernels.per_sample_grads(*args)
+bare_out = {n: torch.empty_like(t) for n, t in buffers.items()}
+nbytes = sum(t.numel() * t.element_size() for t in buffers.values())
+here = slug(fingerprint("cpu", threads, malloc))
+stored = read_limits(Path(".benchmarks") / here / "limits.json", here)
+limit = write_rate(stored)  # GB/s: the fill rate the roofline column reads a write against
+memset = _libc_memset()
+compiled = torch.compile(vmap_grads, dynamic=False)
+compiled(*args)  # compiled outside the timing
+
+
+pool = concurrent.futures.ThreadPoolExecutor(threads)
+# each buffer cut into a block of whole pages a thread, as perfgate's fill is (ctypes lets go of the GIL)
+spans = []
+for t in buffers.values():
+    start, end, page = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), 4096
+    block = -(-(end - start) // threads // page) * page
+    edges = [start, *range(-(-start // page) * page + block, end, block), end]
+    spans += list(zip(edges, edges[1:], strict=False))
+
+
+def fill() -> None:
+    """Every out= buffer written once by torch's fill_ (its intra-op threads)."""
+    for t in buffers.values():
+        t.fill_(0.5)
+
+
+def fill_memset() -> None:
+    """Every out= buffer written once by libc's memset, a block a thread."""
+    list(pool.map(lambda span: memset(span[0], 0x3F, span[1] - span[0]), spans))
+
+
+def forward_backward() -> None:
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+
+
+rows = {"fill_": fill, "memset": fill_memset, "ours out=": lambda: kernels.per_sample_grads(*args, out=buffers),
+        "identity bare": lambda: bare_identity(model, x, y, bare_out), "forward+backward": forward_backward,
+        "compile(vmap)": lambda: compiled(*args)}
+if memset is None:
+    del rows["memset"]
+timer = timer_for("cpu")
+seconds: dict[str, list[float]] = {k: [] for k in rows}
+for _ in range(rounds):
+    for name, fn in rows.items():
+        seconds[name].append(statistics.median(timer.block((fn, None), 3, warm=1)))
+host = [nbytes / min(f, m) / 1e9 for f, m in zip(seconds["fill_"], seconds.get("memset", seconds["fill_"]),
+                                                   strict=True)]  # GB/s the host wrote at, each round
+cut = statistics.median(host)
+slow = [i for i, r in enumerate(host) if r < cut]
+fast = [i for i, r in enumerate(host) if r >= cut]
+
+
+def share(ms: float) -> float:
+    """A call of ``ms`` milliseconds as a percentage of the stored write limit: its roofline figure."""
+    return 100 * nbytes / ms / 1e6 / limit
+
+
+def line(name: str, ms: list[float]) -> str:
+    """A row's median over all rounds, the slow half and the fast half, with their figures (none for
+    the forward and backward, which write no result)."""
+    whole, low, high = (statistics.median(ms[i] for i in idx) for idx in (range(rounds), slow, fast))
+    writes = name != "forward+backward"
+    rate, figures = (f"{nbytes / whole / 1e6:6.1f}", [f"{share(m):7.0f}%" for m in (whole, low, high)]) if writes \
+        else (f"{'-':>6s}", [f"{'-':>8s}"] * 3)
+    return f"{name:18s} {whole:15.3f} {rate} {figures[0]}   {low:14.3f} {figures[1]}   {high:14.3f} {figures[2]}"
+
+
+print(f"# {_cpu_model()}, {threads} thread(s), malloc {malloc}, torch {torch.__version__}; MLP 784-256-256-10, "
+      f"B={batch}, the result {nbytes / 1e6:.1f} MB; stored write limit {limit:.1f} GB/s ({here})")
+print(f"# {rounds} rounds, each row the median of 3 calls; the host's rate that round: the faster fill. Split at "
+      f"its median, {cut:.1f} GB/s")
+print(f"{'row':18s} {'all rounds: ms':>15s} {'GB/s':>6s} {'% limit':>8s}   {'slow half: ms':>14s} {'% limit':>8s}"
+      f"   {'fast half: ms':>14s} {'% limit':>8s}")
+for name in rows:
+    print(line(name, [s * 1e3 for s in seconds[name]]))
+print(line("the host's rate", [nbytes / r / 1e6 for r in host]))
+shown = ("ours out=", "identity bare", "compile(vmap)")
+print(f"# per round, by the host's rate (GB/s): the share of the write limit of {', '.join(shown)}")
+for i in sorted(range(rounds), key=lambda i: host[i]):
+    print(f"{host[i]:6.1f} " + " ".join(f"{share(seconds[k][i] * 1e3):5.0f}%" for k in shown))
