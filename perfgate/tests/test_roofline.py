@@ -619,6 +619,11 @@ def test_a_session_prints_and_stores_each_impls_place(pytester: pytest.Pytester)
     assert again.ret == 0, again.stdout.str()
     remeasured = read_limits(stored, section["slug"])
     assert remeasured["gemm_gflops"]["float32"] > 0 and 0 < remeasured["fill_gbps"], again.stdout.str()
+    # a session that reads the stored limits reads the stream once more after its rows, into its JSON
+    read = pytester.runpytest(*args, "--benchmark-json=read.json")
+    assert read.ret == 0, read.stdout.str()
+    now = json.loads((pytester.path / "read.json").read_text())["perfgate"]["roofline"]["now"]
+    assert now["stream_gbps"] > 0 and now["write_gbps"] > 0 and now["measured"], now
 
 
 def test_a_limit_the_tables_median_passes_is_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -639,6 +644,64 @@ def test_a_limit_the_tables_median_passes_is_measured_again(monkeypatch: pytest.
     monkeypatch.setattr(roofline, "_stream", lambda device: dict(rates))
     st.recheck_limits([row])  # the own rounds' median (0.2 s, 50%) alone would not have measured it
     assert st.tally.limits_rose == ["stream 10.0 -> 12.5 GB/s"] and st.limits.stream_gbps == 12.5
+
+
+def test_a_session_reads_the_stream_once_after_its_rows_and_says_how_far_under_its_limits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The limits are the best the machine has shown; the session reads the stream again after its
+    rows, once, where a figure is placed by bytes, and says what share of the limits it read. A
+    reading under them changes no limit (nor the file); one past them raises them."""
+    import perfgate.roofline as roofline
+    from perfgate.report import _roofline_markdown
+    from perfgate.state import GateState, Measurement, Probes, Settings
+
+    def session(limits: Limits, work: Work) -> tuple[GateState, list]:
+        settings = Settings(device="cpu", size="smoke", threads=2, tolerance=0.2, fingerprint={}, slug="s")
+        st = GateState(settings, Probes(None, None, 2), limits=limits)
+        st.results["k"] = {"reference": Measurement([0.4] * 10, "smoke", "", None),
+                           "optimized": Measurement([0.2] * 10, "smoke", "", None, paired=[(0.4, 0.2)] * 10,
+                                                    work=work)}
+        return st, [st._row("k", "optimized")]
+
+    calls: list[str] = []
+    rates = {"scale": 20.0, "copy": 18.0, "triad": 15.0, "fill": 12.0}
+    monkeypatch.setattr(roofline, "_stream", lambda device: calls.append(device) or dict(rates))
+    stored = _limits(stream=40.0, fill=30.0)
+    stored.values.update(scale_gbps=40.0, copy_gbps=35.0, triad_gbps=30.0)  # each pass's best, as a file keeps
+    st, rows = session(stored, Work(bytes=1e9, written=5e8))  # 5 GB/s: 12% of the stream
+    st.recheck_limits(rows)
+    assert calls == ["cpu"] and st.tally.limits_rose == [] and not st.limits.dirty
+    assert st.limits.now["stream_gbps"] == 20.0 and st.limits.now["write_gbps"] == 12.0  # the fill's: writes alone
+    assert st.limits.stream_gbps == 40.0 and st.limits.write_gbps == 30.0  # the limits keep their best
+    line = "this session's host, read after its rows: stream 20.0 GB/s (writes 12.0), 50% and 40% of the limits"
+    assert roofline.now_line(st.limits.values, st.limits.now) == line
+    st.recheck_limits(rows)
+    assert calls == ["cpu"]  # once a session
+    # the report says it under the run's roofline heading; a run stored without one says nothing of it
+    placed = {"kernel": "k", "impl": "optimized", "label": "", "ms": 200.0, "bytes": 1e9, "written": 5e8,
+              "flops": {}, "fraction": 0.125, "bound": "memory", "gbps": 5.0, "gflops": None, "note": None}
+    section = {"limits": st.limits.values, "impls": [placed], "count_rule": COUNT_RULE}
+    said = _roofline_markdown({**section, "now": st.limits.now})
+    assert f"Read against the best this machine has shown: {line}." in said
+    assert not any("this session's host" in cell for cell in _roofline_markdown(section))
+    # a reading past the stored limits raises them: said, and written to the file
+    st, rows = session(_limits(stream=10.0, fill=5.0), Work(bytes=1e9))
+    st.recheck_limits(rows)
+    assert st.tally.limits_rose == ["stream 10.0 -> 20.0 GB/s", "write rate 5.0 -> 12.0 GB/s"] and st.limits.dirty
+    assert roofline.now_line(st.limits.values, st.limits.now) is None  # it reached them
+    # a session whose recheck measured the stream takes no second reading; one of FLOPs alone takes none
+    calls.clear()
+    st, rows = session(_limits(stream=1.0, fill=0.5), Work(bytes=1e9))  # 5 GB/s passed 1: measured again
+    st.recheck_limits(rows)
+    assert calls == ["cpu"] and st.limits.now["stream_gbps"] == 20.0
+    st, rows = session(_limits(), Work(bytes=0.0, flops={"float32": 1e9}))
+    st.recheck_limits(rows)
+    assert calls == ["cpu"] and st.limits.now is None
+    # a reading the limits lack, or one not a rate (a damaged run file), says nothing
+    assert roofline.now_line({"stream_gbps": None}, {"stream_gbps": 5.0}) is None
+    assert roofline.now_line(st.limits.values, {"stream_gbps": "fast"}) is None
+    assert roofline.now_line({"stream_gbps": 10.0}, {"stream_gbps": 5.0, "write_gbps": 2.0}) == (
+        "this session's host, read after its rows: stream 5.0 GB/s, 50% of the limit")  # no write rate stored
 
 
 def test_a_compiled_optimizer_step_counts_the_ops_its_python_runs() -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .floors import FloorPolicy, Unmeasured
-from .roofline import COUNT_RULE, LIMITS_FILE, limits_line, placed_cells, placed_header
+from .roofline import COUNT_RULE, LIMITS_FILE, limits_line, now_line, placed_cells, placed_header
 from .session import JSON_KEY
 from .shard import MergeError, merge
 from .stats import CONTENDED, TABLE_HEADER, format_table, gate, row_from_dict, table_cells, verdict
@@ -241,9 +241,11 @@ def _roofline_markdown(roofline: dict) -> list[str]:
         rule_note = []
     # rule 6 added the write-rate term: an earlier run's figures were made without it
     written = ", bytes written at the write rate" if rule is not None and rule >= 6 else ""
+    now = now_line(limits, roofline.get("now")) if limits else None  # a merge of shards keeps no one reading
+    now_note = [f"Read against the best this machine has shown: {now}.", ""] if now else []
     return [f"Roofline: {where}; each impl's least time (bytes moved at the "
             f"stream bandwidth{written}, FLOPs at the GEMM peak) over its median "
-            "([how to read it](perfgate.md#the-roofline-column)).", "", *rule_note,
+            "([how to read it](perfgate.md#the-roofline-column)).", "", *now_note, *rule_note,
             "| " + " | ".join(placed_header(entries)) + " |", "|" + "---|" * len(placed_header(entries)),
             *("| " + " | ".join(cells) + " |" for cells in placed_cells(entries)), ""]
 

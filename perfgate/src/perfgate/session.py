@@ -361,7 +361,7 @@ class PerfSession:
             "speedups": [r.as_dict() for r in state.rows],
             # this machine's measured limits and each impl's place under them (roofline.py)
             "roofline": {"limits": state.limits.values if state.limits else None, "impls": state.tally.figures,
-                         "count_rule": COUNT_RULE},
+                         "now": state.limits.now if state.limits else None, "count_rule": COUNT_RULE},
             # declared floors whose rows were not measured (deselected, skipped, failed, ...), and why
             "unmeasured_floors": [u.as_dict() for u in self.floors_unmeasured],
         }
@@ -514,7 +514,7 @@ class PerfSession:
 
     def _roofline(self, tr: Any) -> None:
         """Each impl's place under this machine's roofline, with the limits it is measured against."""
-        from .roofline import format_placed
+        from .roofline import format_placed, now_line
 
         state = self.state
         if state.limits is None or not any(e["fraction"] is not None or e["note"] for e in state.tally.figures):
@@ -524,6 +524,10 @@ class PerfSession:
                       f"({state.limits.path or 'not stored'}); roofline = max(bytes moved / stream, "
                       "bytes written / write rate, GFLOP / GEMM peak) over the impl's median, 100% the "
                       "machine's limit (docs/perfgate.md)")
+        now = now_line(state.limits.values, state.limits.now)
+        if now:
+            tr.write_line(f"perfgate roofline: {now} (a figure reads against the best this machine has shown; "
+                          "the host gave this share of it when read)")
         if state.tally.limits_rose:
             tr.write_line("perfgate roofline: an impl passed a stored limit, measured again and kept as the "
                           f"best this machine has shown: {', '.join(state.tally.limits_rose)}")

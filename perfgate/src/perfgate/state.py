@@ -272,13 +272,15 @@ class GateState:
         """Measure again each roofline limit an impl's median call passed (``Limits.recheck``),
         before any figure is made, so every figure of the session is against the same limits:
         the median of its own rounds (the roofline section's) and of each row's interleaved pairs
-        (the table's)."""
+        (the table's). Where a call moved bytes, read the stream as it is now (``Limits.read_now``)."""
         if self.limits is not None:
             calls = [(m.work, median(m.times)) for impls in self.results.values() for m in impls.values()
                      if m.work is not None and m.times]
             calls += [(m.work, row.optimized_ms / 1e3) for row in rows
                       if (m := self.results.get(row.kernel, {}).get(row.impl)) is not None and m.work is not None]
             self.tally.limits_rose += self.limits.recheck(calls)
+            if any(work.bytes > 0 for work, _ in calls):  # figures placed by bytes: the rate of the minute too
+                self.tally.limits_rose += self.limits.read_now()
 
     def _place(self, row: SpeedupRow) -> None:
         """``row``'s roofline figure (its impl's counted work over its median time), and its GB/s
