@@ -32,10 +32,6 @@ from perfgate.fingerprint import _cpu_model  # noqa: E402
 from perfgate.timing import timer_for  # noqa: E402
 from workloads.common import per_sample_problem, vmap_grads  # noqa: E402
 
-torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
-batches = [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "2,8,16,32,64,128,256").split(",")]
-torch._dynamo.config.cache_size_limit = 4 * len(batches)  # one graph per batch size, none evicted
-
 
 def bare_identity(model: nn.Module, x: Tensor, y: Tensor, out: dict[str, Tensor]) -> None:
     """The identity with no check: each Linear's input and output kept by a forward hook, one
@@ -79,6 +75,9 @@ def measure(batch: int) -> str:
 
 
 if __name__ == "__main__":  # evidence.per_sample_write_rate imports bare_identity
+    torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
+    batches = [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "2,8,16,32,64,128,256").split(",")]
+    torch._dynamo.config.cache_size_limit = 4 * len(batches)  # one graph per batch size, none evicted
     print(f"# {_cpu_model()}, {torch.get_num_threads()} thread(s), malloc {malloc}, torch {torch.__version__}; "
           "MLP 784-256-256-10; ms a call, medians of 15 rounds of 3 calls each")
     print(f"{'B':>4} {'MB':>6} {'ours':>8} {'out=':>8} {'bare':>8} {'compiled':>8} {'vmap':>8}  bare/out=  "

@@ -1,9 +1,11 @@
-"""per_sample_grads(out=) at B=64 against the write rate the host gives at that moment: whether the
-call's share of the write limit (issue 32's 40% target) is set by the call or by the host.
+"""per_sample_grads(out=) at batch B (default 64) against the write rate the host gives at that
+moment: whether the call's share of the write limit (issue 32's 40% target) is set by the call or
+by the host.
 
 Each round times, back to back and in turn: a fill of the ``out=`` buffers (the rate the host
 writes them at that moment: the faster of torch's ``fill_`` and libc's ``memset`` from the
-session's threads, as perfgate's limit is measured), ours with ``out=``, the Linear identity bare
+session's threads, as perfgate's fill is measured; the limit's write rate also counts a stream
+pass's written share, so it is no lower than a fill's), ours with ``out=``, the Linear identity bare
 (``evidence.per_sample_compile``: no check at all), a bare forward and backward (the arithmetic
 every recipe does), and ``torch.compile(vmap(grad))``. Each row prints, per round, the call's GB/s
 over the result's bytes and its share of the stored write limit, and the rounds are split at the
@@ -34,6 +36,8 @@ from workloads.common import per_sample_problem, vmap_grads  # noqa: E402
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 batch = int(sys.argv[2]) if len(sys.argv) > 2 else 64
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 40
+if rounds < 2:
+    sys.exit(f"rounds must be 2 or more (a slow and a fast half), got {rounds}")
 torch.set_num_threads(threads)
 args = per_sample_problem(batch)
 model, _, x, y = args
@@ -42,7 +46,7 @@ bare_out = {n: torch.empty_like(t) for n, t in buffers.items()}
 nbytes = sum(t.numel() * t.element_size() for t in buffers.values())
 here = slug(fingerprint("cpu", threads, malloc))
 stored = read_limits(Path(".benchmarks") / here / "limits.json", here)
-limit = write_rate(stored)  # GB/s: the fill rate the roofline column reads a write against
+limit = write_rate(stored)  # GB/s, the roofline column's write rate: a fill's, or a stream pass's written share
 memset = _libc_memset()
 compiled = torch.compile(vmap_grads, dynamic=False)
 compiled(*args)  # compiled outside the timing

@@ -684,11 +684,19 @@ def test_a_session_reads_the_stream_once_after_its_rows_and_says_how_far_under_i
     said = _roofline_markdown({**section, "now": st.limits.now})
     assert f"Read against the best this machine has shown: {line}." in said
     assert not any("this session's host" in cell for cell in _roofline_markdown(section))
-    # a reading past the stored limits raises them: said, and written to the file
+    assert st.limits.values["measured"] == {}  # no time stamped: the file stays as it was
+    # a reading past the stored limits raises them: said apart from a recheck's, and written to the file
     st, rows = session(_limits(stream=10.0, fill=5.0), Work(bytes=1e9))
     st.recheck_limits(rows)
-    assert st.tally.limits_rose == ["stream 10.0 -> 20.0 GB/s", "write rate 5.0 -> 12.0 GB/s"] and st.limits.dirty
+    assert st.tally.limits_read == ["stream 10.0 -> 20.0 GB/s", "write rate 5.0 -> 12.0 GB/s"] and st.limits.dirty
+    assert st.tally.limits_rose == [] and st.limits.values["measured"]["stream"] == st.limits.now["measured"]
     assert roofline.now_line(st.limits.values, st.limits.now) is None  # it reached them
+    # one pass's best rising (a copy) moves neither limit a figure reads: the file stays as it was
+    stored = _limits(stream=40.0, fill=30.0)
+    stored.values.update(scale_gbps=40.0, copy_gbps=10.0, triad_gbps=30.0)
+    st, rows = session(stored, Work(bytes=1e9))
+    st.recheck_limits(rows)
+    assert st.tally.limits_read == [] and not st.limits.dirty and st.limits.values["copy_gbps"] == 10.0
     # a session whose recheck measured the stream takes no second reading; one of FLOPs alone takes none
     calls.clear()
     st, rows = session(_limits(stream=1.0, fill=0.5), Work(bytes=1e9))  # 5 GB/s passed 1: measured again
@@ -702,6 +710,35 @@ def test_a_session_reads_the_stream_once_after_its_rows_and_says_how_far_under_i
     assert roofline.now_line(st.limits.values, {"stream_gbps": "fast"}) is None
     assert roofline.now_line({"stream_gbps": 10.0}, {"stream_gbps": 5.0, "write_gbps": 2.0}) == (
         "this session's host, read after its rows: stream 5.0 GB/s, 50% of the limit")  # no write rate stored
+    assert "99% of the limit" in roofline.now_line({"stream_gbps": 10.0}, {"stream_gbps": 9.999})  # not "100%"
+
+
+@pytest.mark.timed
+def test_a_session_says_what_its_reading_after_the_rows_read_and_raised(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reading after the rows, in the terminal: under the stored limits, its share of them;
+    past them, the limits it raised, said apart from an impl's recheck; into the run's JSON."""
+    import perfgate.roofline as roofline
+
+    pytester.makepyfile(test_mm=SUITE)
+    args = ["--perf-device", "cpu", "--benchmark-max-time=0.05", "-p", "no:cacheprovider", "--perf-contended=inf"]
+    monkeypatch.setattr(roofline, "_gemm", lambda device, dtype: (1e6, 256))  # no matmul passes it
+    for rates, lines in [({"scale": 100.0, "copy": 90.0, "triad": 90.0, "fill": 50.0}, []),  # measured first
+                         ({"scale": 200.0, "copy": 90.0, "triad": 90.0, "fill": 120.0},
+                          ["perfgate roofline: the session's reading after its rows passed a stored limit, kept "
+                           "as the best this machine has shown: stream 100.0 -> 200.0 GB/s, write rate 50.0 -> "
+                           "120.0 GB/s"]),
+                         ({"scale": 50.0, "copy": 40.0, "triad": 30.0, "fill": 30.0},
+                          ["perfgate roofline: this session's host, read after its rows: stream 50.0 GB/s (writes "
+                           "30.0), 25% and 25% of the limits (a figure reads against the best this machine has "
+                           "shown; the host gave this share of it when read)"])]:
+        monkeypatch.setattr(roofline, "_stream", lambda device, rates=rates: dict(rates))
+        result = pytester.runpytest(*args, "--benchmark-json=out.json")
+        assert result.ret == 0, result.stdout.str()
+        said = [line for line in result.stdout.lines if line.startswith("perfgate roofline: ")]
+        assert said == lines, result.stdout.str()
+        now = json.loads((pytester.path / "out.json").read_text())["perfgate"]["roofline"]["now"]
+        assert now["stream_gbps"] == rates["scale"]
 
 
 def test_a_compiled_optimizer_step_counts_the_ops_its_python_runs() -> None:

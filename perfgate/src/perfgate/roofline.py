@@ -548,24 +548,24 @@ class Limits:
 
     def _measure_stream(self, reading: bool = False) -> list[str]:
         """Measure the stream rates, each kept where it beats the stored one, and keep what they
-        read as this session's (``now``). A ``reading`` (``read_now``) changes the file only where
-        a rate rose. Returns the rates that rose past a stored one, in words."""
-        before = {"stream": self.values["stream_gbps"], "write rate": write_rate(self.values)}
+        read as this session's (``now``). A ``reading`` (``read_now``) changes the limits (and the
+        file) only where the stream or the write rate rose. Returns the limits that rose, in words."""
+        before = _two_rates(self.values)
         rates = _stream(self.device)
         rates["stream"] = max(v for k, v in rates.items() if k != "fill")  # fill writes only: shown beside it
         read = {f"{kind}_gbps": rate for kind, rate in rates.items()}
         self.now = {"stream_gbps": read["stream_gbps"], "write_gbps": write_rate(read), "measured": _now()}
-        rose = False
-        for key, rate in read.items():
-            if self.values.get(key) is None or rate > self.values[key]:
-                self.values[key], rose = rate, True
-        if rose or not reading:
+        best = {**self.values, **{key: rate if self.values.get(key) is None else max(self.values[key], rate)
+                                  for key, rate in read.items()}}
+        after = _two_rates(best)
+        rose = [f"{name} {was:.1f} -> {after[name]:.1f} GB/s" for name, was in before.items()
+                if was is not None and after[name] > was]
+        if rose or not reading or None in before.values():
+            self.values.update(best)
             self.values["measured"]["stream"] = self.now["measured"]
             self.dirty = True
         self.rechecked.add("stream")  # measured this session: nothing for recheck to do
-        after = {"stream": self.values["stream_gbps"], "write rate": write_rate(self.values)}
-        return [f"{name} {was:.1f} -> {after[name]:.1f} GB/s" for name, was in before.items()
-                if was is not None and after[name] > was]
+        return rose
 
     def read_now(self) -> list[str]:
         """This session's reading of the stream and write rates (``now``), taken once after its rows
@@ -667,6 +667,11 @@ def limits_line(values: dict[str, Any]) -> str:
     return f"stream {values['stream_gbps']:.1f} GB/s{fill}" + (f", {peaks}" if peaks else "") + near
 
 
+def _two_rates(values: dict[str, Any]) -> dict[str, float | None]:
+    """The two rates a figure reads of a limits file: the stream and the write rate, GB/s."""
+    return {"stream": values["stream_gbps"], "write rate": write_rate(values)}
+
+
 def _positive(v: Any) -> bool:
     """Whether ``v`` is a rate: a finite positive number (not a bool)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
@@ -684,7 +689,7 @@ def now_line(values: dict[str, Any], now: dict[str, Any] | None) -> str | None:
     if min(shares) >= 1.0:
         return None
     writes = f" (writes {now['write_gbps']:.1f})" if wrote else ""
-    of = " and ".join(f"{100 * share:.0f}%" for share in shares)
+    of = " and ".join(f"{math.floor(100 * share)}%" for share in shares)  # under the limit: never "100%"
     return (f"this session's host, read after its rows: stream {now['stream_gbps']:.1f} GB/s{writes}, {of} of "
             f"the limit{'s' if wrote else ''}")
 

@@ -531,6 +531,9 @@ class PerfSession:
         if state.tally.limits_rose:
             tr.write_line("perfgate roofline: an impl passed a stored limit, measured again and kept as the "
                           f"best this machine has shown: {', '.join(state.tally.limits_rose)}")
+        if state.tally.limits_read:
+            tr.write_line("perfgate roofline: the session's reading after its rows passed a stored limit, kept as "
+                          f"the best this machine has shown: {', '.join(state.tally.limits_read)}")
         for line in format_placed(state.tally.figures):
             tr.write_line(line)
 

@@ -159,6 +159,7 @@ class Tally:
     not_timed: list[str] = field(default_factory=list)  # "kernel [impl]" --perf-gated-only left untimed
     figures: list[dict] = field(default_factory=list)  # the roofline figures, GateState.placed at the end
     limits_rose: list[str] = field(default_factory=list)  # limits measured again and higher, in words
+    limits_read: list[str] = field(default_factory=list)  # limits the reading after the rows raised, in words
     placement_wait: float = 0.0  # seconds waited for torch's threads to be placed near (GateState.confirm)
 
 
@@ -279,8 +280,8 @@ class GateState:
             calls += [(m.work, row.optimized_ms / 1e3) for row in rows
                       if (m := self.results.get(row.kernel, {}).get(row.impl)) is not None and m.work is not None]
             self.tally.limits_rose += self.limits.recheck(calls)
-            if any(work.bytes > 0 for work, _ in calls):  # figures placed by bytes: the rate of the minute too
-                self.tally.limits_rose += self.limits.read_now()
+            if any(work.bytes > 0 for work, _ in calls):  # impls that moved bytes: the rate of the minute too
+                self.tally.limits_read += self.limits.read_now()
 
     def _place(self, row: SpeedupRow) -> None:
         """``row``'s roofline figure (its impl's counted work over its median time), and its GB/s
