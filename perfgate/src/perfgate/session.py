@@ -524,16 +524,16 @@ class PerfSession:
                       f"({state.limits.path or 'not stored'}); roofline = max(bytes moved / stream, "
                       "bytes written / write rate, GFLOP / GEMM peak) over the impl's median, 100% the "
                       "machine's limit (docs/perfgate.md)")
-        now = now_line(state.limits.values, state.limits.now)
-        if now:
-            tr.write_line(f"perfgate roofline: {now} (a figure reads against the best this machine has shown; "
-                          "the host gave this share of it when read)")
         if state.tally.limits_rose:
             tr.write_line("perfgate roofline: an impl passed a stored limit, measured again and kept as the "
                           f"best this machine has shown: {', '.join(state.tally.limits_rose)}")
         if state.tally.limits_read:
             tr.write_line("perfgate roofline: the session's reading after its rows passed a stored limit, kept as "
                           f"the best this machine has shown: {', '.join(state.tally.limits_read)}")
+        now = now_line(state.limits.values, state.limits.now)
+        if now:
+            tr.write_line(f"perfgate roofline: {now} (a figure reads against the best this machine has shown; "
+                          "the host gave this share of it when read)")
         for line in format_placed(state.tally.figures):
             tr.write_line(line)
 
