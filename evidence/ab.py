@@ -28,14 +28,21 @@ def versus(timer: Timer, slow: Callable[[], object], fast: Callable[[], object],
     return f"{point:.2f}x ({low:.2f}-{high:.2f}), {slow_ms:.2f} / {fast_ms:.2f} ms"
 
 
-def medians(fns: dict[str, Callable[[], object]], rounds: int, calls: int,
-            device: str = "cpu") -> dict[str, float]:
-    """Median ms of each fn, ``rounds`` rounds of ``calls`` calls each, the fns in turn within a round,
-    by perfgate's timer for ``device`` (the previous call's result alive while the next is made, as
-    in a perf session's block)."""
+def round_times(fns: dict[str, Callable[[], object]], rounds: int, calls: int, device: str = "cpu",
+                warm: int = 0) -> dict[str, list[list[float]]]:
+    """Seconds of each fn's calls, a list a round: ``rounds`` rounds of ``calls`` calls (after
+    ``warm`` untimed ones), the fns in turn within a round, by perfgate's timer for ``device`` (the
+    previous call's result alive while the next is made, as in a perf session's block)."""
     timer = timer_for(device)
-    times: dict[str, list[float]] = {k: [] for k in fns}
+    times: dict[str, list[list[float]]] = {k: [] for k in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name] += timer.block((fn, None), calls, warm=0)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            times[name].append(timer.block((fn, None), calls, warm=warm))
+    return times
+
+
+def medians(fns: dict[str, Callable[[], object]], rounds: int, calls: int,
+            device: str = "cpu") -> dict[str, float]:
+    """Median ms of each fn over all its calls in ``round_times``' rounds."""
+    times = round_times(fns, rounds, calls, device)
+    return {k: statistics.median(t for block in v for t in block) * 1e3 for k, v in times.items()}

@@ -13,7 +13,8 @@ import functools
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from unittest import mock
 
 from perfgate.timing import configure_malloc
 
@@ -40,17 +41,6 @@ buffers = kernels.per_sample_grads(*args)
 bare_out = {n: torch.empty_like(t) for n, t in buffers.items()}
 
 
-@contextlib.contextmanager
-def replaced(module: object, name: str, value: object) -> Iterator[None]:
-    """``module.name`` set to ``value`` for the block."""
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
-
-
 def timed_parts() -> dict[str, float]:
     """ms a call of each part, wrapped where per_sample_grads and capture look it up."""
     spent: dict[str, list[float]] = {}
@@ -65,7 +55,7 @@ def timed_parts() -> dict[str, float]:
                 return fn(*a, **k)
             finally:
                 spent.setdefault(name, []).append(time.perf_counter() - start)
-        return replaced(module, name, timed)
+        return mock.patch.object(module, name, timed)
 
     parts = [(ps, "check_inputs"), (ps, "check_out"), (ps, "_plan"), (ps, "_from_terms"),
              (capture, "_probe_forward"), (capture, "_probe"), (capture, "loss_parameters"),
@@ -90,7 +80,7 @@ def without(*patches: tuple[object, str, object]) -> Callable[[], object]:
     def call() -> object:
         with contextlib.ExitStack() as stack:
             for module, name, value in patches:
-                stack.enter_context(replaced(module, name, value))
+                stack.enter_context(mock.patch.object(module, name, value))
             return kernels.per_sample_grads(*args, out=buffers)
     return call
 

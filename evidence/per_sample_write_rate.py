@@ -27,10 +27,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import kernels  # noqa: E402
+from evidence.ab import round_times  # noqa: E402
 from evidence.per_sample_compile import bare_identity  # noqa: E402
 from perfgate.fingerprint import _cpu_model, fingerprint, slug  # noqa: E402
-from perfgate.roofline import _libc_memset, read_limits, write_rate  # noqa: E402
-from perfgate.timing import timer_for  # noqa: E402
+from perfgate.roofline import _libc_memset, page_blocks, read_limits, write_rate  # noqa: E402
 from workloads.common import per_sample_problem, vmap_grads  # noqa: E402
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
@@ -54,12 +54,8 @@ compiled(*args)  # compiled outside the timing
 
 pool = concurrent.futures.ThreadPoolExecutor(threads)
 # each buffer cut into a block of whole pages a thread, as perfgate's fill is (ctypes lets go of the GIL)
-spans = []
-for t in buffers.values():
-    start, end, page = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), 4096
-    block = -(-(end - start) // threads // page) * page
-    edges = [start, *range(-(-start // page) * page + block, end, block), end]
-    spans += list(zip(edges, edges[1:], strict=False))
+spans = [span for t in buffers.values()
+         for span in page_blocks(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), threads)]
 
 
 def fill() -> None:
@@ -83,11 +79,9 @@ rows = {"fill_": fill, "memset": fill_memset, "ours out=": lambda: kernels.per_s
         "compile(vmap)": lambda: compiled(*args)}
 if memset is None:
     del rows["memset"]
-timer = timer_for("cpu")
-seconds: dict[str, list[float]] = {k: [] for k in rows}
-for _ in range(rounds):
-    for name, fn in rows.items():
-        seconds[name].append(statistics.median(timer.block((fn, None), 3, warm=1)))
+# each row's median call a round: 3 calls after a warming one
+seconds = {name: [statistics.median(block) for block in blocks]
+           for name, blocks in round_times(rows, rounds, calls=3, warm=1).items()}
 host = [nbytes / min(f, m) / 1e9 for f, m in zip(seconds["fill_"], seconds.get("memset", seconds["fill_"]),
                                                    strict=True)]  # GB/s the host wrote at, each round
 cut = statistics.median(host)

@@ -158,6 +158,17 @@ def _filled(t: torch.Tensor) -> None:
     t.fill_(1.0)
 
 
+def test_page_blocks_cover_the_range_once_each_thread_whole_pages() -> None:
+    from perfgate.roofline import page_blocks
+
+    for start, end, threads in [(4096 * 3 + 100, 4096 * 40 + 7, 2), (0, 4096 * 8, 3), (4096, 4096 * 2, 4)]:
+        spans = page_blocks(start, end, threads)
+        assert spans[0][0] == start and spans[-1][1] == end and len(spans) <= threads
+        assert all(a < b for a, b in spans)
+        assert all(b == c for (_, b), (c, _) in zip(spans[:-1], spans[1:], strict=True))  # no gap, no overlap
+        assert all(b % 4096 == 0 for _, b in spans[:-1])  # cut at page boundaries: no page shared
+
+
 def test_libcs_memset_is_called_as_c_declares_it() -> None:
     import perfgate.roofline as roofline
 

@@ -738,18 +738,22 @@ def _stream(device: str) -> dict[str, float]:
     rates = {name: arrays * 4 * n / _best(fn, device) / 1e9 for name, (arrays, fn) in seconds.items()}
     memset = _libc_memset() if device == "cpu" else None
     if memset is not None:  # on the session's threads, a block each (ctypes lets go of the GIL)
-        threads, page = max(1, torch.get_num_threads()), 4096
-        start, end = a.data_ptr(), a.data_ptr() + 4 * n
-        block = -(-(end - start) // threads // page) * page  # whole pages a thread
-        # blocks cut at page boundaries: no two threads write one page
-        edges = [start, *range(-(-start // page) * page + block, end, block), end]
-        spans = list(zip(edges, edges[1:], strict=False))
+        threads = max(1, torch.get_num_threads())
+        spans = page_blocks(a.data_ptr(), a.data_ptr() + 4 * n, threads)
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             def fill() -> None:
                 list(pool.map(lambda span: memset(span[0], 0x3F, span[1] - span[0]), spans))
 
             rates["fill"] = max(rates["fill"], 4 * n / _best(fill, device) / 1e9)
     return rates
+
+
+def page_blocks(start: int, end: int, threads: int, page: int = 4096) -> list[tuple[int, int]]:
+    """The addresses [start, end) cut into ``threads`` blocks of whole pages, (first, one past last)
+    each: no two threads write one page."""
+    block = -(-(end - start) // threads // page) * page  # whole pages a thread
+    edges = [start, *range(-(-start // page) * page + block, end, block), end]
+    return list(zip(edges, edges[1:], strict=False))
 
 
 def _libc_memset() -> Callable[[int, int, int], Any] | None:
