@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import shutil
+import statistics
 import sys
 import sysconfig
 from pathlib import Path
@@ -43,7 +44,8 @@ def test_a_miss_with_too_few_pairs_near_is_unresolved_and_says_why() -> None:
     row = _row(apart=0.8, near_pairs=MIN_PAIRS - 1)
     assert gate(row, 0.2) == [] and row.outcome == "unresolved"
     assert ("is under its floor: the host ran torch's threads 320 ns apart (a cache-line round trip; 52 ns at "
-            "this machine's nearest) for 80% of its pairs, too few timed near to judge (6)") in row.unresolved[0]
+            "this machine's usual placement) for 80% of its pairs, too few timed near to judge (6)") \
+        in row.unresolved[0]
 
 
 def test_a_miss_the_near_pairs_do_not_share_is_the_placements() -> None:
@@ -79,8 +81,9 @@ def test_the_placement_never_hides_a_met_floor_and_inf_judges_every_row() -> Non
     assert gate(judged, 0.2, contended=float("inf")) and judged.outcome == "FAIL"  # --perf-contended=inf
 
 
-def test_apart_is_over_apart_times_the_nearest_up_to_a_partner_that_did_not_run() -> None:
-    """A reading of exactly APART x the nearest is near; one of exactly PARTNER_IDLE_NS is still a placement."""
+def test_apart_is_over_apart_times_the_usual_up_to_a_partner_that_did_not_run() -> None:
+    """A reading of exactly APART x the usual placement is near; one of exactly PARTNER_IDLE_NS is still
+    a placement."""
     from perfgate.stats import PARTNER_IDLE_NS, apart
 
     assert not apart(APART * 50.0, 50.0) and apart(APART * 50.0 + 1.0, 50.0)
@@ -113,7 +116,8 @@ def test_pairs_are_split_by_the_round_trip_read_beside_them() -> None:
 
 def test_a_session_apart_throughout_is_told_by_the_machines_stored_round_trip() -> None:
     """Every reading of the session 320 ns: against the session alone nothing is apart; against
-    the 52 ns stored for the machine (the nearest it has shown), all of it is."""
+    the 52 ns stored for the machine (a file from before the sessions' list stores its nearest
+    only), all of it is."""
     load = [PairLoad(wall=1.0, share=0.0, delay=0.0, round_trip_ns=320.0)] * 10
     for stored, apart in ((None, 0.0), (52.0, 1.0)):
         st = _state(stored)
@@ -122,6 +126,78 @@ def test_a_session_apart_throughout_is_told_by_the_machines_stored_round_trip() 
                                                     load=list(load))}
         assert st._row("k", "optimized").apart == apart
     assert 320.0 > APART * 52.0
+
+
+def test_the_usual_placement_is_the_median_of_the_machines_sessions() -> None:
+    """A host whose sessions usually run the threads 180 ns apart (two dies of a Xeon) and once
+    near, at 57 ns: its usual 180 ns pairs are near; on a host whose sessions are near (52 ns), a
+    session at 320 ns from start to end is apart, whatever the session reads on its own."""
+    far_host = [PairLoad(wall=1.0, share=0.0, delay=0.0, round_trip_ns=ns) for ns in [180.0] * 9 + [57.0]]
+    st = _state(None)
+    st.limits.values["round_trip_sessions_ns"] = [57.0, 175.0, 180.0]  # one session near, two at the usual
+    st.results["k"] = {"reference": Measurement([8.0] * 10, "smoke", "", None),
+                       "optimized": Measurement([4.0] * 10, "smoke", "", None, paired=[(8.0, 4.0)] * 10,
+                                                load=far_host)}
+    row = st._row("k", "optimized")
+    assert st.near_round_trip_ns == 175.0 and row.apart == 0.0 and row.near_pairs == 10
+    near_host = _state(None)
+    near_host.limits.values["round_trip_sessions_ns"] = [52.0, 55.0, 320.0]  # one session apart throughout
+    near_host.results["k"] = {"reference": Measurement([8.0] * 10, "smoke", "", None),
+                              "optimized": Measurement([4.0] * 10, "smoke", "", None, paired=[(8.0, 4.0)] * 10,
+                                                       load=[PairLoad(wall=1.0, share=0.0, delay=0.0,
+                                                                      round_trip_ns=320.0)] * 10)}
+    assert near_host.near_round_trip_ns == 55.0 and near_host._row("k", "optimized").apart == 1.0
+
+
+def test_a_session_joins_the_machines_usual_placements_the_last_ones_kept(tmp_path: Path) -> None:
+    """Each session adds the lower quartile of its placement readings (partners that did not run
+    left out) to the limits file it joins, the last ROUND_TRIP_SESSIONS kept; none makes a file."""
+    from perfgate.roofline import ROUND_TRIP_SESSIONS, limits_line, read_limits
+
+    path = tmp_path / "limits.json"
+    alone = Limits("cpu", "s", path)
+    alone.note_usual_round_trip([60.0, 180.0])
+    alone.save()
+    assert not path.exists()
+    path.write_text(json.dumps(Limits("cpu", "s", None).values), encoding="utf8")
+    limits = Limits("cpu", "s", path)
+    limits.note_usual_round_trip([190.0, 180.0, 170.0, 160.0, 57.0, float("inf"), 200_000.0])
+    limits.note_usual_round_trip([float("inf")])  # no placement read: nothing added
+    assert limits.values["round_trip_sessions_ns"] == [160.0]
+    for ns in range(ROUND_TRIP_SESSIONS + 2):
+        limits.note_usual_round_trip([100.0 + ns])
+    limits.save()
+    stored = read_limits(path, "s")["round_trip_sessions_ns"]
+    assert stored == [100.0 + ns for ns in range(2, ROUND_TRIP_SESSIONS + 2)]
+    # the stored sessions judge, not this one's own readings
+    assert Limits("cpu", "s", path).usual_round_trip_ns([500.0]) == statistics.median(stored)
+    line = limits_line({**read_limits(path, "s"), "stream_gbps": 40.0, "round_trip_ns": 57.0})
+    assert line.endswith(f"threads' round trip 57 ns (usual {statistics.median(stored):.0f})"), line
+
+
+def test_a_sessions_rows_are_judged_before_it_joins_the_usual_placements() -> None:
+    """The rows are judged against the stored sessions (52 ns: 320 is apart); the session's own
+    lower quartile joins them after."""
+    st = _state(None)
+    st.limits.values["round_trip_sessions_ns"] = [52.0]
+    st.results["k"] = {"reference": Measurement([8.0] * 10, "smoke", "", None),
+                       "optimized": Measurement([4.0] * 10, "smoke", "", None, paired=[(8.0, 4.0)] * 10,
+                                                load=[PairLoad(wall=1.0, share=0.0, delay=0.0,
+                                                               round_trip_ns=320.0)] * 10)}
+    (row,) = st.compute_rows()
+    assert row.apart == 1.0 and row.near_round_trip_ns == 52.0
+    assert st.limits.values["round_trip_sessions_ns"] == [52.0, 320.0] and st.limits.round_trip_ns == 320.0
+
+
+@pytest.mark.parametrize("sessions", [57.0, [57.0, 0.0], [57.0, "far"], [float("nan")]])
+def test_a_limits_file_with_bad_sessions_is_refused(tmp_path: Path, sessions) -> None:
+    from perfgate.roofline import BadLimits, read_limits
+
+    path = tmp_path / "limits.json"
+    path.write_text(json.dumps({**Limits("cpu", "s", None).values, "round_trip_sessions_ns": sessions}),
+                    encoding="utf8")
+    with pytest.raises(BadLimits, match="round_trip_sessions_ns"):
+        read_limits(path, "s")
 
 
 def _judged(st: GateState, load: list[PairLoad]) -> SpeedupRow:
@@ -385,7 +461,7 @@ def test_a_host_that_keeps_the_threads_apart_leaves_the_row_unresolved(pytester:
     result.stdout.fnmatch_lines(["perfgate: the host ran torch's threads apart*waited 0.* s for a near placement "
                                  "before timing misses again",
                                  "perfgate: every pair of this session ran with torch's threads apart, against "
-                                 "the 52 ns this machine's limits.json holds as its nearest*",
+                                 "the 52 ns this machine's limits.json holds as its usual placement*",
                                  "UNRESOLVED: split ?optimized, 8ms? on cpu: *too few timed near to judge (0)*"])
     assert row["apart"] == 1.0 and row["near_speedup"] is None
     judged, _ = split_host(pytester, 0.002, False, "--perf-contended=inf")

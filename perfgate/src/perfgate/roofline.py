@@ -16,6 +16,7 @@ import datetime
 import json
 import math
 import os
+import statistics
 import sys
 import weakref
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .stats import fixed_width, roofline_cell
+from .stats import PARTNER_IDLE_NS, fixed_width, roofline_cell
 from .timing import timer_for
 
 LIMITS_FILE = "limits.json"  # in the fingerprint's storage folder, beside its sizes' baselines
@@ -34,6 +35,9 @@ LIMITS_VERSION = 1
 COUNT_RULE = 7
 # a limits file's rates (GB/s) and the threads' round trip (ns): each a positive number, or None
 RATES = ("stream_gbps", "scale_gbps", "copy_gbps", "triad_gbps", "fill_gbps", "round_trip_ns")
+# the sessions whose usual round trip a limits file keeps (``round_trip_sessions_ns``, newest last):
+# their median is the placement the gate judges pairs against (docs/gate.md, "The threads' placement")
+ROUND_TRIP_SESSIONS = 15
 
 
 @dataclass(frozen=True)
@@ -611,6 +615,27 @@ class Limits:
         round trip between them (``timing.RoundTrip``), ns; None where never read."""
         return self.values.get("round_trip_ns")
 
+    def usual_round_trip_ns(self, readings: list[float]) -> float | None:
+        """The round trip of the placement this machine usually gives torch's threads, ns: the
+        median of the stored sessions' usual readings (``note_usual_round_trip``), or the nearest
+        where a file from before them stores only that; with nothing stored, the least of this
+        session's ``readings``, the cautious guess (a pair judged apart is left unresolved, never
+        failed). None where none."""
+        history = self.values.get("round_trip_sessions_ns") or (
+            [self.round_trip_ns] if self.round_trip_ns is not None else [])
+        return usual_round_trip(history, readings)
+
+    def note_usual_round_trip(self, readings: list[float]) -> None:
+        """Add this session's usual reading (the lower quartile of its ``readings``) to the stored
+        sessions', the last ``ROUND_TRIP_SESSIONS`` kept; like ``note_round_trip``, it joins a
+        limits file and makes none on its own."""
+        usual = session_round_trip(readings)
+        if usual is None:
+            return
+        history = self.values.get("round_trip_sessions_ns") or []
+        self.values["round_trip_sessions_ns"] = [*history, usual][-ROUND_TRIP_SESSIONS:]
+        self.dirty = self.dirty or (self.path is not None and self.path.is_file())
+
     def note_round_trip(self, ns: float) -> None:
         """Keep ``ns``, a session's least round trip, where it is nearer than the stored one. It
         joins a limits file that is stored or written this session, and makes none on its own (a
@@ -648,6 +673,27 @@ class Limits:
         return limits_line(self.values)
 
 
+def _placed(readings: list[float]) -> list[float]:
+    """The round-trip readings that are placements: positive, at most ``stats.PARTNER_IDLE_NS``."""
+    return [r for r in readings if 0 < r <= PARTNER_IDLE_NS]
+
+
+def usual_round_trip(history: list[float], readings: list[float]) -> float | None:
+    """The usual placement's round trip, ns: the median of the machine's stored sessions
+    (``history``), else the least of this session's ``readings``; None where neither has one."""
+    if history:
+        return float(statistics.median(history))
+    return min(_placed(readings), default=None)
+
+
+def session_round_trip(readings: list[float]) -> float | None:
+    """A session's usual placement, ns: the lower quartile of its round-trip readings that are
+    placements (finite, at most ``stats.PARTNER_IDLE_NS``); None where there are none."""
+    placed = _placed(readings)
+    return statistics.quantiles(placed, n=4, method="inclusive")[0] if len(placed) > 1 else \
+        (placed[0] if placed else None)
+
+
 def write_rate(values: dict[str, Any]) -> float | None:
     """The fastest a limits file shows this machine writing, GB/s: a fill's rate (writes alone),
     or the written share of a stream pass (half an in-place scale's or a copy's, a third of a
@@ -663,7 +709,9 @@ def limits_line(values: dict[str, Any]) -> str:
         return "no limits measured"
     peaks = ", ".join(f"{d} GEMM {g:.1f} GFLOP/s" for d, g in sorted(values.get("gemm_gflops", {}).items()))
     fill = f" (writes {write_rate(values):.1f})" if values.get("fill_gbps") else ""
-    near = f", threads' round trip {values['round_trip_ns']:.0f} ns" if values.get("round_trip_ns") else ""
+    usual = values.get("round_trip_sessions_ns")
+    usual = f" (usual {statistics.median(usual):.0f})" if usual else ""
+    near = f", threads' round trip {values['round_trip_ns']:.0f} ns{usual}" if values.get("round_trip_ns") else ""
     return f"stream {values['stream_gbps']:.1f} GB/s{fill}" + (f", {peaks}" if peaks else "") + near
 
 
@@ -707,6 +755,10 @@ def read_limits(path: Path, slug: str) -> dict[str, Any]:
             raise BadLimits(f"{path}: {key} is not a table: {values[key]!r}")
     rates = {key: values.setdefault(key, None) for key in RATES}  # missing: measured when a row needs it
     rates.update({f"{dtype} GEMM": v for dtype, v in values["gemm_gflops"].items()})
+    sessions = values.setdefault("round_trip_sessions_ns", [])
+    if not isinstance(sessions, list):
+        raise BadLimits(f"{path}: round_trip_sessions_ns is not a list: {sessions!r}")
+    rates.update({f"round_trip_sessions_ns[{i}]": v for i, v in enumerate(sessions)})
     bad = {k: v for k, v in rates.items() if v is not None and not _positive(v)}
     if bad:
         raise BadLimits(f"{path}: a limit is not a positive number: {bad}")

@@ -496,15 +496,18 @@ class PerfSession:
             judged = ("a miss there is judged on the pairs timed near" if math.isfinite(state.settings.contended)
                       else "--perf-contended inf: every row judged on all its pairs")
             tr.write_line(f"perfgate: the host ran torch's threads apart (a cache-line round trip over "
-                          f"{APART:.0f}x this machine's nearest, {state.near_round_trip_ns:.0f} ns) beside "
+                          f"{APART:.0f}x this machine's usual placement, {state.near_round_trip_ns:.0f} ns) "
+                          f"beside "
                           f"{len(apart)} row(s)' pairs; {judged} (docs/gate.md, \"The threads' placement\")"
                           + (f"; waited {state.tally.placement_wait:.1f} s for a near placement before timing "
                              "misses again" if state.tally.placement_wait >= 0.1 else ""))
             if all(apart_reading(ns, state.near_round_trip_ns) for ns in state.round_trips()):
                 tr.write_line(f"perfgate: every pair of this session ran with torch's threads apart, against "
                               f"the {state.near_round_trip_ns:.0f} ns this machine's limits.json holds as its "
-                              "nearest: a host whose usual placement is farther would read so every time and "
-                              "judge no miss; --perf-remeasure-limits measures the file anew", yellow=True)
+                              "usual placement (the median of its last sessions', or the nearest a file from "
+                              "before them holds): each session joins them, so a host that moved for good reads "
+                              "its new placement as usual in time; "
+                              "--perf-remeasure-limits starts the file anew", yellow=True)
         for row in state.memory_unmeasured():
             tr.write_line(f"{row}: a memory floor is declared but this platform gives no peak memory "
                           "(CUDA, or Linux /proc/self/clear_refs): memory not gated", yellow=True)

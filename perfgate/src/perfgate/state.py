@@ -13,7 +13,7 @@ import pytest
 
 from .floors import REFERENCE, FloorPolicy
 from .hooks import Wrap
-from .roofline import Figure, Limits, Work
+from .roofline import Figure, Limits, Work, usual_round_trip
 from .stats import (
     CONTENDED,
     PARTNER_IDLE_NS,
@@ -179,7 +179,7 @@ class GateState:
     shard: dict | None = None  # --perf-shard: index, count, plan digest, this shard's test functions
     interrupted: bool = False  # Ctrl-C: no later visits, no extensions
     limits: Limits | None = None  # this machine's bandwidth and GEMM peaks, for the roofline figures
-    nearest: float | None = None  # the threads' nearest round trip, fixed once the visits are timed
+    usual: float | None = None  # the threads' usual round trip, fixed once the visits are timed
 
     def revisit(self) -> None:
         """Time every impl's later visits, in passes over all impls (visit 2 of each, then visit 3
@@ -230,7 +230,7 @@ class GateState:
             self.revisit()
         except KeyboardInterrupt:
             self.interrupted = True
-        self.nearest = self.near_round_trip_ns  # every row judged against one nearest, whatever is timed next
+        self.usual = self.near_round_trip_ns  # every row judged against one placement, whatever is timed next
         rows = []
         for kernel, impls in self.results.items():
             if REFERENCE not in impls:
@@ -263,6 +263,7 @@ class GateState:
         self.runners.clear()
         if self.limits is not None and self.round_trips():
             self.limits.note_round_trip(min(self.round_trips()))
+            self.limits.note_usual_round_trip(self.round_trips())
         self.recheck_limits(rows)
         for row in rows:
             self._place(row)
@@ -452,14 +453,15 @@ class GateState:
 
     @property
     def near_round_trip_ns(self) -> float | None:
-        """The nearest the host has placed torch's threads: the least round trip read this session
-        or stored for this machine (``roofline.Limits.round_trip_ns``); None where unread. Fixed
-        once the later visits are timed (``nearest``)."""
-        if self.nearest is not None:
-            return self.nearest
-        known = self.round_trips() + ([self.limits.round_trip_ns] if self.limits and self.limits.round_trip_ns
-                                       else [])
-        return min(known) if known else None
+        """The round trip of the placement this machine usually gives torch's threads, the one a
+        pair is judged near or apart against: the median of the sessions stored for it, else the
+        least read this session (``roofline.Limits.usual_round_trip_ns``); None where unread. Fixed
+        once the later visits are timed (``usual``)."""
+        if self.usual is not None:
+            return self.usual
+        if self.limits is not None:
+            return self.limits.usual_round_trip_ns(self.round_trips())
+        return usual_round_trip([], self.round_trips())
 
     @property
     def quiet_gbps(self) -> float | None:

@@ -225,8 +225,8 @@ class SpeedupRow:
     # contention can explain, what a pass on a contended host must still clear (None: unread)
     bound_low: float | None = None
     # the share of its pairs (by wall time) timed while the host ran torch's threads apart
-    # (timing.RoundTrip: a round trip over APART x the machine's nearest), the farthest reading, the
-    # nearest; and the speedup and interval of its pairs timed near (None: fewer than a verdict needs)
+    # (timing.RoundTrip: a round trip over APART x the machine's usual placement), the farthest reading,
+    # the usual one; and the speedup and interval of its pairs timed near (None: fewer than a verdict needs)
     apart: float | None = None
     round_trip_ns: float | None = None
     near_round_trip_ns: float | None = None
@@ -276,7 +276,7 @@ class SpeedupRow:
 CONTENDED = 0.05
 BANDWIDTH_CONTENDED = 0.4
 # A stretch of pairs whose threads' round trip (timing.RoundTrip) read over this many times the
-# machine's nearest ran with the threads apart: two modes 6x apart on the Zen 4 (docs/gate.md,
+# machine's usual placement ran with the threads apart: two modes 6x apart on the Zen 4 (docs/gate.md,
 # "The threads' placement").
 APART = 2.0
 # A reading over this is no placement: no two cores take 2 us to pass a cache line (two dies took
@@ -286,10 +286,10 @@ APART = 2.0
 PARTNER_IDLE_NS = 2000.0
 
 
-def apart(round_trip_ns: float | None, nearest: float) -> bool:
+def apart(round_trip_ns: float | None, usual: float) -> bool:
     """A placement reading (timing.RoundTrip) of torch's threads apart: over APART x the machine's
-    nearest, and not a partner that was not running (PARTNER_IDLE_NS)."""
-    return round_trip_ns is not None and APART * nearest < round_trip_ns <= PARTNER_IDLE_NS
+    usual placement, and not a partner that was not running (PARTNER_IDLE_NS)."""
+    return round_trip_ns is not None and APART * usual < round_trip_ns <= PARTNER_IDLE_NS
 
 
 def _base_low(row: SpeedupRow) -> float:
@@ -381,7 +381,8 @@ def _judged_misses(row: SpeedupRow, tolerance: float, contended: float,
     placed, judged = "", row
     if row.apart and (under_floor or under_baseline) and math.isfinite(contended):  # inf: judge every row
         apart = (f"the host ran torch's threads {row.round_trip_ns:.0f} ns apart (a cache-line round trip; "
-                 f"{row.near_round_trip_ns:.0f} ns at this machine's nearest) for {row.apart:.0%} of its pairs")
+                 f"{row.near_round_trip_ns:.0f} ns at this machine's usual placement) for {row.apart:.0%} of "
+                 "its pairs")
         if row.near_speedup is None:
             what = " and ".join(w for w, m in (("floor", under_floor), ("stored baseline", under_baseline)) if m)
             row.unresolved.append(f"{where}: {measured} is under its {what}: {apart}, too few timed near to "
