@@ -123,10 +123,11 @@ import pytest
 
 JITTER = random.Random(0)
 
-@pytest.mark.speedup(cpu=1.1)
+@pytest.mark.speedup(cpu=0.5)
 @pytest.mark.parametrize("impl", ["reference", "optimized"])
 def test_jittery(perf, impl):
-    # the optimized side takes 0.5 to 3.5 ms a call at random: a 2x row whose few first pairs read wide
+    # the optimized side takes 0.5 to 3.5 ms a call at random: a 2x row whose few first pairs read wide,
+    # over a floor no pair misses (a sleep a busy 2-vCPU guest overshoots to 7 ms still reads 0.55x)
     perf(lambda: time.sleep(0.004 if impl == "reference" else 0.0005 * (1 + 6 * JITTER.random())), label="4ms")
 """
 
