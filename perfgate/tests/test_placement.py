@@ -128,31 +128,33 @@ def test_a_session_apart_throughout_is_told_by_the_machines_stored_round_trip() 
     assert 320.0 > APART * 52.0
 
 
+def _timed_at(sessions: list[float], readings: list[float]) -> GateState:
+    """A state whose machine stored ``sessions`` (usual round trips, ns) and whose row ``k`` read
+    2x in pairs, one a reading of ``readings``."""
+    st = _state(None)
+    st.limits.values["round_trip_sessions_ns"] = sessions
+    load = [PairLoad(wall=1.0, share=0.0, delay=0.0, round_trip_ns=ns) for ns in readings]
+    st.results["k"] = {"reference": Measurement([8.0] * len(load), "smoke", "", None),
+                       "optimized": Measurement([4.0] * len(load), "smoke", "", None,
+                                                paired=[(8.0, 4.0)] * len(load), load=load)}
+    return st
+
+
 def test_the_usual_placement_is_the_median_of_the_machines_sessions() -> None:
     """A host whose sessions usually run the threads 180 ns apart (two dies of a Xeon) and once
     near, at 57 ns: its usual 180 ns pairs are near; on a host whose sessions are near (52 ns), a
     session at 320 ns from start to end is apart, whatever the session reads on its own."""
-    far_host = [PairLoad(wall=1.0, share=0.0, delay=0.0, round_trip_ns=ns) for ns in [180.0] * 9 + [57.0]]
-    st = _state(None)
-    st.limits.values["round_trip_sessions_ns"] = [57.0, 175.0, 180.0]  # one session near, two at the usual
-    st.results["k"] = {"reference": Measurement([8.0] * 10, "smoke", "", None),
-                       "optimized": Measurement([4.0] * 10, "smoke", "", None, paired=[(8.0, 4.0)] * 10,
-                                                load=far_host)}
-    row = st._row("k", "optimized")
-    assert st.near_round_trip_ns == 175.0 and row.apart == 0.0 and row.near_pairs == 10
-    near_host = _state(None)
-    near_host.limits.values["round_trip_sessions_ns"] = [52.0, 55.0, 320.0]  # one session apart throughout
-    near_host.results["k"] = {"reference": Measurement([8.0] * 10, "smoke", "", None),
-                              "optimized": Measurement([4.0] * 10, "smoke", "", None, paired=[(8.0, 4.0)] * 10,
-                                                       load=[PairLoad(wall=1.0, share=0.0, delay=0.0,
-                                                                      round_trip_ns=320.0)] * 10)}
+    far_host = _timed_at([57.0, 175.0, 180.0], [180.0] * 9 + [57.0])  # one session near, two at the usual
+    row = far_host._row("k", "optimized")
+    assert far_host.near_round_trip_ns == 175.0 and row.apart == 0.0 and row.near_pairs == 10
+    near_host = _timed_at([52.0, 55.0, 320.0], [320.0] * 10)  # one session apart throughout
     assert near_host.near_round_trip_ns == 55.0 and near_host._row("k", "optimized").apart == 1.0
 
 
 def test_a_session_joins_the_machines_usual_placements_the_last_ones_kept(tmp_path: Path) -> None:
     """Each session adds the lower quartile of its placement readings (partners that did not run
     left out) to the limits file it joins, the last ROUND_TRIP_SESSIONS kept; none makes a file."""
-    from perfgate.roofline import ROUND_TRIP_SESSIONS, limits_line, read_limits
+    from perfgate.roofline import ROUND_TRIP_SESSIONS, limits_line, read_limits, usual_round_trip
 
     path = tmp_path / "limits.json"
     alone = Limits("cpu", "s", path)
@@ -170,7 +172,7 @@ def test_a_session_joins_the_machines_usual_placements_the_last_ones_kept(tmp_pa
     stored = read_limits(path, "s")["round_trip_sessions_ns"]
     assert stored == [100.0 + ns for ns in range(2, ROUND_TRIP_SESSIONS + 2)]
     # the stored sessions judge, not this one's own readings
-    assert Limits("cpu", "s", path).usual_round_trip_ns([500.0]) == statistics.median(stored)
+    assert usual_round_trip(Limits("cpu", "s", path).round_trip_history, [500.0]) == statistics.median(stored)
     line = limits_line({**read_limits(path, "s"), "stream_gbps": 40.0, "round_trip_ns": 57.0})
     assert line.endswith(f"threads' round trip 57 ns (usual {statistics.median(stored):.0f})"), line
 
@@ -178,12 +180,7 @@ def test_a_session_joins_the_machines_usual_placements_the_last_ones_kept(tmp_pa
 def test_a_sessions_rows_are_judged_before_it_joins_the_usual_placements() -> None:
     """The rows are judged against the stored sessions (52 ns: 320 is apart); the session's own
     lower quartile joins them after."""
-    st = _state(None)
-    st.limits.values["round_trip_sessions_ns"] = [52.0]
-    st.results["k"] = {"reference": Measurement([8.0] * 10, "smoke", "", None),
-                       "optimized": Measurement([4.0] * 10, "smoke", "", None, paired=[(8.0, 4.0)] * 10,
-                                                load=[PairLoad(wall=1.0, share=0.0, delay=0.0,
-                                                               round_trip_ns=320.0)] * 10)}
+    st = _timed_at([52.0], [320.0] * 10)
     (row,) = st.compute_rows()
     assert row.apart == 1.0 and row.near_round_trip_ns == 52.0
     assert st.limits.values["round_trip_sessions_ns"] == [52.0, 320.0] and st.limits.round_trip_ns == 320.0

@@ -615,15 +615,12 @@ class Limits:
         round trip between them (``timing.RoundTrip``), ns; None where never read."""
         return self.values.get("round_trip_ns")
 
-    def usual_round_trip_ns(self, readings: list[float]) -> float | None:
-        """The round trip of the placement this machine usually gives torch's threads, ns: the
-        median of the stored sessions' usual readings (``note_usual_round_trip``), or the nearest
-        where a file from before them stores only that; with nothing stored, the least of this
-        session's ``readings``, the cautious guess (a pair judged apart is left unresolved, never
-        failed). None where none."""
-        history = self.values.get("round_trip_sessions_ns") or (
+    @property
+    def round_trip_history(self) -> list[float]:
+        """The stored sessions' usual round trips, ns (``note_usual_round_trip``), oldest first; the
+        nearest alone where a file from before them stores only that; [] where none is stored."""
+        return self.values.get("round_trip_sessions_ns") or (
             [self.round_trip_ns] if self.round_trip_ns is not None else [])
-        return usual_round_trip(history, readings)
 
     def note_usual_round_trip(self, readings: list[float]) -> None:
         """Add this session's usual reading (the lower quartile of its ``readings``) to the stored
@@ -680,7 +677,8 @@ def _placed(readings: list[float]) -> list[float]:
 
 def usual_round_trip(history: list[float], readings: list[float]) -> float | None:
     """The usual placement's round trip, ns: the median of the machine's stored sessions
-    (``history``), else the least of this session's ``readings``; None where neither has one."""
+    (``history``), else the least of this session's ``readings``, the cautious guess (a pair judged
+    apart is left unresolved, never failed); None where neither has one."""
     if history:
         return float(statistics.median(history))
     return min(_placed(readings), default=None)
@@ -690,8 +688,9 @@ def session_round_trip(readings: list[float]) -> float | None:
     """A session's usual placement, ns: the lower quartile of its round-trip readings that are
     placements (finite, at most ``stats.PARTNER_IDLE_NS``); None where there are none."""
     placed = _placed(readings)
-    return statistics.quantiles(placed, n=4, method="inclusive")[0] if len(placed) > 1 else \
-        (placed[0] if placed else None)
+    if len(placed) < 2:  # quantiles need two points
+        return placed[0] if placed else None
+    return statistics.quantiles(placed, n=4, method="inclusive")[0]
 
 
 def write_rate(values: dict[str, Any]) -> float | None:

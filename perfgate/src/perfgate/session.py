@@ -497,8 +497,7 @@ class PerfSession:
                       else "--perf-contended inf: every row judged on all its pairs")
             tr.write_line(f"perfgate: the host ran torch's threads apart (a cache-line round trip over "
                           f"{APART:.0f}x this machine's usual placement, {state.near_round_trip_ns:.0f} ns) "
-                          f"beside "
-                          f"{len(apart)} row(s)' pairs; {judged} (docs/gate.md, \"The threads' placement\")"
+                          f"beside {len(apart)} row(s)' pairs; {judged} (docs/gate.md, \"The threads' placement\")"
                           + (f"; waited {state.tally.placement_wait:.1f} s for a near placement before timing "
                              "misses again" if state.tally.placement_wait >= 0.1 else ""))
             if all(apart_reading(ns, state.near_round_trip_ns) for ns in state.round_trips()):

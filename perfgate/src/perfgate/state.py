@@ -455,13 +455,12 @@ class GateState:
     def near_round_trip_ns(self) -> float | None:
         """The round trip of the placement this machine usually gives torch's threads, the one a
         pair is judged near or apart against: the median of the sessions stored for it, else the
-        least read this session (``roofline.Limits.usual_round_trip_ns``); None where unread. Fixed
-        once the later visits are timed (``usual``)."""
+        least read this session (``roofline.usual_round_trip``); None where unread. Fixed once the
+        later visits are timed (``usual``)."""
         if self.usual is not None:
             return self.usual
-        if self.limits is not None:
-            return self.limits.usual_round_trip_ns(self.round_trips())
-        return usual_round_trip([], self.round_trips())
+        history = self.limits.round_trip_history if self.limits is not None else []
+        return usual_round_trip(history, self.round_trips())
 
     @property
     def quiet_gbps(self) -> float | None:
