@@ -1,21 +1,22 @@
 """A fresh result in huge pages, written by torch's threads: its pages faulted by the writers as
-they go, or first by the calling thread (``kernels.hugepages.empty``'s ``prefault``).
+they go, first by the calling thread (``kernels.hugepages.empty``'s ``prefault``), or the way
+``kernels.hugepages.fresh`` chooses from its recent calls' times (the kernels' default: "chosen").
 
 1. A 69 MB buffer (the per-sample result at B=64) from ``hugepages.empty``, then ``fill_`` by
    torch's threads: "hot", back to back (each call gets the huge pages the last one freed);
    "cold", each call after a 70 MB tensor in small pages is made and kept (as a peer's result is
    alive between ours' calls in the suite's pairs); "idle", each call after 5 s of sleep (as
-   between a training loop's epochs). The two methods call by call in turn. ms: median [min-max].
+   between a training loop's epochs). The three methods call by call in turn. ms: median [min-max].
 2. The suite's pairs, each call timed (perfgate's interleaved ABBA pairs, 15 rounds of 3 calls a
    side): ``per_sample_grads`` with a fresh result (MLP B=64) beside the reference, Opacus and
    vmap(grad), and ``Standardizer().fit(X).transform(X)`` (50000 x 512) beside the reference and
-   the torch ops, without the prefault, with it, with it, without (a host that changes over minutes
-   reads on both). Ours' calls, ms: median, mean, max, and how many took over twice the median.
+   the torch ops, without the prefault, with it, chosen, chosen, with it, without (a host that
+   changes over minutes reads on all). Ours' calls, ms: median, mean, max, and how many took over
+   twice the median.
 
     python -m evidence.prefault [threads, default 2] [malloc mode, default "default"] [1: part 1 alone]
 """
 
-import functools
 import statistics
 import sys
 import time
@@ -47,12 +48,23 @@ before = {"hot": lambda: None, "cold": lambda: (held.clear(), held.append(torch.
 timer = timer_for("cpu")
 
 
-def fresh(prefault: bool, condition: str) -> float:
-    """ms of one call, by perfgate's timer: a fresh 69 MB buffer from hugepages.empty filled by
-    torch's threads, ``condition``'s setup run before it, outside the reading."""
-    call = (lambda _: hugepages.empty((ELEMENTS,), like=torch.empty(0), prefault=prefault).fill_(1.0),
-            before[condition])
-    return timer.block(call, 1, warm=0)[0] * 1e3
+def filled(prefault: bool | None) -> None:
+    """A fresh 69 MB buffer filled by torch's threads: from hugepages.empty (``prefault``), or from
+    hugepages.fresh (None: the way it chooses)."""
+    if prefault is None:
+        with hugepages.fresh((ELEMENTS,), like=torch.empty(0), site="evidence") as t:
+            t.fill_(1.0)
+    else:
+        hugepages.empty((ELEMENTS,), like=torch.empty(0), prefault=prefault).fill_(1.0)
+
+
+def fresh(prefault: bool | None, condition: str) -> float:
+    """ms of one call of ``filled``, by perfgate's timer, ``condition``'s setup run before it,
+    outside the reading."""
+    return timer.block((lambda _: filled(prefault), before[condition]), 1, warm=0)[0] * 1e3
+
+
+HOW = {False: "writers fault", True: "prefaulted", None: "chosen"}
 
 
 pages = "advised" if hugepages._madvise() else "unasked" if hugepages._huge_unasked() else "none: torch.empty"
@@ -60,15 +72,15 @@ pages = "advised" if hugepages._madvise() else "unasked" if hugepages._huge_unas
 defrag = hugepages._bracketed(str(Path(hugepages.THP_MODE).with_name("defrag"))) or "unknown"
 print(f"# {_cpu_model()}, {torch.get_num_threads()} thread(s), malloc {malloc}, torch {torch.__version__}, "
       f"THP mode {hugepages._mode() or 'unknown'} (huge pages {pages}), defrag {defrag}")
-print("# 1. hugepages.empty((69 MB,)) then fill_ by torch's threads, the two methods call by call in turn: "
+print("# 1. hugepages.empty((69 MB,)) then fill_ by torch's threads, the three methods call by call in turn: "
       "median [min-max] ms")
 for condition, calls in (("hot", 12), ("cold", 12), ("idle", 6)):
-    times: dict[bool, list[float]] = {False: [], True: []}
+    times: dict[bool | None, list[float]] = {False: [], True: [], None: []}
     for i in range(calls):
-        for prefault in (False, True) if i % 2 == 0 else (True, False):
+        for prefault in (False, True, None) if i % 2 == 0 else (None, True, False):
             times[prefault].append(fresh(prefault, condition))
     for prefault, ms in times.items():
-        how = "prefaulted" if prefault else "writers fault"
+        how = HOW[prefault]
         print(f"{condition:5s} {how:14s} {statistics.median(ms):7.1f} [{min(ms):.1f}-{max(ms):.1f}], "
               f"{calls} calls", flush=True)
 held.clear()
@@ -76,20 +88,20 @@ held.clear()
 if sys.argv[3:4] == ["1"]:  # part 1 alone
     sys.exit()
 print("# 2. the suite's pairs: ours' calls, ms")
-original = hugepages.empty
-prefaulted, writers_fault = (functools.partial(original, prefault=on) for on in (True, False))
+choose = hugepages._Ways.choose
 
 
 def pairs(label: str, peer: Callable[[], object], ours: Callable[[], object]) -> None:
-    """Ours' call times beside ``peer``, without the prefault, with it, with it, without (a line each)."""
-    for prefault in (False, True, True, False):
-        hugepages.empty = prefaulted if prefault else writers_fault
+    """Ours' call times beside ``peer``, without the prefault, with it, chosen, chosen, with it,
+    without (a line each; a forced way is what ``fresh`` chooses, and its times are kept as ever)."""
+    for prefault in (False, True, None, None, True, False):
+        hugepages._Ways.choose = choose if prefault is None else lambda ways, now, way=prefault: way
         times = [b * 1e3 for _, b in interleaved(timer, (peer, None), (ours, None), 15, (3, 3))]
         median = statistics.median(times)
-        print(f"{label:44s} {'prefaulted' if prefault else 'writers fault':14s} median {median:6.1f}  mean "
+        print(f"{label:44s} {HOW[prefault]:14s} median {median:6.1f}  mean "
               f"{statistics.mean(times):6.1f}  max {max(times):6.1f}  over 2x the median: "
               f"{sum(t > 2 * median for t in times)}/{len(times)}", flush=True)
-    hugepages.empty = original
+    hugepages._Ways.choose = choose
 
 args = per_sample_problem(64)
 x = 5.0 + 3.0 * torch.randn(50_000, 512, generator=torch.Generator().manual_seed(0))

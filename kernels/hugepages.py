@@ -9,22 +9,29 @@ kernel gives the interior huge pages unasked where it has them free, and ``empty
 Memory glibc already has resident (a reused block) is not moved. Elsewhere (CUDA, another OS, THP
 ``never``, torch's own ``THP_MEM_ALLOC_ENABLE=1``) it is plain ``torch.empty``.
 
-Under a hypervisor, where torch runs more than one thread, the calling thread then faults those
-huge pages itself, one write a page, before the caller's threads write the tensor: on a 2-vCPU
-VM, two threads faulting them at once were many times slower than one thread faulting them, in
-stretches of minutes (docs/kernels/per_sample.md); where they would have been fast, the
-prefault costs about one thread's zeroing of the tensor. One writing thread faults them as it writes,
-each page's zeroing still in cache for its write; outside a VM (not measured) the writers fault
-them as before. A page already mapped costs the prefault a store.
+Those huge pages are faulted one of two ways: by torch's threads as they write the tensor, or
+first by the calling thread, a store a page (``prefault``). Which is faster depends on the host,
+and on one host on the minute: under a hypervisor, two threads faulting at once were many times
+slower than one thread faulting alone on one 2-vCPU VM, in stretches of minutes, and faster by
+one thread's zeroing of the tensor on another (docs/kernels/per_sample.md). So the kernels take
+their fresh results from ``fresh``, which, under a hypervisor where torch runs more than one
+thread, times each call's faulting and writing and takes the way with the shorter recent times,
+trying the other again after ``EXPLORE_S`` seconds and ``EXPLORE_CALLS`` calls, twice as far apart
+after each try that finds it still the slower (to ``MAX_BACKOFF`` times). Elsewhere the writers fault
+(one thread: a prefault only cost; outside a VM: not measured).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import functools
 import os
+import statistics
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -34,6 +41,11 @@ from kernels import cpu
 HUGE_PAGE = 2 << 20  # bytes: x86-64's and arm64's (4 KiB base pages) transparent huge page
 MADV_HUGEPAGE = 14  # linux/mman.h
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+EXPLORE_S = 10.0  # seconds the slower way goes untried at the least (times its backoff)
+EXPLORE_CALLS = 10  # calls of the faster way between two tries of the slower at the least (times its backoff)
+MAX_BACKOFF = 16  # the most the spacing of those tries grows while they find the slower way slower
+KEPT = 3  # each way's latest call times, whose median scores it
+SITES = 64  # (site, bytes, threads) whose times are kept, the least recently used dropped first
 
 
 def _bracketed(path: str) -> str:
@@ -87,30 +99,115 @@ def interior(t: Tensor) -> tuple[int, int]:
     return -(-start // HUGE_PAGE) * HUGE_PAGE, (start + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
 
 
-def empty(shape: tuple[int, ...], like: Tensor, *, prefault: bool | None = None) -> Tensor:
-    """An uninitialized tensor of ``shape`` in ``like``'s dtype and device; on CPU its whole
-    2 MiB pages huge (advised where THP asks for advice) and, with ``prefault`` (default: under a
-    hypervisor, where torch runs more than one thread), faulted by this thread (module note).
-    Advice the kernel refuses changes nothing, and is not followed by a prefault."""
-    out = torch.empty(shape, dtype=like.dtype, device=like.device)
+def _huge(out: Tensor) -> bool:
+    """Whether ``out``'s whole 2 MiB pages (a CPU tensor with some) are to be huge: advised where
+    THP asks for advice (and the advice taken), or huge unasked."""
     if out.device.type != "cpu":
-        return out
+        return False
     lo, hi = interior(out)
     if hi <= lo:
-        return out
+        return False
     madvise = _madvise()
     if madvise is not None:
-        if madvise(lo, hi - lo, MADV_HUGEPAGE) != 0:
-            return out
-    elif not _huge_unasked():
-        return out
-    if prefault is None:
-        prefault = torch.get_num_threads() > 1 and cpu.virtual()
-    # torch's deterministic mode filled the tensor (NaN) already, its pages with it: no store of ours
-    filled = torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory
-    if prefault and not filled:
-        # a byte at the start of each huge page, written here: its fault maps the whole huge page (a
-        # strided write this short runs on this thread alone; bytes: any dtype)
-        start = out.data_ptr()
-        out.view(-1).view(torch.uint8)[lo - start:hi - start:HUGE_PAGE].zero_()
+        return madvise(lo, hi - lo, MADV_HUGEPAGE) == 0
+    return _huge_unasked()
+
+
+def _filled() -> bool:
+    """Whether torch's deterministic mode fills a fresh tensor (NaN), its pages with it: a prefault's
+    zeros would break that fill."""
+    return torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory
+
+
+def _prefault(out: Tensor) -> None:
+    """Fault ``out``'s whole huge pages from this thread: a byte at the start of each, written here
+    (a strided write this short runs on this thread alone; bytes: any dtype)."""
+    lo, hi = interior(out)
+    start = out.data_ptr()
+    out.view(-1).view(torch.uint8)[lo - start:hi - start:HUGE_PAGE].zero_()
+
+
+def empty(shape: tuple[int, ...], like: Tensor, *, prefault: bool = False) -> Tensor:
+    """An uninitialized tensor of ``shape`` in ``like``'s dtype and device; on CPU its whole
+    2 MiB pages huge (advised where THP asks for advice) and, with ``prefault``, faulted by this
+    thread. Advice the kernel refuses changes nothing, and is not followed by a prefault."""
+    out = torch.empty(shape, dtype=like.dtype, device=like.device)
+    if _huge(out) and prefault and not _filled():
+        _prefault(out)
     return out
+
+
+class _Ways:
+    """The latest call times of one site's fresh results, prefaulted (True) and faulted by the
+    writers (False), and when each way last ran."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[bool, collections.deque[float]] = {way: collections.deque(maxlen=KEPT)
+                                                             for way in (True, False)}
+        self.ran = {True: -float("inf"), False: -float("inf")}  # perf_counter seconds
+        self.since = {True: 0, False: 0}  # calls since each way last ran
+        self.backoff = 1  # the tries of the slower way spaced EXPLORE_S and EXPLORE_CALLS times this
+        self.best: bool | None = None
+
+    def _best(self) -> bool:
+        return min((True, False), key=lambda way: statistics.median(self.seconds[way]))
+
+    def choose(self, now: float) -> bool:
+        """The way to take now: each once at first (the prefault first), then the one whose latest
+        times have the lower median, or the other where it has not run for EXPLORE_S seconds and
+        EXPLORE_CALLS calls (each times ``backoff``)."""
+        for way in (True, False):
+            if not self.seconds[way]:
+                return way
+        other = not self._best()
+        due = (now - self.ran[other] >= EXPLORE_S * self.backoff
+               and self.since[other] >= EXPLORE_CALLS * self.backoff)
+        return other if due else not other
+
+    def note(self, prefault: bool, seconds: float, now: float) -> None:
+        """Keep a call's time; a try of the slower way that left it the slower doubles ``backoff``
+        (to MAX_BACKOFF), a change of the faster way sets it back to 1."""
+        tried = self.best is not None and prefault != self.best
+        self.seconds[prefault].append(seconds)
+        self.ran[prefault], self.since[prefault], self.since[not prefault] = now, 0, self.since[not prefault] + 1
+        if not self.seconds[not prefault]:
+            return
+        best = self._best()
+        if best != self.best:
+            self.backoff = 1
+        elif tried:
+            self.backoff = min(2 * self.backoff, MAX_BACKOFF)
+        self.best = best
+
+
+_sites: collections.OrderedDict[tuple[str, int, int], _Ways] = collections.OrderedDict()
+
+
+def _ways(key: tuple[str, int, int]) -> _Ways:
+    """The times kept for ``key``, kept anew where there are none (the least recently used key dropped
+    past SITES)."""
+    ways = _sites.pop(key, None) or _Ways()
+    _sites[key] = ways
+    while len(_sites) > SITES:
+        _sites.popitem(last=False)
+    return ways
+
+
+@contextlib.contextmanager
+def fresh(shape: tuple[int, ...], like: Tensor, *, site: str) -> Iterator[Tensor]:
+    """A tensor from ``empty`` for the ``with`` block to write whole. Under a hypervisor, where
+    torch runs more than one thread, the huge pages are prefaulted or not as the faster way for
+    ``site`` (a caller's name) at this size and thread count has recently been: the time from
+    here to the block's end is kept for the way taken (module note). Elsewhere no prefault."""
+    out = torch.empty(shape, dtype=like.dtype, device=like.device)
+    threads = torch.get_num_threads()
+    if not (_huge(out) and threads > 1 and cpu.virtual() and not _filled()):
+        yield out
+        return
+    ways = _ways((site, out.numel() * out.element_size(), threads))
+    start = time.perf_counter()
+    prefault = ways.choose(start)
+    if prefault:
+        _prefault(out)
+    yield out  # an exception in the block leaves its time unkept
+    ways.note(prefault, time.perf_counter() - start, start)

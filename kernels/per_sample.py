@@ -23,6 +23,8 @@ batch of one, so the result does not depend on the loss's reduction.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 from torch.func import grad, vmap
@@ -299,12 +301,12 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
             # (B, out, T) @ (B, T, in) by bmm (measured in docs/kernels/per_sample.md).
             # A fresh result in huge pages: writing it faults 2 MiB at a time (kernels.hugepages).
             w = into.get(prefix + "weight")
-            if w is None:
-                w = hugepages.empty((batch, *m.weight.shape), like=a)
-            if a.shape[1] == 1:
-                out[prefix + "weight"] = nontemporal.outer(g.transpose(1, 2), a, w, stream=stream)
-            else:
-                out[prefix + "weight"] = torch.bmm(g.transpose(1, 2), a, out=w)
+            with (contextlib.nullcontext(w) if w is not None
+                  else hugepages.fresh((batch, *m.weight.shape), like=a, site="per_sample_grads")) as w:
+                if a.shape[1] == 1:
+                    out[prefix + "weight"] = nontemporal.outer(g.transpose(1, 2), a, w, stream=stream)
+                else:
+                    out[prefix + "weight"] = torch.bmm(g.transpose(1, 2), a, out=w)
         if m.bias is not None and m.bias.requires_grad:
             b = into.get(prefix + "bias")
             out[prefix + "bias"] = torch.sum(g, dim=1, out=b) if b is not None else g.sum(dim=1)

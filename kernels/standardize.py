@@ -36,6 +36,8 @@ A call that raises leaves the standardizer as it was.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -152,14 +154,20 @@ class Standardizer:
             _finite([result], acc, result)
             return result
         # a fresh result in huge pages: writing it faults 2 MiB at a time (kernels.hugepages)
-        result = hugepages.empty(tuple(X.shape), like=X) if out is None else out
+        with (contextlib.nullcontext(out) if out is not None
+              else hugepages.fresh(tuple(X.shape), like=X, site="Standardizer.transform")) as result:
+            self._write(X, result, acc)
+        if out is not None:  # written in place, as the torch ops' out= would count it: a saved out is stale
+            torch.autograd.graph.increment_version(result)
+        return result
+
+    def _write(self, X: Tensor, result: Tensor, acc: torch.dtype) -> None:
+        """(X - mean_) / scale_ written into ``result`` (like X), refused where it is not finite."""
         if _in_c(X, result, self._shift, self._dmean, self.scale_):  # one pass in C: the same bits as below
             if not _c.transform(X.detach().numpy(), result.numpy(), self._shift.numpy(), self._dmean.numpy(),
                                 self.scale_.numpy(), c_team(X.numel(), _c.MAX_THREADS)):
                 checks.refuse_nonfinite("X", hint=_NOT_FINITE)
-            if out is not None:  # written in place, as the torch ops' out= would count it: a saved out is stale
-                torch.autograd.graph.increment_version(result)
-            return result
+            return
         # row blocks written into the result: each block's arithmetic and its column sum (the
         # finiteness check) run on a block still in cache, X is read and the result written once
         blocks = _blocks(X, acc)
@@ -173,7 +181,6 @@ class Standardizer:
                 result[rows].copy_(block)
             sums.append(result[rows].sum(0, dtype=acc))
         _finite(sums, acc, result)
-        return result
 
     def inverse_transform(self, X: Tensor) -> Tensor:
         """X * scale_ + mean_, returned in X's dtype; differentiable w.r.t. X."""
