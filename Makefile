@@ -22,9 +22,9 @@ install: $(STAMP)
 # configured with; pip where uv cannot (scripts/install.py). Nothing is byte-compiled ahead: see
 # PYTHONDONTWRITEBYTECODE above. The editable install compiles kernels/_nontemporal.c in place
 # (kernels.nontemporal's streaming stores), kernels/_rope.c (kernels.rope's one-pass rotation),
-# kernels/_softmax.c (the fused attention's softmax), kernels/_standardize.c (kernels.standardize's passes), and perfgate's perfgate/src/perfgate/_roundtrip.c (the thread-placement probe); a change to any
+# kernels/_softmax.c (the fused attention's softmax), kernels/_standardize.c (kernels.standardize's passes), and perfgate's perfgate/src/perfgate/_roundtrip.c (the thread-placement probe) and _streamfill.c (the roofline's streamed write rate); a change to any
 # installs again.
-$(STAMP): pyproject.toml perfgate/pyproject.toml constraints.txt scripts/install.py kernels/_nontemporal.c kernels/_rope.c kernels/_softmax.c kernels/_standardize.c kernels/_clones.h perfgate/src/perfgate/_roundtrip.c
+$(STAMP): pyproject.toml perfgate/pyproject.toml constraints.txt scripts/install.py kernels/_nontemporal.c kernels/_rope.c kernels/_softmax.c kernels/_standardize.c kernels/_clones.h perfgate/src/perfgate/_roundtrip.c perfgate/src/perfgate/_streamfill.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) scripts/install.py -c constraints.txt -e ./perfgate -e '.[test]'
 	touch $(STAMP)

@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from perfgate import timing
+from perfgate import roofline, timing
 from perfgate.inline import preload
 
 
@@ -27,6 +27,14 @@ with contextlib.suppress(ImportError):
     _cpu_info = functools.cache(cpuinfo.get_cpu_info)
     cpuinfo.get_cpu_info = lambda: copy.deepcopy(_cpu_info())
 
+
+
+@pytest.fixture(autouse=True)
+def cache_of_32_mib(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A last-level cache of 32 MiB on every host, so the stream passes' arrays are 128 MiB
+    (``roofline.stream_bytes``): a limits file a test writes without ``stream_bytes`` then reads as
+    measured over arrays large enough, whatever this host's cache; the sizing's tests set their own."""
+    monkeypatch.setattr(roofline, "last_level_cache", lambda: 32 << 20)
 
 
 # The streaming probe's reading of a quiet host, GB/s: what ``quiet_host`` pins it at

@@ -368,7 +368,7 @@ def test_the_bytes_written_are_held_to_the_writes_alone_rate() -> None:
 def test_a_call_that_writes_nothing_needs_no_write_rate(monkeypatch: pytest.MonkeyPatch) -> None:
     import perfgate.roofline as roofline
 
-    monkeypatch.setattr(roofline, "_stream", lambda device: pytest.fail("the write rate measured"))
+    monkeypatch.setattr(roofline, "_stream", lambda *_: pytest.fail("the write rate measured"))
     assert _limits(stream=10.0).figure(Work(bytes=1e9), 0.2).bound == "memory"  # no fill stored: none needed
 
 
@@ -415,18 +415,18 @@ def test_a_limit_a_call_passed_is_measured_again_once_and_never_lowered(monkeypa
 
     lim = _limits(stream=10.0, peak=100.0)
     rates = {"scale": 20.0, "copy": 12.0, "triad": 11.0, "fill": 9.0}
-    monkeypatch.setattr(roofline, "_stream", lambda device: dict(rates))
+    monkeypatch.setattr(roofline, "_stream", lambda *_: dict(rates))
     monkeypatch.setattr(roofline, "_gemm", lambda device, dtype: (80.0, 512))  # lower than the stored peak
     assert lim.recheck([(Work(bytes=1e9), 0.2)]) == [] and not lim.dirty  # 50% of the limit: nothing measured
     assert lim.recheck([(Work(bytes=1e9), 0.05)]) == ["stream 10.0 -> 20.0 GB/s"]  # 20 GB/s passed 10
     assert lim.stream_gbps == 20.0 and lim.values["fill_gbps"] == 9.0 and lim.dirty
     assert lim.figure(Work(bytes=1e9), 0.05).fraction == pytest.approx(1.0)
-    monkeypatch.setattr(roofline, "_stream", lambda device: pytest.fail("the stream measured twice in a session"))
+    monkeypatch.setattr(roofline, "_stream", lambda *_: pytest.fail("the stream measured twice in a session"))
     assert lim.recheck([(Work(bytes=4e9), 0.05)]) == []  # once a session; still over: caches, or counted high
     assert lim.recheck([(Work(bytes=1.0, flops={"float32": 1e10}), 0.05)]) == []  # 200 GFLOP/s passed 100
     assert lim.peak("float32") == 100.0 and lim.rechecked == {"stream", "float32"}  # measured 80: kept 100
     calls = []
-    monkeypatch.setattr(roofline, "_stream", lambda device: calls.append(device) or dict(rates))
+    monkeypatch.setattr(roofline, "_stream", lambda device, _: calls.append(device) or dict(rates))
     fresh = Limits("cpu", "cpu-x", None)  # a limit this session measured is not measured again
     assert fresh.recheck([(Work(bytes=1e12), 1.0)]) == [] and fresh.stream_gbps == 20.0 and calls == ["cpu"]
 
@@ -435,7 +435,7 @@ def test_a_write_bound_call_past_the_fill_measures_the_stream_and_says_which_ros
         monkeypatch: pytest.MonkeyPatch) -> None:
     import perfgate.roofline as roofline
 
-    monkeypatch.setattr(roofline, "_stream", lambda device: {"scale": 9.0, "copy": 8.0, "triad": 8.0, "fill": 6.0})
+    monkeypatch.setattr(roofline, "_stream", lambda *_: {"scale": 9.0, "copy": 8.0, "triad": 8.0, "fill": 6.0})
     lim = _limits(stream=10.0, fill=4.0)
     assert lim.recheck([(Work(bytes=1e9, written=1e9), 0.2)]) == ["write rate 4.0 -> 6.0 GB/s"]  # 5 GB/s written
     assert lim.stream_gbps == 10.0 and lim.write_gbps == 6.0  # each kept at its best
@@ -449,10 +449,10 @@ def test_the_stream_limit_is_the_best_read_and_write_rate_and_a_lower_one_is_no_
     import perfgate.roofline as roofline
 
     rates = {"scale": 20.0, "copy": 12.0, "triad": 11.0, "fill": 40.0}
-    monkeypatch.setattr(roofline, "_stream", lambda device: pytest.fail("a call at 100% measured the stream"))
+    monkeypatch.setattr(roofline, "_stream", lambda *_: pytest.fail("a call at 100% measured the stream"))
     lim = _limits(stream=30.0)
     assert lim.recheck([(Work(bytes=3e9), 0.1)]) == [] and lim.rechecked == set()  # 30 GB/s: at the limit
-    monkeypatch.setattr(roofline, "_stream", lambda device: dict(rates))
+    monkeypatch.setattr(roofline, "_stream", lambda *_: dict(rates))
     assert lim.recheck([(Work(bytes=4e9), 0.1)]) == []  # 40 GB/s passed it; measured 20: not a rise
     assert lim.stream_gbps == 30.0 and lim.values["fill_gbps"] == 40.0
     assert Limits("cpu", "cpu-x", None).stream_gbps == 20.0  # measured afresh: the best that reads, not the fill
@@ -462,7 +462,7 @@ def test_a_compute_bound_call_past_the_roofline_measures_its_dtypes_peaks_only(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import perfgate.roofline as roofline
 
-    monkeypatch.setattr(roofline, "_stream", lambda device: pytest.fail("the stream measured"))
+    monkeypatch.setattr(roofline, "_stream", lambda *_: pytest.fail("the stream measured"))
     measured: list[str] = []
     monkeypatch.setattr(roofline, "_gemm", lambda device, dtype: measured.append(dtype) or (150.0, 1024))
     work = Work(bytes=1.0, flops={"float32": 1e10, "bfloat16": 0.0})  # 200 GFLOP/s; no bf16 FLOP counted
@@ -529,6 +529,7 @@ def test_the_measured_rates_count_what_each_pass_moves_at_its_best(monkeypatch: 
     assert roofline._best(lambda: None, "cpu") == 0.1
     monkeypatch.setattr(roofline, "_best", lambda fn, device, calls=5: 0.1)
     n = 4 * 2**25 / 0.1 / 1e9  # GB/s of one array read or written a call
+    monkeypatch.setattr(roofline, "_streamed_fill", lambda: None)  # not built: torch's fill and memset
     assert roofline._stream("cpu") == pytest.approx({"scale": 2 * n, "copy": 2 * n, "triad": 3 * n, "fill": n})
     # the fill is the faster of torch's and libc's memset, of a non-zero byte over the whole array
     # on the session's threads, a block each, cut at page boundaries, covering the array
@@ -543,6 +544,13 @@ def test_the_measured_rates_count_what_each_pass_moves_at_its_best(monkeypatch: 
     assert ends[:-1] == [at for at, _, _ in blocks[1:]]  # each block starts where the last ended
     assert sum(size for _, _, size in blocks) == 4 * 2**25 and all(at % 4096 == 0 for at in ends[:-1])
     assert roofline._stream("meta")["fill"] == pytest.approx(n) and len(memsets) == 3  # a device: torch's only
+    # streaming stores over the whole array on torch's threads, where built: the fastest of the three here
+    streamed: list[tuple[int, int, int, int]] = []
+    monkeypatch.setattr(roofline, "_streamed_fill", lambda: lambda *call: streamed.append(call))
+    monkeypatch.setattr(roofline, "_best", lambda fn, device, calls=5: 0.025 if fn() is None and streamed else 0.1)
+    assert roofline._stream("cpu", 64 << 20)["fill"] == pytest.approx(2 * n)  # half the bytes, a quarter the time
+    ((address, nbytes, byte, threads),) = set(streamed)
+    assert address % 64 == 0 and nbytes == 64 << 20 and byte == 0x3F and threads == 3
     sizes: list[int] = []
 
     def best(fn: Any, device: str, calls: int = 5) -> float:
@@ -652,7 +660,7 @@ def test_a_limit_the_tables_median_passes_is_measured_again(monkeypatch: pytest.
     row = st._row("k", "optimized")
     assert row.optimized_ms == pytest.approx(80.0)
     rates = {"scale": 12.5, "copy": 11.0, "triad": 11.0, "fill": 8.0}
-    monkeypatch.setattr(roofline, "_stream", lambda device: dict(rates))
+    monkeypatch.setattr(roofline, "_stream", lambda *_: dict(rates))
     st.recheck_limits([row])  # the own rounds' median (0.2 s, 50%) alone would not have measured it
     assert st.tally.limits_rose == ["stream 10.0 -> 12.5 GB/s"] and st.limits.stream_gbps == 12.5
 
@@ -676,7 +684,7 @@ def test_a_session_reads_the_stream_once_after_its_rows_and_says_how_far_under_i
 
     calls: list[str] = []
     rates = {"scale": 20.0, "copy": 18.0, "triad": 15.0, "fill": 12.0}
-    monkeypatch.setattr(roofline, "_stream", lambda device: calls.append(device) or dict(rates))
+    monkeypatch.setattr(roofline, "_stream", lambda device, _: calls.append(device) or dict(rates))
     stored = _limits(stream=40.0, fill=30.0)
     stored.values.update(scale_gbps=40.0, copy_gbps=35.0, triad_gbps=30.0)  # each pass's best, as a file keeps
     st, rows = session(stored, Work(bytes=1e9, written=5e8))  # 5 GB/s: 12% of the stream
@@ -743,7 +751,7 @@ def test_a_session_says_what_its_reading_after_the_rows_read_and_raised(
                           ["perfgate roofline: this session's host, read after its rows: stream 50.0 GB/s (writes "
                            "30.0), 25% and 25% of the limits (a figure reads against the best this machine has "
                            "shown; the host gave this share of it when read)"])]:
-        monkeypatch.setattr(roofline, "_stream", lambda device, rates=rates: dict(rates))
+        monkeypatch.setattr(roofline, "_stream", lambda device, nbytes, rates=rates: dict(rates))
         result = pytester.runpytest(*args, "--benchmark-json=out.json")
         assert result.ret == 0, result.stdout.str()
         said = [line for line in result.stdout.lines if line.startswith("perfgate roofline: ")]
@@ -854,3 +862,70 @@ def test_a_storage_two_tensors_share_is_one_until_both_die() -> None:
         return s, b * 2
 
     assert count_work(call).bytes == 1024 + 4 + 1024  # the array read once, the sum and the product written
+
+
+def test_the_stream_arrays_are_twice_the_last_level_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """128 MiB an array, or on a CPU twice its last-level cache where larger (a 300 MiB L3: 600 MiB),
+    at most a sixth of the available memory; a stored file measured over smaller arrays than this
+    host needs has its stream rates measured again (its GEMM peaks kept), one measured over large
+    enough arrays not."""
+    import perfgate.roofline as roofline
+
+    cache = tmp_path / "cache"
+    for index, (kind, size) in enumerate([("Data", "48K"), ("Instruction", "32K"), ("Unified", "2048K"),
+                                          ("Unified", "307200K")]):
+        (cache / f"index{index}").mkdir(parents=True)
+        (cache / f"index{index}" / "type").write_text(kind + "\n")
+        (cache / f"index{index}" / "size").write_text(size + "\n")
+    monkeypatch.undo()  # conftest's 32 MiB undone: the real last_level_cache, over this folder
+    monkeypatch.setattr(roofline, "CACHES", cache)
+    assert roofline.last_level_cache() == 300 << 20
+    monkeypatch.setattr(roofline, "MEMINFO", tmp_path / "meminfo")
+    assert roofline.stream_bytes("cpu") == 600 << 20 and roofline.stream_bytes("cuda") == 128 << 20  # no meminfo
+    (tmp_path / "meminfo").write_text("MemTotal: 25000000 kB\nMemAvailable:    1536000 kB\n")
+    assert roofline.stream_bytes("cpu") == 250 << 20  # a sixth of 1.5 GB, whole MiB
+    (tmp_path / "meminfo").write_text("MemAvailable: 600000 kB\n")
+    assert roofline.stream_bytes("cpu") == 128 << 20  # never under 128 MiB
+    monkeypatch.setattr(roofline, "CACHES", tmp_path / "none")
+    assert roofline.last_level_cache() == 0 and roofline.stream_bytes("cpu") == 128 << 20
+
+    lim = _limits()
+    lim.path, lim.dirty = tmp_path / LIMITS_FILE, True
+    lim.save()  # no stream_bytes: measured over 128 MiB arrays
+    monkeypatch.setattr(roofline, "stream_bytes", lambda device: 600 << 20)
+    sizes: list[int] = []
+    rates = {"scale": 30.0, "copy": 20.0, "triad": 21.0, "fill": 15.0}
+    monkeypatch.setattr(roofline, "_stream", lambda device, nbytes: sizes.append(nbytes) or dict(rates))
+    again = Limits("cpu", "cpu-x", lim.path)
+    assert again.peak("float32") == 100.0 and sizes == []  # the GEMM peak kept
+    assert again.stream_gbps == 30.0 and sizes == [600 << 20]  # the stored 10.0 dropped: measured anew
+    again.save()
+    assert json.loads(lim.path.read_text())["stream_bytes"] == 600 << 20
+    assert Limits("cpu", "cpu-x", lim.path).stream_gbps == 30.0 and sizes == [600 << 20]  # large enough: kept
+    values = json.loads(lim.path.read_text())
+    for bad in (0, -1, 1.5, "600", True):
+        lim.path.write_text(json.dumps({**values, "stream_bytes": bad}))
+        with pytest.raises(BadLimits, match="stream_bytes"):
+            Limits("cpu", "cpu-x", lim.path)
+
+
+def test_the_streamed_fill_writes_every_byte_and_refuses_what_it_cannot() -> None:
+    """perfgate._streamfill (where built with streaming stores): the byte over the whole range on
+    any number of threads; an address or size off a 64-byte line, a byte past 255 or no thread
+    refused, naming what would work."""
+    import torch
+
+    import perfgate.roofline as roofline
+
+    fill = roofline._streamed_fill()
+    if fill is None:
+        pytest.skip("perfgate._streamfill not built here, or built without streaming stores")
+    t = torch.zeros(3 << 20, dtype=torch.uint8)
+    start = -(-t.data_ptr() // 64) * 64
+    for threads, byte in ((1, 0x3F), (2, 0x01), (7, 0xFF)):
+        fill(start, (2 << 20) + 64 * 3, byte, threads)
+        written = t[start - t.data_ptr():][: (2 << 20) + 64 * 3]
+        assert bool((written == byte).all()) and int(t[start - t.data_ptr() + (2 << 20) + 64 * 3]) == 0
+    for bad in ((start + 1, 64, 1, 1), (start, 65, 1, 1), (start, 64, 256, 1), (start, 64, 1, 0)):
+        with pytest.raises(ValueError, match="multiples of 64, byte 0-255, threads 1-"):
+            fill(*bad)

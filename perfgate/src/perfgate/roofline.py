@@ -38,6 +38,11 @@ RATES = ("stream_gbps", "scale_gbps", "copy_gbps", "triad_gbps", "fill_gbps", "r
 # the sessions whose usual round trip a limits file keeps (``round_trip_sessions_ns``, newest last):
 # their median is the placement the gate judges pairs against (docs/gate.md, "The threads' placement")
 ROUND_TRIP_SESSIONS = 15
+# bytes of an array of the stream passes at the least (2**25 float32): beyond most CPUs' last-level caches
+STREAM_BYTES = 128 << 20
+STREAM_RATES = ("stream_gbps", "scale_gbps", "copy_gbps", "triad_gbps", "fill_gbps")  # measured together
+CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+MEMINFO = Path("/proc/meminfo")
 
 
 @dataclass(frozen=True)
@@ -522,12 +527,14 @@ class Limits:
         self.now: dict[str, Any] | None = None
         if path is not None and path.is_file() and not remeasure:
             self.values = read_limits(path, slug)
+            if self.values.get("stream_bytes", STREAM_BYTES) < stream_bytes(device):
+                # measured over arrays this machine's last-level cache could serve in part: measured again
+                self.values.update(dict.fromkeys(STREAM_RATES))
 
     @property
     def stream_gbps(self) -> float:
-        """The best of an in-place scale, a copy and a triad over 128 MiB arrays (beyond most CPUs'
-        last-level caches; a larger one, such as the 480 MiB L3 a VM guest may report, can serve
-        them in part), GB/s, each array counted once read and once written, as STREAM counts them.
+        """The best of an in-place scale, a copy and a triad over arrays past the last-level cache
+        (``stream_bytes``), GB/s, each array counted once read and once written, as STREAM counts them.
         A write to another array also reads its lines in first (write-allocate), traffic STREAM
         does not count: the in-place scale, which has none, is the one that reaches the memory's
         limit."""
@@ -555,7 +562,8 @@ class Limits:
         read as this session's (``now``). A ``reading`` (``read_now``) changes the limits (and the
         file) only where the stream or the write rate rose. Returns the limits that rose, in words."""
         before = _two_rates(self.values)
-        rates = _stream(self.device)
+        nbytes = stream_bytes(self.device)
+        rates = _stream(self.device, nbytes)
         rates["stream"] = max(v for k, v in rates.items() if k != "fill")  # fill writes only: shown beside it
         read = {f"{kind}_gbps": rate for kind, rate in rates.items()}
         self.now = {"stream_gbps": read["stream_gbps"], "write_gbps": write_rate(read), "measured": _now()}
@@ -565,7 +573,7 @@ class Limits:
         rose = [f"{name} {was:.1f} -> {after[name]:.1f} GB/s" for name, was in before.items()
                 if was is not None and after[name] > was]
         if rose or not reading or None in before.values():
-            self.values.update(best)
+            self.values.update(best, stream_bytes=nbytes)
             self.values["measured"]["stream"] = self.now["measured"]
             self.dirty = True
         self.rechecked.add("stream")  # measured this session: nothing for recheck to do
@@ -752,6 +760,9 @@ def read_limits(path: Path, slug: str) -> dict[str, Any]:
     for key in ("gemm_gflops", "gemm_n", "measured"):  # a table by dtype (or limit): missing is none measured
         if not isinstance(values.setdefault(key, {}), dict):
             raise BadLimits(f"{path}: {key} is not a table: {values[key]!r}")
+    nbytes = values.get("stream_bytes", STREAM_BYTES)  # missing: an older file, measured over 128 MiB arrays
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+        raise BadLimits(f"{path}: stream_bytes is not a positive whole number of bytes: {nbytes!r}")
     rates = {key: values.setdefault(key, None) for key in RATES}  # missing: measured when a row needs it
     rates.update({f"{dtype} GEMM": v for dtype, v in values["gemm_gflops"].items()})
     sessions = values.setdefault("round_trip_sessions_ns", [])
@@ -773,30 +784,83 @@ def _best(fn: Callable[[], Any], device: str, calls: int = 5) -> float:
     return min(timer_for(device).block((fn, None), calls))
 
 
-def _stream(device: str) -> dict[str, float]:
-    """GB/s of an in-place scale (a *= s), a copy (a = b) and a triad (a = b + s c) of 2**25
-    floats (128 MiB an array), and of a fill (a = s): the write bandwidth a kernel whose output
-    dominates (a B x P per-sample gradient) is held to. On a CPU the fill is the faster of
-    torch's and libc's ``memset`` (which streams a large block past the cache on some CPUs, as a
-    kernel's streaming stores do), of a non-zero byte: a zero fill measured 1.7x faster on an AMD
-    Zen 3 guest, a rate no kernel's output reaches."""
+def last_level_cache() -> int:
+    """Bytes of CPU 0's largest data or unified cache as Linux's sysfs reports it; 0 where it does not."""
+    sizes = []
+    for index in CACHES.glob("index*"):
+        try:
+            kind, size = (index / "type").read_text().strip(), (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if kind != "Instruction" and size[:-1].isdigit():
+            sizes.append(int(size[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 0))
+    return max(sizes, default=0)
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory Linux says a new allocation can take (``MemAvailable``); None where unread."""
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def stream_bytes(device: str) -> int:
+    """Bytes of an array of the stream passes: STREAM_BYTES, or on a CPU twice its last-level cache
+    where that is larger (a VM guest may report its host socket's whole L3, 300-480 MiB, which
+    serves 128 MiB arrays in part), at most a sixth of the available memory (a triad's three
+    arrays in half of it); whole MiB."""
+    if device != "cpu":
+        return STREAM_BYTES
+    nbytes = max(STREAM_BYTES, 2 * last_level_cache())
+    available = _available_memory()
+    if available is not None:
+        nbytes = max(STREAM_BYTES, min(nbytes, available // 6))
+    return nbytes >> 20 << 20
+
+
+def _stream(device: str, nbytes: int = STREAM_BYTES) -> dict[str, float]:
+    """GB/s of an in-place scale (a *= s), a copy (a = b) and a triad (a = b + s c) of arrays of
+    ``nbytes`` (float32), and of a fill (a = s): the write bandwidth a kernel whose output
+    dominates (a B x P per-sample gradient) is held to. On a CPU the fill is the fastest of
+    torch's, libc's ``memset`` (which streams a large block past the cache on some CPUs) and
+    streaming stores (``perfgate._streamfill``, where built), as a kernel writing a result past the
+    cache does, each of a non-zero byte: a zero fill measured 1.7x faster on an AMD Zen 3 guest, a
+    rate no kernel's output reaches."""
     import torch
 
-    n = 2**25
+    n = nbytes // 4
     a, b, c = (torch.ones(n, device=device) for _ in range(3))
     seconds = {"scale": (2, lambda: a.mul_(1.0)), "copy": (2, lambda: a.copy_(b)),
                "triad": (3, lambda: torch.add(b, c, alpha=1.5, out=a)), "fill": (1, lambda: a.fill_(1.0))}
     rates = {name: arrays * 4 * n / _best(fn, device) / 1e9 for name, (arrays, fn) in seconds.items()}
     memset = _libc_memset() if device == "cpu" else None
+    threads = max(1, torch.get_num_threads())
     if memset is not None:  # on the session's threads, a block each (ctypes lets go of the GIL)
-        threads = max(1, torch.get_num_threads())
         spans = page_blocks(a.data_ptr(), a.data_ptr() + 4 * n, threads)
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             def fill() -> None:
                 list(pool.map(lambda span: memset(span[0], 0x3F, span[1] - span[0]), spans))
 
             rates["fill"] = max(rates["fill"], 4 * n / _best(fill, device) / 1e9)
+    streamed = _streamed_fill() if device == "cpu" and a.data_ptr() % 64 == 0 and (4 * n) % 64 == 0 else None
+    if streamed is not None:  # torch's threads, a block each
+        rates["fill"] = max(rates["fill"], 4 * n / _best(lambda: streamed(a.data_ptr(), 4 * n, 0x3F, threads),
+                                                         device) / 1e9)
     return rates
+
+
+def _streamed_fill() -> Callable[[int, int, int, int], None] | None:
+    """``perfgate._streamfill.fill(address, nbytes, byte, threads)``: streaming stores; None where
+    it is not built or this build has none."""
+    try:
+        from . import _streamfill
+    except ImportError:
+        return None
+    return _streamfill.fill if _streamfill.STREAMING else None
 
 
 def page_blocks(start: int, end: int, threads: int, page: int = 4096) -> list[tuple[int, int]]:
