@@ -360,6 +360,13 @@ def test_the_bytes_written_are_held_to_the_writes_alone_rate() -> None:
     scale.values["scale_gbps"] = 41.0
     at_stream = scale.figure(Work(bytes=4.1e9, written=2.05e9), seconds=0.1)  # a pass of its shape, at its rate
     assert at_stream.fraction == pytest.approx(1.0) and at_stream.bound == "memory"
+    # a streamed fill faster than the stream (writes 42.4 GB/s, an in-place scale 36.3): bytes moved at the
+    # fill's rate at the least, a call of writes alone at 100% there
+    streamed = _limits(stream=36.3, fill=42.4)
+    writes_only = streamed.figure(Work(bytes=4.24e9, written=4.24e9), seconds=0.1)
+    assert writes_only.fraction == pytest.approx(1.0) and writes_only.bound == "memory"
+    mostly = streamed.figure(Work(bytes=70.2e6, written=68.9e6), seconds=70.2e6 / 42.4e9 / 0.5)
+    assert mostly.fraction == pytest.approx(0.5) and mostly.bound == "memory"  # not 70.2 MB over the stream's 36.3
     out, column, row = torch.empty(256, 256), torch.ones(256, 1), torch.ones(1, 256)
     counted = count_work(lambda: torch.mul(column, row, out=out))  # an outer product: reads 2 x 256, writes 256^2
     assert counted.written == out.nbytes and counted.bytes == out.nbytes + 2 * 4 * 256

@@ -654,7 +654,11 @@ class Limits:
         """Where a call of ``work`` taking ``seconds`` sits under this machine's roofline."""
         if seconds <= 0 or (work.bytes <= 0 and work.total_flops <= 0):
             return None
-        terms = {"memory": work.bytes / (self.stream_gbps * 1e9),
+        # bytes move no faster than the best rate the machine has moved them: the stream's, or a
+        # streamed fill's where writes alone went faster than an in-place scale's reads and writes
+        # (a write rate not measured yet, none measured for it: a call that writes nothing needs none)
+        moved = max(self.stream_gbps, write_rate(self.values) or 0.0)
+        terms = {"memory": work.bytes / (moved * 1e9),
                  "write": work.written / (self.write_gbps * 1e9) if work.written > 0 else 0.0,
                  "compute": sum(f / (self.peak(d) * 1e9) for d, f in work.flops.items() if f > 0)}
         bound = max(terms, key=terms.__getitem__)  # the first of equal terms: memory before write before compute

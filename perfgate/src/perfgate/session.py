@@ -523,9 +523,9 @@ class PerfSession:
             return
         threads = state.settings.threads or "default"
         tr.write_line(f"perfgate roofline at {threads} thread(s): {state.limits.line()} "
-                      f"({state.limits.path or 'not stored'}); roofline = max(bytes moved / stream, "
-                      "bytes written / write rate, GFLOP / GEMM peak) over the impl's median, 100% the "
-                      "machine's limit (docs/perfgate.md)")
+                      f"({state.limits.path or 'not stored'}); roofline = max(bytes moved / the faster "
+                      "of stream and write rate, bytes written / write rate, GFLOP / GEMM peak) over the impl's "
+                      "median, 100% the machine's limit (docs/perfgate.md)")
         if state.tally.limits_rose:
             tr.write_line("perfgate roofline: an impl passed a stored limit, measured again and kept as the "
                           f"best this machine has shown: {', '.join(state.tally.limits_rose)}")
