@@ -876,25 +876,30 @@ def test_the_stream_arrays_are_twice_the_last_level_cache(monkeypatch: pytest.Mo
     at most a sixth of the available memory; a stored file measured over smaller arrays than this
     host needs has its stream rates measured again (its GEMM peaks kept), one measured over large
     enough arrays not."""
+    import cpuinfo
+
     import perfgate.roofline as roofline
 
-    cache = tmp_path / "cache"
-    for index, (kind, size) in enumerate([("Data", "48K"), ("Instruction", "32K"), ("Unified", "2048K"),
-                                          ("Unified", "307200K")]):
-        (cache / f"index{index}").mkdir(parents=True)
-        (cache / f"index{index}" / "type").write_text(kind + "\n")
-        (cache / f"index{index}" / "size").write_text(size + "\n")
-    monkeypatch.undo()  # conftest's 32 MiB undone: the real last_level_cache, over this folder
-    monkeypatch.setattr(roofline, "CACHES", cache)
+    monkeypatch.undo()  # conftest's 32 MiB undone: the real last_level_cache, over py-cpuinfo's reading
+    read = {"l3_cache_size": 300 << 20, "l2_cache_size": 2 << 20}
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: read)
+    roofline.last_level_cache.cache_clear()
     assert roofline.last_level_cache() == 300 << 20
+    roofline.last_level_cache.cache_clear()
+    monkeypatch.setitem(read, "l3_cache_size", "32768 KB")  # an older py-cpuinfo's string: the L2
+    assert roofline.last_level_cache() == 2 << 20
+    roofline.last_level_cache.cache_clear()
+    monkeypatch.setitem(read, "l3_cache_size", 300 << 20)
     monkeypatch.setattr(roofline, "MEMINFO", tmp_path / "meminfo")
     assert roofline.stream_bytes("cpu") == 600 << 20 and roofline.stream_bytes("cuda") == 128 << 20  # no meminfo
     (tmp_path / "meminfo").write_text("MemTotal: 25000000 kB\nMemAvailable:    1536000 kB\n")
     assert roofline.stream_bytes("cpu") == 250 << 20  # a sixth of 1.5 GB, whole MiB
     (tmp_path / "meminfo").write_text("MemAvailable: 600000 kB\n")
     assert roofline.stream_bytes("cpu") == 128 << 20  # never under 128 MiB
-    monkeypatch.setattr(roofline, "CACHES", tmp_path / "none")
+    roofline.last_level_cache.cache_clear()
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: {})  # read neither
     assert roofline.last_level_cache() == 0 and roofline.stream_bytes("cpu") == 128 << 20
+    roofline.last_level_cache.cache_clear()
 
     lim = _limits()
     lim.path, lim.dirty = tmp_path / LIMITS_FILE, True

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import datetime
+import functools
 import json
 import math
 import os
@@ -41,7 +42,6 @@ ROUND_TRIP_SESSIONS = 15
 # bytes of an array of the stream passes at the least (2**25 float32): beyond most CPUs' last-level caches
 STREAM_BYTES = 128 << 20
 STREAM_RATES = ("stream_gbps", "scale_gbps", "copy_gbps", "triad_gbps", "fill_gbps")  # measured together
-CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 MEMINFO = Path("/proc/meminfo")
 
 
@@ -788,17 +788,20 @@ def _best(fn: Callable[[], Any], device: str, calls: int = 5) -> float:
     return min(timer_for(device).block((fn, None), calls))
 
 
+@functools.cache
 def last_level_cache() -> int:
-    """Bytes of CPU 0's largest data or unified cache as Linux's sysfs reports it; 0 where it does not."""
-    sizes = []
-    for index in CACHES.glob("index*"):
-        try:
-            kind, size = (index / "type").read_text().strip(), (index / "size").read_text().strip()
-        except OSError:
-            continue
-        if kind != "Instruction" and size[:-1].isdigit():
-            sizes.append(int(size[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 0))
-    return max(sizes, default=0)
+    """Bytes of the CPU's last-level cache as py-cpuinfo reads it (CPUID: its L3, else its L2); 0
+    where it reads neither."""
+    try:
+        import cpuinfo
+
+        info = cpuinfo.get_cpu_info()
+    except Exception:  # noqa: BLE001 - py-cpuinfo probes in a subprocess; any failure there reads as unknown
+        return 0
+    for key in ("l3_cache_size", "l2_cache_size"):
+        if isinstance(info.get(key), int) and info[key] > 0:
+            return int(info[key])
+    return 0
 
 
 def _available_memory() -> int | None:
@@ -814,9 +817,9 @@ def _available_memory() -> int | None:
 
 def stream_bytes(device: str) -> int:
     """Bytes of an array of the stream passes: STREAM_BYTES, or on a CPU twice its last-level cache
-    where that is larger (a VM guest may report its host socket's whole L3, 300-480 MiB, which
-    serves 128 MiB arrays in part), at most a sixth of the available memory (a triad's three
-    arrays in half of it); whole MiB."""
+    (``last_level_cache``) where that is larger (a VM guest may report its host socket's whole L3,
+    300-480 MiB, which serves 128 MiB arrays in part), at most a sixth of the available memory (a
+    triad's three arrays in half of it); whole MiB."""
     if device != "cpu":
         return STREAM_BYTES
     nbytes = max(STREAM_BYTES, 2 * last_level_cache())
