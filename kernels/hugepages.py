@@ -10,14 +10,12 @@ Memory glibc already has resident (a reused block) is not moved. Elsewhere (CUDA
 ``never``, torch's own ``THP_MEM_ALLOC_ENABLE=1``) it is plain ``torch.empty``.
 
 Those huge pages are faulted one of two ways: by torch's threads as they write the tensor, or
-first by the calling thread, a store a page (``prefault``). Which is faster depends on the host,
-and on one host on the minute: under a hypervisor, two threads faulting at once were many times
-slower than one thread faulting alone on one 2-vCPU VM, in stretches of minutes, and faster by
-one thread's zeroing of the tensor on another (docs/kernels/per_sample.md). So the kernels take
-their fresh results from ``fresh``, which, under a hypervisor where torch runs more than one
+first by the calling thread, a store a page (``prefault``). Under a hypervisor, which is faster
+depends on the host, and on one host on the minute (docs/kernels/per_sample.md). So the kernels
+take their fresh results from ``fresh``, which, under a hypervisor where torch runs more than one
 thread, times each call's faulting and writing and takes the way with the shorter recent times,
 trying the other again after ``EXPLORE_S`` seconds and ``EXPLORE_CALLS`` calls, twice as far apart
-after each try that finds it still the slower (to ``MAX_BACKOFF`` times). Elsewhere the writers fault
+after each try slower than the faster way (to ``MAX_BACKOFF`` times). Elsewhere the writers fault
 (one thread: a prefault only cost; outside a VM: not measured).
 """
 
@@ -127,12 +125,20 @@ def _prefault(out: Tensor) -> None:
     out.view(-1).view(torch.uint8)[lo - start:hi - start:HUGE_PAGE].zero_()
 
 
+def _allocate(shape: tuple[int, ...], like: Tensor) -> tuple[Tensor, bool]:
+    """An uninitialized tensor of ``shape`` in ``like``'s dtype and device, its whole 2 MiB pages
+    made huge where they can be (``_huge``); and whether a prefault may touch them (huge, and not
+    filled by torch's deterministic mode)."""
+    out = torch.empty(shape, dtype=like.dtype, device=like.device)
+    return out, _huge(out) and not _filled()
+
+
 def empty(shape: tuple[int, ...], like: Tensor, *, prefault: bool = False) -> Tensor:
     """An uninitialized tensor of ``shape`` in ``like``'s dtype and device; on CPU its whole
     2 MiB pages huge (advised where THP asks for advice) and, with ``prefault``, faulted by this
     thread. Advice the kernel refuses changes nothing, and is not followed by a prefault."""
-    out = torch.empty(shape, dtype=like.dtype, device=like.device)
-    if _huge(out) and prefault and not _filled():
+    out, faultable = _allocate(shape, like)
+    if prefault and faultable:
         _prefault(out)
     return out
 
@@ -165,15 +171,17 @@ class _Ways:
         return other if due else not other
 
     def note(self, prefault: bool, seconds: float, now: float) -> None:
-        """Keep a call's time; a try of the slower way that left it the slower doubles ``backoff``
-        (to MAX_BACKOFF), a change of the faster way sets it back to 1."""
-        tried = self.best is not None and prefault != self.best
+        """Keep a call's time. A try of the slower way slower than the faster way's median doubles
+        ``backoff`` (to MAX_BACKOFF); a faster try (its older times may still outvote it) or a change
+        of the faster way sets it back to 1."""
+        tried = self.best is not None and prefault != self.best  # the slower way, tried
+        slower = tried and seconds >= statistics.median(self.seconds[not prefault])
         self.seconds[prefault].append(seconds)
         self.ran[prefault], self.since[prefault], self.since[not prefault] = now, 0, self.since[not prefault] + 1
         if not self.seconds[not prefault]:
             return
         best = self._best()
-        if best != self.best:
+        if best != self.best or (tried and not slower):
             self.backoff = 1
         elif tried:
             self.backoff = min(2 * self.backoff, MAX_BACKOFF)
@@ -181,6 +189,7 @@ class _Ways:
 
 
 _sites: collections.OrderedDict[tuple[str, int, int], _Ways] = collections.OrderedDict()
+_clock = time.perf_counter  # seconds, for the calls' times (a test's host stands in its own)
 
 
 def _ways(key: tuple[str, int, int]) -> _Ways:
@@ -195,19 +204,20 @@ def _ways(key: tuple[str, int, int]) -> _Ways:
 
 @contextlib.contextmanager
 def fresh(shape: tuple[int, ...], like: Tensor, *, site: str) -> Iterator[Tensor]:
-    """A tensor from ``empty`` for the ``with`` block to write whole. Under a hypervisor, where
+    """A tensor like ``empty``'s for the ``with`` block to write whole. Under a hypervisor, where
     torch runs more than one thread, the huge pages are prefaulted or not as the faster way for
-    ``site`` (a caller's name) at this size and thread count has recently been: the time from
-    here to the block's end is kept for the way taken (module note). Elsewhere no prefault."""
-    out = torch.empty(shape, dtype=like.dtype, device=like.device)
+    ``site`` (a caller's name for one kind of write: the same work at the same size) at this size
+    and thread count has recently been: the time from here to the block's end is kept for the way
+    taken (module note). Elsewhere no prefault."""
+    out, faultable = _allocate(shape, like)
     threads = torch.get_num_threads()
-    if not (_huge(out) and threads > 1 and cpu.virtual() and not _filled()):
+    if not (faultable and threads > 1 and cpu.virtual()):
         yield out
         return
     ways = _ways((site, out.numel() * out.element_size(), threads))
-    start = time.perf_counter()
+    start = _clock()
     prefault = ways.choose(start)
     if prefault:
         _prefault(out)
     yield out  # an exception in the block leaves its time unkept
-    ways.note(prefault, time.perf_counter() - start, start)
+    ways.note(prefault, _clock() - start, start)

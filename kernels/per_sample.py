@@ -299,10 +299,11 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
             # One row per sample (T = 1): the outer product g_i a_i^T as a broadcast multiply, one
             # sequential write of (B, out, in), which a K=1 bmm is not on every CPU; rows (T > 1):
             # (B, out, T) @ (B, T, in) by bmm (measured in docs/kernels/per_sample.md).
-            # A fresh result in huge pages: writing it faults 2 MiB at a time (kernels.hugepages).
-            w = into.get(prefix + "weight")
+            # A fresh result in huge pages: writing it faults 2 MiB at a time (kernels.hugepages),
+            # the way its calls' times chose for this kind of write (T rows by bmm, or one row).
+            w, site = into.get(prefix + "weight"), f"per_sample_grads T={a.shape[1]}"
             with (contextlib.nullcontext(w) if w is not None
-                  else hugepages.fresh((batch, *m.weight.shape), like=a, site="per_sample_grads")) as w:
+                  else hugepages.fresh((batch, *m.weight.shape), like=a, site=site)) as w:
                 if a.shape[1] == 1:
                     out[prefix + "weight"] = nontemporal.outer(g.transpose(1, 2), a, w, stream=stream)
                 else:

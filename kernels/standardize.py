@@ -156,18 +156,19 @@ class Standardizer:
         # a fresh result in huge pages: writing it faults 2 MiB at a time (kernels.hugepages)
         with (contextlib.nullcontext(out) if out is not None
               else hugepages.fresh(tuple(X.shape), like=X, site="Standardizer.transform")) as result:
-            self._write(X, result, acc)
-        if out is not None:  # written in place, as the torch ops' out= would count it: a saved out is stale
+            in_c = self._write(X, result, acc)
+        if out is not None and in_c:  # written in place, as torch's out= ops count it: a saved out is stale
             torch.autograd.graph.increment_version(result)
         return result
 
-    def _write(self, X: Tensor, result: Tensor, acc: torch.dtype) -> None:
-        """(X - mean_) / scale_ written into ``result`` (like X), refused where it is not finite."""
+    def _write(self, X: Tensor, result: Tensor, acc: torch.dtype) -> bool:
+        """(X - mean_) / scale_ written into ``result`` (like X), refused where it is not finite;
+        whether the C pass wrote it (torch's out= ops count their own writes)."""
         if _in_c(X, result, self._shift, self._dmean, self.scale_):  # one pass in C: the same bits as below
             if not _c.transform(X.detach().numpy(), result.numpy(), self._shift.numpy(), self._dmean.numpy(),
                                 self.scale_.numpy(), c_team(X.numel(), _c.MAX_THREADS)):
                 checks.refuse_nonfinite("X", hint=_NOT_FINITE)
-            return
+            return True
         # row blocks written into the result: each block's arithmetic and its column sum (the
         # finiteness check) run on a block still in cache, X is read and the result written once
         blocks = _blocks(X, acc)
@@ -181,6 +182,7 @@ class Standardizer:
                 result[rows].copy_(block)
             sums.append(result[rows].sum(0, dtype=acc))
         _finite(sums, acc, result)
+        return False
 
     def inverse_transform(self, X: Tensor) -> Tensor:
         """X * scale_ + mean_, returned in X's dtype; differentiable w.r.t. X."""

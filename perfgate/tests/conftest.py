@@ -29,6 +29,19 @@ with contextlib.suppress(ImportError):
 
 
 
+REAL_LAST_LEVEL_CACHE = roofline.last_level_cache  # before any test's stand-in
+
+
+@pytest.fixture
+def real_last_level_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """roofline.last_level_cache itself again, over ``cache_of_32_mib``'s stand-in, its reading
+    forgotten before and after the test."""
+    REAL_LAST_LEVEL_CACHE.cache_clear()
+    monkeypatch.setattr(roofline, "last_level_cache", REAL_LAST_LEVEL_CACHE)
+    yield
+    REAL_LAST_LEVEL_CACHE.cache_clear()
+
+
 @pytest.fixture(autouse=True)
 def cache_of_32_mib(monkeypatch: pytest.MonkeyPatch) -> None:
     """A last-level cache of 32 MiB on every host, so the stream passes' arrays are 128 MiB

@@ -367,6 +367,16 @@ def test_the_bytes_written_are_held_to_the_writes_alone_rate() -> None:
     assert writes_only.fraction == pytest.approx(1.0) and writes_only.bound == "memory"
     mostly = streamed.figure(Work(bytes=70.2e6, written=68.9e6), seconds=70.2e6 / 42.4e9 / 0.5)
     assert mostly.fraction == pytest.approx(0.5) and mostly.bound == "memory"  # not 70.2 MB over the stream's 36.3
+
+
+def test_a_writing_call_reads_the_write_rate_before_holding_bytes_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file with a stream but no write rate: the first figure of a call that writes measures the
+    rates, and its bytes are held to the fill's 30 GB/s it read, not to the stored stream's 10."""
+    import perfgate.roofline as roofline
+
+    monkeypatch.setattr(roofline, "_stream", lambda *_: {"scale": 10.0, "copy": 8.0, "triad": 8.0, "fill": 30.0})
+    figure = _limits(stream=10.0).figure(Work(bytes=3e9, written=3e9), seconds=0.1)
+    assert figure.fraction == pytest.approx(1.0)
     out, column, row = torch.empty(256, 256), torch.ones(256, 1), torch.ones(1, 256)
     counted = count_work(lambda: torch.mul(column, row, out=out))  # an outer product: reads 2 x 256, writes 256^2
     assert counted.written == out.nbytes and counted.bytes == out.nbytes + 2 * 4 * 256
@@ -871,6 +881,7 @@ def test_a_storage_two_tensors_share_is_one_until_both_die() -> None:
     assert count_work(call).bytes == 1024 + 4 + 1024  # the array read once, the sum and the product written
 
 
+@pytest.mark.usefixtures("real_last_level_cache")
 def test_the_stream_arrays_are_twice_the_last_level_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """128 MiB an array, or on a CPU twice its last-level cache where larger (a 300 MiB L3: 600 MiB),
     at most a sixth of the available memory; a stored file measured over smaller arrays than this
@@ -880,10 +891,8 @@ def test_the_stream_arrays_are_twice_the_last_level_cache(monkeypatch: pytest.Mo
 
     import perfgate.roofline as roofline
 
-    monkeypatch.undo()  # conftest's 32 MiB undone: the real last_level_cache, over py-cpuinfo's reading
     read = {"l3_cache_size": 300 << 20, "l2_cache_size": 2 << 20}
     monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: read)
-    roofline.last_level_cache.cache_clear()
     assert roofline.last_level_cache() == 300 << 20
     roofline.last_level_cache.cache_clear()
     monkeypatch.setitem(read, "l3_cache_size", "32768 KB")  # an older py-cpuinfo's string: the L2
@@ -899,7 +908,6 @@ def test_the_stream_arrays_are_twice_the_last_level_cache(monkeypatch: pytest.Mo
     roofline.last_level_cache.cache_clear()
     monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: {})  # read neither
     assert roofline.last_level_cache() == 0 and roofline.stream_bytes("cpu") == 128 << 20
-    roofline.last_level_cache.cache_clear()
 
     lim = _limits()
     lim.path, lim.dirty = tmp_path / LIMITS_FILE, True
@@ -914,6 +922,15 @@ def test_the_stream_arrays_are_twice_the_last_level_cache(monkeypatch: pytest.Mo
     again.save()
     assert json.loads(lim.path.read_text())["stream_bytes"] == 600 << 20
     assert Limits("cpu", "cpu-x", lim.path).stream_gbps == 30.0 and sizes == [600 << 20]  # large enough: kept
+    # the memory cap moves with the minute: arrays over half this session's size are kept, and the size
+    # a session measures over is the one it decided at its start
+    values = json.loads(lim.path.read_text())
+    lim.path.write_text(json.dumps({**values, "stream_bytes": 301 << 20}))
+    assert Limits("cpu", "cpu-x", lim.path).stream_gbps == 30.0 and sizes == [600 << 20]
+    lim.path.write_text(json.dumps({**values, "stream_bytes": 300 << 20}))
+    half = Limits("cpu", "cpu-x", lim.path)
+    monkeypatch.setattr(roofline, "stream_bytes", lambda device: 500 << 20)
+    assert half.stream_gbps == 30.0 and sizes == [600 << 20, 600 << 20]
     values = json.loads(lim.path.read_text())
     for bad in (0, -1, 1.5, "600", True):
         lim.path.write_text(json.dumps({**values, "stream_bytes": bad}))

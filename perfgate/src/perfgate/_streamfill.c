@@ -10,7 +10,8 @@
    STREAMING
        1 where this build has streaming stores (SSE2), 0 where fill raises.
 
-   Built with -fopenmp, as perfgate._roundtrip: the team is the one torch already loaded. */
+   Built with -fopenmp, as perfgate._roundtrip: the team is the libgomp torch already loaded, since
+   the caller (perfgate.roofline._stream) imports torch before this module. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -44,7 +45,7 @@ static PyObject *fill(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (Py_ssize_t i = 0; i < lines; i++) {
             __m128i *line = (__m128i *)(start + 64 * i);
             _mm_stream_si128(line, v);

@@ -525,10 +525,13 @@ class Limits:
         self.rechecked: set[str] = set()  # the limits measured this session ("stream", a dtype)
         # this session's own reading of the stream and write rates, GB/s (``read_now``), or None
         self.now: dict[str, Any] | None = None
+        # the stream passes' array size, decided once a session (the memory cap moves with the minute)
+        self.stream_bytes = stream_bytes(device)
         if path is not None and path.is_file() and not remeasure:
             self.values = read_limits(path, slug)
-            if self.values.get("stream_bytes", STREAM_BYTES) < stream_bytes(device):
-                # measured over arrays this machine's last-level cache could serve in part: measured again
+            if 2 * self.values.get("stream_bytes", STREAM_BYTES) <= self.stream_bytes:
+                # measured over arrays no larger than half this session's (128 MiB where a 300 MiB
+                # last-level cache wants 600): the cache could serve them in part, measured again
                 self.values.update(dict.fromkeys(STREAM_RATES))
 
     @property
@@ -562,7 +565,7 @@ class Limits:
         read as this session's (``now``). A ``reading`` (``read_now``) changes the limits (and the
         file) only where the stream or the write rate rose. Returns the limits that rose, in words."""
         before = _two_rates(self.values)
-        nbytes = stream_bytes(self.device)
+        nbytes = self.stream_bytes
         rates = _stream(self.device, nbytes)
         rates["stream"] = max(v for k, v in rates.items() if k != "fill")  # fill writes only: shown beside it
         read = {f"{kind}_gbps": rate for kind, rate in rates.items()}
@@ -654,12 +657,14 @@ class Limits:
         """Where a call of ``work`` taking ``seconds`` sits under this machine's roofline."""
         if seconds <= 0 or (work.bytes <= 0 and work.total_flops <= 0):
             return None
-        # bytes move no faster than the best rate the machine has moved them: the stream's, or a
-        # streamed fill's where writes alone went faster than an in-place scale's reads and writes
-        # (a write rate not measured yet, none measured for it: a call that writes nothing needs none)
+        # the write rate first (measured here where a file has none), then the bytes at the best rate
+        # the machine has moved them: the stream's, or a streamed fill's where writes alone went
+        # faster than an in-place scale's reads and writes (a call that writes nothing needs no
+        # write rate measured: the stream's then)
+        written = work.written / (self.write_gbps * 1e9) if work.written > 0 else 0.0
         moved = max(self.stream_gbps, write_rate(self.values) or 0.0)
         terms = {"memory": work.bytes / (moved * 1e9),
-                 "write": work.written / (self.write_gbps * 1e9) if work.written > 0 else 0.0,
+                 "write": written,
                  "compute": sum(f / (self.peak(d) * 1e9) for d, f in work.flops.items() if f > 0)}
         bound = max(terms, key=terms.__getitem__)  # the first of equal terms: memory before write before compute
         return Figure(fraction=terms[bound] / seconds, bound=bound,
