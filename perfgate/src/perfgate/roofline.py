@@ -795,8 +795,9 @@ def _best(fn: Callable[[], Any], device: str, calls: int = 5) -> float:
 
 @functools.cache
 def last_level_cache() -> int:
-    """Bytes of the CPU's last-level cache as py-cpuinfo reads it (CPUID: its L3, else its L2); 0
-    where it reads neither."""
+    """Bytes of the CPU's cache as py-cpuinfo reads its ``l3_cache_size`` (else ``l2_cache_size``):
+    on Linux /proc/cpuinfo's "cache size", the last-level cache on Intel, the per-core L2 on AMD
+    (whose 32 MiB L3 a core complex has the 128 MiB arrays pass anyway); 0 where it reads neither."""
     try:
         import cpuinfo
 
