@@ -887,18 +887,17 @@ def test_the_stream_arrays_are_twice_the_last_level_cache(monkeypatch: pytest.Mo
     at most a sixth of the available memory; a stored file measured over smaller arrays than this
     host needs has its stream rates measured again (its GEMM peaks kept), one measured over large
     enough arrays not."""
-    import cpuinfo
-
     import perfgate.roofline as roofline
 
-    read = {"l3_cache_size": 300 << 20, "l2_cache_size": 2 << 20}
-    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: read)
+    read = {"cache size": "307200 KB"}  # /proc/cpuinfo's first processor, as the Xeon 207's
+    monkeypatch.setattr(roofline, "_cpuinfo_first", lambda: read)
     assert roofline.last_level_cache() == 300 << 20
+    for field, size in (("512 KB", 512 << 10), ("32 MB", 32 << 20), ("unknown", 0), ("", 0)):
+        roofline.last_level_cache.cache_clear()
+        monkeypatch.setitem(read, "cache size", field)
+        assert roofline.last_level_cache() == size, field
     roofline.last_level_cache.cache_clear()
-    monkeypatch.setitem(read, "l3_cache_size", "32768 KB")  # an older py-cpuinfo's string: the L2
-    assert roofline.last_level_cache() == 2 << 20
-    roofline.last_level_cache.cache_clear()
-    monkeypatch.setitem(read, "l3_cache_size", 300 << 20)
+    monkeypatch.setitem(read, "cache size", "307200 KB")
     monkeypatch.setattr(roofline, "MEMINFO", tmp_path / "meminfo")
     assert roofline.stream_bytes("cpu") == 600 << 20 and roofline.stream_bytes("cuda") == 128 << 20  # no meminfo
     (tmp_path / "meminfo").write_text("MemTotal: 25000000 kB\nMemAvailable:    1536000 kB\n")
@@ -906,7 +905,7 @@ def test_the_stream_arrays_are_twice_the_last_level_cache(monkeypatch: pytest.Mo
     (tmp_path / "meminfo").write_text("MemAvailable: 600000 kB\n")
     assert roofline.stream_bytes("cpu") == 128 << 20  # never under 128 MiB
     roofline.last_level_cache.cache_clear()
-    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: {})  # read neither
+    monkeypatch.setattr(roofline, "_cpuinfo_first", lambda: {})  # another OS: none named
     assert roofline.last_level_cache() == 0 and roofline.stream_bytes("cpu") == 128 << 20
 
     lim = _limits()

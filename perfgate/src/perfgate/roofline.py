@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .fingerprint import _cpuinfo_first
 from .stats import PARTNER_IDLE_NS, fixed_width, roofline_cell
 from .timing import timer_for
 
@@ -795,18 +796,13 @@ def _best(fn: Callable[[], Any], device: str, calls: int = 5) -> float:
 
 @functools.cache
 def last_level_cache() -> int:
-    """Bytes of the CPU's cache as py-cpuinfo reads its ``l3_cache_size`` (else ``l2_cache_size``):
-    on Linux /proc/cpuinfo's "cache size", the last-level cache on Intel, the per-core L2 on AMD
-    (whose 32 MiB L3 a core complex has the 128 MiB arrays pass anyway); 0 where it reads neither."""
-    try:
-        import cpuinfo
-
-        info = cpuinfo.get_cpu_info()
-    except Exception:  # noqa: BLE001 - py-cpuinfo probes in a subprocess; any failure there reads as unknown
-        return 0
-    for key in ("l3_cache_size", "l2_cache_size"):
-        if isinstance(info.get(key), int) and info[key] > 0:
-            return int(info[key])
+    """Bytes of the cache /proc/cpuinfo names for its first processor (``cache size``): the
+    last-level cache on Intel, the per-core L2 on AMD (whose 32 MiB L3 a core complex the 128 MiB
+    arrays pass anyway); 0 where it names none (another OS)."""
+    size = _cpuinfo_first().get("cache size", "").split()
+    units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+    if len(size) == 2 and size[0].isdigit() and size[1] in units:
+        return int(size[0]) * units[size[1]]
     return 0
 
 
