@@ -604,6 +604,33 @@ def test_finite_names_the_first_bad_tensor_in_one_pass() -> None:
         checks.finite({"h": bad.to(torch.bfloat16)}, error=FloatingPointError)
 
 
+def test_nonfinite_reads_again_only_what_a_sum_flags() -> None:
+    """A sum that overflows on finite values (3e38 twice in float32, 6e4 twice in float16, whose
+    float32 sum does not) is read again exactly and found finite; a NaN, or infs of both signs
+    (a NaN sum), are named."""
+    big = {"f32": torch.tensor([3e38, 3e38]), "f16": torch.tensor([6e4, 6e4], dtype=torch.float16),
+           "bf16": torch.tensor([3e38, 3e38], dtype=torch.bfloat16)}
+    assert checks.nonfinite(big) == []
+    checks.finite(big)
+    both = torch.tensor([math.inf, -math.inf, 1.0])
+    assert checks.nonfinite({**big, "both": both, "nan": torch.tensor([math.nan])}) == ["both", "nan"]
+
+
+def test_finite_bounds_hold_each_largest_magnitude() -> None:
+    """Each bound is at least the tensor's largest |value| (its 2-norm, or that value itself where
+    the squares overflow: 1e20 in float32); a NaN or inf is refused with the first bad name."""
+    named = {"a": torch.tensor([-3.0, 4.0]), "b": torch.tensor([1e20, -2e20]), "ids": torch.arange(3),
+             "h": torch.tensor([-60000.0, 100.0], dtype=torch.float16)}
+    bounds = checks.finite_bounds(named)
+    assert set(bounds) == {"a", "b", "h"}
+    assert bounds["a"] == pytest.approx(5.0) and bounds["h"] == 60000.0
+    assert bounds["b"] == float(named["b"][1].abs())  # -2e20 in float32
+    for value in (math.nan, math.inf):
+        with pytest.raises(FloatingPointError, match="NaN or inf in b; fix it"):
+            checks.finite_bounds({"a": named["a"], "b": _with(torch.ones(3), value)}, error=FloatingPointError,
+                                 hint="fix it")
+
+
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
 def test_finite_reads_complex_float8_and_compressed_sparse_tensors() -> None:
     """A complex tensor by its real and imaginary parts (a NaN passed as 'finite by type' before,

@@ -49,6 +49,22 @@ def test_the_c_products_are_torch_muls_bits(b: int, o: int, i: int, offset: int,
 
 
 @needs_c
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(shapes=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 9), st.integers(0, 70), st.integers(0, 15)),
+                       min_size=1, max_size=4),
+       threads=st.integers(1, 7), special=st.booleans())
+def test_the_c_parts_written_together_are_torch_muls_bits(shapes: list, threads: int, special: bool) -> None:
+    """outer_all's threads split the parts' elements, a row to exactly one thread: every product
+    written once, whatever the parts' sizes (an empty row length too) and the thread count."""
+    parts = [_outer_args(b, o, i, offset, special) for b, o, i, offset in shapes]
+    for _, _, out in parts:
+        out.fill_(float("nan"))  # a row no thread wrote stays NaN
+    C.outer_all([(g.numpy(), a.numpy(), out.numpy(), tuple(out.shape)) for g, a, out in parts], threads)
+    for g, a, out in parts:
+        assert torch.equal(out.view(torch.int32), torch.mul(g, a).view(torch.int32))
+
+
+@needs_c
 def test_the_c_part_refuses_buffers_of_another_type_or_size() -> None:
     g, a, out = torch.ones(2, 3), torch.ones(2, 4), torch.zeros(2, 3, 4)
     with pytest.raises(TypeError, match="g must hold float32"):
@@ -68,6 +84,17 @@ def test_the_c_part_refuses_buffers_of_another_type_or_size() -> None:
     with pytest.raises((BufferError, ValueError), match="read-only|not writable"):
         C.outer(g.numpy(), a.numpy(), read_only, (2, 3, 4), 1)
     assert torch.equal(out, torch.zeros(2, 3, 4))  # nothing written by a refused call
+    good = (g.numpy(), a.numpy(), out.numpy(), (2, 3, 4))
+    with pytest.raises(ValueError, match="a must hold 8 float32 elements, got 4"):
+        C.outer_all([good, (g.numpy(), a[:1].numpy(), out.numpy(), (2, 3, 4))], 1)
+    with pytest.raises(TypeError, match="parts must be a sequence"):
+        C.outer_all(None, 1)
+    with pytest.raises(TypeError, match=r"parts\[0\] must be a tuple \(g, a, out, \(B, O, I\)\), got list"):
+        C.outer_all([list(good)], 1)
+    with pytest.raises(ValueError, match="threads must be 1..256, got 0"):
+        C.outer_all([good], 0)
+    assert torch.equal(out, torch.zeros(2, 3, 4))  # a refused part: none written
+    C.outer_all([], 1)
 
 
 @needs_c
@@ -95,9 +122,9 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
         resident = staticmethod(C.resident)
 
         @staticmethod
-        def outer(g, a, out, shape, threads):
-            seen.append(shape)
-            C.outer(g, a, out, shape, threads)
+        def outer_all(parts, threads):
+            seen.extend(part[3] for part in parts)
+            C.outer_all(parts, threads)
 
     monkeypatch.setattr(nontemporal, "_nontemporal", Recorded)
     monkeypatch.setattr(nontemporal, "last_level_cache", lambda: 1)
@@ -143,6 +170,22 @@ def test_outer_streams_nothing_torch_mul_would_treat_otherwise(calls: list) -> N
     assert calls == []
 
 
+def test_outer_all_streams_its_parts_in_one_call_unless_one_writes_what_another_reads(calls: list) -> None:
+    """The layers' parts go to the C part together; where an out shares memory with another part's
+    input (its threads would write it while another reads it), each is torch.mul's, in order."""
+    g, a, g2, a2 = torch.randn(2, 3, 1), torch.randn(2, 1, 4), torch.randn(2, 5, 1), torch.randn(2, 1, 3)
+    outs = [torch.zeros(2, 3, 4), torch.zeros(2, 5, 3)]
+    assert nontemporal.outer_all([(g, a, outs[0]), (g2, a2, outs[1])], stream=True) == outs
+    assert calls == [(2, 3, 4), (2, 5, 3)]
+    assert torch.equal(outs[0], g * a) and torch.equal(outs[1], g2 * a2)
+    calls.clear()
+    shared = torch.zeros(2 * 5 * 3)
+    a_shared = shared[:8].view(2, 1, 4)
+    a_shared.copy_(a)
+    got = nontemporal.outer_all([(g, a_shared, torch.zeros(2, 3, 4)), (g2, a2, shared.view(2, 5, 3))], stream=True)
+    assert calls == [] and torch.equal(got[0], g * a) and torch.equal(got[1], g2 * a2)
+
+
 def test_outer_computes_misaligned_float32_as_torch_mul(calls: list) -> None:
     """float32 memory not 4-byte aligned (frombuffer at an odd offset) is torch.mul's: the C part's
     buffer check refused numpy's '=f' for it, and outer raised where torch.mul computes."""
@@ -157,8 +200,9 @@ def test_outer_computes_misaligned_float32_as_torch_mul(calls: list) -> None:
 def test_outer_takes_at_most_the_c_parts_threads(calls: list, monkeypatch: pytest.MonkeyPatch) -> None:
     threads = []
     monkeypatch.setattr(nontemporal, "THREAD_BYTES", 4)
-    real = nontemporal._nontemporal.outer
-    monkeypatch.setattr(nontemporal._nontemporal, "outer", lambda *args: threads.append(args[-1]) or real(*args))
+    real = nontemporal._nontemporal.outer_all
+    monkeypatch.setattr(nontemporal._nontemporal, "outer_all",
+                        lambda *args: threads.append(args[-1]) or real(*args))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 10_000)
     nontemporal.outer(torch.randn(2, 300, 1), torch.randn(2, 1, 5), torch.zeros(2, 300, 5), stream=True)
     assert threads == [C.MAX_THREADS]

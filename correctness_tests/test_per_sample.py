@@ -264,6 +264,23 @@ class InPlace(nn.Module):
         return out
 
 
+class InPlaceTokens(nn.Module):
+    """In-place ops on Linear outputs of (B, T, in) inputs, which are views of a matmul's result
+    (an op on a view rebases its base), and on a view of one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h.mul_(0.5)
+        h[:, 0] += 1.0
+        out = self.b(torch.tanh(h))
+        out.mul_(2.0)
+        return out.mean(1)
+
+
 class Keyword(nn.Module):
     """Calls its Linear with input= and returns a tuple."""
 
@@ -490,6 +507,7 @@ AWKWARD = {
     "time_major_T_eq_B": (TimeMajor, (5, 5, 6), False),
     "mixes_samples": (Mixes, (5, 6), False),
     "in_place_after_linear": (InPlace, (5, 6), True),
+    "in_place_after_linear_tokens": (InPlaceTokens, (5, 4, 6), True),
     "keyword_call_tuple_output": (Keyword, (5, 6), False),
     "unused_layers": (Unused, (5, 6), True),
     "weight_norm": (_weight_norm, (5, 6), True),

@@ -9,6 +9,9 @@
 
    outer(g, a, out, (B, O, I), threads)  g (B, O), a (B, I), out (B, O, I): C-contiguous float32
                                          buffers; the B*O rows split over `threads` OpenMP threads
+   outer_all(parts, threads)             parts: a sequence of (g, a, out, (B, O, I)) as outer's, all
+                                         written in one parallel region, their rows split over the
+                                         threads by bytes (a small part does not get a thread alone)
    resident(buffer) -> bool              every page of it is resident (mincore); a store can still
                                          fault on a copy-on-write or zero page
    NONTEMPORAL                           True where this build has streaming stores (SSE2)
@@ -40,8 +43,8 @@
 typedef struct {
     const float *g, *a;
     float *out;
-    Py_ssize_t O, I, row0, row1; /* rows [row0, row1) of the B*O rows of length I */
-} Job;
+    Py_ssize_t O, I, rows, start; /* rows = B*O of length I; start: its first element among all parts' */
+} Part;
 
 /* One row: out[0:I] = s * a[0:I]. Scalar head to a cache-line boundary, then whole lines of
    four streaming stores each (a line written whole in one go leaves the write-combining buffer
@@ -65,10 +68,19 @@ static void row(float *restrict dst, const float *restrict a, float s, Py_ssize_
 #endif
 }
 
-static void run(const Job *j) {
-    for (Py_ssize_t r = j->row0; r < j->row1; r++) {
-        Py_ssize_t b = r / j->O;
-        row(j->out + r * j->I, j->a + b * j->I, j->g[r], j->I);
+/* The rows of `parts` whose first element (counted over all parts in order) lies in [e0, e1):
+   a thread's share, so every row is written by exactly one thread. */
+static void run(const Part *parts, Py_ssize_t n, Py_ssize_t e0, Py_ssize_t e1) {
+    for (Py_ssize_t k = 0; k < n; k++) {
+        const Part *p = parts + k;
+        Py_ssize_t end = p->start + p->rows * p->I;
+        if (p->I == 0 || end <= e0 || p->start >= e1) continue;
+        Py_ssize_t r0 = e0 <= p->start ? 0 : (e0 - p->start + p->I - 1) / p->I;
+        Py_ssize_t r1 = e1 >= end ? p->rows : (e1 - p->start + p->I - 1) / p->I;
+        for (Py_ssize_t r = r0; r < r1; r++) {
+            Py_ssize_t b = r / p->O;
+            row(p->out + r * p->I, p->a + b * p->I, p->g[r], p->I);
+        }
     }
 #if NONTEMPORAL
     _mm_sfence(); /* streaming stores are weakly ordered: drain them before the caller reads */
@@ -97,36 +109,103 @@ static int get(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t want, co
     return -1;
 }
 
+/* One part's buffers, checked against its shape (B, O, I), into `part` (its start set by the
+   caller); 0, or -1 with a Python error and nothing held. */
+static int take(PyObject *go, PyObject *ao, PyObject *oo, Py_ssize_t B, Py_ssize_t O, Py_ssize_t I,
+                Py_buffer views[3], Part *part) {
+    if (B < 0 || O < 0 || I < 0) {
+        PyErr_Format(PyExc_ValueError, "shape must be (B, O, I) >= 0, got (%zd, %zd, %zd)", B, O, I);
+        return -1;
+    }
+    Py_ssize_t rows = count(B, O), inputs = count(B, I), total = rows < 0 ? -1 : count(rows, I);
+    if (rows < 0 || inputs < 0 || total < 0) {
+        PyErr_Format(PyExc_ValueError, "shape (%zd, %zd, %zd) is too large for a float32 buffer", B, O, I);
+        return -1;
+    }
+    if (get(go, &views[0], 0, rows, "g") < 0) return -1;
+    if (get(ao, &views[1], 0, inputs, "a") < 0) { PyBuffer_Release(&views[0]); return -1; }
+    if (get(oo, &views[2], 1, total, "out") < 0) {
+        PyBuffer_Release(&views[0]);
+        PyBuffer_Release(&views[1]);
+        return -1;
+    }
+    *part = (Part){views[0].buf, views[1].buf, views[2].buf, O, I, rows, 0};
+    return 0;
+}
+
+/* Write the n parts (starts set here) on `threads` threads, each a contiguous share of their
+   elements, the GIL released. */
+static void write_parts(Part *parts, Py_ssize_t n, Py_ssize_t threads) {
+    Py_ssize_t elements = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        parts[k].start = elements;
+        elements += parts[k].rows * parts[k].I;
+    }
+    Py_ssize_t rows = 0;
+    for (Py_ssize_t k = 0; k < n; k++) rows += parts[k].rows;
+    if (threads > rows) threads = rows > 0 ? rows : 1;
+    Py_BEGIN_ALLOW_THREADS
+    #pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (Py_ssize_t t = 0; t < threads; t++)
+        run(parts, n, elements / threads * t + elements % threads * t / threads,
+            elements / threads * (t + 1) + elements % threads * (t + 1) / threads);
+    Py_END_ALLOW_THREADS
+}
+
+static int check_threads(Py_ssize_t threads) {
+    if (threads >= 1 && threads <= MAX_THREADS) return 0;
+    PyErr_Format(PyExc_ValueError, "threads must be 1..%d, got %zd", MAX_THREADS, threads);
+    return -1;
+}
+
 static PyObject *outer(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *go, *ao, *oo;
     Py_ssize_t B, O, I, threads;
     if (!PyArg_ParseTuple(args, "OOO(nnn)n:outer", &go, &ao, &oo, &B, &O, &I, &threads)) return NULL;
-    if (B < 0 || O < 0 || I < 0) return PyErr_Format(PyExc_ValueError, "shape must be (B, O, I) >= 0, got (%zd, %zd, %zd)", B, O, I);
-    if (threads < 1 || threads > MAX_THREADS)
-        return PyErr_Format(PyExc_ValueError, "threads must be 1..%d, got %zd", MAX_THREADS, threads);
-    Py_ssize_t rows = count(B, O), inputs = count(B, I), total = rows < 0 ? -1 : count(rows, I);
-    if (rows < 0 || inputs < 0 || total < 0)
-        return PyErr_Format(PyExc_ValueError, "shape (%zd, %zd, %zd) is too large for a float32 buffer", B, O, I);
-    Py_buffer g, a, out;
-    if (get(go, &g, 0, rows, "g") < 0) return NULL;
-    if (get(ao, &a, 0, inputs, "a") < 0) { PyBuffer_Release(&g); return NULL; }
-    if (get(oo, &out, 1, total, "out") < 0) { PyBuffer_Release(&g); PyBuffer_Release(&a); return NULL; }
+    if (check_threads(threads) < 0) return NULL;
+    Py_buffer views[3];
+    Part part;
+    if (take(go, ao, oo, B, O, I, views, &part) < 0) return NULL;
+    write_parts(&part, 1, threads);
+    for (int v = 0; v < 3; v++) PyBuffer_Release(&views[v]);
+    Py_RETURN_NONE;
+}
 
-    if (threads > rows) threads = rows > 0 ? rows : 1;
-    const float *gb = g.buf, *ab = a.buf;
-    float *ob = out.buf;
-    Py_BEGIN_ALLOW_THREADS
-    /* one contiguous share of the rows a thread */
-    #pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (Py_ssize_t t = 0; t < threads; t++) {
-        Job job = {gb, ab, ob, O, I, rows * t / threads, rows * (t + 1) / threads};
-        run(&job);
+static PyObject *outer_all(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *seq;
+    Py_ssize_t threads;
+    if (!PyArg_ParseTuple(args, "On:outer_all", &seq, &threads)) return NULL;
+    if (check_threads(threads) < 0) return NULL;
+    PyObject *items = PySequence_Fast(seq, "parts must be a sequence of (g, a, out, (B, O, I))");
+    if (items == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(items), held = 0;
+    Part *parts = PyMem_Calloc(n ? n : 1, sizeof(Part));
+    Py_buffer *views = PyMem_Calloc(n ? 3 * n : 1, sizeof(Py_buffer));
+    if (parts == NULL || views == NULL) {
+        PyErr_NoMemory();
+        goto done;
     }
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&g);
-    PyBuffer_Release(&a);
-    PyBuffer_Release(&out);
+    for (; held < n; held++) {
+        PyObject *go, *ao, *oo, *item = PySequence_Fast_GET_ITEM(items, held);
+        Py_ssize_t B, O, I;
+        if (!PyTuple_Check(item)) {
+            PyErr_Format(PyExc_TypeError, "parts[%zd] must be a tuple (g, a, out, (B, O, I)), got %s", held,
+                         Py_TYPE(item)->tp_name);
+            goto done;
+        }
+        if (!PyArg_ParseTuple(item, "OOO(nnn):outer_all part", &go, &ao, &oo, &B, &O, &I)
+            || take(go, ao, oo, B, O, I, views + 3 * held, parts + held) < 0)
+            goto done;
+    }
+    write_parts(parts, n, threads);
+done:
+    for (Py_ssize_t k = 0; k < 3 * held; k++) PyBuffer_Release(&views[k]);
+    PyMem_Free(parts);
+    PyMem_Free(views);
+    Py_DECREF(items);
+    if (PyErr_Occurred()) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -151,6 +230,8 @@ static PyObject *resident(PyObject *self, PyObject *obj) {
 
 static PyMethodDef methods[] = {
     {"outer", outer, METH_VARARGS, "outer(g, a, out, (B, O, I), threads): out[b,o,i] = g[b,o] * a[b,i], streamed"},
+    {"outer_all", outer_all, METH_VARARGS,
+     "outer_all(parts, threads): outer of each (g, a, out, (B, O, I)) of parts in one parallel region"},
     {"resident", resident, METH_O, "resident(buffer) -> bool: every page of the buffer is resident"},
     {NULL, NULL, 0, NULL},
 };

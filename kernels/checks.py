@@ -3,9 +3,10 @@ raises with the argument's name, what it got and what would work.
 
 Python's bool is an int subclass, so ``integer``/``number`` refuse it explicitly (``offset=True``
 is a mistake, not position 1); numpy and torch scalars are accepted through ``operator.index``
-and ``float``. ``finite`` reads all its tensors' extremes in one reduction each and one host sync
-for all of them (``aminmax`` propagates NaN and shows inf, and reads a tensor once where
-``isfinite(t).all()`` writes a mask of it first).
+and ``float``. ``finite`` reads one sum a tensor and one host sync for all of them: a NaN or an
+inf makes the sum NaN or inf (where ``isfinite(t).all()`` writes a mask of the tensor first), and
+only a tensor whose sum is not finite (NaN or inf in it, or finite values overflowing the sum) is
+read again, exactly, by its extremes (``aminmax``, a slower reduction).
 """
 
 from __future__ import annotations
@@ -145,20 +146,26 @@ def tangent(*tensors: Tensor) -> bool:
 def extremes(named: Mapping[str, Tensor]) -> dict[str, tuple[float, float]]:
     """(min, max) of each floating, non-empty tensor of ``named`` (others are left out), read with
     one host sync for all of them; NaN propagates to both."""
-    # a sparse tensor by its stored values (its implicit zeros are finite), a complex one by its
-    # real and imaginary parts, float8 in float32 (aminmax has no float8 kernel)
-    named = {n: _values(t) for n, t in named.items()}
-    checked = {n: t for n, t in named.items() if t.is_floating_point() and t.numel()}
-    if not checked:
-        return {}
-    on = next(iter(checked.values())).device
-    # each tensor's min and max, one pass (NaN propagates; inf shows as an extreme), stacked and
-    # read as Python floats: two ops and one sync for all of them
-    found = [m for t in checked.values() for m in torch.aminmax(t.detach())]
-    if len({(m.device, m.dtype) for m in found}) > 1:  # stack needs one device and dtype
-        found = [m.to(on, torch.float64) for m in found]
-    values = torch.stack(found).tolist()
+    checked = _readable(named)
+    # each tensor's min and max, one pass (NaN propagates; inf shows as an extreme)
+    values = _read([m for t in checked.values() for m in torch.aminmax(t)])
     return {n: (low, high) for n, low, high in zip(checked, values[::2], values[1::2], strict=True)}
+
+
+def _readable(named: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The floating, non-empty tensors of ``named`` as the reductions read them (``_values``), detached."""
+    named = {n: _values(t) for n, t in named.items()}
+    return {n: t.detach() for n, t in named.items() if t.is_floating_point() and t.numel()}
+
+
+def _read(found: list[Tensor]) -> list[float]:
+    """0-d tensors read as Python floats with one host sync: stacked in their dtype, or in float64
+    on the first one's device where they differ (stack needs one device and dtype)."""
+    if not found:
+        return []
+    if len({(m.device, m.dtype) for m in found}) > 1:
+        found = [m.to(found[0].device, torch.float64) for m in found]
+    return torch.stack(found).tolist()
 
 
 def _values(t: Tensor) -> Tensor:
@@ -177,8 +184,12 @@ def _values(t: Tensor) -> Tensor:
 
 def nonfinite(named: Mapping[str, Tensor]) -> list[str]:
     """The names of those of ``named`` holding NaN or inf (floating and complex tensors; others are
-    finite by type), read with one host sync for all of them."""
-    return [n for n, (low, high) in extremes(named).items() if not (math.isfinite(low) and math.isfinite(high))]
+    finite by type), read with one host sync for all of them (module note)."""
+    checked = _readable(named)
+    # 16-bit values summed in float32: a half's sum would pass its 65504 on finite values
+    sums = _read([t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum() for t in checked.values()])
+    flagged = {n: t for (n, t), total in zip(checked.items(), sums, strict=True) if not math.isfinite(total)}
+    return [n for n, (low, high) in extremes(flagged).items() if not (math.isfinite(low) and math.isfinite(high))]
 
 
 def finite_extremes(named: Mapping[str, Tensor], *, error: type[Exception] = ValueError,
@@ -191,9 +202,24 @@ def finite_extremes(named: Mapping[str, Tensor], *, error: type[Exception] = Val
     return found
 
 
+def finite_bounds(named: Mapping[str, Tensor], *, error: type[Exception] = ValueError,
+                  hint: str = "") -> dict[str, float]:
+    """``finite``, returning a bound on each tensor's largest magnitude: its 2-norm (one reduction
+    each, one sync for all), or its exact largest magnitude (``extremes``) where the 2-norm is not
+    finite (NaN or inf in it, or squares past the dtype's range)."""
+    checked = _readable(named)
+    bounds = dict(zip(checked, _read([torch.linalg.vector_norm(t) for t in checked.values()]), strict=True))
+    flagged = {n: checked[n] for n, bound in bounds.items() if not math.isfinite(bound)}
+    for n, (low, high) in finite_extremes(flagged, error=error, hint=hint).items():
+        bounds[n] = max(-low, high)
+    return bounds
+
+
 def finite(named: Mapping[str, Tensor], *, error: type[Exception] = ValueError, hint: str = "") -> None:
     """Every value of every tensor is finite; else ``error`` naming the first that holds NaN or inf."""
-    finite_extremes(named, error=error, hint=hint)
+    bad = nonfinite(named)
+    if bad:
+        refuse_nonfinite(bad[0], error=error, hint=hint)
 
 
 def writable(t: Tensor, name: str) -> None:

@@ -20,9 +20,12 @@ which needs none of them):
   reaches a parameter other than through the model's output (weight decay inside the loss) is
   refused before this check (``loss_parameters``): vmap would miss that term too;
 - a captured input is not modified in place later (its version counter is compared);
-- in-place ops after the layer (``ReLU(inplace=True)``, ``out += x``) would rebase the layer
-  output, so the hook hands the rest of the model a clone and keeps the original; it runs
-  before the layer's own forward hooks, and a layer called under no_grad is refused. A global
+- in-place ops after the layer (``ReLU(inplace=True)``, ``out += x``) rebase the layer output
+  onto a new autograd node, so the hook keeps the output's gradient edge (the node that made it)
+  and the backward goes to that edge; an output that is a view (a Linear on (B, T, in) inputs) is
+  handed to the rest of the model as a clone, since an in-place op on a view rebases its base
+  instead and the edge would be bypassed. The hook runs before the layer's own forward hooks,
+  and a layer called under no_grad is refused. A global
   forward hook (``register_module_forward_hook``) runs before it, so any registered means vmap.
   A change to a captured input through an alias that shares no version counter (``.data``,
   ``.numpy()``) is not seen: those are unsafe in any autograd computation.
@@ -35,6 +38,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.func import vmap
 from torch.utils._pytree import tree_flatten
 
@@ -67,7 +71,7 @@ def _layer_nodes(calls: list, params: set[int]) -> set[Node]:
         return leads[node]
 
     for call in calls:
-        visit(call[2].grad_fn, call[3])
+        visit(call[4].node, call[3])
     return {node for node, yes in leads.items() if yes}
 
 
@@ -76,7 +80,7 @@ def _used_outside(root: Tensor, layers: dict[str, nn.Module], seen: dict[str, li
     ``root`` reaches by an edge from outside its calls, or None (module note). A layer never
     called owns its parameters too: any use of them is outside. The edge into a call's output
     node comes from what consumes the output and is not counted."""
-    param_owner = {id(p): name for name, m in layers.items() for p in m.parameters(recurse=False)}
+    param_owner = {id(p): name for name, m in layers.items() for p in m._parameters.values() if p is not None}
     owner: dict[Node, str] = {}
     for name, calls in seen.items():
         own = {pid for pid, of in param_owner.items() if of == name}
@@ -86,7 +90,7 @@ def _used_outside(root: Tensor, layers: dict[str, nn.Module], seen: dict[str, li
         variable = getattr(node, "variable", None)
         return owner.get(node, param_owner.get(id(variable)) if variable is not None else None)
 
-    entries = {c[2].grad_fn for calls in seen.values() for c in calls}
+    entries = {c[4].node for calls in seen.values() for c in calls}
     stack, visited = [root.grad_fn], set()
     while stack:
         node = stack.pop()
@@ -154,17 +158,21 @@ def _all_close(pairs: list[tuple[Tensor, Tensor]]) -> bool:
 
 
 def _record(layers: dict[str, nn.Module], seen: dict[str, list], batch: int | None) -> list:
-    """Register hooks that append (input, version, output, input's node) per call; returns the handles."""
+    """Register hooks that append (input, version, output, input's node, output's gradient edge)
+    per call (the probe's, ``batch`` None: no edge); returns the handles."""
 
     def post(name: str):
         def fn(mod: nn.Module, args: tuple, kwargs: dict, out: Tensor) -> Tensor:
             x = args[0] if args else kwargs["input"]
-            if batch is not None and (x.shape[0] != batch or out.shape[0] != batch):
+            if batch is None:
+                seen[name].append((x.detach(), x._version, out, x.grad_fn, None))
+                return out
+            if x.shape[0] != batch or out.shape[0] != batch:
                 raise Fallback(f"{name}: batch not in dim 0")
-            if batch is not None and not out.requires_grad:
+            if not out.requires_grad:
                 raise Fallback(f"{name}: called under no_grad (or a reentrant checkpoint)")
-            seen[name].append((x.detach(), x._version, out, x.grad_fn))
-            return out.clone()
+            seen[name].append((x.detach(), x._version, out, x.grad_fn, get_gradient_edge(out)))
+            return out.clone() if out._is_view() else out  # module note: a view's in-place op bypasses the edge
         return fn
 
     # prepend: see the layer's own output, before any user hook changes it
@@ -285,10 +293,13 @@ def capture(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
     if outputs is not None:
         outputs.append(out.detach())
     used = {n: calls for n, calls in seen.items() if calls}
-    outs = [c[2] for calls in used.values() for c in calls]
-    if not outs:  # no identity layer was called: nothing to capture
+    edges: list[GradientEdge] = [c[4] for calls in used.values() for c in calls]
+    if not edges:  # no identity layer was called: nothing to capture
         return {}
-    grads = iter(torch.autograd.grad(losses.sum(), outs, allow_unused=True, materialize_grads=True))
+    # an output the losses do not reach has gradient zero (grad's materialize_grads takes no edges)
+    grads = iter([g if g is not None else c[2].new_zeros(c[2].shape)
+                  for g, c in zip(torch.autograd.grad(losses.sum(), edges, allow_unused=True),
+                                  [c for calls in used.values() for c in calls], strict=True)])
     terms = {}
     for name, calls in used.items():
         if any(x._version != v for x, v, *_ in calls):

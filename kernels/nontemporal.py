@@ -61,15 +61,37 @@ def outer(g: Tensor, a: Tensor, out: Tensor, *, stream: bool) -> Tensor:
     """``torch.mul(g, a, out=out)`` for g (B, O, 1), a (B, 1, I), out (B, O, I): the batched
     outer products, by streaming stores where ``stream`` (the caller's ``pays``) and the module
     note's conditions hold. Returns ``out``."""
-    if stream and _streamable(g, a, out):
-        dst = out.numpy()
-        if _nontemporal.resident(dst):
-            threads = min(torch.get_num_threads(), out.numel() * 4 // THREAD_BYTES, _nontemporal.MAX_THREADS)
-            _nontemporal.outer(g.detach().contiguous().numpy(), a.detach().contiguous().numpy(), dst,
-                               tuple(out.shape), max(1, threads))
-            torch.autograd.graph.increment_version(out)  # written in place, as torch.mul's out= counts it
-            return out
-    return torch.mul(g, a, out=out)
+    return outer_all([(g, a, out)], stream=stream)[0]
+
+
+def outer_all(parts: list[tuple[Tensor, Tensor, Tensor]], *, stream: bool) -> list[Tensor]:
+    """``outer`` of each (g, a, out) of ``parts``, returning the outs. Those streamed are written
+    in one parallel region, their rows split over the threads by bytes, so a layer's small result
+    does not hold a thread alone; they must then share no memory with another part."""
+    streamed = [p for p in parts if stream and _streamable(*p)]
+    written: set[int] = set()
+    if streamed and _apart(streamed):
+        dsts = [out.numpy() for _, _, out in streamed]
+        if all(_nontemporal.resident(dst) for dst in dsts):
+            nbytes = sum(dst.nbytes for dst in dsts)
+            threads = min(torch.get_num_threads(), nbytes // THREAD_BYTES, _nontemporal.MAX_THREADS)
+            _nontemporal.outer_all([(g.detach().contiguous().numpy(), a.detach().contiguous().numpy(), dst,
+                                     tuple(out.shape)) for (g, a, out), dst in zip(streamed, dsts, strict=True)],
+                                   max(1, threads))
+            for _, _, out in streamed:
+                torch.autograd.graph.increment_version(out)  # written in place, as torch.mul's out= counts it
+                written.add(id(out))
+    for g, a, out in parts:
+        if id(out) not in written:
+            torch.mul(g, a, out=out)
+    return [out for _, _, out in parts]
+
+
+def _apart(parts: list[tuple[Tensor, Tensor, Tensor]]) -> bool:
+    """No part's out shares memory with another part's tensors (the threads write them at once)."""
+    outs = [out.untyped_storage().data_ptr() for _, _, out in parts]
+    read = {t.untyped_storage().data_ptr() for g, a, _ in parts for t in (g, a)}
+    return len(set(outs)) == len(outs) and not read.intersection(outs)
 
 
 def _streamable(g: Tensor, a: Tensor, out: Tensor) -> bool:

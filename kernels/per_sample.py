@@ -88,7 +88,7 @@ def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Ten
                 f"model.{mname} is {type(m).__name__}(p={m.p}) in train mode: per-sample gradients "
                 "are random; call model.eval(), or pass randomness='different' (own mask per "
                 "sample) or 'same' (one mask shared by all samples)")
-    params = dict(model.named_parameters())
+    params = dict(trainable)
     p0 = params[names[0]]
     if inputs.device != p0.device:
         raise ValueError(f"inputs are on {inputs.device} but model parameters on {p0.device}; "
@@ -119,15 +119,18 @@ def _plan(model: nn.Module, names: list[str], randomness: str) -> _Plan:
         return _Plan(names, {}, names)
     # how many modules own each parameter: a layer registered under two names is one owner (its
     # calls are the identity's repeated calls), a parameter tied into two modules has two
+    # (each module's own parameters read from ``_parameters``, as torch's own recursive
+    # named_parameters reads them: a call of named_parameters a module costs more than the rest)
     counts: dict[int, int] = {}
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            counts[id(p)] = counts.get(id(p), 0) + 1
+    modules = list(model.named_modules())
+    for _, m in modules:
+        for pid in {id(p) for p in m._parameters.values() if p is not None}:
+            counts[pid] = counts.get(pid, 0) + 1
     linear, covered = {}, set()
-    for mname, m in model.named_modules():
+    for mname, m in modules:
         if not _has_identity(m):
             continue
-        own = list(m.named_parameters(recurse=False))  # a child module's parameters are not the identity's
+        own = _own(m)  # a child module's parameters are not the identity's
         if any(p.requires_grad for _, p in own) and all(counts[id(p)] == 1 for _, p in own):  # tied: vmap
             linear[mname] = m
             covered.update(f"{mname}.{n}" if mname else n for n, _ in own)
@@ -140,8 +143,14 @@ def _has_identity(m: nn.Module) -> bool:
     bias (weight_norm's g/v are not)."""
     if type(m) is not nn.Linear:  # most modules: nothing more to look at
         return False
-    own = {n for n, _ in m.named_parameters(recurse=False)}
+    own = {n for n, _ in _own(m)}
     return own <= {"weight", "bias"} and isinstance(m.weight, nn.Parameter) and "forward" not in vars(m)
+
+
+def _own(m: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``m.named_parameters(recurse=False)``: its own parameters, each once, in order."""
+    seen: set[int] = set()
+    return [(n, p) for n, p in m._parameters.items() if p is not None and not (id(p) in seen or seen.add(id(p)))]
 
 
 def _terms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, plan: _Plan,
@@ -261,22 +270,27 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets:
         for n, g in grads.items():
             result[n] = g if out is None else out[n].copy_(g)
             checked[f"the per-sample gradient of {n!r}"] = result[n]
-    found = checks.finite_extremes(checked, error=FloatingPointError, hint=RESULT_HINT)
-    check_result(_may_overflow(terms, found, result))
+    bounds = checks.finite_bounds(checked, error=FloatingPointError, hint=RESULT_HINT)
+    check_result(_may_overflow(terms, bounds, result))
     return out if out is not None else {n: result[n] for n in names}
 
 
-def _may_overflow(terms: dict[str, tuple[Tensor, Tensor]], found: dict[str, tuple[float, float]],
+def _may_overflow(terms: dict[str, tuple[Tensor, Tensor]], bounds: dict[str, float],
                   result: dict[str, Tensor]) -> dict[str, Tensor]:
     """The identity layers' gradients that finite terms could still overflow, by name: where T
-    max|a| max|g| (the weight's) or T max|g| (the bias's) passes the dtype's largest value."""
+    max|a| max|g| (the weight's) or T max|g| (the bias's) passes the dtype's largest value.
+    ``bounds``: bounds on max|a| and max|g| (``checks.finite_bounds``' 2-norms); where they pass
+    it, the largest values are read exactly before a gradient is called risky."""
     risky = {}
-    for m, (a, _) in terms.items():
-        top = torch.finfo(a.dtype).max
-        big_a, big_g = (max(map(abs, found.get(f"the captured {k} of layer {m!r}", (0.0, 0.0))))
-                        for k in ("inputs", "output gradients"))
+    for m, (a, g) in terms.items():
+        top, rows = torch.finfo(a.dtype).max, a.shape[1]
+        keys = [f"the captured {k} of layer {m!r}" for k in ("inputs", "output gradients")]
+        big_a, big_g = (bounds.get(k, 0.0) for k in keys)
+        if rows * big_a * big_g > top or rows * big_g > top:
+            exact = checks.extremes(dict(zip(keys, (a, g), strict=True)))
+            big_a, big_g = (max(map(abs, exact.get(k, (0.0, 0.0)))) for k in keys)
         prefix = f"{m}." if m else ""
-        for n, bound in (("weight", a.shape[1] * big_a * big_g), ("bias", a.shape[1] * big_g)):
+        for n, bound in (("weight", rows * big_a * big_g), ("bias", rows * big_g)):
             if prefix + n in result and bound > top:
                 risky[f"the per-sample gradient of {prefix + n!r}"] = result[prefix + n]
     return risky
@@ -292,6 +306,7 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
     stream = nontemporal.pays(sum(batch * plan.linear[n].weight.numel() * plan.linear[n].weight.element_size()
                                   for n, (a, _) in terms.items()
                                   if plan.linear[n].weight.requires_grad and a.shape[1] == 1))
+    given: dict[str, tuple[Tensor, Tensor, Tensor]] = {}  # one-row outer products into out=, written together
     for mname, (a, g) in terms.items():
         prefix = f"{mname}." if mname else ""
         m = plan.linear[mname]
@@ -302,15 +317,23 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
             # A fresh result in huge pages: writing it faults 2 MiB at a time (kernels.hugepages),
             # the way its calls' times chose for this kind of write (T rows by bmm, or one row).
             w, site = into.get(prefix + "weight"), f"per_sample_grads T={a.shape[1]}"
-            with (contextlib.nullcontext(w) if w is not None
-                  else hugepages.fresh((batch, *m.weight.shape), like=a, site=site)) as w:
-                if a.shape[1] == 1:
-                    out[prefix + "weight"] = nontemporal.outer(g.transpose(1, 2), a, w, stream=stream)
-                else:
-                    out[prefix + "weight"] = torch.bmm(g.transpose(1, 2), a, out=w)
+            if w is not None and a.shape[1] == 1:
+                given[prefix + "weight"] = (g.transpose(1, 2), a, w)
+            else:
+                with (contextlib.nullcontext(w) if w is not None
+                      else hugepages.fresh((batch, *m.weight.shape), like=a, site=site)) as w:
+                    if a.shape[1] == 1:
+                        out[prefix + "weight"] = nontemporal.outer(g.transpose(1, 2), a, w, stream=stream)
+                    else:
+                        out[prefix + "weight"] = torch.bmm(g.transpose(1, 2), a, out=w)
         if m.bias is not None and m.bias.requires_grad:
-            b = into.get(prefix + "bias")
-            out[prefix + "bias"] = torch.sum(g, dim=1, out=b) if b is not None else g.sum(dim=1)
+            # one row: g_i itself, copied (a sum over one row is a slower copy)
+            b, one = into.get(prefix + "bias"), g[:, 0] if g.shape[1] == 1 else None
+            if one is not None:
+                out[prefix + "bias"] = b.copy_(one) if b is not None else one.clone()
+            else:
+                out[prefix + "bias"] = torch.sum(g, dim=1, out=b) if b is not None else g.sum(dim=1)
+    out.update(zip(given, nontemporal.outer_all(list(given.values()), stream=stream), strict=True))
     for mname, m in plan.linear.items():  # layers never called get zero gradients
         if mname not in terms:
             prefix = f"{mname}." if mname else ""
