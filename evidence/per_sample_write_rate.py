@@ -3,9 +3,10 @@ moment: whether the call's share of the write limit (issue 32's 40% target) is s
 by the host.
 
 Each round times, back to back and in turn: a fill of the ``out=`` buffers (the rate the host
-writes them at that moment: the faster of torch's ``fill_`` and libc's ``memset`` from the
-session's threads, as perfgate's fill is measured; the limit's write rate also counts a stream
-pass's written share, so it is no lower than a fill's), ours with ``out=``, the Linear identity bare
+writes them at that moment: the fastest of torch's ``fill_``, libc's ``memset`` and streaming
+stores (``perfgate._streamfill``, where built) from the session's threads, as perfgate's fill is
+measured; the limit's write rate also counts a stream pass's written share, so it is no lower
+than a fill's), ours with ``out=``, the Linear identity bare
 (``evidence.per_sample_compile``: no check at all), a bare forward and backward (the arithmetic
 every recipe does), and ``torch.compile(vmap(grad))``. Each row prints, per round, the call's GB/s
 over the result's bytes and its share of the stored write limit, and the rounds are split at the
@@ -30,7 +31,7 @@ import kernels  # noqa: E402
 from evidence.ab import round_times  # noqa: E402
 from evidence.per_sample_compile import bare_identity  # noqa: E402
 from perfgate.fingerprint import _cpu_model, fingerprint, slug  # noqa: E402
-from perfgate.roofline import _libc_memset, page_blocks, read_limits, write_rate  # noqa: E402
+from perfgate.roofline import _libc_memset, _streamed_fill, page_blocks, read_limits, write_rate  # noqa: E402
 from workloads.common import per_sample_problem, vmap_grads  # noqa: E402
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
@@ -47,7 +48,7 @@ nbytes = sum(t.numel() * t.element_size() for t in buffers.values())
 here = slug(fingerprint("cpu", threads, malloc))
 stored = read_limits(Path(".benchmarks") / here / "limits.json", here)
 limit = write_rate(stored)  # GB/s, the roofline column's write rate: a fill's, or a stream pass's written share
-memset = _libc_memset()
+memset, streamed = _libc_memset(), _streamed_fill()
 compiled = torch.compile(vmap_grads, dynamic=False)
 compiled(*args)  # compiled outside the timing
 
@@ -69,21 +70,31 @@ def fill_memset() -> None:
     list(pool.map(lambda span: memset(span[0], 0x3F, span[1] - span[0]), spans))
 
 
+def fill_streamed() -> None:
+    """Every out= buffer written once by streaming stores on torch's threads, a block each (whole
+    64-byte lines: the buffers' sizes and addresses here are multiples of 64)."""
+    for t in buffers.values():
+        streamed(t.data_ptr(), t.numel() * t.element_size(), 0x3F, threads)
+
+
 def forward_backward() -> None:
     model.zero_grad(set_to_none=True)
     F.cross_entropy(model(x), y).backward()
 
 
-rows = {"fill_": fill, "memset": fill_memset, "ours out=": lambda: kernels.per_sample_grads(*args, out=buffers),
+rows = {"fill_": fill, "memset": fill_memset, "streamed fill": fill_streamed,
+        "ours out=": lambda: kernels.per_sample_grads(*args, out=buffers),
         "identity bare": lambda: bare_identity(model, x, y, bare_out), "forward+backward": forward_backward,
         "compile(vmap)": lambda: compiled(*args)}
 if memset is None:
     del rows["memset"]
+if streamed is None or any((t.data_ptr() | t.numel() * t.element_size()) % 64 for t in buffers.values()):
+    del rows["streamed fill"]
+FILLS = [name for name in ("fill_", "memset", "streamed fill") if name in rows]
 # each row's median call a round: 3 calls after a warming one
 seconds = {name: [statistics.median(block) for block in blocks]
            for name, blocks in round_times(rows, rounds, calls=3, warm=1).items()}
-host = [nbytes / min(f, m) / 1e9 for f, m in zip(seconds["fill_"], seconds.get("memset", seconds["fill_"]),
-                                                   strict=True)]  # GB/s the host wrote at, each round
+host = [nbytes / min(seconds[name][i] for name in FILLS) / 1e9 for i in range(rounds)]  # GB/s the host wrote at
 cut = statistics.median(host)
 slow = [i for i, r in enumerate(host) if r < cut]
 fast = [i for i, r in enumerate(host) if r >= cut]
@@ -106,7 +117,7 @@ def line(name: str, ms: list[float]) -> str:
 
 print(f"# {_cpu_model()}, {threads} thread(s), malloc {malloc}, torch {torch.__version__}; MLP 784-256-256-10, "
       f"B={batch}, the result {nbytes / 1e6:.1f} MB; stored write limit {limit:.1f} GB/s ({here})")
-print(f"# {rounds} rounds, each row the median of 3 calls; the host's rate that round: the faster fill. Split at "
+print(f"# {rounds} rounds, each row the median of 3 calls; the host's rate that round: the fastest fill. Split at "
       f"its median, {cut:.1f} GB/s")
 print(f"{'row':18s} {'all rounds: ms':>15s} {'GB/s':>6s} {'% limit':>8s}   {'slow half: ms':>14s} {'% limit':>8s}"
       f"   {'fast half: ms':>14s} {'% limit':>8s}")
@@ -114,6 +125,11 @@ for name in rows:
     print(line(name, [s * 1e3 for s in seconds[name]]))
 print(line("the host's rate", [nbytes / r / 1e6 for r in host]))
 shown = ("ours out=", "identity bare", "compile(vmap)")
-print(f"# per round, by the host's rate (GB/s): the share of the write limit of {', '.join(shown)}")
+of_host = [100 * nbytes / seconds["ours out="][i] / 1e9 / host[i] for i in range(rounds)]
+print(f"# ours out= over the host's rate in the same round (the fastest fill's): median "
+      f"{statistics.median(of_host):.0f}%, {min(of_host):.0f}-{max(of_host):.0f}%")
+print(f"# per round, by the host's rate (GB/s): the share of the write limit of {', '.join(shown)}; ours' "
+      "share of that round's rate")
 for i in sorted(range(rounds), key=lambda i: host[i]):
-    print(f"{host[i]:6.1f} " + " ".join(f"{share(seconds[k][i] * 1e3):5.0f}%" for k in shown))
+    figures = " ".join(f"{share(seconds[k][i] * 1e3):5.0f}%" for k in shown)
+    print(f"{host[i]:6.1f} {figures}   {of_host[i]:5.0f}%")
