@@ -565,6 +565,18 @@ def test_extremes_of_mixed_dtypes_are_read_in_float64() -> None:
     assert checks.nonfinite(named) == []
 
 
+def test_overlapping_sees_storages_over_one_buffer() -> None:
+    """Views of one storage and two storages over overlapping parts of one numpy buffer meet;
+    neighbouring slices and empty tensors do not."""
+    buffer = np.zeros(100, dtype=np.float32)
+    base = torch.zeros(10)
+    apart = {"a": torch.from_numpy(buffer[:50]), "b": torch.from_numpy(buffer[50:]), "none": torch.empty(0),
+             "other": torch.zeros(3)}
+    assert checks.overlapping(apart) is None
+    assert checks.overlapping({**apart, "c": torch.from_numpy(buffer[40:60])}) == ("a", "c")
+    assert checks.overlapping({"x": base[:2], "y": base[5:]}) == ("x", "y")  # one storage: its whole span
+
+
 def test_writable_refuses_autograd_history_and_inference_tensors_outside_inference_mode() -> None:
     checks.writable(torch.zeros(2), "out")
     with pytest.raises(ValueError, match="out requires grad"):
@@ -614,21 +626,6 @@ def test_nonfinite_reads_again_only_what_a_sum_flags() -> None:
     checks.finite(big)
     both = torch.tensor([math.inf, -math.inf, 1.0])
     assert checks.nonfinite({**big, "both": both, "nan": torch.tensor([math.nan])}) == ["both", "nan"]
-
-
-def test_finite_bounds_hold_each_largest_magnitude() -> None:
-    """Each bound is at least the tensor's largest |value| (its 2-norm, or that value itself where
-    the squares overflow: 1e20 in float32); a NaN or inf is refused with the first bad name."""
-    named = {"a": torch.tensor([-3.0, 4.0]), "b": torch.tensor([1e20, -2e20]), "ids": torch.arange(3),
-             "h": torch.tensor([-60000.0, 100.0], dtype=torch.float16)}
-    bounds = checks.finite_bounds(named)
-    assert set(bounds) == {"a", "b", "h"}
-    assert bounds["a"] == pytest.approx(5.0) and bounds["h"] == 60000.0
-    assert bounds["b"] == float(named["b"][1].abs())  # -2e20 in float32
-    for value in (math.nan, math.inf):
-        with pytest.raises(FloatingPointError, match="NaN or inf in b; fix it"):
-            checks.finite_bounds({"a": named["a"], "b": _with(torch.ones(3), value)}, error=FloatingPointError,
-                                 hint="fix it")
 
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")

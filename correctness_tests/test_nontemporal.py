@@ -7,6 +7,7 @@ from __future__ import annotations
 import mmap
 import platform
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -172,7 +173,8 @@ def test_outer_streams_nothing_torch_mul_would_treat_otherwise(calls: list) -> N
 
 def test_outer_all_streams_its_parts_in_one_call_unless_one_writes_what_another_reads(calls: list) -> None:
     """The layers' parts go to the C part together; where an out shares memory with another part's
-    input (its threads would write it while another reads it), each is torch.mul's, in order."""
+    input or out (its threads would write it while another reads or writes it), each part is
+    written alone, in order, as outer writes it."""
     g, a, g2, a2 = torch.randn(2, 3, 1), torch.randn(2, 1, 4), torch.randn(2, 5, 1), torch.randn(2, 1, 3)
     outs = [torch.zeros(2, 3, 4), torch.zeros(2, 5, 3)]
     assert nontemporal.outer_all([(g, a, outs[0]), (g2, a2, outs[1])], stream=True) == outs
@@ -183,7 +185,15 @@ def test_outer_all_streams_its_parts_in_one_call_unless_one_writes_what_another_
     a_shared = shared[:8].view(2, 1, 4)
     a_shared.copy_(a)
     got = nontemporal.outer_all([(g, a_shared, torch.zeros(2, 3, 4)), (g2, a2, shared.view(2, 5, 3))], stream=True)
-    assert calls == [] and torch.equal(got[0], g * a) and torch.equal(got[1], g2 * a2)
+    assert calls == [(2, 3, 4), (2, 5, 3)]  # each alone, in order: a_shared is read before the 2nd writes it
+    assert torch.equal(got[0], g * a) and torch.equal(got[1], g2 * a2)
+    calls.clear()
+    # two outs over one buffer, overlapping by half (their storages start apart): written one after the other
+    buffer = np.zeros(2 * 3 * 4 + 12, dtype=np.float32)
+    first, second = torch.from_numpy(buffer[:24]).view(2, 3, 4), torch.from_numpy(buffer[12:]).view(2, 3, 4)
+    got = nontemporal.outer_all([(g, a, first), (g, -a, second)], stream=True)
+    assert calls == [(2, 3, 4), (2, 3, 4)] and torch.equal(second, g * -a)
+    assert torch.equal(first.reshape(-1)[:12], (g * a).reshape(-1)[:12])
 
 
 def test_outer_computes_misaligned_float32_as_torch_mul(calls: list) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1094,6 +1095,7 @@ def test_bad_out_is_refused_clearly() -> None:
     x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
     good = _out_like(kernels.per_sample_grads(model, F.cross_entropy, x, y))
     first = next(iter(good))
+    buffer = np.zeros(150, dtype=np.float32)
     cases = {
         "out must be a dict": [good[first]],
         "missing": {n: t for n, t in good.items() if n != first},
@@ -1101,6 +1103,10 @@ def test_bad_out_is_refused_clearly() -> None:
         "torch.float64": {**good, first: good[first].double()},
         "contiguous": {**good, first: good[first].transpose(1, 2).contiguous().transpose(1, 2)},
         "share memory": {**good, "net.2.weight": good[first].view(-1)[:60].view(4, 3, 5)},
+        # two storages over one buffer (numpy slices that overlap): their start addresses differ
+        r"share memory: out\['net.0.weight'\] and out\['net.2.weight'\] do": {
+            **good, first: torch.from_numpy(buffer[:120]).view(4, 5, 6),
+            "net.2.weight": torch.from_numpy(buffer[90:]).view(4, 3, 5)},
         "requires grad": {**good, first: good[first].clone().requires_grad_()},
         r"unexpected \['extra'\]": {**good, "extra": torch.zeros(4)},
         r"on cpu \(batch, \*param.shape\), got \(4, 5, 6\) torch.float32 on meta": {

@@ -60,7 +60,7 @@ def timed_parts() -> dict[str, float]:
     parts = [(ps, "check_inputs"), (ps, "check_out"), (ps, "_plan"), (ps, "_from_terms"),
              (capture, "_probe_forward"), (capture, "_probe"), (capture, "loss_parameters"),
              (capture, "_used_outside"), (capture, "per_sample_losses"), (checks, "nonfinite"),
-             (checks, "finite_bounds")]
+             (checks, "finite_extremes")]
     whole = []
     with contextlib.ExitStack() as stack:
         for module, name in parts:
@@ -88,14 +88,14 @@ def without(*patches: tuple[object, str, object]) -> Callable[[], object]:
 
 print(f"# {_cpu_model()}, {threads} thread(s), malloc {malloc}, torch {torch.__version__}; MLP 784-256-256-10, "
       f"B={batch}, out=")
-print(f"# 1. each part timed inside the call, ms a call over {calls} calls (nonfinite and finite_bounds: every "
+print(f"# 1. each part timed inside the call, ms a call over {calls} calls (nonfinite and finite_extremes: every "
       "finiteness read, check_inputs' among them; _from_terms: the write)")
 for name, ms in timed_parts().items():
     print(f"{name:40s} {ms:7.3f}")
 rows = {"ours out=": without(),
         "  without the probe": without((capture, "_probe_forward", lambda *a: [])),
         "  without the finiteness reads": without((checks, "finite", lambda *a, **k: None),
-                                                  (checks, "finite_bounds", lambda *a, **k: {})),
+                                                  (checks, "finite_extremes", lambda *a, **k: {})),
         "  without the weight-use walk": without((capture, "_used_outside", lambda *a, **k: None)),
         "  without check_out": without((ps, "check_out", lambda *a, **k: None)),
         "identity, no check": lambda: bare_identity(model, x, y, bare_out)}

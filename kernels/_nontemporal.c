@@ -11,7 +11,8 @@
                                          buffers; the B*O rows split over `threads` OpenMP threads
    outer_all(parts, threads)             parts: a sequence of (g, a, out, (B, O, I)) as outer's, all
                                          written in one parallel region, their rows split over the
-                                         threads by bytes (a small part does not get a thread alone)
+                                         threads by elements (a small part does not get a thread
+                                         alone); the outs must not overlap the other parts' memory
    resident(buffer) -> bool              every page of it is resident (mincore); a store can still
                                          fault on a copy-on-write or zero page
    NONTEMPORAL                           True where this build has streaming stores (SSE2)
@@ -134,12 +135,18 @@ static int take(PyObject *go, PyObject *ao, PyObject *oo, Py_ssize_t B, Py_ssize
 }
 
 /* Write the n parts (starts set here) on `threads` threads, each a contiguous share of their
-   elements, the GIL released. */
-static void write_parts(Part *parts, Py_ssize_t n, Py_ssize_t threads) {
+   elements, the GIL released; -1 with a Python error where their elements together pass a
+   float32 buffer's largest count. */
+static int write_parts(Part *parts, Py_ssize_t n, Py_ssize_t threads) {
     Py_ssize_t elements = 0;
     for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t size = parts[k].rows * parts[k].I; /* checked by take() */
+        if (size > PY_SSIZE_T_MAX / 4 - elements) {
+            PyErr_SetString(PyExc_ValueError, "the parts together are too large for float32 buffers");
+            return -1;
+        }
         parts[k].start = elements;
-        elements += parts[k].rows * parts[k].I;
+        elements += size;
     }
     Py_ssize_t rows = 0;
     for (Py_ssize_t k = 0; k < n; k++) rows += parts[k].rows;
@@ -150,6 +157,7 @@ static void write_parts(Part *parts, Py_ssize_t n, Py_ssize_t threads) {
         run(parts, n, elements / threads * t + elements % threads * t / threads,
             elements / threads * (t + 1) + elements % threads * (t + 1) / threads);
     Py_END_ALLOW_THREADS
+    return 0;
 }
 
 static int check_threads(Py_ssize_t threads) {
@@ -167,8 +175,9 @@ static PyObject *outer(PyObject *self, PyObject *args) {
     Py_buffer views[3];
     Part part;
     if (take(go, ao, oo, B, O, I, views, &part) < 0) return NULL;
-    write_parts(&part, 1, threads);
+    int ok = write_parts(&part, 1, threads);
     for (int v = 0; v < 3; v++) PyBuffer_Release(&views[v]);
+    if (ok < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -178,9 +187,16 @@ static PyObject *outer_all(PyObject *self, PyObject *args) {
     Py_ssize_t threads;
     if (!PyArg_ParseTuple(args, "On:outer_all", &seq, &threads)) return NULL;
     if (check_threads(threads) < 0) return NULL;
-    PyObject *items = PySequence_Fast(seq, "parts must be a sequence of (g, a, out, (B, O, I))");
-    if (items == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(items), held = 0;
+    /* a tuple of its own: Python code run while a part is parsed (an __index__) cannot drop a part */
+    PyObject *items = PySequence_Check(seq) ? PySequence_Tuple(seq) : NULL;
+    if (items == NULL) {
+        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "parts must be a sequence of (g, a, out, (B, O, I))");
+        }
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(items), held = 0;
     Part *parts = PyMem_Calloc(n ? n : 1, sizeof(Part));
     Py_buffer *views = PyMem_Calloc(n ? 3 * n : 1, sizeof(Py_buffer));
     if (parts == NULL || views == NULL) {
@@ -188,7 +204,7 @@ static PyObject *outer_all(PyObject *self, PyObject *args) {
         goto done;
     }
     for (; held < n; held++) {
-        PyObject *go, *ao, *oo, *item = PySequence_Fast_GET_ITEM(items, held);
+        PyObject *go, *ao, *oo, *item = PyTuple_GET_ITEM(items, held);
         Py_ssize_t B, O, I;
         if (!PyTuple_Check(item)) {
             PyErr_Format(PyExc_TypeError, "parts[%zd] must be a tuple (g, a, out, (B, O, I)), got %s", held,
@@ -199,7 +215,7 @@ static PyObject *outer_all(PyObject *self, PyObject *args) {
             || take(go, ao, oo, B, O, I, views + 3 * held, parts + held) < 0)
             goto done;
     }
-    write_parts(parts, n, threads);
+    write_parts(parts, n, threads);  /* an error is set for done's return */
 done:
     for (Py_ssize_t k = 0; k < 3 * held; k++) PyBuffer_Release(&views[k]);
     PyMem_Free(parts);

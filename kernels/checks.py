@@ -202,24 +202,32 @@ def finite_extremes(named: Mapping[str, Tensor], *, error: type[Exception] = Val
     return found
 
 
-def finite_bounds(named: Mapping[str, Tensor], *, error: type[Exception] = ValueError,
-                  hint: str = "") -> dict[str, float]:
-    """``finite``, returning a bound on each tensor's largest magnitude: its 2-norm (one reduction
-    each, one sync for all), or its exact largest magnitude (``extremes``) where the 2-norm is not
-    finite (NaN or inf in it, or squares past the dtype's range)."""
-    checked = _readable(named)
-    bounds = dict(zip(checked, _read([torch.linalg.vector_norm(t) for t in checked.values()]), strict=True))
-    flagged = {n: checked[n] for n, bound in bounds.items() if not math.isfinite(bound)}
-    for n, (low, high) in finite_extremes(flagged, error=error, hint=hint).items():
-        bounds[n] = max(-low, high)
-    return bounds
-
-
 def finite(named: Mapping[str, Tensor], *, error: type[Exception] = ValueError, hint: str = "") -> None:
     """Every value of every tensor is finite; else ``error`` naming the first that holds NaN or inf."""
     bad = nonfinite(named)
     if bad:
         refuse_nonfinite(bad[0], error=error, hint=hint)
+
+
+def span(t: Tensor) -> tuple[int, int]:
+    """The bytes [start, end) of ``t``'s storage. Tensors whose spans meet may share memory: views
+    of one storage, or two storages over one buffer (``torch.from_numpy`` of two overlapping
+    slices), which comparing storages' start addresses alone would miss."""
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+def overlapping(named: Mapping[str, Tensor]) -> tuple[str, str] | None:
+    """Two of ``named`` whose storages' spans meet (``span``), the first found in address order;
+    None where none do. Empty storages meet nothing."""
+    spans = sorted((lo, hi, n) for n, t in named.items() for lo, hi in [span(t)] if hi > lo)
+    reach, held = 0, ""  # the furthest end so far, and whose
+    for lo, hi, n in spans:
+        if lo < reach:
+            return held, n
+        if hi > reach:
+            reach, held = hi, n
+    return None
 
 
 def writable(t: Tensor, name: str) -> None:

@@ -65,40 +65,40 @@ def outer(g: Tensor, a: Tensor, out: Tensor, *, stream: bool) -> Tensor:
 
 
 def outer_all(parts: list[tuple[Tensor, Tensor, Tensor]], *, stream: bool) -> list[Tensor]:
-    """``outer`` of each (g, a, out) of ``parts``, returning the outs. Those streamed are written
-    in one parallel region, their rows split over the threads by bytes, so a layer's small result
-    does not hold a thread alone; they must then share no memory with another part."""
-    streamed = [p for p in parts if stream and _streamable(*p)]
-    written: set[int] = set()
-    if streamed and _apart(streamed):
-        dsts = [out.numpy() for _, _, out in streamed]
+    """``outer`` of each (g, a, out) of ``parts``, returning the outs. Where every part streams
+    (``outer``'s conditions) and no out overlaps another out or any part's inputs, they are written
+    in one parallel region, their rows split over the threads by elements, so a layer's small
+    result does not hold a thread alone; else each part as ``outer`` writes it, in order."""
+    if stream and parts and all(_streamable(*p) for p in parts) and _apart(parts):
+        dsts = [out.numpy() for _, _, out in parts]
         if all(_nontemporal.resident(dst) for dst in dsts):
             nbytes = sum(dst.nbytes for dst in dsts)
             threads = min(torch.get_num_threads(), nbytes // THREAD_BYTES, _nontemporal.MAX_THREADS)
             _nontemporal.outer_all([(g.detach().contiguous().numpy(), a.detach().contiguous().numpy(), dst,
-                                     tuple(out.shape)) for (g, a, out), dst in zip(streamed, dsts, strict=True)],
+                                     tuple(out.shape)) for (g, a, out), dst in zip(parts, dsts, strict=True)],
                                    max(1, threads))
-            for _, _, out in streamed:
+            for _, _, out in parts:
                 torch.autograd.graph.increment_version(out)  # written in place, as torch.mul's out= counts it
-                written.add(id(out))
-    for g, a, out in parts:
-        if id(out) not in written:
-            torch.mul(g, a, out=out)
-    return [out for _, _, out in parts]
+            return [out for _, _, out in parts]
+    if len(parts) > 1:
+        return [outer(*part, stream=stream) for part in parts]
+    return [torch.mul(g, a, out=out) for g, a, out in parts]
 
 
 def _apart(parts: list[tuple[Tensor, Tensor, Tensor]]) -> bool:
-    """No part's out shares memory with another part's tensors (the threads write them at once)."""
-    outs = [out.untyped_storage().data_ptr() for _, _, out in parts]
-    read = {t.untyped_storage().data_ptr() for g, a, _ in parts for t in (g, a)}
-    return len(set(outs)) == len(outs) and not read.intersection(outs)
+    """No out's memory meets another out's or any part's inputs' (``checks.span``): the threads
+    write every out at once."""
+    outs = [checks.span(out) for _, _, out in parts]
+    others = outs + [checks.span(t) for g, a, _ in parts for t in (g, a)]
+    return not any(lo < hi2 and lo2 < hi for i, (lo, hi) in enumerate(outs)
+                   for j, (lo2, hi2) in enumerate(others) if j != i)
 
 
 def _streamable(g: Tensor, a: Tensor, out: Tensor) -> bool:
     """The C part computes what torch.mul(g, a, out=out) would, and torch.mul would not refuse it:
-    plain float32 CPU tensors of the outer product's shapes, out contiguous and apart from the
-    inputs' memory, no gradient asked of the inputs, out writable here (not an inference tensor
-    outside inference mode)."""
+    plain float32 CPU tensors of the outer product's shapes, out contiguous, no gradient asked of
+    the inputs, out writable here (not an inference tensor outside inference mode). Its memory
+    apart from the inputs' is ``_apart``'s."""
     tensors = (g, a, out)
     if _nontemporal is None or not all(t.device.type == "cpu" and t.layout == torch.strided
                                        and t.dtype == torch.float32 and not t.is_neg()
@@ -113,5 +113,4 @@ def _streamable(g: Tensor, a: Tensor, out: Tensor) -> bool:
         return False
     if checks.tangent(g, a, out):  # forward-mode AD: torch.mul differentiates (or refuses), a C pass would not
         return False
-    shared = out.untyped_storage().data_ptr() in (g.untyped_storage().data_ptr(), a.untyped_storage().data_ptr())
-    return out.is_contiguous() and out.numel() > 0 and not shared
+    return out.is_contiguous() and out.numel() > 0  # apart from the inputs' memory: _apart

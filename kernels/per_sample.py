@@ -226,9 +226,10 @@ def check_out(model: nn.Module, names: list[str], batch: int, out: dict[str, Ten
             raise ValueError(f"out[{n!r}] must be {want} {p.dtype} on {p.device} (batch, *param.shape), got {got}")
         if not t.is_contiguous():
             raise ValueError(f"out[{n!r}] must be contiguous")
-    filled = [t for t in out.values() if t.numel()]
-    if len({t.untyped_storage().data_ptr() for t in filled}) != len(filled):
-        raise ValueError("out's tensors must not share memory")
+    shared = checks.overlapping(out)
+    if shared is not None:
+        raise ValueError(f"out's tensors must not share memory: out[{shared[0]!r}] and out[{shared[1]!r}] do; "
+                         "pass a tensor of its own for each (e.g. the previous call's result)")
     for n, t in out.items():
         checks.writable(t, f"out[{n!r}]")
 
@@ -270,27 +271,22 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets:
         for n, g in grads.items():
             result[n] = g if out is None else out[n].copy_(g)
             checked[f"the per-sample gradient of {n!r}"] = result[n]
-    bounds = checks.finite_bounds(checked, error=FloatingPointError, hint=RESULT_HINT)
-    check_result(_may_overflow(terms, bounds, result))
+    found = checks.finite_extremes(checked, error=FloatingPointError, hint=RESULT_HINT)
+    check_result(_may_overflow(terms, found, result))
     return out if out is not None else {n: result[n] for n in names}
 
 
-def _may_overflow(terms: dict[str, tuple[Tensor, Tensor]], bounds: dict[str, float],
+def _may_overflow(terms: dict[str, tuple[Tensor, Tensor]], found: dict[str, tuple[float, float]],
                   result: dict[str, Tensor]) -> dict[str, Tensor]:
     """The identity layers' gradients that finite terms could still overflow, by name: where T
-    max|a| max|g| (the weight's) or T max|g| (the bias's) passes the dtype's largest value.
-    ``bounds``: bounds on max|a| and max|g| (``checks.finite_bounds``' 2-norms); where they pass
-    it, the largest values are read exactly before a gradient is called risky."""
+    max|a| max|g| (the weight's) or T max|g| (the bias's) passes the dtype's largest value."""
     risky = {}
-    for m, (a, g) in terms.items():
-        top, rows = torch.finfo(a.dtype).max, a.shape[1]
-        keys = [f"the captured {k} of layer {m!r}" for k in ("inputs", "output gradients")]
-        big_a, big_g = (bounds.get(k, 0.0) for k in keys)
-        if rows * big_a * big_g > top or rows * big_g > top:
-            exact = checks.extremes(dict(zip(keys, (a, g), strict=True)))
-            big_a, big_g = (max(map(abs, exact.get(k, (0.0, 0.0)))) for k in keys)
+    for m, (a, _) in terms.items():
+        top = torch.finfo(a.dtype).max
+        big_a, big_g = (max(map(abs, found.get(f"the captured {k} of layer {m!r}", (0.0, 0.0))))
+                        for k in ("inputs", "output gradients"))
         prefix = f"{m}." if m else ""
-        for n, bound in (("weight", rows * big_a * big_g), ("bias", rows * big_g)):
+        for n, bound in (("weight", a.shape[1] * big_a * big_g), ("bias", a.shape[1] * big_g)):
             if prefix + n in result and bound > top:
                 risky[f"the per-sample gradient of {prefix + n!r}"] = result[prefix + n]
     return risky
