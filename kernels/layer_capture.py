@@ -54,6 +54,13 @@ class Fallback(Exception):
     """The identity's assumptions do not hold for this model and batch: use vmap."""
 
 
+def own_parameters(m: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``m.named_parameters(recurse=False)``, read from ``m._parameters`` as torch's own recursive
+    walk reads it (a named_parameters call a module costs more than the rest): each once, in order."""
+    seen: set[int] = set()
+    return [(n, p) for n, p in m._parameters.items() if p is not None and not (id(p) in seen or seen.add(id(p)))]
+
+
 def _layer_nodes(calls: list, params: set[int]) -> set[Node]:
     """The autograd nodes of one layer's calls that lead to its own parameters (ids ``params``):
     between each call's output node and (not into) the node that made its input, those from which
@@ -80,7 +87,7 @@ def _used_outside(root: Tensor, layers: dict[str, nn.Module], seen: dict[str, li
     ``root`` reaches by an edge from outside its calls, or None (module note). A layer never
     called owns its parameters too: any use of them is outside. The edge into a call's output
     node comes from what consumes the output and is not counted."""
-    param_owner = {id(p): name for name, m in layers.items() for p in m._parameters.values() if p is not None}
+    param_owner = {id(p): name for name, m in layers.items() for _, p in own_parameters(m)}
     owner: dict[Node, str] = {}
     for name, calls in seen.items():
         own = {pid for pid, of in param_owner.items() if of == name}

@@ -33,7 +33,15 @@ from kernels import checks, hugepages, nontemporal
 from kernels._stateless import functional_call
 from kernels.ghost import GhostTerms
 from kernels.ghost import Plan as _Plan
-from kernels.layer_capture import BARE_LOSSES, Fallback, LossFn, capture, loss_parameters, refuse_loss_parameters
+from kernels.layer_capture import (
+    BARE_LOSSES,
+    Fallback,
+    LossFn,
+    capture,
+    loss_parameters,
+    own_parameters,
+    refuse_loss_parameters,
+)
 
 RANDOMNESS = ("error", "different", "same")
 
@@ -119,18 +127,16 @@ def _plan(model: nn.Module, names: list[str], randomness: str) -> _Plan:
         return _Plan(names, {}, names)
     # how many modules own each parameter: a layer registered under two names is one owner (its
     # calls are the identity's repeated calls), a parameter tied into two modules has two
-    # (each module's own parameters read from ``_parameters``, as torch's own recursive
-    # named_parameters reads them: a call of named_parameters a module costs more than the rest)
     counts: dict[int, int] = {}
     modules = list(model.named_modules())
     for _, m in modules:
-        for pid in {id(p) for p in m._parameters.values() if p is not None}:
-            counts[pid] = counts.get(pid, 0) + 1
+        for _, p in own_parameters(m):
+            counts[id(p)] = counts.get(id(p), 0) + 1
     linear, covered = {}, set()
     for mname, m in modules:
         if not _has_identity(m):
             continue
-        own = _own(m)  # a child module's parameters are not the identity's
+        own = own_parameters(m)  # a child module's parameters are not the identity's
         if any(p.requires_grad for _, p in own) and all(counts[id(p)] == 1 for _, p in own):  # tied: vmap
             linear[mname] = m
             covered.update(f"{mname}.{n}" if mname else n for n, _ in own)
@@ -143,14 +149,8 @@ def _has_identity(m: nn.Module) -> bool:
     bias (weight_norm's g/v are not)."""
     if type(m) is not nn.Linear:  # most modules: nothing more to look at
         return False
-    own = {n for n, _ in _own(m)}
+    own = {n for n, _ in own_parameters(m)}
     return own <= {"weight", "bias"} and isinstance(m.weight, nn.Parameter) and "forward" not in vars(m)
-
-
-def _own(m: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """``m.named_parameters(recurse=False)``: its own parameters, each once, in order."""
-    seen: set[int] = set()
-    return [(n, p) for n, p in m._parameters.items() if p is not None and not (id(p) in seen or seen.add(id(p)))]
 
 
 def _terms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, plan: _Plan,

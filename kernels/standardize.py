@@ -281,8 +281,7 @@ def _finite(results: list[Tensor], acc: torch.dtype, result: Tensor) -> None:
     """NaN/inf in X (or an overflow) reach the sums of ``results`` (``result`` or its blocks' sums):
     one reduction per block, one sync, cheaper than an elementwise isfinite or aminmax pass over
     the result (docs/kernels/spectral.md). A sum of finite values near the dtype's largest can
-    overflow too: only where one did is ``result`` itself read, and refused if it is not finite
-    (as the C pass, which tests each value, would)."""
-    if checks.nonfinite({"X": torch.stack([r.detach().sum(dtype=acc) for r in results])}) and \
-            checks.nonfinite({"X": result}):
-        checks.refuse_nonfinite("X", hint=_NOT_FINITE)
+    overflow too: only where one did is ``result`` itself read, exactly (its extremes), and refused
+    if it is not finite (as the C pass, which tests each value, would)."""
+    if checks.nonfinite({"X": torch.stack([r.detach().sum(dtype=acc) for r in results])}):
+        checks.finite_extremes({"X": result}, hint=_NOT_FINITE)
