@@ -52,6 +52,7 @@ def cache_of_32_mib(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # The streaming probe's reading of a quiet host, GB/s: what ``quiet_host`` pins it at
 QUIET_GBPS = 10.0
+STEADY_PACE_NS = 60_000.0  # what the pace probe reads in inline sessions (pytester): never slowed
 
 
 @pytest.fixture
@@ -67,13 +68,15 @@ def quiet_host(monkeypatch: pytest.MonkeyPatch) -> None:
 def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     """pytester whose sessions (inline or in a fresh process) run without hypothesis's plugin: they
     hold no hypothesis test, and the plugin imports hypothesis in each fresh process (0.75 s).
-    Its inline sessions read no thread placement: where this host ran torch's two threads apart
-    (a busy neighbour), a verdict a test expects would turn "unresolved"; the placement's own
-    tests give their sessions readings of their own (test_placement.py, split_host).
+    Its inline sessions read no thread placement and a steady core's pace: where this host ran
+    torch's two threads apart or a core slowed (a busy neighbour), a verdict a test expects would
+    turn "unresolved"; the probes' own tests give their sessions readings of their own
+    (test_placement.py, test_pace.py).
     Run in a pytest-xdist worker (make correctness's paced tests), its sessions are not one: the
     worker's variables would turn pytest-benchmark off in them."""
     pytester.plugins.append("no:hypothesispytest")
     monkeypatch.setattr(timing.RoundTrip, "open", staticmethod(lambda threads: None))
+    monkeypatch.setattr(timing.Pace, "read", lambda self: STEADY_PACE_NS)
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
         monkeypatch.delenv(name, raising=False)
     return pytester

@@ -376,7 +376,7 @@ FAST = ["--perf-device", "cpu", "--perf-threads=2", "--benchmark-max-time=0.1", 
 @pytest.fixture
 def split_host(monkeypatch: pytest.MonkeyPatch, quiet_host: None):
     """The probe reads 320 ns while PERFGATE_TEST_APART is 1, else 52; the host places the threads
-    near again while the session waits for it (``GateState._await_near``), or never. Otherwise a
+    near again while the session waits for it (``GateState._await_usual``), or never. Otherwise a
     quiet host: only the placement moves."""
     pytest.importorskip("torch")
     monkeypatch.setattr(RoundTrip, "open", staticmethod(lambda threads: object.__new__(RoundTrip)))
@@ -387,14 +387,14 @@ def split_host(monkeypatch: pytest.MonkeyPatch, quiet_host: None):
     def run(pytester: pytest.Pytester, near_s: float, moves_back: bool, *args: str):
         monkeypatch.setenv("PERFGATE_TEST_NEAR_S", str(near_s))
         monkeypatch.setenv("PERFGATE_TEST_APART", "1")  # the session starts apart, and the limits stored 52 ns
-        await_near = GateState._await_near
+        await_usual = GateState._await_usual
 
         def wait(self: GateState) -> None:
             if moves_back:
                 os.environ["PERFGATE_TEST_APART"] = "0"
-            await_near(self)
+            await_usual(self)
 
-        monkeypatch.setattr(GateState, "_await_near", wait)
+        monkeypatch.setattr(GateState, "_await_usual", wait)
         pytester.makepyfile(test_split=SUITE)
         storage = pytester.path / ".benchmarks"
         result = pytester.runpytest(*FAST, f"--benchmark-storage=file://{storage}", "--perf-visits=1", *args)
@@ -455,10 +455,11 @@ def test_a_host_that_keeps_the_threads_apart_leaves_the_row_unresolved(pytester:
     _store_near(pytester)
     result, row = split_host(pytester, 0.002, False)
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
-    result.stdout.fnmatch_lines(["perfgate: the host ran torch's threads apart*waited 0.* s for a near placement "
-                                 "before timing misses again",
+    result.stdout.fnmatch_lines(["perfgate: the host ran torch's threads apart*",
                                  "perfgate: every pair of this session ran with torch's threads apart, against "
                                  "the 52 ns this machine's limits.json holds as its usual placement*",
+                                 "perfgate: waited 0.* s for the host to place torch's threads near and run the "
+                                 "core at its usual pace before timing misses again",
                                  "UNRESOLVED: split ?optimized, 8ms? on cpu: *too few timed near to judge (0)*"])
     assert row["apart"] == 1.0 and row["near_speedup"] is None
     judged, _ = split_host(pytester, 0.002, False, "--perf-contended=inf")

@@ -40,6 +40,9 @@ RATES = ("stream_gbps", "scale_gbps", "copy_gbps", "triad_gbps", "fill_gbps", "r
 # the sessions whose usual round trip a limits file keeps (``round_trip_sessions_ns``, newest last):
 # their median is the placement the gate judges pairs against (docs/gate.md, "The threads' placement")
 ROUND_TRIP_SESSIONS = 15
+# the same for the core's usual pace (``pace_sessions_ns``): their median is the pace a pair is
+# judged slowed against (docs/gate.md, "The core's pace")
+SESSIONS = {"round_trip_sessions_ns": ROUND_TRIP_SESSIONS, "pace_sessions_ns": ROUND_TRIP_SESSIONS}
 # bytes of an array of the stream passes at the least (2**25 float32): beyond most CPUs' last-level caches
 STREAM_BYTES = 128 << 20
 STREAM_RATES = ("stream_gbps", "scale_gbps", "copy_gbps", "triad_gbps", "fill_gbps")  # measured together
@@ -638,11 +641,24 @@ class Limits:
         """Add this session's usual reading (the lower quartile of its ``readings``) to the stored
         sessions', the last ``ROUND_TRIP_SESSIONS`` kept; like ``note_round_trip``, it joins a
         limits file and makes none on its own."""
-        usual = session_round_trip(readings)
+        self._note_session("round_trip_sessions_ns", session_round_trip(readings))
+
+    @property
+    def pace_history(self) -> list[float]:
+        """The stored sessions' usual paces of the core, ns (``note_usual_pace``), oldest first."""
+        return self.values.get("pace_sessions_ns") or []
+
+    def note_usual_pace(self, readings: list[float]) -> None:
+        """Add this session's usual pace (the lower quartile of its ``readings``, ``timing.Pace``)
+        to the stored sessions', as ``note_usual_round_trip`` does."""
+        self._note_session("pace_sessions_ns", session_pace(readings))
+
+    def _note_session(self, key: str, usual: float | None) -> None:
+        """Append ``usual`` to the history ``key``, its last ``SESSIONS[key]`` kept."""
         if usual is None:
             return
-        history = self.values.get("round_trip_sessions_ns") or []
-        self.values["round_trip_sessions_ns"] = [*history, usual][-ROUND_TRIP_SESSIONS:]
+        history = self.values.get(key) or []
+        self.values[key] = [*history, usual][-SESSIONS[key]:]
         self.dirty = self.dirty or (self.path is not None and self.path.is_file())
 
     def note_round_trip(self, ns: float) -> None:
@@ -705,10 +721,29 @@ def usual_round_trip(history: list[float], readings: list[float]) -> float | Non
 def session_round_trip(readings: list[float]) -> float | None:
     """A session's usual placement, ns: the lower quartile of its round-trip readings that are
     placements (finite, at most ``stats.PARTNER_IDLE_NS``); None where there are none."""
-    placed = _placed(readings)
-    if len(placed) < 2:  # quantiles need two points
-        return placed[0] if placed else None
-    return statistics.quantiles(placed, n=4, method="inclusive")[0]
+    return _lower_quartile(_placed(readings))
+
+
+def usual_pace(history: list[float], scans: list[float], readings: list[float]) -> float | None:
+    """The core's usual pace, ns (``timing.Pace``): the faster of the median of the machine's
+    stored sessions (``history``) and the fastest CPU this session found (``scans``,
+    ``Pace.scan``), so a session whose pairs all ran on a slowed core is told; else this
+    session's own (``session_pace``); None where none has one."""
+    known = ([float(statistics.median(history))] if history else []) + [s for s in scans if 0 < s < math.inf]
+    return min(known) if known else session_pace(readings)
+
+
+def session_pace(readings: list[float]) -> float | None:
+    """A session's usual pace, ns: the lower quartile of its finite, positive pace readings (a
+    host that slows a core for a minority of the session's pairs leaves its pace as usual);
+    None where there are none."""
+    return _lower_quartile([r for r in readings if 0 < r < math.inf])
+
+
+def _lower_quartile(values: list[float]) -> float | None:
+    if len(values) < 2:  # quantiles need two points
+        return values[0] if values else None
+    return statistics.quantiles(values, n=4, method="inclusive")[0]
 
 
 def write_rate(values: dict[str, Any]) -> float | None:
@@ -775,10 +810,11 @@ def read_limits(path: Path, slug: str) -> dict[str, Any]:
         raise BadLimits(f"{path}: stream_bytes is not a positive whole number of bytes: {nbytes!r}")
     rates = {key: values.setdefault(key, None) for key in RATES}  # missing: measured when a row needs it
     rates.update({f"{dtype} GEMM": v for dtype, v in values["gemm_gflops"].items()})
-    sessions = values.setdefault("round_trip_sessions_ns", [])
-    if not isinstance(sessions, list):
-        raise BadLimits(f"{path}: round_trip_sessions_ns is not a list: {sessions!r}")
-    rates.update({f"round_trip_sessions_ns[{i}]": v for i, v in enumerate(sessions)})
+    for key in SESSIONS:  # missing: no session stored yet
+        sessions = values.setdefault(key, [])
+        if not isinstance(sessions, list):
+            raise BadLimits(f"{path}: {key} is not a list: {sessions!r}")
+        rates.update({f"{key}[{i}]": v for i, v in enumerate(sessions)})
     bad = {k: v for k, v in rates.items() if v is not None and not _positive(v)}
     if bad:
         raise BadLimits(f"{path}: a limit is not a positive number: {bad}")

@@ -183,7 +183,7 @@ class PerfSession:
         from .fingerprint import fingerprint, slug
         from .floors import FloorPolicy
         from .state import Floors, GateState, Probes, Settings
-        from .timing import Bandwidth, HostLoad, RoundTrip, configure_malloc, timer_for
+        from .timing import Bandwidth, HostLoad, Pace, RoundTrip, configure_malloc, timer_for
 
         o = self.options
         device = self._device()
@@ -199,11 +199,13 @@ class PerfSession:
         timer = timer_for(device, l2_flush=o.l2_flush, host_timer=compat.host_timer(self.config),
                           disable_gc=bool(self.config.getoption("benchmark_disable_gc")))
         host = HostLoad(threads or 1, probe=Bandwidth.shared() if device == "cpu" else None,
-                        placement=RoundTrip.open(threads) if device == "cpu" else None)
+                        placement=RoundTrip.open(threads) if device == "cpu" else None,
+                        pace=Pace() if device == "cpu" else None)
         default = _DEFAULT_THREADS[0] if _DEFAULT_THREADS else None  # None: no torch (threads is None too)
         floors = Floors(policy=FloorPolicy.for_session(device, threads, default, malloc))
         self.state = GateState(settings, Probes(timer, host, threads), floors=floors,
                                limits=self._limits(settings))
+        self.state.scan_pace()
         self._load_compare(settings)
         if self.config.get_verbosity() >= 0:
             reporter = self.config.pluginmanager.get_plugin("terminalreporter")
@@ -467,7 +469,7 @@ class PerfSession:
 
     def _table(self, tr: Any) -> list:
         """The speedup table and the notes under it; the rows."""
-        from .stats import APART, format_table
+        from .stats import APART, PACE_SLOWED, format_table
         from .stats import apart as apart_reading
 
         state = self.state
@@ -497,9 +499,8 @@ class PerfSession:
                       else "--perf-contended inf: every row judged on all its pairs")
             tr.write_line(f"perfgate: the host ran torch's threads apart (a cache-line round trip over "
                           f"{APART:.0f}x this machine's usual placement, {state.near_round_trip_ns:.0f} ns) "
-                          f"beside {len(apart)} row(s)' pairs; {judged} (docs/gate.md, \"The threads' placement\")"
-                          + (f"; waited {state.tally.placement_wait:.1f} s for a near placement before timing "
-                             "misses again" if state.tally.placement_wait >= 0.1 else ""))
+                          f"beside {len(apart)} row(s)' pairs; {judged} "
+                          "(docs/gate.md, \"The threads' placement\")")
             if all(apart_reading(ns, state.near_round_trip_ns) for ns in state.round_trips()):
                 tr.write_line(f"perfgate: every pair of this session ran with torch's threads apart, against "
                               f"the {state.near_round_trip_ns:.0f} ns this machine's limits.json holds as its "
@@ -507,6 +508,17 @@ class PerfSession:
                               "before them holds): each session joins them, so a host that moved for good reads "
                               "its new placement as usual in time; "
                               "--perf-remeasure-limits starts the file anew", yellow=True)
+        paced = [r for r in rows if r.slowed]
+        if paced:
+            judged = ("a miss there is judged on the pairs timed at the usual pace"
+                      if math.isfinite(state.settings.contended) else "--perf-contended inf: every row judged on "
+                      "all its pairs")
+            tr.write_line(f"perfgate: the host ran the timing thread's core slowed (a pace probe over "
+                          f"{PACE_SLOWED:.2f}x this machine's usual {state.usual_pace_ns / 1e3:.0f} us) beside "
+                          f"{len(paced)} row(s)' pairs; {judged} (docs/gate.md, \"The core's pace\")")
+        if state.tally.placement_wait >= 0.1:
+            tr.write_line(f"perfgate: waited {state.tally.placement_wait:.1f} s for the host to place torch's "
+                          "threads near and run the core at its usual pace before timing misses again")
         for row in state.memory_unmeasured():
             tr.write_line(f"{row}: a memory floor is declared but this platform gives no peak memory "
                           "(CUDA, or Linux /proc/self/clear_refs): memory not gated", yellow=True)
@@ -554,11 +566,12 @@ class PerfSession:
                           yellow=True)
         elif self.saving:
             tr.write_line(f"saved these speedups as a baseline for {slug}")
-            unjudged = [f"{r.kernel} [{r.impl}]" for r in rows if r.apart and r.near_speedup is None]
+            unjudged = [f"{r.kernel} [{r.impl}]" for r in rows if (r.apart or r.slowed) and r.near_speedup is None]
             if unjudged:
                 tr.write_line(f"{len(unjudged)} saved row(s) had too few pairs timed with torch's threads near "
-                              f"to stand for this machine: {', '.join(unjudged)}; save again when the host "
-                              "places them near (docs/gate.md, \"The threads' placement\")", yellow=True)
+                              f"and the core at its usual pace to stand for this machine: {', '.join(unjudged)}; "
+                              "save again when the host runs them as usual (docs/gate.md, \"The threads' "
+                              "placement\" and \"The core's pace\")", yellow=True)
             wide = [f"{r.kernel} [{r.impl}] {r.speedup:.2f}x ({r.low:.2f}-{r.high:.2f}x)" for r in rows
                     if imprecise(r, state.settings.tolerance)]
             if wide:

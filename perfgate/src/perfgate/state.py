@@ -13,7 +13,7 @@ import pytest
 
 from .floors import REFERENCE, FloorPolicy
 from .hooks import Wrap
-from .roofline import Figure, Limits, Work, usual_round_trip
+from .roofline import Figure, Limits, Work, usual_pace, usual_round_trip
 from .stats import (
     CONTENDED,
     PARTNER_IDLE_NS,
@@ -23,6 +23,7 @@ from .stats import (
     gate,
     imprecise,
     misses,
+    slowed,
     speedup_interval,
     straddles,
 )
@@ -160,7 +161,7 @@ class Tally:
     figures: list[dict] = field(default_factory=list)  # the roofline figures, GateState.placed at the end
     limits_rose: list[str] = field(default_factory=list)  # limits measured again and higher, in words
     limits_read: list[str] = field(default_factory=list)  # limits the reading after the rows raised, in words
-    placement_wait: float = 0.0  # seconds waited for torch's threads to be placed near (GateState.confirm)
+    placement_wait: float = 0.0  # seconds waited for the host's usual placement and pace (GateState.confirm)
 
 
 @dataclass
@@ -180,6 +181,8 @@ class GateState:
     interrupted: bool = False  # Ctrl-C: no later visits, no extensions
     limits: Limits | None = None  # this machine's bandwidth and GEMM peaks, for the roofline figures
     usual: float | None = None  # the threads' usual round trip, fixed once the visits are timed
+    usual_pace: float | None = None  # the core's usual pace, fixed alike
+    scans: list[float] = field(default_factory=list)  # the fastest CPU's pace, read at the start and end
 
     def revisit(self) -> None:
         """Time every impl's later visits, in passes over all impls (visit 2 of each, then visit 3
@@ -230,7 +233,9 @@ class GateState:
             self.revisit()
         except KeyboardInterrupt:
             self.interrupted = True
-        self.usual = self.near_round_trip_ns  # every row judged against one placement, whatever is timed next
+        # every row judged against one placement and one pace, whatever is timed next
+        self.scan_pace()
+        self.usual, self.usual_pace = self.near_round_trip_ns, self.usual_pace_ns
         rows = []
         for kernel, impls in self.results.items():
             if REFERENCE not in impls:
@@ -238,8 +243,9 @@ class GateState:
             for impl in impls:
                 if impl != REFERENCE:
                     row = self._row(kernel, impl)
-                    # a failure, or a miss timed with the threads apart, is timed again (near, if the host allows)
-                    if (row.failures or row.apart) and any(misses(row, self.settings.tolerance)) \
+                    # a failure, or a miss timed with the threads apart or the core slowed, is timed again
+                    # (as the host usually runs, if it allows)
+                    if (row.failures or row.apart or row.slowed) and any(misses(row, self.settings.tolerance)) \
                             and not self.interrupted:
                         try:
                             row = self.confirm(row)
@@ -264,6 +270,8 @@ class GateState:
         if self.limits is not None and self.round_trips():
             self.limits.note_round_trip(min(self.round_trips()))
             self.limits.note_usual_round_trip(self.round_trips())
+        if self.limits is not None and self.paces():
+            self.limits.note_usual_pace(self.paces())
         self.recheck_limits(rows)
         for row in rows:
             self._place(row)
@@ -332,23 +340,28 @@ class GateState:
             return row
         start = len(m.paired)
         m.visits += 1
-        self._await_near()
+        self._await_usual()
         self._time_pairs(timer, pairs)
         m.again = slice(start, len(m.paired))
         return self._row(row.kernel, row.impl)
 
-    def _await_near(self) -> None:
-        """Where the host runs torch's threads apart now, wait (0.1 s at a time, at most
-        ``PLACEMENT_WAIT_S`` in the session) until it places them near again: a failure's second
-        stretch is then timed where the kernel can be judged."""
-        probe = None if self.probes.host is None else self.probes.host.placement
-        near = self.near_round_trip_ns
-        if probe is None or near is None or not math.isfinite(self.settings.contended):  # inf: all judged
+    def _await_usual(self) -> None:
+        """Where the host runs torch's threads apart or the timing thread's core slowed now, wait
+        (0.1 s at a time, at most ``PLACEMENT_WAIT_S`` in the session) until it runs them as usual
+        again: a failure's second stretch is then timed where the kernel can be judged."""
+        host = self.probes.host
+        if host is None or not math.isfinite(self.settings.contended):  # inf: all judged
             return
-        if not apart(probe.read(), near):
+        near, pace = self.near_round_trip_ns, self.usual_pace_ns
+
+        def off() -> bool:
+            return (host.placement is not None and near is not None and apart(host.placement.read(), near)) or \
+                (host.pace is not None and pace is not None and slowed(host.pace.read(), pace))
+
+        if not off():
             return
         start, left = time.perf_counter(), PLACEMENT_WAIT_S - self.tally.placement_wait
-        while time.perf_counter() - start < left and apart(probe.read(), near):
+        while time.perf_counter() - start < left and off():
             time.sleep(0.1)
         self.tally.placement_wait += time.perf_counter() - start
 
@@ -428,23 +441,56 @@ class GateState:
 
     def _placement(self, m: Measurement, ref_t: list[float], opt_t: list[float], scale: float,
                    confidence: float) -> dict:
-        """``m``'s pairs by the threads' placement read beside them (``SpeedupRow.apart`` and the
-        fields after it); empty where unread."""
-        near = self.near_round_trip_ns
-        read = [p.round_trip_ns for p in m.load]
-        if near is None or any(r is None for r in read):
-            return {}
-        far = [apart(r, near) for r in read]
+        """``m``'s pairs by the threads' placement and the core's pace read beside them
+        (``SpeedupRow.apart``, ``slowed`` and the fields beside them); empty where neither was read."""
         wall = sum(p.wall for p in m.load)
-        kept = [i for i, f in enumerate(far) if not f]
-        placed = [r for r in read if r <= PARTNER_IDLE_NS]  # a partner that did not run is no placement
-        fields = {"apart": sum(p.wall for p, f in zip(m.load, far, strict=True) if f) / wall if wall > 0 else 0.0,
-                  "round_trip_ns": max(placed, default=None), "near_round_trip_ns": near, "near_pairs": len(kept)}
-        if any(far) and len(kept) >= MIN_PAIRS:
+
+        def share(flags: list[bool]) -> float:
+            return sum(p.wall for p, f in zip(m.load, flags, strict=True) if f) / wall if wall > 0 else 0.0
+
+        fields: dict = {}
+        far = off = [False] * len(m.load)
+        near, read = self.near_round_trip_ns, [p.round_trip_ns for p in m.load]
+        if near is not None and all(r is not None for r in read):
+            far = [apart(r, near) for r in read]
+            placed = [r for r in read if r <= PARTNER_IDLE_NS]  # a partner that did not run is no placement
+            fields.update(apart=share(far), round_trip_ns=max(placed, default=None), near_round_trip_ns=near)
+        pace, paced = self.usual_pace_ns, [p.pace_ns for p in m.load]
+        if pace is not None and all(r is not None for r in paced):
+            off = [slowed(r, pace) for r in paced]
+            fields.update(slowed=share(off), pace_ns=max(paced), usual_pace_ns=pace)
+        if not fields:
+            return {}
+        kept = [i for i, (f, o) in enumerate(zip(far, off, strict=True)) if not (f or o)]
+        fields["near_pairs"] = len(kept)
+        if len(kept) < len(m.load) and len(kept) >= MIN_PAIRS:
             point, low, high = speedup_interval([ref_t[i] for i in kept], [opt_t[i] for i in kept], confidence,
                                                 paired=True)
             fields.update(near_speedup=scale * point, near_low=scale * low, near_high=scale * high)
         return fields
+
+    def scan_pace(self) -> None:
+        """Read the fastest CPU's pace now (``timing.Pace.scan``), where the session reads paces."""
+        probe = None if self.probes.host is None else self.probes.host.pace
+        scanned = None if probe is None else probe.scan()
+        if scanned is not None:
+            self.scans.append(scanned)
+
+    def paces(self) -> list[float]:
+        """Every pace reading of the session's pairs, ns."""
+        return [p.pace_ns for impls in self.results.values() for m in impls.values() for p in m.load
+                if p.pace_ns is not None]
+
+    @property
+    def usual_pace_ns(self) -> float | None:
+        """The core's usual pace, the one a pair is judged slowed against: the faster of the median
+        of the sessions stored for this machine and the fastest CPU read at the session's start and
+        end, else this session's own (``roofline.usual_pace``); None where unread. Fixed once the
+        later visits are timed (``usual_pace``)."""
+        if self.usual_pace is not None:
+            return self.usual_pace
+        history = self.limits.pace_history if self.limits is not None else []
+        return usual_pace(history, self.scans, self.paces())
 
     def round_trips(self) -> list[float]:
         """Every placement reading of the session's pairs, ns."""

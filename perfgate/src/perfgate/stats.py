@@ -230,6 +230,12 @@ class SpeedupRow:
     apart: float | None = None
     round_trip_ns: float | None = None
     near_round_trip_ns: float | None = None
+    # the share of its pairs (by wall time) timed while the host ran the timing thread's core slowed
+    # (timing.Pace: a reading over PACE_SLOWED x the machine's usual pace), the slowest reading, the
+    # usual one. "near" pairs below are those timed neither apart nor slowed.
+    slowed: float | None = None
+    pace_ns: float | None = None
+    usual_pace_ns: float | None = None
     near_pairs: int = 0
     near_speedup: float | None = None
     near_low: float | None = None
@@ -284,6 +290,16 @@ APART = 2.0
 # pool of our own or a neighbour held its CPU, which the CPU-time reading judges). Such a pair is
 # judged as any other, so a kernel that leaves a spinning pool behind cannot excuse its own miss.
 PARTNER_IDLE_NS = 2000.0
+
+
+# A pair whose core's pace (timing.Pace) read over this many times the machine's usual pace ran
+# slowed: two modes 1.3x apart on the Xeon 207 (docs/gate.md, "The core's pace").
+PACE_SLOWED = 1.15
+
+
+def slowed(pace_ns: float | None, usual: float) -> bool:
+    """A pace reading (timing.Pace) of a core the host ran slowed: over PACE_SLOWED x the usual."""
+    return pace_ns is not None and pace_ns > PACE_SLOWED * usual
 
 
 def apart(round_trip_ns: float | None, usual: float) -> bool:
@@ -370,7 +386,8 @@ def _judged_misses(row: SpeedupRow, tolerance: float, contended: float,
     above the interval of all the pairs (the two stretches disagree: a host state that slowed one
     and not the other); one noisy pair in a stretch that reads as the rest did is no such
     disagreement. A miss measured while the host ran torch's threads apart for some of the pairs
-    (``row.apart``) is judged on the pairs timed with them near alone, and left unjudged where too
+    (``row.apart``), or the timing thread's core slowed (``row.slowed``), is judged on the pairs
+    timed with the threads near and the core at its usual pace alone, and left unjudged where too
     few were. A miss left unjudged is noted in ``row.unresolved``."""
     (where, measured), no_verdict = said, "so this is no verdict on the kernel"
     busy = _host_busy(row, contended)
@@ -379,25 +396,23 @@ def _judged_misses(row: SpeedupRow, tolerance: float, contended: float,
     line = None if row.baseline is None else _base_line(row, tolerance)
     under_floor, under_baseline = misses(row, tolerance)
     placed, judged = "", row
-    if row.apart and (under_floor or under_baseline) and math.isfinite(contended):  # inf: judge every row
-        apart = (f"the host ran torch's threads {row.round_trip_ns:.0f} ns apart (a cache-line round trip; "
-                 f"{row.near_round_trip_ns:.0f} ns at this machine's usual placement) for {row.apart:.0%} of "
-                 "its pairs")
+    if (row.apart or row.slowed) and (under_floor or under_baseline) and math.isfinite(contended):  # inf: all
+        host, timed, whose = _off_usual(row)
         if row.near_speedup is None:
             what = " and ".join(w for w, m in (("floor", under_floor), ("stored baseline", under_baseline)) if m)
-            row.unresolved.append(f"{where}: {measured} is under its {what}: {apart}, too few timed near to "
+            row.unresolved.append(f"{where}: {measured} is under its {what}: {host}, too few timed {timed} to "
                                   f"judge ({row.near_pairs}), {no_verdict}")
             return False, False, ""
-        # judged on the pairs timed with the threads near: a kernel that is slower misses there too
+        # judged on the pairs timed as the host usually runs: a kernel that is slower misses there too
         near = replace(row, speedup=row.near_speedup, low=row.near_low, high=row.near_high)
-        placed = f"; {apart}, and its {row.near_pairs} pairs timed near read {row.near_speedup:.2f}x " \
+        placed = f"; {host}, and its {row.near_pairs} pairs timed {timed} read {row.near_speedup:.2f}x " \
                  f"(95% CI {row.near_low:.2f}-{row.near_high:.2f}x)"
         near_floor, near_baseline = misses(near, tolerance)
         for what, missed, stands in (("floor", under_floor, near_floor), ("stored baseline", under_baseline,
                                                                            near_baseline)):
             if missed and not stands:
                 row.unresolved.append(f"{where}: {measured} is under its {what}, but {placed[2:]}: the miss is "
-                                      f"the placement's, {no_verdict}")
+                                      f"{whose}, {no_verdict}")
         under_floor, under_baseline, judged = near_floor, near_baseline, near
     excused_floor = busy and under_floor and bound >= row.floor
     excused_baseline = busy and under_baseline and bound >= line
@@ -423,6 +438,25 @@ def _judged_misses(row: SpeedupRow, tolerance: float, contended: float,
     explained = (f", even had all the host withheld ({busy}) been its time: {at_most}" if busy else "") \
         + (placed if under_floor or under_baseline else "") + (f"; {again}" if again else "")
     return under_floor, under_baseline, explained
+
+
+def _off_usual(row: SpeedupRow) -> tuple[str, str, str]:
+    """How the host ran ``row``'s pairs off its usual state, in words: what it did, how the pairs
+    kept were timed, and whose the miss would be ("the placement's", "the core's pace's")."""
+    said, timed, whose = [], [], []
+    if row.apart:
+        said.append(f"the host ran torch's threads {row.round_trip_ns:.0f} ns apart (a cache-line round trip; "
+                    f"{row.near_round_trip_ns:.0f} ns at this machine's usual placement) for {row.apart:.0%} of "
+                    "its pairs")
+        timed.append("near")
+        whose.append("the placement's")
+    if row.slowed:
+        said.append(f"the host ran the timing thread's core slowed (a pace probe of {row.pace_ns / 1e3:.0f} us; "
+                    f"{row.usual_pace_ns / 1e3:.0f} us at this machine's usual pace) for {row.slowed:.0%} of its "
+                    "pairs")
+        timed.append("at the usual pace")
+        whose.append("the core's pace's")
+    return " and ".join(said), " and ".join(timed), " or ".join(whose)
 
 
 def _judge_passes(row: SpeedupRow, tolerance: float, contended: float, said: tuple[str, str]) -> None:

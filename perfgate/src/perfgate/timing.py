@@ -317,6 +317,7 @@ class PairLoad:
     reference_delay: float = 0.0  # the same around the reference's timed calls (what it could have added there)
     gbps: float | None = None  # the streaming probe beside the pair's stretch (``Bandwidth``), GB/s
     round_trip_ns: float | None = None  # the threads' round trip before or after the pair, the larger (RoundTrip)
+    pace_ns: float | None = None  # the core's pace before or after the pair, the slower (Pace)
 
 
 class Bandwidth:
@@ -396,6 +397,54 @@ class RoundTrip:
         return max(trips) if trips else None
 
 
+class Pace:
+    """How fast the host runs the timing thread's core now: nanoseconds for a fixed pure-Python
+    loop (``loop`` additions), the best of ``reps``. Two vCPUs of one VM need not run at one speed:
+    on the Xeon 207 measured, each in turn ran this loop, a small kernel's many dispatched ops and
+    its GEMMs 1.3-1.6x slower for seconds at a time, while a dependent floating-point chain in C
+    read the same (a sibling hyperthread's load on the host, not the clock), and steal and run-queue
+    wait read nothing. Kernels do not slow alike there (top-k SVD 1.5x, its reference 1.35x), so a
+    speedup timed at the slow pace is not the machine's usual one (docs/gate.md, "The core's pace").
+    Read between interleaved pairs: about 0.1 ms."""
+
+    def __init__(self, loop: int = 2000, reps: int = 3) -> None:
+        if loop < 1 or reps < 1:
+            raise ValueError(f"Pace(loop, reps): both >= 1, got {loop}, {reps}")
+        self.loop, self.reps = loop, reps
+
+    def read(self) -> float:
+        """The best of ``reps`` timings of the loop, ns."""
+        best = float("inf")
+        for _ in range(self.reps):
+            start = time.perf_counter_ns()
+            total = 0
+            for i in range(self.loop):
+                total += i
+            best = min(best, time.perf_counter_ns() - start)
+        return float(best)
+
+    def scan(self, most: int = 64) -> float | None:
+        """The pace of the fastest CPU this thread may run on, now: the calling thread is moved to
+        each of them in turn (at most ``most``) and put back where it was allowed. A session whose
+        pairs all run on a slowed core is told by it; None where the platform cannot move a
+        thread (not Linux) or allows it one CPU."""
+        if not hasattr(os, "sched_setaffinity"):
+            return None
+        allowed = os.sched_getaffinity(0)
+        if len(allowed) < 2:
+            return None
+        best = float("inf")
+        try:
+            for cpu in sorted(allowed)[:most]:
+                os.sched_setaffinity(0, {cpu})
+                best = min(best, self.read())
+        except OSError:  # a CPU taken offline, or a cpuset changed, meanwhile
+            return None
+        finally:
+            os.sched_setaffinity(0, allowed)
+        return best
+
+
 def torch_openmp_runtime() -> str | None:
     """The OpenMP runtime torch's CPU library runs its intra-op pool on (``openmp_runtime`` of
     ``libtorch_cpu``); None where that library or its runtime is not found."""
@@ -444,6 +493,7 @@ class HostLoad:
     cpus: int = os.cpu_count() or 1
     probe: Bandwidth | None = None
     placement: RoundTrip | None = None
+    pace: Pace | None = None
 
     def read(self) -> tuple[float, ...] | None:
         """(wall s, steal s and others' busy s summed over the CPUs, run-queue wait s summed over the
@@ -502,7 +552,7 @@ def bandwidth_withheld(load: Sequence[PairLoad], quiet_gbps: float | None) -> fl
 
 
 def _farther(readings: list[float | None]) -> float | None:
-    """The larger of a pair's placement readings; None where either is missing."""
+    """The larger of a pair's placement or pace readings; None where either is missing."""
     return None if not readings or None in readings else max(readings)
 
 
@@ -515,11 +565,14 @@ def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls:
     call: each side runs with its own data in cache (evidence/from-the-code.md). With ``host``,
     each pair's ``PairLoad`` is appended to ``load``: the CPU time withheld around the pair, the
     delay around each side's timed calls alone, the bandwidth probed around the stretch, and the
-    threads' placement read between pairs (the farther of the readings before and after it)."""
+    threads' placement and the core's pace read between pairs (the farther and the slower of the
+    readings before and after it)."""
     pairs, loads = [], []
     gbps = [host.probe.read()] if host is not None and host.probe is not None else []
     placement = None if host is None else host.placement
+    pace = None if host is None else host.pace
     placed: list[float | None] = []  # the round trip before each pair, and after the last
+    paced: list[float | None] = []  # the pace before each pair, and after the last
     timed: list[tuple[float, ...] | None] = []  # host readings around the impl's timed calls
     reference_timed: list[tuple[float, ...] | None] = []  # and around the reference's
 
@@ -539,6 +592,8 @@ def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls:
     for i in range(first_round, first_round + rounds):
         if placement is not None:
             placed.append(placement.read())
+        if pace is not None:
+            paced.append(pace.read())
         before = host.read() if host is not None else None
         timed.clear()
         reference_timed.clear()
@@ -556,8 +611,11 @@ def interleaved(timer: Timer, reference: Timed, impl: Timed, rounds: int, calls:
         gbps.append(host.probe.read())
     if placement is not None:
         placed.append(placement.read())
+    if pace is not None:
+        paced.append(pace.read())
     if load is not None:
         probe = sum(gbps) / len(gbps) if gbps else None
-        load += [PairLoad(*stretch, gbps=probe, round_trip_ns=_farther(placed[k:k + 2]))
+        load += [PairLoad(*stretch, gbps=probe, round_trip_ns=_farther(placed[k:k + 2]),
+                          pace_ns=_farther(paced[k:k + 2]))
                  for k, stretch in enumerate(loads) if stretch is not None]
     return pairs

@@ -1,0 +1,262 @@
+"""The core's pace: a VM's vCPUs need not run at one speed (on the Xeon 207 each in turn ran
+Python, dispatched ops and GEMMs 1.3-1.6x slower for seconds, with no steal), and two kernels do
+not slow alike there, so a speedup timed on a slowed core is not the machine's usual one. A pure-
+Python loop is timed beside each pair; a row that misses its floor or baseline with some pairs
+slowed is judged on the pairs at the usual pace, and a saved baseline stands at their speedup."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from perfgate import state as state_module
+from perfgate.roofline import Limits, session_pace, usual_pace
+from perfgate.state import MIN_PAIRS, GateState, Measurement, Probes, Settings
+from perfgate.stats import PACE_SLOWED, SpeedupRow, gate, slowed
+from perfgate.timing import HostLoad, Pace, PairLoad, interleaved, timer_for
+
+USUAL, SLOW = 60_000.0, 90_000.0  # ns: a pace probe's two modes, 1.5x apart
+
+
+def _row(**kw) -> SpeedupRow:
+    fields = dict(kernel="k", impl="optimized", size="smoke", label="", device="cpu", reference_ms=8.0,
+                  optimized_ms=4.0, speedup=2.0, low=1.9, high=2.1, rounds=(20, 20), interleaved=True,
+                  floor=3.0, contention=0.0, pace_ns=SLOW, usual_pace_ns=USUAL)
+    return SpeedupRow(**{**fields, **kw})
+
+
+def test_the_probe_reads_a_positive_time_and_refuses_an_empty_loop() -> None:
+    assert 0.0 < Pace(loop=200, reps=2).read() < 1e9
+    with pytest.raises(ValueError, match="both >= 1"):
+        Pace(loop=0)
+
+
+def test_slowed_is_over_pace_slowed_times_the_usual() -> None:
+    assert not slowed(None, USUAL) and not slowed(PACE_SLOWED * USUAL, USUAL)
+    assert slowed(PACE_SLOWED * USUAL * 1.01, USUAL)
+
+
+def test_a_miss_on_a_slowed_core_is_judged_on_the_usual_pace_pairs() -> None:
+    # the pairs at the usual pace clear the floor: the miss is the pace's
+    row = _row(slowed=0.6, near_pairs=8, near_speedup=4.0, near_low=3.6, near_high=4.4)
+    assert gate(row, 0.2) == [] and row.outcome == "unresolved"
+    assert ("the host ran the timing thread's core slowed (a pace probe of 90 us; 60 us at this machine's usual "
+            "pace) for 60% of its pairs, and its 8 pairs timed at the usual pace read 4.00x (95% CI 3.60-4.40x)"
+            ) in row.unresolved[0]
+    assert "the miss is the core's pace's" in row.unresolved[0]
+    # a kernel slower there too fails, and says so
+    slower = _row(slowed=0.6, near_pairs=8, near_speedup=2.0, near_low=1.9, near_high=2.1)
+    assert gate(slower, 0.2) and slower.outcome == "FAIL"
+    assert "pairs timed at the usual pace read 2.00x" in slower.failures[0]
+    # too few at the usual pace: no verdict
+    few = _row(slowed=0.9, near_pairs=MIN_PAIRS - 1)
+    assert gate(few, 0.2) == [] and "too few timed at the usual pace to judge (6)" in few.unresolved[0]
+
+
+def test_threads_apart_and_a_slowed_core_are_both_named() -> None:
+    row = _row(slowed=0.3, apart=0.4, round_trip_ns=320.0, near_round_trip_ns=52.0, near_pairs=MIN_PAIRS - 1)
+    gate(row, 0.2)
+    assert "threads 320 ns apart" in row.unresolved[0] and "core slowed" in row.unresolved[0]
+    assert "too few timed near and at the usual pace" in row.unresolved[0]
+
+
+def test_every_row_is_judged_on_all_its_pairs_under_perf_contended_inf() -> None:
+    row = _row(slowed=0.6, near_pairs=8, near_speedup=4.0, near_low=3.6, near_high=4.4)
+    assert gate(row, 0.2, float("inf")) and row.outcome == "FAIL"
+
+
+def _state(sessions: list[float]) -> GateState:
+    settings = Settings(device="cpu", size="smoke", threads=1, tolerance=0.2, fingerprint={}, slug="s")
+    limits = Limits("cpu", "s", None)
+    limits.values["pace_sessions_ns"] = sessions
+    return GateState(settings, Probes(None, None, 1), limits=limits)
+
+
+def _measured(st: GateState, paces: list[float], optimized: list[float]) -> SpeedupRow:
+    load = [PairLoad(wall=1.0, share=0.0, delay=0.0, pace_ns=ns) for ns in paces]
+    st.results["k"] = {"reference": Measurement([8.0] * len(load), "smoke", "", None),
+                       "optimized": Measurement(list(optimized), "smoke", "", None,
+                                                paired=[(8.0, o) for o in optimized], load=load)}
+    return st._row("k", "optimized")
+
+
+def test_pairs_are_split_by_the_pace_read_beside_them() -> None:
+    """Ten pairs at the usual pace (4x), ten slowed (2x, by wall time a half): the row reads its
+    slowed share, the slowest reading, the usual pace and the usual pairs' own interval."""
+    row = _measured(_state([USUAL]), [USUAL] * 10 + [SLOW] * 10, [2.0] * 10 + [4.0] * 10)
+    assert row.slowed == pytest.approx(0.5) and row.pace_ns == SLOW and row.usual_pace_ns == USUAL
+    assert row.near_pairs == 10 and row.near_speedup == pytest.approx(4.0)
+    assert row.apart is None  # no placement read (one thread)
+
+
+def test_the_usual_pace_is_the_faster_of_the_machines_sessions_and_the_scan() -> None:
+    assert usual_pace([USUAL, SLOW, USUAL], [], [SLOW] * 4) == USUAL
+    assert usual_pace([SLOW], [USUAL], [SLOW] * 4) == USUAL == usual_pace([USUAL], [SLOW], [])
+    # neither: the session's own lower quartile
+    assert usual_pace([], [], [USUAL] * 3 + [SLOW]) == USUAL == session_pace([USUAL] * 3 + [SLOW])
+    assert session_pace([]) is None and session_pace([float("inf"), 0.0]) is None
+    # a session slowed throughout reads nothing slowed against itself; all of it against the
+    # machine's sessions, or against a CPU the scan found at the usual pace
+    assert _measured(_state([]), [SLOW] * 10, [4.0] * 10).slowed == 0.0
+    assert _measured(_state([USUAL]), [SLOW] * 10, [4.0] * 10).slowed == 1.0
+    scanned = _state([])
+    scanned.scans.append(USUAL)
+    assert _measured(scanned, [SLOW] * 10, [4.0] * 10).slowed == 1.0
+
+
+class _OnCpu(Pace):
+    """A probe that reads SLOW on CPU 0 and USUAL elsewhere (the CPU the thread is allowed now)."""
+
+    def read(self) -> float:
+        return SLOW if os.sched_getaffinity(0) == {0} else USUAL
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="the scan moves threads on Linux only")
+def test_the_scan_reads_each_cpu_and_puts_the_thread_back() -> None:
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2 or 0 not in allowed:
+        pytest.skip("the scan needs CPU 0 and another")
+    assert _OnCpu().scan() == USUAL and os.sched_getaffinity(0) == allowed
+    assert _OnCpu().scan(most=1) == SLOW  # CPU 0 alone
+    os.sched_setaffinity(0, {0})
+    try:
+        assert _OnCpu().scan() is None  # one CPU: nothing to choose from
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def test_a_session_joins_the_machines_usual_paces_after_its_rows_are_judged(tmp_path: Path) -> None:
+    st = _state([USUAL])
+    _measured(st, [SLOW] * 10, [4.0] * 10)
+    (row,) = st.compute_rows()
+    assert row.slowed == 1.0 and st.limits.values["pace_sessions_ns"] == [USUAL, SLOW]
+    # a stored file keeps the last sessions
+    path = tmp_path / "limits.json"
+    path.write_text(json.dumps(Limits("cpu", "s", None).values), encoding="utf8")
+    limits = Limits("cpu", "s", path)
+    for _ in range(20):
+        limits.note_usual_pace([USUAL])
+    limits.save()
+    assert Limits("cpu", "s", path).pace_history == [USUAL] * 15
+
+
+@pytest.mark.parametrize("sessions", [60.0, [60.0, -1.0], [60.0, "slow"]])
+def test_a_limits_file_with_bad_pace_sessions_is_refused(tmp_path: Path, sessions) -> None:
+    from perfgate.roofline import BadLimits, read_limits
+
+    path = tmp_path / "limits.json"
+    path.write_text(json.dumps({**Limits("cpu", "s", None).values, "pace_sessions_ns": sessions}),
+                    encoding="utf8")
+    with pytest.raises(BadLimits, match="pace_sessions_ns"):
+        read_limits(path, "s")
+
+
+class _Readings:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def read(self) -> float:
+        self.n += 1
+        return 1000.0 * self.n
+
+
+def test_each_pair_takes_the_slower_of_the_readings_around_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(HostLoad, "share", lambda self, before, after: (0.1, 0.0, 0.0))
+    load: list[PairLoad] = []
+    noop = (lambda: None, None)
+    interleaved(timer_for("cpu"), noop, noop, 3, (1, 1), host=HostLoad(threads=1, pace=_Readings()), load=load)
+    assert [p.pace_ns for p in load] == [2000.0, 3000.0, 4000.0]
+
+
+# 8 ms references; ours takes 4 ms on a slowed core (2x, under the floor of 3) and USUAL_S at the
+# usual pace: 2 ms (4x, the unchanged kernel) or, regressed, 4 ms as well
+SUITE = """
+import os
+import time
+import pytest
+
+@pytest.mark.speedup(cpu=3.0)
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_paced(perf, impl):
+    usual = float(os.environ["PERFGATE_TEST_USUAL_S"])
+    opt = lambda: time.sleep(0.004 if os.environ.get("PERFGATE_TEST_SLOWED") == "1" else usual)
+    perf(opt if impl == "optimized" else lambda: time.sleep(0.008), label="8ms")
+"""
+FAST = ["--perf-device", "cpu", "--benchmark-max-time=0.1", "--benchmark-min-rounds=8",
+        "-p", "no:cacheprovider", "--benchmark-json=out.json", "--perf-visits=1"]
+
+
+@pytest.fixture
+def slowed_host(monkeypatch: pytest.MonkeyPatch, quiet_host: None):
+    """The pace probe reads SLOW while PERFGATE_TEST_SLOWED is 1, else USUAL; the session starts
+    slowed and the host runs the core at its usual pace again while the session waits for it
+    (``GateState._await_usual``). The machine's limits store USUAL as its usual pace."""
+    pytest.importorskip("torch")
+    monkeypatch.setattr(Pace, "read",
+                        lambda self: SLOW if os.environ.get("PERFGATE_TEST_SLOWED") == "1" else USUAL)
+    monkeypatch.setattr(state_module, "PLACEMENT_WAIT_S", 0.3)
+    await_usual = GateState._await_usual
+
+    def wait(self: GateState) -> None:
+        os.environ["PERFGATE_TEST_SLOWED"] = "0"
+        await_usual(self)
+
+    monkeypatch.setattr(GateState, "_await_usual", wait)
+
+    def run(pytester: pytest.Pytester, usual_s: float, *args: str):
+        monkeypatch.setenv("PERFGATE_TEST_USUAL_S", str(usual_s))
+        monkeypatch.setenv("PERFGATE_TEST_SLOWED", "1")
+        pytester.makepyfile(test_paced=SUITE)
+        storage = pytester.path / ".benchmarks"
+        _store_usual(storage)
+        result = pytester.runpytest(*FAST, f"--benchmark-storage=file://{storage}", *args)
+        return result, json.loads((pytester.path / "out.json").read_text())["perfgate"]["speedups"][0]
+
+    return run
+
+
+def _store_usual(storage: Path) -> None:
+    """The machine's limits file with USUAL as its sessions' usual pace (at torch's threads: the
+    floors apply)."""
+    import torch
+
+    from perfgate.fingerprint import fingerprint, slug
+    from perfgate.timing import configure_malloc
+
+    name = slug(fingerprint("cpu", torch.get_num_threads(), configure_malloc("cache"), l2_flush=False))
+    path = storage / name / "limits.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        path.write_text(json.dumps({**Limits("cpu", name, None).values, "pace_sessions_ns": [USUAL]}),
+                        encoding="utf8")
+
+
+def test_an_unchanged_kernel_timed_on_a_slowed_core_is_not_failed(pytester: pytest.Pytester,
+                                                                  slowed_host) -> None:
+    """Its first pairs, all slowed, miss the floor; timed again at the usual pace they read 4x."""
+    result, row = slowed_host(pytester, 0.002)
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    result.stdout.fnmatch_lines(["perfgate: the host ran the timing thread's core slowed*"])
+    assert row["slowed"] > 0 and row["outcome"] != "FAIL"
+
+
+def test_a_slower_kernel_timed_on_a_slowed_core_still_fails(pytester: pytest.Pytester, slowed_host) -> None:
+    result, row = slowed_host(pytester, 0.004)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines(["GATE FAILED: paced ?optimized, 8ms? on cpu: *is under the floor 3.00x*pairs "
+                                 "timed at the usual pace read [12].*x*"])
+
+
+def test_a_baseline_saved_on_a_slowed_core_stands_at_its_usual_pace_pairs(pytester: pytest.Pytester,
+                                                                          slowed_host) -> None:
+    """Saved while the core ran slowed for some pairs: a later run is held to the usual pairs'
+    speedup (4x), not to the mix of all pairs (a 1.5x slower kernel at the usual pace, 2.67x, must
+    fall more than 20% under it)."""
+    _, saved = slowed_host(pytester, 0.002, "--benchmark-save=base")
+    assert saved["slowed"] > 0 and saved["near_speedup"] is not None
+    assert saved["speedup"] < saved["near_speedup"] == pytest.approx(4.0, rel=0.25)
+    stored = json.loads(next((pytester.path / ".benchmarks").rglob("0001_base.json")).read_text())
+    assert stored["perfgate"]["speedups"][0]["near_speedup"] == saved["near_speedup"]
