@@ -171,8 +171,8 @@ def test_each_pair_takes_the_slower_of_the_readings_around_it(monkeypatch: pytes
     assert [p.pace_ns for p in load] == [2000.0, 3000.0, 4000.0]
 
 
-# 8 ms references; ours takes 4 ms on a slowed core (2x, under the floor of 3) and USUAL_S at the
-# usual pace: 2 ms (4x, the unchanged kernel) or, regressed, 4 ms as well
+# 8 ms references; ours takes SLOWED_S on a slowed core (4 ms: 2x, under the floor of 3) and USUAL_S
+# at the usual pace: 2 ms (4x, the unchanged kernel) or, regressed, 4 ms as well
 SUITE = """
 import os
 import time
@@ -181,8 +181,8 @@ import pytest
 @pytest.mark.speedup(cpu=3.0)
 @pytest.mark.parametrize("impl", ["reference", "optimized"])
 def test_paced(perf, impl):
-    usual = float(os.environ["PERFGATE_TEST_USUAL_S"])
-    opt = lambda: time.sleep(0.004 if os.environ.get("PERFGATE_TEST_SLOWED") == "1" else usual)
+    usual, slowed = float(os.environ["PERFGATE_TEST_USUAL_S"]), float(os.environ["PERFGATE_TEST_SLOWED_S"])
+    opt = lambda: time.sleep(slowed if os.environ.get("PERFGATE_TEST_SLOWED") == "1" else usual)
     perf(opt if impl == "optimized" else lambda: time.sleep(0.008), label="8ms")
 """
 FAST = ["--perf-device", "cpu", "--benchmark-max-time=0.1", "--benchmark-min-rounds=8",
@@ -206,8 +206,9 @@ def slowed_host(monkeypatch: pytest.MonkeyPatch, quiet_host: None):
 
     monkeypatch.setattr(GateState, "_await_usual", wait)
 
-    def run(pytester: pytest.Pytester, usual_s: float, *args: str):
+    def run(pytester: pytest.Pytester, usual_s: float, *args: str, slowed_s: float = 0.004):
         monkeypatch.setenv("PERFGATE_TEST_USUAL_S", str(usual_s))
+        monkeypatch.setenv("PERFGATE_TEST_SLOWED_S", str(slowed_s))
         monkeypatch.setenv("PERFGATE_TEST_SLOWED", "1")
         pytester.makepyfile(test_paced=SUITE)
         storage = pytester.path / ".benchmarks"
@@ -260,3 +261,16 @@ def test_a_baseline_saved_on_a_slowed_core_stands_at_its_usual_pace_pairs(pytest
     assert saved["speedup"] < saved["near_speedup"] == pytest.approx(4.0, rel=0.25)
     stored = json.loads(next((pytester.path / ".benchmarks").rglob("0001_base.json")).read_text())
     assert stored["perfgate"]["speedups"][0]["near_speedup"] == saved["near_speedup"]
+
+
+def test_a_row_saved_with_every_pair_on_a_slowed_core_is_timed_again_at_the_usual_pace(
+        pytester: pytest.Pytester, slowed_host) -> None:
+    """No miss to time again (the kernel reads 4x at either pace), but no pair at the usual pace
+    either: a saved baseline would stand at the host's unusual state, so the row is extended once
+    the host runs the core as usual, and stands at those pairs."""
+    result, saved = slowed_host(pytester, 0.002, "--benchmark-save=base", slowed_s=0.002)
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    result.stdout.fnmatch_lines(["extended: paced ?optimized? +* interleaved pairs at the session's end, its "
+                                 "interval was wider than a saved baseline may be, or too few of its pairs were "
+                                 "timed as the host usually runs: *"])
+    assert saved["slowed"] < 1.0 and saved["near_pairs"] >= MIN_PAIRS and saved["near_speedup"] is not None

@@ -367,9 +367,11 @@ class GateState:
 
     def _open(self, row: SpeedupRow) -> bool:
         """``row``'s interval straddles its floor or its stored baseline's line (``stats.straddles``),
-        or is too wide for the baseline this session saves (``stats.imprecise``)."""
+        or is too wide for the baseline this session saves (``stats.imprecise``), or has too few
+        pairs timed as the host usually runs to stand for the machine in it (``_unusual``)."""
         tolerance = self.settings.tolerance
-        return straddles(row, tolerance) or (self.settings.saving and imprecise(row, tolerance))
+        return straddles(row, tolerance) or (self.settings.saving and (imprecise(row, tolerance)
+                                                                       or _unusual(row)))
 
     def resolve(self, row: SpeedupRow) -> SpeedupRow:
         """Time more interleaved pairs of ``row`` until its interval leaves its floor and its stored
@@ -383,7 +385,7 @@ class GateState:
         m = self.results[row.kernel][row.impl]
         start, pairs = time.perf_counter(), len(m.paired)
         # extended for the saved baseline's sake alone: its interval clear of every line it may fail
-        tightened = self.settings.saving and imprecise(row, self.settings.tolerance) and \
+        tightened = self.settings.saving and (imprecise(row, self.settings.tolerance) or _unusual(row)) and \
             not straddles(row, self.settings.tolerance)
         while self._open(row):
             spent = time.perf_counter() - start
@@ -395,6 +397,8 @@ class GateState:
                 break
             if len(m.paired) == pairs:
                 m.visits += 1  # the extension's pairs are one more visit, at the session's end
+            if _unusual(row):  # timed as the host usually runs, if it allows
+                self._await_usual()
             self._time_pairs(timer, step)
             row = self._row(row.kernel, row.impl)
             row.extended, row.tightened = len(m.paired) - pairs, tightened
@@ -526,6 +530,13 @@ class GateState:
 
 
 STATE = pytest.StashKey[GateState]()
+
+
+def _unusual(row: SpeedupRow) -> bool:
+    """``row``, not a peer's, had pairs timed with torch's threads apart or the core slowed and too
+    few of the others to judge on (``SpeedupRow.near_speedup`` None): saved so, it would stand at
+    the host's unusual state."""
+    return not row.peer and bool(row.apart or row.slowed) and row.near_speedup is None
 
 
 def _pair_seconds(m: Measurement, timer: Visits, cost: Callable[[float], float]) -> float:

@@ -214,7 +214,9 @@ class SpeedupRow:
     memory_baseline: float | None = None  # the baseline's optimized/reference peak ratio
     floor_note: str = ""  # why no floor applies to this row where the test declares one
     extended: int = 0  # interleaved pairs added at the session's end to resolve a straddled floor or baseline
-    tightened: bool = False  # extended only because it is saved as a baseline and was too wide (imprecise)
+    # extended only because it is saved as a baseline and was too wide (imprecise) or had too few
+    # pairs timed as the host usually runs (state._unusual)
+    tightened: bool = False
     skipped: int = 0  # later interleaved pairs not timed: the row was decided before them (GateState.revisit)
     contention: float | None = None  # share of CPU time the host withheld during its pairs (None: unread)
     bandwidth: float | None = None  # share of the streaming probe's bandwidth withheld during its pairs
@@ -577,9 +579,12 @@ def verdict(rows: Sequence[SpeedupRow], what: str, budget: str,
             now = f"now {r.speedup:.2f}x (95% CI {r.low:.2f}-{r.high:.2f}x), {r.outcome}"
             lines_of = ([f"the floor {r.floor:.2f}x"] if r.floor is not None else []) + \
                 ([f"the stored baseline's {r.baseline:.2f}x"] if r.baseline is not None and not r.peer else [])
-            why = "was wider than a saved baseline may be" if r.tightened else f"straddled {' or '.join(lines_of)}"
+            why = f"its interval straddled {' or '.join(lines_of)}"
+            if r.tightened:
+                why = "its interval was wider than a saved baseline may be" + (
+                    ", or too few of its pairs were timed as the host usually runs" if r.apart or r.slowed else "")
             lines.append(("note", f"extended: {r.kernel} [{r.impl}] +{r.extended} interleaved pairs at the "
-                                  f"session's end, its interval {why}: {now}"))
+                                  f"session's end, {why}: {now}"))
     for r in rows:
         for u in r.unresolved:
             how = (f"after +{r.extended} pairs" if r.extended else "not extended") + f" ({budget})"
