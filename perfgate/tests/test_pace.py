@@ -56,6 +56,20 @@ def test_a_miss_on_a_slowed_core_is_judged_on_the_usual_pace_pairs() -> None:
     assert gate(few, 0.2) == [] and "too few timed at the usual pace to judge (6)" in few.unresolved[0]
 
 
+def test_a_miss_beyond_what_the_slowed_core_explains_stands_without_usual_pairs() -> None:
+    """Too few pairs at the usual pace, but with each pair's pace shortfall charged to the impl the
+    row still reads under the floor (2.5x at most against 3): it fails, and says so; a bound that
+    reaches the floor leaves it unresolved."""
+    beyond = _row(slowed=1.0, near_pairs=0, pace_bound=2.5)
+    assert gate(beyond, 0.2) and beyond.outcome == "FAIL"
+    assert "with each pair's slowdown charged to it, it reads 2.50x at most" in beyond.failures[0]
+    within = _row(slowed=1.0, near_pairs=0, pace_bound=3.2)
+    assert gate(within, 0.2) == [] and "too few timed at the usual pace" in within.unresolved[0]
+    # with the threads apart too, the pace's bound is not the placement's: no verdict
+    apart = _row(slowed=1.0, apart=1.0, round_trip_ns=320.0, near_round_trip_ns=52.0, near_pairs=0, pace_bound=2.5)
+    assert gate(apart, 0.2) == [] and apart.outcome == "unresolved"
+
+
 def test_threads_apart_and_a_slowed_core_are_both_named() -> None:
     row = _row(slowed=0.3, apart=0.4, round_trip_ns=320.0, near_round_trip_ns=52.0, near_pairs=MIN_PAIRS - 1)
     gate(row, 0.2)
@@ -90,6 +104,9 @@ def test_pairs_are_split_by_the_pace_read_beside_them() -> None:
     assert row.slowed == pytest.approx(0.5) and row.pace_ns == SLOW and row.usual_pace_ns == USUAL
     assert row.near_pairs == 10 and row.near_speedup == pytest.approx(4.0)
     assert row.apart is None  # no placement read (one thread)
+    # the slowed pairs' 4 ms relieved by 60/90: 2.67 ms, 3x; the interval's high over all pairs
+    assert row.pace_bound == pytest.approx(4.0)
+    assert _measured(_state([USUAL]), [SLOW] * 10, [4.0] * 10).pace_bound == pytest.approx(3.0)
 
 
 def test_the_usual_pace_is_the_faster_of_the_machines_sessions_and_the_scan() -> None:
@@ -274,3 +291,62 @@ def test_a_row_saved_with_every_pair_on_a_slowed_core_is_timed_again_at_the_usua
                                  "interval was wider than a saved baseline may be, or too few of its pairs were "
                                  "timed as the host usually runs: *"])
     assert saved["slowed"] < 1.0 and saved["near_pairs"] >= MIN_PAIRS and saved["near_speedup"] is not None
+
+
+def _hellos(device: str) -> dict:
+    from perfgate.abworker import Hello
+
+    return {side: Hello(side=side, root=".", library=("k",), device=device, size="smoke", threads=1,
+                        malloc="cache") for side in ("rev", "this")}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pinning is Linux's")
+def test_against_pins_both_blocks_of_a_pair_to_one_cpu() -> None:
+    """--perf-against's two sides run in two processes, each on the CPU it last ran on: on the CPU
+    device both blocks of a pair run on one CPU, chosen at random a pair, so both read its pace."""
+    from perfgate.abrun import ABRow, Budget, Comparer, Stretch, pair_cpus
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("one CPU: nothing to pin to")
+
+    class FakePool:
+        hellos, per_side = _hellos("cpu"), 1
+
+        def __init__(self) -> None:
+            self.asked: list[int | None] = []
+
+        def side(self, side: str) -> list:
+            import types
+
+            return [types.SimpleNamespace(side=side, index=0, name=side)]
+
+        def ask(self, worker, op: str, timeout: float, **kw) -> dict:
+            self.asked.append(kw.get("cpu"))
+            return {"ok": True, "times": [0.001], "share": None}
+
+    assert pair_cpus(FakePool()) == allowed
+    assert pair_cpus(type("Cuda", (), {"hellos": _hellos("cuda")})()) is None and pair_cpus(None) is None
+    pool = FakePool()
+    comparer = Comparer(pool, 0.05, Budget())
+    comparer.blocks = {"rev": (1, 0, 0.001), "this": (1, 0, 0.001)}
+    comparer.pairs(ABRow("k", "optimized", "smoke", "t::k"), 20, Stretch(), [])
+    assert all(cpu in allowed for cpu in pool.asked)
+    assert all(a == b for a, b in zip(pool.asked[::2], pool.asked[1::2], strict=True))  # a pair: one CPU
+    assert len(set(pool.asked)) > 1  # the pairs sample the CPUs
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pinning is Linux's")
+def test_a_worker_times_a_block_on_the_cpu_asked_and_is_allowed_its_cpus_again() -> None:
+    """``Worker.block`` on a worker's state (a real Worker would change this process's imports)."""
+    import types
+
+    from perfgate.abworker import Worker
+
+    allowed = os.sched_getaffinity(0)
+    cpu = max(allowed)
+    seen: list[set[int]] = []
+    worker = types.SimpleNamespace(rows={"r": [((lambda: seen.append(os.sched_getaffinity(0))), None)]},
+                                   timer=timer_for("cpu"), host=HostLoad(threads=1))
+    Worker.block(worker, "r", calls=2, warm=0, cpu=cpu)
+    assert seen and all(s == {cpu} for s in seen) and os.sched_getaffinity(0) == allowed

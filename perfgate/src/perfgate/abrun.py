@@ -17,6 +17,7 @@ session itself ran) FAILs: the change broke it, which no timing may read as a pa
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from collections.abc import Callable
@@ -163,6 +164,21 @@ def _slower(row: ABRow, this: str, measured: str, tolerance: float) -> tuple[str
                     f"{line:.3f}x{alone})")
 
 
+def pair_cpus(pool: Pool) -> list[int] | None:
+    """The CPUs a pair's two blocks run their calling thread on, one chosen at random a pair, or
+    None: on the CPU device where the process may run on two or more. Two vCPUs of one VM need not
+    run at one speed (on the Xeon 207 each in turn ran 1.3-1.6x slower for seconds: docs/gate.md,
+    "The core's pace"), and a worker stays on the CPU it last ran on, so REV's and this tree's
+    blocks, in two processes, would each read their own CPU's speed. On one CPU a pair's two
+    blocks share its speed, and the pairs sample every CPU. Only the calling thread is moved: a
+    2-thread block's other thread runs where the host puts it, on both sides alike."""
+    hello = (getattr(pool, "hellos", None) or {}).get("this")
+    if hello is None or hello.device != "cpu" or not hasattr(os, "sched_getaffinity"):
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    return allowed if len(allowed) >= 2 else None
+
+
 @dataclass
 class Budget:
     """How many pairs a row gets: enough blocks to fill ``seconds`` (at least MIN_PAIRS), extended
@@ -198,6 +214,7 @@ class Comparer:
     def __init__(self, pool: Pool, tolerance: float, budget: Budget, seed: int = 0) -> None:
         self.pool, self.tolerance, self.budget = pool, tolerance, budget
         self.rng = random.Random(seed)
+        self.cpus = pair_cpus(pool)  # the CPUs a pair's two blocks are run on, one chosen a pair
         # side -> (timed calls, warming calls, a call's seconds) for the row being timed
         self.blocks: dict[str, tuple[int, int, float]] = {}
         self.copies: dict[tuple[str, int], int] = {}  # (side, worker index) -> copies of the row it built
@@ -248,8 +265,10 @@ class Comparer:
             self.blocks[side] = (*shape, float(np.median(warm[side])))  # its own seconds: the timeout
         return True
 
-    def _block(self, row: ABRow, side: str, loads: list[tuple[float, float]]) -> tuple[float, int]:
-        """A block of ``side`` on a worker and copy chosen at random: (its median, its unit)."""
+    def _block(self, row: ABRow, side: str, loads: list[tuple[float, float]],
+               cpu: int | None = None) -> tuple[float, int]:
+        """A block of ``side`` on a worker and copy chosen at random, on ``cpu`` where given: (its
+        median, its unit)."""
         workers = self.pool.side(side)
         if not workers:
             raise WorkerGone(f"no {side} worker is left")
@@ -258,7 +277,8 @@ class Comparer:
         calls, warm, seconds = self.blocks[side]
         timeout = max(BLOCK_TIMEOUT_S, 20.0 * (calls + warm) * seconds)
         try:
-            reply = self.pool.ask(worker, "block", timeout, row=row.nodeid, calls=calls, warm=warm, build=copy)
+            reply = self.pool.ask(worker, "block", timeout, row=row.nodeid, calls=calls, warm=warm, build=copy,
+                                  **({} if cpu is None else {"cpu": cpu}))
             if not reply.get("ok"):
                 raise WorkerGone(f"{worker.name}: {reply.get('reason')}")
         except WorkerGone as exc:  # died, hung or raised mid-block: on this tree's side, a failure
@@ -271,14 +291,16 @@ class Comparer:
         return float(np.median(reply["times"])), (self.generation * 100 + worker.index) * 100 + copy
 
     def pairs(self, row: ABRow, count: int, into: Stretch, loads: list[tuple[float, float]]) -> None:
-        """Time ``count`` more pairs into ``into``: REV first in even pairs."""
+        """Time ``count`` more pairs into ``into``: REV first in even pairs; both blocks of a pair on
+        one CPU chosen at random on the CPU device (``pair_cpus``)."""
         for _ in range(count):
+            cpu = self.rng.choice(self.cpus) if self.cpus else None
             if len(into) % 2 == 0:
-                r, ru = self._block(row, "rev", loads)
-                t, tu = self._block(row, "this", loads)
+                r, ru = self._block(row, "rev", loads, cpu)
+                t, tu = self._block(row, "this", loads, cpu)
             else:
-                t, tu = self._block(row, "this", loads)
-                r, ru = self._block(row, "rev", loads)
+                t, tu = self._block(row, "this", loads, cpu)
+                r, ru = self._block(row, "rev", loads, cpu)
             into.rev.append(r)
             into.this.append(t)
             into.rev_units.append(ru)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import shutil
 import signal
 import sys
@@ -239,12 +240,22 @@ class Worker:
             once()
         return timed, {"first_s": first, "warm_s": warm, "label": call.label, "variant": call.variant}
 
-    def block(self, row: str, calls: int, warm: int, build: int = 0) -> dict[str, Any]:
+    def block(self, row: str, calls: int, warm: int, build: int = 0, cpu: int | None = None) -> dict[str, Any]:
         """Seconds of ``calls`` timed calls of copy ``build`` of ``row`` after ``warm`` untimed ones,
-        and the CPU time the host withheld while the timed calls ran (``HostLoad.share``)."""
+        and the CPU time the host withheld while the timed calls ran (``HostLoad.share``). With
+        ``cpu``, the block runs on that CPU alone (the pair's: ``abrun.Comparer.pairs``), and the
+        worker is allowed its CPUs again after."""
         timed = self.rows[row][build]
         start: list[Any] = []
-        times = self.timer.block(timed, calls, warm, warmed=lambda: start.append(self.host.read()))
+        allowed = None
+        if cpu is not None:
+            allowed = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, {cpu})
+        try:
+            times = self.timer.block(timed, calls, warm, warmed=lambda: start.append(self.host.read()))
+        finally:
+            if allowed is not None:
+                os.sched_setaffinity(0, allowed)
         share = self.host.share(start[0] if start else None, self.host.read())
         return {"times": times, "share": share}
 
@@ -259,8 +270,6 @@ def serve(conn: Any, hello: Hello) -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the session, which names the side
         conn.send({"ok": False, "reason": f"{type(exc).__name__}: {exc}"})
         return
-    import os
-
     conn.send({"ok": True, "pid": os.getpid(), "malloc": worker.malloc})
     try:
         while True:

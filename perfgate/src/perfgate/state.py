@@ -462,7 +462,10 @@ class GateState:
         pace, paced = self.usual_pace_ns, [p.pace_ns for p in m.load]
         if pace is not None and all(r is not None for r in paced):
             off = [slowed(r, pace) for r in paced]
-            fields.update(slowed=share(off), pace_ns=max(paced), usual_pace_ns=pace)
+            # each pair's impl time less its pace shortfall: the most a slowed core explains
+            relieved = [o * min(1.0, pace / r) for o, r in zip(opt_t, paced, strict=True)]
+            fields.update(slowed=share(off), pace_ns=max(paced), usual_pace_ns=pace,
+                          pace_bound=scale * speedup_interval(ref_t, relieved, confidence, paired=True)[2])
         if not fields:
             return {}
         kept = [i for i, (f, o) in enumerate(zip(far, off, strict=True)) if not (f or o)]

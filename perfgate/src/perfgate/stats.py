@@ -238,6 +238,9 @@ class SpeedupRow:
     slowed: float | None = None
     pace_ns: float | None = None
     usual_pace_ns: float | None = None
+    # the interval's high had each pair's whole pace shortfall (its reading over the usual) been the
+    # impl's time: the most speedup the slowed core can explain (None: no pace read)
+    pace_bound: float | None = None
     near_pairs: int = 0
     near_speedup: float | None = None
     near_low: float | None = None
@@ -400,22 +403,30 @@ def _judged_misses(row: SpeedupRow, tolerance: float, contended: float,
     placed, judged = "", row
     if (row.apart or row.slowed) and (under_floor or under_baseline) and math.isfinite(contended):  # inf: all
         host, timed, whose = _off_usual(row)
-        if row.near_speedup is None:
+        # too few pairs timed as usual: a miss on a slowed core (threads near) that stands even with
+        # each pair's pace shortfall charged to the impl is no state of the core's
+        charged = None if row.apart or row.pace_bound is None else replace(row, high=row.pace_bound)
+        if row.near_speedup is None and charged is not None and \
+                misses(charged, tolerance) == (under_floor, under_baseline):
+            placed = f"; {host}, and with each pair's slowdown charged to it, it reads {row.pace_bound:.2f}x " \
+                     "at most"
+            judged = charged
+        elif row.near_speedup is None:
             what = " and ".join(w for w, m in (("floor", under_floor), ("stored baseline", under_baseline)) if m)
             row.unresolved.append(f"{where}: {measured} is under its {what}: {host}, too few timed {timed} to "
                                   f"judge ({row.near_pairs}), {no_verdict}")
             return False, False, ""
-        # judged on the pairs timed as the host usually runs: a kernel that is slower misses there too
-        near = replace(row, speedup=row.near_speedup, low=row.near_low, high=row.near_high)
-        placed = f"; {host}, and its {row.near_pairs} pairs timed {timed} read {row.near_speedup:.2f}x " \
-                 f"(95% CI {row.near_low:.2f}-{row.near_high:.2f}x)"
-        near_floor, near_baseline = misses(near, tolerance)
-        for what, missed, stands in (("floor", under_floor, near_floor), ("stored baseline", under_baseline,
-                                                                           near_baseline)):
-            if missed and not stands:
-                row.unresolved.append(f"{where}: {measured} is under its {what}, but {placed[2:]}: the miss is "
-                                      f"{whose}, {no_verdict}")
-        under_floor, under_baseline, judged = near_floor, near_baseline, near
+        else:  # judged on the pairs timed as the host usually runs: a kernel that is slower misses there too
+            near = replace(row, speedup=row.near_speedup, low=row.near_low, high=row.near_high)
+            placed = f"; {host}, and its {row.near_pairs} pairs timed {timed} read {row.near_speedup:.2f}x " \
+                     f"(95% CI {row.near_low:.2f}-{row.near_high:.2f}x)"
+            near_floor, near_baseline = misses(near, tolerance)
+            for what, missed, stands in (("floor", under_floor, near_floor),
+                                         ("stored baseline", under_baseline, near_baseline)):
+                if missed and not stands:
+                    row.unresolved.append(f"{where}: {measured} is under its {what}, but {placed[2:]}: the miss "
+                                          f"is {whose}, {no_verdict}")
+            under_floor, under_baseline, judged = near_floor, near_baseline, near
     excused_floor = busy and under_floor and bound >= row.floor
     excused_baseline = busy and under_baseline and bound >= line
     if excused_floor or excused_baseline:
