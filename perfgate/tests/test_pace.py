@@ -60,13 +60,18 @@ def test_a_miss_beyond_what_the_slowed_core_explains_stands_without_usual_pairs(
     """Too few pairs at the usual pace, but with each pair's pace shortfall charged to the impl the
     row still reads under the floor (2.5x at most against 3): it fails, and says so; a bound that
     reaches the floor leaves it unresolved."""
-    beyond = _row(slowed=1.0, near_pairs=0, pace_bound=2.5)
+    beyond = _row(slowed=1.0, near_pairs=0, pace_speedup=2.4, pace_bound=2.5)
     assert gate(beyond, 0.2) and beyond.outcome == "FAIL"
-    assert "with each pair's slowdown charged to it, it reads 2.50x at most" in beyond.failures[0]
-    within = _row(slowed=1.0, near_pairs=0, pace_bound=3.2)
+    assert "with each pair's slowdown charged to it, it reads 2.40x (up to 2.50x)" in beyond.failures[0]
+    within = _row(slowed=1.0, near_pairs=0, pace_speedup=2.9, pace_bound=3.2)
     assert gate(within, 0.2) == [] and "too few timed at the usual pace" in within.unresolved[0]
+    # against a stored baseline (4x: the line 3.2x), the charged point must fall under it too
+    base = dict(floor=None, baseline=4.0, baseline_low=3.9, speedup=2.0, high=2.1, slowed=1.0, near_pairs=0)
+    assert gate(_row(**base, pace_speedup=3.0, pace_bound=3.5), 0.2)
+    assert gate(_row(**base, pace_speedup=3.3, pace_bound=3.5), 0.2) == []
     # with the threads apart too, the pace's bound is not the placement's: no verdict
-    apart = _row(slowed=1.0, apart=1.0, round_trip_ns=320.0, near_round_trip_ns=52.0, near_pairs=0, pace_bound=2.5)
+    apart = _row(slowed=1.0, apart=1.0, round_trip_ns=320.0, near_round_trip_ns=52.0, near_pairs=0,
+                 pace_speedup=2.4, pace_bound=2.5)
     assert gate(apart, 0.2) == [] and apart.outcome == "unresolved"
 
 
@@ -106,14 +111,16 @@ def test_pairs_are_split_by_the_pace_read_beside_them() -> None:
     assert row.apart is None  # no placement read (one thread)
     # the slowed pairs' 4 ms relieved by 60/90: 2.67 ms, 3x; the interval's high over all pairs
     assert row.pace_bound == pytest.approx(4.0)
-    assert _measured(_state([USUAL]), [SLOW] * 10, [4.0] * 10).pace_bound == pytest.approx(3.0)
+    slow = _measured(_state([USUAL]), [SLOW] * 10, [4.0] * 10)
+    assert slow.pace_speedup == pytest.approx(3.0) == slow.pace_bound
 
 
 def test_the_usual_pace_is_the_faster_of_the_machines_sessions_and_the_scan() -> None:
     assert usual_pace([USUAL, SLOW, USUAL], [], [SLOW] * 4) == USUAL
     assert usual_pace([SLOW], [USUAL], [SLOW] * 4) == USUAL == usual_pace([USUAL], [SLOW], [])
-    # neither: the session's own lower quartile
-    assert usual_pace([], [], [USUAL] * 3 + [SLOW]) == USUAL == session_pace([USUAL] * 3 + [SLOW])
+    # the session's own lower quartile, where its pairs ran faster than both
+    assert usual_pace([SLOW], [SLOW], [USUAL] * 3 + [SLOW]) == USUAL == session_pace([USUAL] * 3 + [SLOW])
+    assert usual_pace([], [], []) is None
     assert session_pace([]) is None and session_pace([float("inf"), 0.0]) is None
     # a session slowed throughout reads nothing slowed against itself; all of it against the
     # machine's sessions, or against a CPU the scan found at the usual pace

@@ -725,12 +725,13 @@ def session_round_trip(readings: list[float]) -> float | None:
 
 
 def usual_pace(history: list[float], scans: list[float], readings: list[float]) -> float | None:
-    """The core's usual pace, ns (``timing.Pace``): the faster of the median of the machine's
-    stored sessions (``history``) and the fastest CPU this session found (``scans``,
-    ``Pace.scan``), so a session whose pairs all ran on a slowed core is told; else this
-    session's own (``session_pace``); None where none has one."""
+    """The core's usual pace, ns (``timing.Pace``): the fastest of the median of the machine's
+    stored sessions (``history``), the fastest CPU this session found (``scans``, ``Pace.scan``)
+    and this session's own pairs' (``session_pace``), so a session whose pairs all ran on a slowed
+    core is told by the others; None where none has one."""
     known = ([float(statistics.median(history))] if history else []) + [s for s in scans if 0 < s < math.inf]
-    return min(known) if known else session_pace(readings)
+    own = session_pace(readings)
+    return min([*known, *([own] if own is not None else [])], default=None)
 
 
 def session_pace(readings: list[float]) -> float | None:

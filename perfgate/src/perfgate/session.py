@@ -182,7 +182,7 @@ class PerfSession:
             raise pytest.UsageError(why)
         from .fingerprint import fingerprint, slug
         from .floors import FloorPolicy
-        from .state import Floors, GateState, Probes, Settings
+        from .state import SAVING_SCAN_S, SCAN_S, Floors, GateState, Probes, Settings
         from .timing import Bandwidth, HostLoad, Pace, RoundTrip, configure_malloc, timer_for
 
         o = self.options
@@ -205,7 +205,7 @@ class PerfSession:
         floors = Floors(policy=FloorPolicy.for_session(device, threads, default, malloc))
         self.state = GateState(settings, Probes(timer, host, threads), floors=floors,
                                limits=self._limits(settings))
-        self.state.scan_pace()
+        self.state.scan_pace(SAVING_SCAN_S if self.saving else SCAN_S)
         self._load_compare(settings)
         if self.config.get_verbosity() >= 0:
             reporter = self.config.pluginmanager.get_plugin("terminalreporter")

@@ -40,6 +40,10 @@ MIN_PAIRS = 7
 # Seconds a session may wait, in all, for torch's threads to be placed near before timing a failing
 # row again (GateState.confirm): the host moves them back within seconds to minutes.
 PLACEMENT_WAIT_S = 60.0
+# Seconds the fastest CPU's pace is scanned at a session's start and end (GateState.scan_pace), and
+# at the start of one that saves a baseline, which stands for the machine's usual pace
+SCAN_S = 0.5
+SAVING_SCAN_S = 2.0
 
 
 @dataclass
@@ -270,8 +274,8 @@ class GateState:
         if self.limits is not None and self.round_trips():
             self.limits.note_round_trip(min(self.round_trips()))
             self.limits.note_usual_round_trip(self.round_trips())
-        if self.limits is not None and self.paces():
-            self.limits.note_usual_pace(self.paces())
+        if self.limits is not None and (self.scans or self.paces()):
+            self.limits.note_usual_pace(self.scans or self.paces())
         self.recheck_limits(rows)
         for row in rows:
             self._place(row)
@@ -464,8 +468,9 @@ class GateState:
             off = [slowed(r, pace) for r in paced]
             # each pair's impl time less its pace shortfall: the most a slowed core explains
             relieved = [o * min(1.0, pace / r) for o, r in zip(opt_t, paced, strict=True)]
-            fields.update(slowed=share(off), pace_ns=max(paced), usual_pace_ns=pace,
-                          pace_bound=scale * speedup_interval(ref_t, relieved, confidence, paired=True)[2])
+            point, _, high = speedup_interval(ref_t, relieved, confidence, paired=True)
+            fields.update(slowed=share(off), pace_ns=max(paced), usual_pace_ns=pace, pace_speedup=scale * point,
+                          pace_bound=scale * high)
         if not fields:
             return {}
         kept = [i for i, (f, o) in enumerate(zip(far, off, strict=True)) if not (f or o)]
@@ -476,10 +481,11 @@ class GateState:
             fields.update(near_speedup=scale * point, near_low=scale * low, near_high=scale * high)
         return fields
 
-    def scan_pace(self) -> None:
-        """Read the fastest CPU's pace now (``timing.Pace.scan``), where the session reads paces."""
+    def scan_pace(self, seconds: float = SCAN_S) -> None:
+        """Read the fastest CPU's pace for ``seconds`` (``timing.Pace.scan``), where the session
+        reads paces."""
         probe = None if self.probes.host is None else self.probes.host.pace
-        scanned = None if probe is None else probe.scan()
+        scanned = None if probe is None else probe.scan(seconds)
         if scanned is not None:
             self.scans.append(scanned)
 

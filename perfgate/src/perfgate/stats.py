@@ -238,8 +238,9 @@ class SpeedupRow:
     slowed: float | None = None
     pace_ns: float | None = None
     usual_pace_ns: float | None = None
-    # the interval's high had each pair's whole pace shortfall (its reading over the usual) been the
-    # impl's time: the most speedup the slowed core can explain (None: no pace read)
+    # the speedup and the interval's high had each pair's whole pace shortfall (its reading over the
+    # usual) been the impl's time: the most the slowed core can explain (None: no pace read)
+    pace_speedup: float | None = None
     pace_bound: float | None = None
     near_pairs: int = 0
     near_speedup: float | None = None
@@ -405,11 +406,12 @@ def _judged_misses(row: SpeedupRow, tolerance: float, contended: float,
         host, timed, whose = _off_usual(row)
         # too few pairs timed as usual: a miss on a slowed core (threads near) that stands even with
         # each pair's pace shortfall charged to the impl is no state of the core's
-        charged = None if row.apart or row.pace_bound is None else replace(row, high=row.pace_bound)
+        charged = None if row.apart or row.pace_bound is None else \
+            replace(row, speedup=row.pace_speedup, high=row.pace_bound)
         if row.near_speedup is None and charged is not None and \
                 misses(charged, tolerance) == (under_floor, under_baseline):
-            placed = f"; {host}, and with each pair's slowdown charged to it, it reads {row.pace_bound:.2f}x " \
-                     "at most"
+            placed = f"; {host}, and with each pair's slowdown charged to it, it reads {row.pace_speedup:.2f}x " \
+                     f"(up to {row.pace_bound:.2f}x)"
             judged = charged
         elif row.near_speedup is None:
             what = " and ".join(w for w, m in (("floor", under_floor), ("stored baseline", under_baseline)) if m)
