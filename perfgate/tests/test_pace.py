@@ -150,6 +150,23 @@ def test_the_scan_reads_each_cpu_and_puts_the_thread_back() -> None:
         assert _OnCpu().scan() is None  # one CPU: nothing to choose from
     finally:
         os.sched_setaffinity(0, allowed)
+    cpu, pace = _OnCpu().fastest()
+    assert cpu != 0 and pace == USUAL and os.sched_getaffinity(0) == allowed
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="the scan moves threads on Linux only")
+def test_a_failures_second_stretch_runs_on_the_fastest_cpu_at_one_thread() -> None:
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2 or 0 not in allowed:
+        pytest.skip("needs CPU 0 and another")
+    st = _state([USUAL])
+    st.probes = Probes(None, HostLoad(threads=1, pace=_OnCpu()), 1)
+    with st._on_fastest_cpu():
+        inside = os.sched_getaffinity(0)
+    assert len(inside) == 1 and 0 not in inside and os.sched_getaffinity(0) == allowed
+    st.settings = Settings(device="cpu", size="smoke", threads=2, tolerance=0.2, fingerprint={}, slug="s")
+    with st._on_fastest_cpu():  # more threads: the probe moves none of the others, so none
+        assert os.sched_getaffinity(0) == allowed
 
 
 def test_a_session_joins_the_machines_usual_paces_after_its_rows_are_judged(tmp_path: Path) -> None:

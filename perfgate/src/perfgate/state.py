@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from statistics import median
 
@@ -344,10 +346,29 @@ class GateState:
             return row
         start = len(m.paired)
         m.visits += 1
-        self._await_usual()
-        self._time_pairs(timer, pairs)
+        with self._on_fastest_cpu():
+            self._await_usual()
+            self._time_pairs(timer, pairs)
         m.again = slice(start, len(m.paired))
         return self._row(row.kernel, row.impl)
+
+    @contextlib.contextmanager
+    def _on_fastest_cpu(self) -> Iterator[None]:
+        """In a session of one torch thread, run the block on the CPU the pace probe reads fastest
+        now (``timing.Pace.fastest``), then allow the thread its CPUs again: a failure's second
+        stretch is timed at the usual pace where one CPU has it. Elsewhere (more threads, whose
+        other threads the probe does not move; no pace read) the block runs as it is."""
+        probe = None if self.probes.host is None else self.probes.host.pace
+        fastest = probe.fastest() if probe is not None and self.settings.threads == 1 else None
+        if fastest is None:
+            yield
+            return
+        allowed = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {fastest[0]})
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, allowed)
 
     def _await_usual(self) -> None:
         """Where the host runs torch's threads apart or the timing thread's core slowed now, wait

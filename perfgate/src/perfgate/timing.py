@@ -430,28 +430,36 @@ class Pace:
         slow and fast on its own, for about a second at a time on the Xeon 207: the median pass
         finds one at full pace). The thread is put back where it was allowed. None where the
         platform cannot move a thread (not Linux) or allows it one CPU."""
+        passes: list[float] = []
+        end = time.perf_counter() + seconds
+        while True:
+            fastest = self.fastest(most)
+            if fastest is None:
+                return None
+            passes.append(fastest[1])
+            if time.perf_counter() + every > end:
+                return float(sorted(passes)[len(passes) // 2])
+            time.sleep(every)
+
+    def fastest(self, most: int = 64) -> tuple[int, float] | None:
+        """(the CPU, its pace) of the fastest CPU this thread may run on now, one reading each (at
+        most ``most``); the thread is put back where it was allowed. None as for ``scan``."""
         if not hasattr(os, "sched_setaffinity"):
             return None
         allowed = os.sched_getaffinity(0)
         if len(allowed) < 2:
             return None
-        passes: list[float] = []
-        end = time.perf_counter() + seconds
+        read = []
         try:
-            while True:
-                best = float("inf")
-                for cpu in sorted(allowed)[:most]:
-                    os.sched_setaffinity(0, {cpu})
-                    best = min(best, self.read())
-                passes.append(best)
-                if time.perf_counter() + every > end:
-                    break
-                time.sleep(every)
+            for cpu in sorted(allowed)[:most]:
+                os.sched_setaffinity(0, {cpu})
+                read.append((self.read(), cpu))
         except OSError:  # a CPU taken offline, or a cpuset changed, meanwhile
             return None
         finally:
             os.sched_setaffinity(0, allowed)
-        return float(sorted(passes)[len(passes) // 2])
+        pace, cpu = min(read)
+        return cpu, pace
 
 
 def torch_openmp_runtime() -> str | None:
