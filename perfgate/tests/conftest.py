@@ -77,6 +77,8 @@ def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pyte
     pytester.plugins.append("no:hypothesispytest")
     monkeypatch.setattr(timing.RoundTrip, "open", staticmethod(lambda threads: None))
     monkeypatch.setattr(timing.Pace, "read", lambda self: STEADY_PACE_NS)
+    # a steady core's scan, at once: a real one sleeps between its passes (0.5-2 s a session)
+    monkeypatch.setattr(timing.Pace, "scan", lambda self, seconds=0.0, every=0.1, most=64: STEADY_PACE_NS)
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
         monkeypatch.delenv(name, raising=False)
     return pytester
