@@ -79,6 +79,9 @@ def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pyte
     monkeypatch.setattr(timing.Pace, "read", lambda self: STEADY_PACE_NS)
     # a steady core's scan, at once: a real one sleeps between its passes (0.5-2 s a session)
     monkeypatch.setattr(timing.Pace, "scan", lambda self, seconds=0.0, every=0.1, most=64: STEADY_PACE_NS)
+    # and no CPU to move to: a failure timed again at one thread stays where it runs (under xdist,
+    # every worker would otherwise pin itself to the lowest-numbered CPU)
+    monkeypatch.setattr(timing.Pace, "fastest", lambda self, most=64: None)
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
         monkeypatch.delenv(name, raising=False)
     return pytester

@@ -247,15 +247,14 @@ class Worker:
         worker is allowed its CPUs again after."""
         timed = self.rows[row][build]
         start: list[Any] = []
-        allowed = None
-        if cpu is not None:
-            allowed = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, {cpu})
+        from .timing import allow, pin
+
+        allowed = None if cpu is None else pin(cpu)  # refused: the block runs where the worker is
         try:
             times = self.timer.block(timed, calls, warm, warmed=lambda: start.append(self.host.read()))
         finally:
             if allowed is not None:
-                os.sched_setaffinity(0, allowed)
+                allow(allowed)
         share = self.host.share(start[0] if start else None, self.host.read())
         return {"times": times, "share": share}
 

@@ -649,8 +649,9 @@ class Limits:
         return self.values.get("pace_sessions_ns") or []
 
     def note_usual_pace(self, readings: list[float]) -> None:
-        """Add this session's usual pace (the lower quartile of its ``readings``, ``timing.Pace``)
-        to the stored sessions', as ``note_usual_round_trip`` does."""
+        """Add this session's usual pace (the lower quartile of ``readings``: its scans of the
+        fastest CPU, else its pairs' readings; ``timing.Pace``) to the stored sessions', as
+        ``note_usual_round_trip`` does."""
         self._note_session("pace_sessions_ns", session_pace(readings))
 
     def _note_session(self, key: str, usual: float | None) -> None:
@@ -811,12 +812,13 @@ def read_limits(path: Path, slug: str) -> dict[str, Any]:
         raise BadLimits(f"{path}: stream_bytes is not a positive whole number of bytes: {nbytes!r}")
     rates = {key: values.setdefault(key, None) for key in RATES}  # missing: measured when a row needs it
     rates.update({f"{dtype} GEMM": v for dtype, v in values["gemm_gflops"].items()})
-    for key in SESSIONS:  # missing: no session stored yet
+    bad = {}
+    for key in SESSIONS:  # missing: no session stored yet; each one stored is a reading (never null)
         sessions = values.setdefault(key, [])
         if not isinstance(sessions, list):
             raise BadLimits(f"{path}: {key} is not a list: {sessions!r}")
-        rates.update({f"{key}[{i}]": v for i, v in enumerate(sessions)})
-    bad = {k: v for k, v in rates.items() if v is not None and not _positive(v)}
+        bad.update({f"{key}[{i}]": v for i, v in enumerate(sessions) if not _positive(v)})
+    bad.update({k: v for k, v in rates.items() if v is not None and not _positive(v)})
     if bad:
         raise BadLimits(f"{path}: a limit is not a positive number: {bad}")
     return values

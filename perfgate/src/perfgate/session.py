@@ -469,7 +469,7 @@ class PerfSession:
 
     def _table(self, tr: Any) -> list:
         """The speedup table and the notes under it; the rows."""
-        from .stats import APART, PACE_SLOWED, format_table
+        from .stats import APART, PACE_SLOWED, format_table, slowed
         from .stats import apart as apart_reading
 
         state = self.state
@@ -516,9 +516,16 @@ class PerfSession:
             tr.write_line(f"perfgate: the host ran the timing thread's core slowed (a pace probe over "
                           f"{PACE_SLOWED:.2f}x this machine's usual {state.usual_pace_ns / 1e3:.0f} us) beside "
                           f"{len(paced)} row(s)' pairs; {judged} (docs/gate.md, \"The core's pace\")")
+            if all(slowed(ns, state.usual_pace_ns) for ns in state.paces()):
+                tr.write_line(f"perfgate: every pair of this session ran on a core slower than the "
+                              f"{state.usual_pace_ns / 1e3:.0f} us this machine has shown as its usual pace (its "
+                              "limits.json's sessions, or this session's scan of its CPUs): each session joins "
+                              "them, so a host that slowed for good reads its new pace as usual in time; "
+                              "--perf-remeasure-limits starts the file anew", yellow=True)
         if state.tally.placement_wait >= 0.1:
-            tr.write_line(f"perfgate: waited {state.tally.placement_wait:.1f} s for the host to place torch's "
-                          "threads near and run the core at its usual pace before timing misses again")
+            tr.write_line(f"perfgate: waited {state.tally.placement_wait:.1f} s, in all, for the host to run the "
+                          "pairs as it usually does (torch's threads near, the core at its usual pace) before "
+                          "timing rows further")
         for row in state.memory_unmeasured():
             tr.write_line(f"{row}: a memory floor is declared but this platform gives no peak memory "
                           "(CUDA, or Linux /proc/self/clear_refs): memory not gated", yellow=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -29,7 +28,7 @@ from .stats import (
     speedup_interval,
     straddles,
 )
-from .timing import HostLoad, PairLoad, Timed, Timer, bandwidth_withheld, interleaved, withheld
+from .timing import HostLoad, PairLoad, Timed, Timer, allow, bandwidth_withheld, interleaved, pin, withheld
 
 MAX_PAIRS = 1000  # a straddled row is extended up to this many interleaved pairs in all
 # The interval a row's later visits are decided by: a row whose 99% interval already clears every
@@ -360,15 +359,12 @@ class GateState:
         other threads the probe does not move; no pace read) the block runs as it is."""
         probe = None if self.probes.host is None else self.probes.host.pace
         fastest = probe.fastest() if probe is not None and self.settings.threads == 1 else None
-        if fastest is None:
-            yield
-            return
-        allowed = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {fastest[0]})
+        allowed = None if fastest is None else pin(fastest[0])
         try:
             yield
         finally:
-            os.sched_setaffinity(0, allowed)
+            if allowed is not None:
+                allow(allowed)
 
     def _await_usual(self) -> None:
         """Where the host runs torch's threads apart or the timing thread's core slowed now, wait
@@ -517,10 +513,10 @@ class GateState:
 
     @property
     def usual_pace_ns(self) -> float | None:
-        """The core's usual pace, the one a pair is judged slowed against: the faster of the median
-        of the sessions stored for this machine and the fastest CPU read at the session's start and
-        end, else this session's own (``roofline.usual_pace``); None where unread. Fixed once the
-        later visits are timed (``usual_pace``)."""
+        """The core's usual pace, the one a pair is judged slowed against: the fastest of the
+        median of the sessions stored for this machine, the fastest CPU read at the session's start
+        and end, and this session's own pairs' (``roofline.usual_pace``); None where none was read.
+        Fixed once the later visits are timed (``usual_pace``)."""
         if self.usual_pace is not None:
             return self.usual_pace
         history = self.limits.pace_history if self.limits is not None else []

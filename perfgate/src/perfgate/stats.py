@@ -408,16 +408,19 @@ def _judged_misses(row: SpeedupRow, tolerance: float, contended: float,
         # each pair's pace shortfall charged to the impl is no state of the core's
         charged = None if row.apart or row.pace_bound is None else \
             replace(row, speedup=row.pace_speedup, high=row.pace_bound)
-        if row.near_speedup is None and charged is not None and \
-                misses(charged, tolerance) == (under_floor, under_baseline):
+        if row.near_speedup is None:  # each line the charge does not clear stands; the others are unjudged
+            floor_stands, baseline_stands = (False, False) if charged is None else misses(charged, tolerance)
+            stands = {"floor": under_floor and floor_stands, "stored baseline": under_baseline and baseline_stands}
+            unjudged = [w for w, m in (("floor", under_floor), ("stored baseline", under_baseline))
+                        if m and not stands[w]]
+            if unjudged:
+                row.unresolved.append(f"{where}: {measured} is under its {' and '.join(unjudged)}: {host}, too "
+                                      f"few timed {timed} to judge ({row.near_pairs}), {no_verdict}")
+            if not any(stands.values()):
+                return False, False, ""
             placed = f"; {host}, and with each pair's slowdown charged to it, it reads {row.pace_speedup:.2f}x " \
                      f"(up to {row.pace_bound:.2f}x)"
-            judged = charged
-        elif row.near_speedup is None:
-            what = " and ".join(w for w, m in (("floor", under_floor), ("stored baseline", under_baseline)) if m)
-            row.unresolved.append(f"{where}: {measured} is under its {what}: {host}, too few timed {timed} to "
-                                  f"judge ({row.near_pairs}), {no_verdict}")
-            return False, False, ""
+            under_floor, under_baseline, judged = stands["floor"], stands["stored baseline"], charged
         else:  # judged on the pairs timed as the host usually runs: a kernel that is slower misses there too
             near = replace(row, speedup=row.near_speedup, low=row.near_low, high=row.near_high)
             placed = f"; {host}, and its {row.near_pairs} pairs timed {timed} read {row.near_speedup:.2f}x " \

@@ -454,12 +454,31 @@ class Pace:
             for cpu in sorted(allowed)[:most]:
                 os.sched_setaffinity(0, {cpu})
                 read.append((self.read(), cpu))
-        except OSError:  # a CPU taken offline, or a cpuset changed, meanwhile
+        except OSError:  # a CPU taken offline, a cpuset changed, or moving threads refused
             return None
         finally:
-            os.sched_setaffinity(0, allowed)
+            allow(allowed)
         pace, cpu = min(read)
         return cpu, pace
+
+
+def allow(cpus: set[int]) -> bool:
+    """Allow the calling thread ``cpus`` again (``os.sched_setaffinity``); False where the platform
+    refuses (a cpuset that shrank meanwhile, a sandbox): the thread then stays where it was."""
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError:
+        return False
+    return True
+
+
+def pin(cpu: int) -> set[int] | None:
+    """Run the calling thread on ``cpu`` alone: the CPUs it was allowed, to give back with
+    ``allow``; None where it cannot be moved (not Linux, or refused), and it runs as it was."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    allowed = os.sched_getaffinity(0)
+    return allowed if allow({cpu}) else None
 
 
 def torch_openmp_runtime() -> str | None:
