@@ -40,9 +40,9 @@ RATES = ("stream_gbps", "scale_gbps", "copy_gbps", "triad_gbps", "fill_gbps", "r
 # the sessions whose usual round trip a limits file keeps (``round_trip_sessions_ns``, newest last):
 # their median is the placement the gate judges pairs against (docs/gate.md, "The threads' placement")
 ROUND_TRIP_SESSIONS = 15
-# the same for the core's usual pace (``pace_sessions_ns``): their median is the pace a pair is
-# judged slowed against (docs/gate.md, "The core's pace")
-SESSIONS = {"round_trip_sessions_ns": ROUND_TRIP_SESSIONS, "pace_sessions_ns": ROUND_TRIP_SESSIONS}
+# and the histories kept so: that one, and the core's usual paces, whose median is a usual pace the
+# gate judges pairs slowed against (docs/gate.md, "The core's pace")
+SESSIONS = ("round_trip_sessions_ns", "pace_sessions_ns")
 # bytes of an array of the stream passes at the least (2**25 float32): beyond most CPUs' last-level caches
 STREAM_BYTES = 128 << 20
 STREAM_RATES = ("stream_gbps", "scale_gbps", "copy_gbps", "triad_gbps", "fill_gbps")  # measured together
@@ -655,11 +655,11 @@ class Limits:
         self._note_session("pace_sessions_ns", session_pace(readings))
 
     def _note_session(self, key: str, usual: float | None) -> None:
-        """Append ``usual`` to the history ``key``, its last ``SESSIONS[key]`` kept."""
+        """Append ``usual`` to the history ``key``, its last ``ROUND_TRIP_SESSIONS`` kept."""
         if usual is None:
             return
         history = self.values.get(key) or []
-        self.values[key] = [*history, usual][-SESSIONS[key]:]
+        self.values[key] = [*history, usual][-ROUND_TRIP_SESSIONS:]
         self.dirty = self.dirty or (self.path is not None and self.path.is_file())
 
     def note_round_trip(self, ns: float) -> None:

@@ -483,11 +483,11 @@ class GateState:
         pace, paced = self.usual_pace_ns, [p.pace_ns for p in m.load]
         if pace is not None and all(r is not None for r in paced):
             off = [slowed(r, pace) for r in paced]
-            # each pair's impl time less its pace shortfall: the most a slowed core explains
-            relieved = [o * min(1.0, pace / r) for o, r in zip(opt_t, paced, strict=True)]
-            point, _, high = speedup_interval(ref_t, relieved, confidence, paired=True)
-            fields.update(slowed=share(off), pace_ns=max(paced), usual_pace_ns=pace, pace_speedup=scale * point,
-                          pace_bound=scale * high)
+            fields.update(slowed=share(off), pace_ns=max(paced), usual_pace_ns=pace)
+            if any(off):  # each pair's impl time less its pace shortfall: the most a slowed core explains
+                relieved = [o * min(1.0, pace / r) for o, r in zip(opt_t, paced, strict=True)]
+                point, _, high = speedup_interval(ref_t, relieved, confidence, paired=True)
+                fields.update(pace_speedup=scale * point, pace_bound=scale * high)
         if not fields:
             return {}
         kept = [i for i, (f, o) in enumerate(zip(far, off, strict=True)) if not (f or o)]

@@ -239,7 +239,7 @@ class SpeedupRow:
     pace_ns: float | None = None
     usual_pace_ns: float | None = None
     # the speedup and the interval's high had each pair's whole pace shortfall (its reading over the
-    # usual) been the impl's time: the most the slowed core can explain (None: no pace read)
+    # usual) been the impl's time: the most the slowed core can explain (None: no pair slowed)
     pace_speedup: float | None = None
     pace_bound: float | None = None
     near_pairs: int = 0
