@@ -399,13 +399,10 @@ class RoundTrip:
 
 class Pace:
     """How fast the host runs the timing thread's core now: nanoseconds for a fixed pure-Python
-    loop (``loop`` additions), the best of ``reps``. Two vCPUs of one VM need not run at one speed:
-    on the Xeon 207 measured, each in turn ran this loop, a small kernel's many dispatched ops and
-    its GEMMs 1.3-1.6x slower for seconds at a time, while a dependent floating-point chain in C
-    read the same (a sibling hyperthread's load on the host, not the clock), and steal and run-queue
-    wait read nothing. Kernels do not slow alike there (top-k SVD 1.5x, its reference 1.35x), so a
-    speedup timed at the slow pace is not the machine's usual one (docs/gate.md, "The core's pace").
-    Read between interleaved pairs: about 0.1 ms."""
+    loop (``loop`` additions), the best of ``reps``. Two vCPUs of one VM need not run at one speed,
+    and a kernel and its reference need not slow alike on a slowed one, so a speedup timed there is
+    not the machine's usual one; steal and run-queue wait do not show it (docs/gate.md, "The core's
+    pace", has the measurements). Read between interleaved pairs: about 0.1 ms."""
 
     def __init__(self, loop: int = 2000, reps: int = 3) -> None:
         if loop < 1 or reps < 1:
