@@ -4,6 +4,7 @@ torch.mul everywhere else; the C part refuses buffers of the wrong type or size.
 
 from __future__ import annotations
 
+import math
 import mmap
 import platform
 
@@ -60,9 +61,28 @@ def test_the_c_parts_written_together_are_torch_muls_bits(shapes: list, threads:
     parts = [_outer_args(b, o, i, offset, special) for b, o, i, offset in shapes]
     for _, _, out in parts:
         out.fill_(float("nan"))  # a row no thread wrote stays NaN
-    C.outer_all([(g.numpy(), a.numpy(), out.numpy(), tuple(out.shape)) for g, a, out in parts], threads)
-    for g, a, out in parts:
+    reads = C.outer_all([(g.numpy(), a.numpy(), out.numpy(), tuple(out.shape)) for g, a, out in parts], threads)
+    for (g, a, out), read in zip(parts, reads, strict=True):
         assert torch.equal(out.view(torch.int32), torch.mul(g, a).view(torch.int32))
+        # each part's largest |g| and |a| the pass read: all of both, or none where the out is empty
+        want = (g.abs().max().item(), a.abs().max().item()) if out.numel() else (0.0, 0.0)
+        assert read == pytest.approx(want, rel=0, abs=0)
+
+
+@needs_c
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(b=st.integers(1, 4), o=st.integers(1, 9), i=st.integers(1, 40), threads=st.integers(1, 5),
+       where=st.sampled_from(["g", "a"]), at=st.integers(0, 10**6), value=st.sampled_from(["nan", "inf", "-inf"]))
+def test_the_c_pass_reads_nan_and_inf_wherever_they_are(b: int, o: int, i: int, threads: int, where: str,
+                                                        at: int, value: str) -> None:
+    """One NaN or inf anywhere in g or a, on any thread's share: its read is NaN or inf, the other's
+    finite; a caller checking the terms finite from the reads sees it (kernels.per_sample)."""
+    g, a, out = torch.randn(b, o), torch.randn(b, i), torch.empty(b, o, i)
+    bad = g if where == "g" else a
+    bad.view(-1)[at % bad.numel()] = float(value)
+    (big_g, big_a), = C.outer_all([(g.numpy(), a.numpy(), out.numpy(), (b, o, i))], threads)
+    hit, other = (big_g, big_a) if where == "g" else (big_a, big_g)
+    assert (math.isnan(hit) if value == "nan" else hit == math.inf) and math.isfinite(other)
 
 
 @needs_c
@@ -125,7 +145,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
         @staticmethod
         def outer_all(parts, threads):
             seen.extend(part[3] for part in parts)
-            C.outer_all(parts, threads)
+            return C.outer_all(parts, threads)
 
     monkeypatch.setattr(nontemporal, "_nontemporal", Recorded)
     monkeypatch.setattr(nontemporal, "last_level_cache", lambda: 1)
@@ -177,21 +197,23 @@ def test_outer_all_streams_its_parts_in_one_call_unless_one_writes_what_another_
     written alone, in order, as outer writes it."""
     g, a, g2, a2 = torch.randn(2, 3, 1), torch.randn(2, 1, 4), torch.randn(2, 5, 1), torch.randn(2, 1, 3)
     outs = [torch.zeros(2, 3, 4), torch.zeros(2, 5, 3)]
-    assert nontemporal.outer_all([(g, a, outs[0]), (g2, a2, outs[1])], stream=True) == outs
+    written, reads = nontemporal.outer_all([(g, a, outs[0]), (g2, a2, outs[1])], stream=True)
+    assert written == outs and reads is not None
     assert calls == [(2, 3, 4), (2, 5, 3)]
     assert torch.equal(outs[0], g * a) and torch.equal(outs[1], g2 * a2)
     calls.clear()
     shared = torch.zeros(2 * 5 * 3)
     a_shared = shared[:8].view(2, 1, 4)
     a_shared.copy_(a)
-    got = nontemporal.outer_all([(g, a_shared, torch.zeros(2, 3, 4)), (g2, a2, shared.view(2, 5, 3))], stream=True)
-    assert calls == [(2, 3, 4), (2, 5, 3)]  # each alone, in order: a_shared is read before the 2nd writes it
+    got, reads = nontemporal.outer_all([(g, a_shared, torch.zeros(2, 3, 4)), (g2, a2, shared.view(2, 5, 3))],
+                                       stream=True)
+    assert calls == [(2, 3, 4), (2, 5, 3)] and reads is None  # each alone, in order: a_shared is read first
     assert torch.equal(got[0], g * a) and torch.equal(got[1], g2 * a2)
     calls.clear()
     # two outs over one buffer, overlapping by half (their storages start apart): written one after the other
     buffer = np.zeros(2 * 3 * 4 + 12, dtype=np.float32)
     first, second = torch.from_numpy(buffer[:24]).view(2, 3, 4), torch.from_numpy(buffer[12:]).view(2, 3, 4)
-    got = nontemporal.outer_all([(g, a, first), (g, -a, second)], stream=True)
+    got, _ = nontemporal.outer_all([(g, a, first), (g, -a, second)], stream=True)
     assert calls == [(2, 3, 4), (2, 3, 4)] and torch.equal(second, g * -a)
     assert torch.equal(first.reshape(-1)[:12], (g * a).reshape(-1)[:12])
 

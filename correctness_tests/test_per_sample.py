@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from correctness_tests.tolerances import (
     assert_close,
     assert_dicts_close,
 )
+from kernels import nontemporal
 from kernels.models import MLP
 
 FUNCS = ("per_sample_grads", "per_sample_grad_gram", "per_sample_grad_norms")
@@ -818,6 +820,41 @@ def test_nonfinite_gradients_from_the_vmap_path_are_refused() -> None:
             side.per_sample_grads(model, loss, x, y)
 
 
+@pytest.mark.skipif(nontemporal._nontemporal is None or not nontemporal._nontemporal.NONTEMPORAL,
+                    reason="no streaming stores in this build")
+def test_terms_the_streamed_write_read_are_refused_as_the_torch_read_refuses_them(monkeypatch) -> None:
+    """With ``out=`` and the write streamed (a 1-byte cache: every result pays), the captured terms
+    are checked from the C pass's reads (kernels.nontemporal.outer_all): a NaN output gradient
+    and finite terms whose product overflows raise what the torch read raises, finite ones pass."""
+    fc = nn.Linear(1, 1)
+    with torch.no_grad():
+        fc.weight.fill_(1e-20), fc.bias.zero_()
+    small = torch.tensor([[1e8], [1.0], [2.0]]), torch.tensor([[-1e7], [0.0], [0.0]])
+    big = torch.tensor([[1e20], [1.0], [2.0]]), torch.tensor([[-1e19], [0.0], [0.0]])
+
+    def nan(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(o, t) + o.mul(0).sqrt().sum()  # 0 to the loss, NaN to every gradient
+
+    def refusal(loss, x, y, out) -> str:
+        with pytest.raises(FloatingPointError) as raised:
+            kernels.per_sample_grads(fc, loss, x, y, out=out)
+        return str(raised.value)
+
+    out = kernels.per_sample_grads(fc, F.mse_loss, *small)
+    torch_read = [refusal(nan, *small, out), refusal(F.mse_loss, *big, out)]
+    reads = []
+    real = nontemporal._nontemporal.outer_all
+    monkeypatch.setattr(nontemporal, "last_level_cache", lambda: 1)
+    monkeypatch.setattr(nontemporal._nontemporal, "outer_all",
+                        lambda *args: reads.append(real(*args)) or reads[-1])
+    assert [refusal(nan, *small, out), refusal(F.mse_loss, *big, out)] == torch_read
+    assert "output gradients of layer ''" in torch_read[0] and "per-sample gradient of 'weight'" in torch_read[1]
+    assert len(reads) == 2 and math.isnan(reads[0][0][0]) and reads[1][0] == pytest.approx((2e19, 1e20))
+    got = kernels.per_sample_grads(fc, F.mse_loss, *small, out=out)
+    assert len(reads) == 3
+    assert_dicts_close(got, reference.per_sample_grads(fc, F.mse_loss, *small), ELEMENTWISE)
+
+
 class _Unused(nn.Module):
     """A layer registered but never called: its per-sample gradients are zeros."""
 
@@ -1293,6 +1330,29 @@ def test_the_probe_sees_samples_that_mix_by_ten_thousand_ulps(dtype, amount: flo
         capture(model, F.cross_entropy, x, y, {"fc": model.fc, "head": model.head})
     assert_dicts_close(kernels.per_sample_grads(model, F.cross_entropy, x, y),
                        reference.per_sample_grads(model, F.cross_entropy, x, y), ELEMENTWISE)
+
+
+class _InfAtThree(nn.Module):
+    """Adds 1 / (len(x) - 3) to its output: +inf for the probe's batch of 3, finite for the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc(x)) + 1 / x.new_tensor(len(x) - 3)
+
+
+def test_a_probe_output_of_inf_is_not_close_to_a_finite_batch() -> None:
+    """An error bound scaled by the probe's largest value would be inf, and any error within it: an
+    inf value is not close, so the identity is not taken on a batch the probe did not reproduce."""
+    from kernels.layer_capture import Fallback, capture
+
+    torch.manual_seed(0)
+    model, x, y = _InfAtThree().double(), torch.randn(5, 6, dtype=torch.float64), torch.randint(0, 3, (5,))
+    with pytest.raises(Fallback, match="the probe samples give other layer inputs or outputs"):
+        capture(model, F.cross_entropy, x, y, {"fc": model.fc, "head": model.head})
+    _both("per_sample_grads", model, x, y)
 
 
 class _DepthByBatch(nn.Module):

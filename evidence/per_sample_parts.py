@@ -33,8 +33,19 @@ model, _, x, y = args
 buffers = kernels.per_sample_grads(*args)
 names = ps.check_inputs(*args)
 layers = ps._plan(model, names, "error").linear
-probe = capture._probe_forward(model, x, layers)
-out, seen = capture._forward(model, x, layers, batch)
+
+
+def hooked(rows: int | None) -> object:
+    """The probe's forwards (rows None) or the batch's, the layers' hooks on for it alone."""
+    recorder = capture._Recorder(layers)
+    try:
+        return capture._probe_forward(model, x, recorder) if rows is None else recorder.run(model, x, rows)
+    finally:
+        recorder.remove()
+
+
+probe = hooked(None)
+out, seen = hooked(batch)
 losses = capture.per_sample_losses(F.cross_entropy, out, y)
 params = dict(model.named_parameters())
 first = buffers["net.0.weight"]
@@ -55,8 +66,8 @@ parts = {
     "  its finiteness check": lambda: checks.finite({"inputs": x, **{n: params[n] for n in names}}),
     "_plan": lambda: ps._plan(model, names, "error"),
     "capture (whole)": lambda: capture.capture(model, F.cross_entropy, x, y, layers),
-    "  the probe's forward": lambda: capture._probe_forward(model, x, layers),
-    "  the batch's forward, hooked": lambda: capture._forward(model, x, layers, batch),
+    "  the probe's forward": lambda: hooked(None),
+    "  the batch's forward, hooked": lambda: hooked(batch),
     "  the probe's comparison": lambda: capture._probe(probe, out, layers, seen),
     "  loss_parameters": lambda: capture.loss_parameters(losses, out, model),
     "  _used_outside": lambda: capture._used_outside(losses, layers, seen),

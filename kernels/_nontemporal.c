@@ -9,10 +9,13 @@
 
    outer(g, a, out, (B, O, I), threads)  g (B, O), a (B, I), out (B, O, I): C-contiguous float32
                                          buffers; the B*O rows split over `threads` OpenMP threads
-   outer_all(parts, threads)             parts: a sequence of (g, a, out, (B, O, I)) as outer's, all
+   outer_all(parts, threads) -> reads    parts: a sequence of (g, a, out, (B, O, I)) as outer's, all
                                          written in one parallel region, their rows split over the
                                          threads by elements (a small part does not get a thread
-                                         alone); the outs must not overlap the other parts' memory
+                                         alone); the outs must not overlap the other parts' memory.
+                                         reads: per part, (the largest |g|, the largest |a|) of the
+                                         values its products read (all of g and a where B*O*I > 0,
+                                         else none: 0.0), NaN where one read is NaN
    resident(buffer) -> bool              every page of it is resident (mincore); a store can still
                                          fault on a copy-on-write or zero page
    NONTEMPORAL                           True where this build has streaming stores (SSE2)
@@ -27,6 +30,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -69,19 +73,58 @@ static void row(float *restrict dst, const float *restrict a, float s, Py_ssize_
 #endif
 }
 
+/* The largest |x[i]| of n floats, NaN where one is NaN (maxps keeps its second operand where
+   either is NaN, so NaNs are flagged apart). */
+static float absmax(const float *x, Py_ssize_t n) {
+    float top = 0.0f;
+    int nan = 0;
+    Py_ssize_t i = 0;
+#if NONTEMPORAL
+    const __m128 sign = _mm_set1_ps(-0.0f);
+    __m128 m = _mm_setzero_ps(), unordered = _mm_setzero_ps();
+    for (; i + 4 <= n; i += 4) {
+        __m128 v = _mm_loadu_ps(x + i);
+        unordered = _mm_or_ps(unordered, _mm_cmpunord_ps(v, v));
+        m = _mm_max_ps(m, _mm_andnot_ps(sign, v));
+    }
+    float lanes[4];
+    _mm_storeu_ps(lanes, m);
+    nan = _mm_movemask_ps(unordered) != 0;
+    for (int k = 0; k < 4; k++) top = lanes[k] > top ? lanes[k] : top;
+#endif
+    for (; i < n; i++) {
+        nan |= isnan(x[i]);
+        top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
+    }
+    return nan ? NAN : top;
+}
+
+/* The larger of two reads, NaN where either is. */
+static float wider(float a, float b) { return (isnan(a) || isnan(b)) ? NAN : (a > b ? a : b); }
+
 /* The rows of `parts` whose first element (counted over all parts in order) lies in [e0, e1):
-   a thread's share, so every row is written by exactly one thread. */
-static void run(const Part *parts, Py_ssize_t n, Py_ssize_t e0, Py_ssize_t e1) {
+   a thread's share, so every row is written by exactly one thread. reads[2k], reads[2k+1]: the
+   largest |g| and |a| of part k this share read (each a row of a read once a share). */
+static void run(const Part *parts, Py_ssize_t n, Py_ssize_t e0, Py_ssize_t e1, float *reads) {
     for (Py_ssize_t k = 0; k < n; k++) {
         const Part *p = parts + k;
         Py_ssize_t end = p->start + p->rows * p->I;
         if (p->I == 0 || end <= e0 || p->start >= e1) continue;
         Py_ssize_t r0 = e0 <= p->start ? 0 : (e0 - p->start + p->I - 1) / p->I;
         Py_ssize_t r1 = e1 >= end ? p->rows : (e1 - p->start + p->I - 1) / p->I;
-        for (Py_ssize_t r = r0; r < r1; r++) {
+        float big_g = 0.0f, big_a = 0.0f;
+        for (Py_ssize_t r = r0, last = -1; r < r1; r++) {
             Py_ssize_t b = r / p->O;
-            row(p->out + r * p->I, p->a + b * p->I, p->g[r], p->I);
+            const float s = p->g[r];
+            row(p->out + r * p->I, p->a + b * p->I, s, p->I);
+            big_g = wider(big_g, fabsf(s));
+            if (b != last) {  /* a sample's input row, read once for its first row here */
+                big_a = wider(big_a, absmax(p->a + b * p->I, p->I));
+                last = b;
+            }
         }
+        reads[2 * k] = big_g;
+        reads[2 * k + 1] = big_a;
     }
 #if NONTEMPORAL
     _mm_sfence(); /* streaming stores are weakly ordered: drain them before the caller reads */
@@ -135,9 +178,10 @@ static int take(PyObject *go, PyObject *ao, PyObject *oo, Py_ssize_t B, Py_ssize
 }
 
 /* Write the n parts (starts set here) on `threads` threads, each a contiguous share of their
-   elements, the GIL released; -1 with a Python error where their elements together pass a
-   float32 buffer's largest count. */
-static int write_parts(Part *parts, Py_ssize_t n, Py_ssize_t threads) {
+   elements, the GIL released; `reads` (2n floats): each part's largest |g| and |a| read (run's),
+   over the threads. -1 with a Python error where their elements together pass a float32 buffer's
+   largest count, or memory for the threads' reads is short. */
+static int write_parts(Part *parts, Py_ssize_t n, Py_ssize_t threads, float *reads) {
     Py_ssize_t elements = 0;
     for (Py_ssize_t k = 0; k < n; k++) {
         Py_ssize_t size = parts[k].rows * parts[k].I; /* checked by take() */
@@ -151,12 +195,22 @@ static int write_parts(Part *parts, Py_ssize_t n, Py_ssize_t threads) {
     Py_ssize_t rows = 0;
     for (Py_ssize_t k = 0; k < n; k++) rows += parts[k].rows;
     if (threads > rows) threads = rows > 0 ? rows : 1;
+    float *shares = PyMem_Calloc(threads * (n ? 2 * n : 1), sizeof(float)); /* a thread's reads each */
+    if (shares == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     Py_BEGIN_ALLOW_THREADS
     #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (Py_ssize_t t = 0; t < threads; t++)
         run(parts, n, elements / threads * t + elements % threads * t / threads,
-            elements / threads * (t + 1) + elements % threads * (t + 1) / threads);
+            elements / threads * (t + 1) + elements % threads * (t + 1) / threads, shares + 2 * n * t);
     Py_END_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < 2 * n; k++) {
+        reads[k] = 0.0f;
+        for (Py_ssize_t t = 0; t < threads; t++) reads[k] = wider(reads[k], shares[2 * n * t + k]);
+    }
+    PyMem_Free(shares);
     return 0;
 }
 
@@ -175,7 +229,8 @@ static PyObject *outer(PyObject *self, PyObject *args) {
     Py_buffer views[3];
     Part part;
     if (take(go, ao, oo, B, O, I, views, &part) < 0) return NULL;
-    int ok = write_parts(&part, 1, threads);
+    float reads[2];
+    int ok = write_parts(&part, 1, threads, reads);
     for (int v = 0; v < 3; v++) PyBuffer_Release(&views[v]);
     if (ok < 0) return NULL;
     Py_RETURN_NONE;
@@ -197,6 +252,8 @@ static PyObject *outer_all(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_ssize_t n = PyTuple_GET_SIZE(items), held = 0;
+    float *reads = NULL;
+    PyObject *result = NULL;
     Part *parts = PyMem_Calloc(n ? n : 1, sizeof(Part));
     Py_buffer *views = PyMem_Calloc(n ? 3 * n : 1, sizeof(Py_buffer));
     if (parts == NULL || views == NULL) {
@@ -215,14 +272,32 @@ static PyObject *outer_all(PyObject *self, PyObject *args) {
             || take(go, ao, oo, B, O, I, views + 3 * held, parts + held) < 0)
             goto done;
     }
-    write_parts(parts, n, threads);  /* an error is set for done's return */
+    reads = PyMem_Calloc(n ? 2 * n : 1, sizeof(float));
+    if (reads == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (write_parts(parts, n, threads, reads) == 0 && (result = PyList_New(n)) != NULL) {
+        for (Py_ssize_t k = 0; k < n; k++) {
+            PyObject *pair = Py_BuildValue("(dd)", (double)reads[2 * k], (double)reads[2 * k + 1]);
+            if (pair == NULL) {
+                Py_CLEAR(result);
+                break;
+            }
+            PyList_SET_ITEM(result, k, pair);
+        }
+    }
 done:
     for (Py_ssize_t k = 0; k < 3 * held; k++) PyBuffer_Release(&views[k]);
     PyMem_Free(parts);
     PyMem_Free(views);
+    PyMem_Free(reads);
     Py_DECREF(items);
-    if (PyErr_Occurred()) return NULL;
-    Py_RETURN_NONE;
+    if (PyErr_Occurred()) {
+        Py_XDECREF(result);
+        return NULL;
+    }
+    return result;
 }
 
 static PyObject *resident(PyObject *self, PyObject *obj) {
@@ -247,7 +322,8 @@ static PyObject *resident(PyObject *self, PyObject *obj) {
 static PyMethodDef methods[] = {
     {"outer", outer, METH_VARARGS, "outer(g, a, out, (B, O, I), threads): out[b,o,i] = g[b,o] * a[b,i], streamed"},
     {"outer_all", outer_all, METH_VARARGS,
-     "outer_all(parts, threads): outer of each (g, a, out, (B, O, I)) of parts in one parallel region"},
+     "outer_all(parts, threads) -> reads: outer of each (g, a, out, (B, O, I)) of parts in one parallel region; "
+     "per part, the largest |g| and |a| read (NaN where one is NaN)"},
     {"resident", resident, METH_O, "resident(buffer) -> bool: every page of the buffer is resident"},
     {NULL, NULL, 0, NULL},
 };

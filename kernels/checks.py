@@ -192,10 +192,14 @@ def nonfinite(named: Mapping[str, Tensor]) -> list[str]:
     return [n for n, (low, high) in extremes(flagged).items() if not (math.isfinite(low) and math.isfinite(high))]
 
 
-def finite_extremes(named: Mapping[str, Tensor], *, error: type[Exception] = ValueError,
+def finite_extremes(named: Mapping[str, Tensor | tuple[float, float]], *, error: type[Exception] = ValueError,
                     hint: str = "") -> dict[str, tuple[float, float]]:
-    """``finite``, returning the (min, max) it read (``extremes``) for the caller's own bounds."""
-    found = extremes(named)
+    """``finite``, returning the (min, max) it read (``extremes``) for the caller's own bounds. An
+    entry given as a (low, high) pair was read by other means (bounds a C pass took of the values it
+    read) and is checked alike, in its place."""
+    read = extremes({n: t for n, t in named.items() if isinstance(t, Tensor)})
+    found = {n: read[n] if isinstance(t, Tensor) else t for n, t in named.items()
+             if n in read or not isinstance(t, Tensor)}
     bad = [n for n, (low, high) in found.items() if not (math.isfinite(low) and math.isfinite(high))]
     if bad:
         refuse_nonfinite(bad[0], error=error, hint=hint)

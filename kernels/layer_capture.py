@@ -42,6 +42,8 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.func import vmap
 from torch.utils._pytree import tree_flatten
 
+from kernels import checks
+
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Node = torch.autograd.graph.Node
 # torch's own losses, called bare: they see the output and the targets only (``_unreduced`` batches them)
@@ -104,9 +106,10 @@ def _used_outside(root: Tensor, layers: dict[str, nn.Module], seen: dict[str, li
         if node is None or node in visited:
             continue
         visited.add(node)
+        mine = owner_of(node)
         for nxt, _ in node.next_functions:
             used = owner_of(nxt) if nxt is not None and nxt not in entries else None
-            if used is not None and used != owner_of(node):
+            if used is not None and used != mine:
                 return used
             stack.append(nxt)
     return None
@@ -151,56 +154,58 @@ def _all_close(pairs: list[tuple[Tensor, Tensor]]) -> bool:
         return False
     if not pairs:
         return True
-    # each pair's largest error and largest value (exact in any dtype: no sum), read in one sync
-    # and compared on the host (a NaN compares False: not close); foreach ops, a dispatch for all
-    # (max of abs: the inf-norm's CPU path is several times slower)
+    # each pair's error and values by their extremes, one pass a tensor (aminmax: exact in any
+    # dtype, NaN propagates), read in one sync and compared on the host: a NaN compares False, and
+    # an inf value is not close (any error would be within a bound scaled by it)
     errors = torch._foreach_sub([a for a, _ in pairs], [b for _, b in pairs])
-    norms = torch._foreach_max(torch._foreach_abs([t for e, (_, b) in zip(errors, pairs, strict=True)
-                                                   for t in (e, b)]))
-    alike = len({n.dtype for n in norms}) == 1
-    values = torch.stack(norms if alike else [n.double() for n in norms]).tolist()
-    info = [torch.finfo(b.dtype) for _, b in pairs]
-    return all(err <= min(64 * f.eps, f.eps**0.5) * max(scale, f.tiny)
-               for err, scale, f in zip(values[::2], values[1::2], info, strict=True))
+    found = list(checks.extremes({f"{side}{k}": t for k, (e, (_, b)) in enumerate(zip(errors, pairs, strict=True))
+                                  for side, t in (("error", e), ("value", b))}).values())
+    bounds = [(max(-err[0], err[1]), max(-value[0], value[1]), torch.finfo(b.dtype))
+              for err, value, (_, b) in zip(found[::2], found[1::2], pairs, strict=True)]
+    return all(err <= min(64 * f.eps, f.eps**0.5) * max(scale, f.tiny) and scale <= f.max
+               for err, scale, f in bounds)
 
 
-def _record(layers: dict[str, nn.Module], seen: dict[str, list], batch: int | None) -> list:
-    """Register hooks that append (input, version, output, input's node, output's gradient edge)
-    per call (the probe's, ``batch`` None: no edge); returns the handles."""
+class _Recorder:
+    """Forward hooks on the layers, registered once for the probe's forwards and the batch's: each
+    ``run`` records, per layer, one tuple (input, version, output, input's node, output's gradient
+    edge) a call; the probe's (``batch`` None) hold no edge. ``remove`` takes the hooks off."""
 
-    def post(name: str):
+    def __init__(self, layers: dict[str, nn.Module]) -> None:
+        self.names, self.batch = list(layers), None
+        self.seen: dict[str, list] = {}
+        # prepend: see the layer's own output, before any user hook changes it
+        self.handles = [m.register_forward_hook(self._hook(name), with_kwargs=True, prepend=True)
+                        for name, m in layers.items()]
+
+    def _hook(self, name: str) -> Callable:
         def fn(mod: nn.Module, args: tuple, kwargs: dict, out: Tensor) -> Tensor:
-            x = args[0] if args else kwargs["input"]
+            x, batch = args[0] if args else kwargs["input"], self.batch
             if batch is None:
-                seen[name].append((x.detach(), x._version, out, x.grad_fn, None))
+                self.seen[name].append((x.detach(), x._version, out, x.grad_fn, None))
                 return out
             if x.shape[0] != batch or out.shape[0] != batch:
                 raise Fallback(f"{name}: batch not in dim 0")
             if not out.requires_grad:
                 raise Fallback(f"{name}: called under no_grad (or a reentrant checkpoint)")
-            seen[name].append((x.detach(), x._version, out, x.grad_fn, get_gradient_edge(out)))
+            self.seen[name].append((x.detach(), x._version, out, x.grad_fn, get_gradient_edge(out)))
             return out.clone() if out._is_view() else out  # module note: a view's in-place op bypasses the edge
         return fn
 
-    # prepend: see the layer's own output, before any user hook changes it
-    return [m.register_forward_hook(post(name), with_kwargs=True, prepend=True) for name, m in layers.items()]
+    def run(self, model: nn.Module, x: Tensor, batch: int | None) -> tuple[object, dict[str, list]]:
+        """``model(x)`` and its layers' calls; ``batch``: the batch's forward, None a probe's."""
+        self.batch, self.seen = batch, {name: [] for name in self.names}
+        return model(x), self.seen
 
-
-def _forward(model: nn.Module, x: Tensor, layers: dict[str, nn.Module],
-             batch: int | None) -> tuple[object, dict[str, list]]:
-    seen: dict[str, list] = {name: [] for name in layers}
-    handles = _record(layers, seen, batch)
-    try:
-        return model(x), seen
-    finally:
-        for h in handles:
+    def remove(self) -> None:
+        for h in self.handles:
             h.remove()
 
 
 _Probe = list[tuple[Tensor, object, dict[str, list]]]  # (rows, output, layer calls) a forward
 
 
-def _probe_forward(model: nn.Module, inputs: Tensor, layers: dict[str, nn.Module]) -> _Probe:
+def _probe_forward(model: nn.Module, inputs: Tensor, recorder: _Recorder) -> _Probe:
     """The probe's forwards (``_probe``), run before the batch's own: what a forward leaves on the
     model (an activation a loss_fn reads, ``self.h = ...``) is then the batch's, not the probe's."""
     batch = inputs.shape[0]
@@ -208,7 +213,7 @@ def _probe_forward(model: nn.Module, inputs: Tensor, layers: dict[str, nn.Module
     for rows in [[batch - 1, 1, 0]] if batch > 3 else [[i] for i in range(batch)]:
         index = torch.tensor(rows, device=inputs.device)
         with torch.no_grad():  # the rows gathered (a copy): a model may view its input across the batch dim
-            runs.append((index, *_forward(model, inputs.index_select(0, index), layers, None)))
+            runs.append((index, *recorder.run(model, inputs.index_select(0, index), None)))
     return runs
 
 
@@ -282,8 +287,12 @@ def capture(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
     batch = inputs.shape[0]
     if _global_hooks():  # they run before any module's own hooks, the capture's too: it would see their output
         raise Fallback("a global module forward hook is registered")
-    probe = _probe_forward(model, inputs, layers) if batch > 1 else []
-    out, seen = _forward(model, inputs, layers, batch)
+    recorder = _Recorder(layers)
+    try:
+        probe = _probe_forward(model, inputs, recorder) if batch > 1 else []
+        out, seen = recorder.run(model, inputs, batch)
+    finally:
+        recorder.remove()
     if not isinstance(out, Tensor):
         raise Fallback("the model's output is not a Tensor")
     if out.ndim == 0 or out.shape[0] != batch:  # squeezed at B=1, say: per sample only through vmap
@@ -293,7 +302,8 @@ def capture(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
     losses = per_sample_losses(loss_fn, out, targets)
     if losses.shape != (batch,):
         raise ValueError(f"loss_fn must return a scalar per sample, got shape {tuple(losses.shape[1:])}")
-    refuse_loss_parameters(loss_parameters(losses, out, model))
+    if loss_fn not in BARE_LOSSES:  # torch's own, called bare, read the output and the targets only
+        refuse_loss_parameters(loss_parameters(losses, out, model))
     outside = _used_outside(losses, layers, seen)
     if outside is not None:
         raise Fallback(f"{outside}: its weight is used outside its own calls (tied or functionally reused)")

@@ -61,28 +61,33 @@ def outer(g: Tensor, a: Tensor, out: Tensor, *, stream: bool) -> Tensor:
     """``torch.mul(g, a, out=out)`` for g (B, O, 1), a (B, 1, I), out (B, O, I): the batched
     outer products, by streaming stores where ``stream`` (the caller's ``pays``) and the module
     note's conditions hold. Returns ``out``."""
-    return outer_all([(g, a, out)], stream=stream)[0]
+    return outer_all([(g, a, out)], stream=stream)[0][0]
 
 
-def outer_all(parts: list[tuple[Tensor, Tensor, Tensor]], *, stream: bool) -> list[Tensor]:
-    """``outer`` of each (g, a, out) of ``parts``, returning the outs. Where every part streams
-    (``outer``'s conditions) and no out overlaps another out or any part's inputs, they are written
-    in one parallel region, their rows split over the threads by elements, so a layer's small
-    result does not hold a thread alone; else each part as ``outer`` writes it, in order."""
+def outer_all(parts: list[tuple[Tensor, Tensor, Tensor]], *,
+              stream: bool) -> tuple[list[Tensor], list[tuple[float, float]] | None]:
+    """``outer`` of each (g, a, out) of ``parts``: the outs, and where the C part wrote them, each
+    part's largest |g| and |a| its pass read (all of both where the out is not empty; NaN where one
+    read is NaN), which a caller checking g and a finite need not read again; None where torch did.
+    Where every part streams (``outer``'s conditions) and no out overlaps another out or any
+    part's inputs, they are written in one parallel region, their rows split over the threads by
+    elements, so a layer's small result does not hold a thread alone; else each part as ``outer``
+    writes it, in order."""
     if stream and parts and all(_streamable(*p) for p in parts) and _apart(parts):
         dsts = [out.numpy() for _, _, out in parts]
         if all(_nontemporal.resident(dst) for dst in dsts):
             nbytes = sum(dst.nbytes for dst in dsts)
             threads = min(torch.get_num_threads(), nbytes // THREAD_BYTES, _nontemporal.MAX_THREADS)
-            _nontemporal.outer_all([(g.detach().contiguous().numpy(), a.detach().contiguous().numpy(), dst,
-                                     tuple(out.shape)) for (g, a, out), dst in zip(parts, dsts, strict=True)],
-                                   max(1, threads))
+            reads = _nontemporal.outer_all([(g.detach().contiguous().numpy(), a.detach().contiguous().numpy(),
+                                             dst, tuple(out.shape))
+                                            for (g, a, out), dst in zip(parts, dsts, strict=True)],
+                                           max(1, threads))
             for _, _, out in parts:
                 torch.autograd.graph.increment_version(out)  # written in place, as torch.mul's out= counts it
-            return [out for _, _, out in parts]
+            return [out for _, _, out in parts], reads
     if len(parts) > 1:
-        return [outer(*part, stream=stream) for part in parts]
-    return [torch.mul(g, a, out=out) for g, a, out in parts]
+        return [outer(*part, stream=stream) for part in parts], None
+    return [torch.mul(g, a, out=out) for g, a, out in parts], None
 
 
 def _apart(parts: list[tuple[Tensor, Tensor, Tensor]]) -> bool:

@@ -54,6 +54,12 @@ def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Ten
     inf in the inputs, floating targets or trainable parameters is refused (one host sync for
     all of them): every gradient it touches would be NaN.
     """
+    return list(_trainable(model, loss_fn, inputs, targets, randomness, chunk_size))
+
+
+def _trainable(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, randomness: str,
+               chunk_size: int | None) -> dict[str, nn.Parameter]:
+    """``check_inputs``' checks; the trainable parameters by name, in ``named_parameters`` order."""
     checks.module(model, "model")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (output, target) -> scalar, got {loss_fn!r}")
@@ -106,7 +112,7 @@ def check_inputs(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Ten
                         f"cast inputs with .to({p0.dtype})")
     checks.finite({"inputs": inputs, "targets": targets, **{f"model parameter {n!r}": params[n] for n in names}},
                   hint="per-sample gradients of non-finite values are NaN; clean the batch or the model")
-    return names
+    return params
 
 
 RESULT_HINT = ("the inputs and parameters are finite, so the loss or the model overflowed or divided by zero "
@@ -209,12 +215,12 @@ def _empty(model: nn.Module, names: list[str]) -> dict[str, Tensor]:
     return {n: params[n].new_zeros((0, *params[n].shape)) for n in names}
 
 
-def check_out(model: nn.Module, names: list[str], batch: int, out: dict[str, Tensor]) -> None:
-    """``out`` of ``per_sample_grads``: one (B, *param.shape) tensor per trainable parameter, in
-    the parameter's dtype and device, contiguous, and no two sharing memory."""
+def check_out(params: dict[str, nn.Parameter], batch: int, out: dict[str, Tensor]) -> None:
+    """``out`` of ``per_sample_grads``: one (B, *param.shape) tensor per trainable parameter (``params``,
+    by name), in the parameter's dtype and device, contiguous, and no two sharing memory."""
     if not isinstance(out, dict):
         raise TypeError(f"out must be a dict {{name: Tensor(B, *param.shape)}}, got {type(out).__name__}")
-    params = dict(model.named_parameters())
+    names = list(params)
     if set(out) != set(names):
         raise ValueError(f"out must have exactly the trainable parameters' names; missing "
                          f"{sorted(set(names) - set(out))}, unexpected {sorted(set(out) - set(names))}")
@@ -250,9 +256,10 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets:
     glibc's default malloc page-faults every page of it (in huge pages where Linux offers them:
     kernels.hugepages).
     """
-    names = check_inputs(model, loss_fn, inputs, targets, randomness, chunk_size)
+    params = _trainable(model, loss_fn, inputs, targets, randomness, chunk_size)
+    names = list(params)
     if out is not None:
-        check_out(model, names, inputs.shape[0], out)
+        check_out(params, inputs.shape[0], out)
     if inputs.shape[0] == 0:
         return out if out is not None else _empty(model, names)
     plan = _plan(model, names, randomness)
@@ -260,12 +267,14 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets:
         plan = _Plan(names, {}, names)
     plan, terms = _terms(model, loss_fn, inputs, targets, plan)
     with torch.autocast(inputs.device.type, enabled=False):  # gradients in the weights' dtype
-        result = _from_terms(plan, terms, inputs.shape[0], out)
+        result, read = _from_terms(plan, terms, inputs.shape[0], out)
     # Checked where it is cheap: an identity layer's gradient is a sum of T products of its
     # captured terms, so the terms are read rather than the B x P result (a pass over it is a
-    # measurable share of the call); vmap's gradients are read.
-    checked = {f"the captured {k} of layer {m!r}": t for m, (a, g) in terms.items()
-               for k, t in (("inputs", a), ("output gradients", g))}
+    # measurable share of the call), or their largest magnitudes taken from the streamed write
+    # that read them (``read``); vmap's gradients are read.
+    checked: dict[str, Tensor | tuple[float, float]] = {
+        f"the captured {k} of layer {m!r}": (-read[m][i], read[m][i]) if m in read else t
+        for m, (a, g) in terms.items() for i, (k, t) in enumerate((("inputs", a), ("output gradients", g)))}
     if plan.other:
         grads = _vmap_grads(model, loss_fn, inputs, targets, plan.other, randomness, chunk_size)
         for n, g in grads.items():
@@ -293,8 +302,10 @@ def _may_overflow(terms: dict[str, tuple[Tensor, Tensor]], found: dict[str, tupl
 
 
 def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int,
-                into: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
-    """Per-sample gradients of the identity layers, written into ``into``'s tensors when given."""
+                into: dict[str, Tensor] | None = None) -> tuple[dict[str, Tensor], dict[str, tuple[float, float]]]:
+    """Per-sample gradients of the identity layers, written into ``into``'s tensors when given;
+    and, by layer, the largest |a| and |g| of its terms where the streamed write read them all
+    (``nontemporal.outer_all``; NaN where one was NaN)."""
     out: dict[str, Tensor] = {}
     into = into or {}
     # a result larger than the CPU's last-level cache cannot stay cached for its reader: its
@@ -302,7 +313,7 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
     stream = nontemporal.pays(sum(batch * plan.linear[n].weight.numel() * plan.linear[n].weight.element_size()
                                   for n, (a, _) in terms.items()
                                   if plan.linear[n].weight.requires_grad and a.shape[1] == 1))
-    given: dict[str, tuple[Tensor, Tensor, Tensor]] = {}  # one-row outer products into out=, written together
+    given: dict[str, tuple[Tensor, Tensor, Tensor]] = {}  # by layer: one-row products into out=, written together
     for mname, (a, g) in terms.items():
         prefix = f"{mname}." if mname else ""
         m = plan.linear[mname]
@@ -314,7 +325,7 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
             # the way its calls' times chose for this kind of write (T rows by bmm, or one row).
             w, site = into.get(prefix + "weight"), f"per_sample_grads T={a.shape[1]}"
             if w is not None and a.shape[1] == 1:
-                given[prefix + "weight"] = (g.transpose(1, 2), a, w)
+                given[mname] = (g.transpose(1, 2), a, w)
             else:
                 with (contextlib.nullcontext(w) if w is not None
                       else hugepages.fresh((batch, *m.weight.shape), like=a, site=site)) as w:
@@ -329,7 +340,10 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
                 out[prefix + "bias"] = b.copy_(one) if b is not None else one.clone()
             else:
                 out[prefix + "bias"] = torch.sum(g, dim=1, out=b) if b is not None else g.sum(dim=1)
-    out.update(zip(given, nontemporal.outer_all(list(given.values()), stream=stream), strict=True))
+    written, reads = nontemporal.outer_all(list(given.values()), stream=stream)
+    out.update((f"{mname}.weight" if mname else "weight", w) for mname, w in zip(given, written, strict=True))
+    read = {} if reads is None else {mname: (big_a, big_g) for (mname, (_, _, w)), (big_g, big_a)
+                                     in zip(given.items(), reads, strict=True) if w.numel()}
     for mname, m in plan.linear.items():  # layers never called get zero gradients
         if mname not in terms:
             prefix = f"{mname}." if mname else ""
@@ -337,7 +351,7 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
                 if p.requires_grad:
                     z = into.get(prefix + n)
                     out[prefix + n] = z.zero_() if z is not None else p.new_zeros((batch, *p.shape))
-    return out
+    return out, read
 
 
 def ghost_terms(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
