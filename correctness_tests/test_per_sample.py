@@ -592,7 +592,8 @@ def test_a_global_forward_hook_takes_vmap(name: str) -> None:
 @pytest.mark.parametrize("side", [kernels, reference], ids=["kernels", "reference"])
 def test_what_neither_side_differentiates_alike_is_refused(side) -> None:
     """inputs or targets computed from a model parameter with the graph kept (an embedding looked up
-    before the call: the kernel gave zeros for its weight, the reference refused by accident), and
+    before the call: the kernel gave zeros for its weight, the reference refused by accident), or a
+    parameter itself (the identity path does not walk torch's bare losses' graph), and
     gradient hooks on parameters (the reference's autograd applied them, the kernel's identity and
     vmap did not: 0.5 off): both sides refuse them, by name."""
     torch.manual_seed(0)
@@ -609,6 +610,12 @@ def test_what_neither_side_differentiates_alike_is_refused(side) -> None:
     for name in FUNCS:
         with pytest.raises(ValueError, match="targets carry an autograd graph"):
             _run(side, name, dict(model=mlp, loss_fn=F.mse_loss, inputs=x, targets=mlp(x)))
+    # a parameter itself as the targets: a leaf, no graph to walk (torch's bare losses are not walked)
+    square = nn.Linear(3, 3)
+    for name in FUNCS:
+        with pytest.raises(ValueError, match=r"targets are model parameter\(s\) \['weight'\]"):
+            _run(side, name, dict(model=square, loss_fn=F.mse_loss, inputs=torch.randn(3, 3),
+                                  targets=square.weight))
     handle = mlp.net[0].weight.register_hook(lambda g: 2 * g)
     for name in FUNCS:
         with pytest.raises(ValueError, match=r"\['net.0.weight'\] have gradient hooks"):

@@ -68,7 +68,8 @@ def outer_all(parts: list[tuple[Tensor, Tensor, Tensor]], *,
               stream: bool) -> tuple[list[Tensor], list[tuple[float, float]] | None]:
     """``outer`` of each (g, a, out) of ``parts``: the outs, and where the C part wrote them, each
     part's largest |g| and |a| its pass read (all of both where the out is not empty; NaN where one
-    read is NaN), which a caller checking g and a finite need not read again; None where torch did.
+    read is NaN), which a caller checking g and a finite need not read again; None unless the one
+    C pass wrote them all.
     Where every part streams (``outer``'s conditions) and no out overlaps another out or any
     part's inputs, they are written in one parallel region, their rows split over the threads by
     elements, so a layer's small result does not hold a thread alone; else each part as ``outer``

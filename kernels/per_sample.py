@@ -80,11 +80,13 @@ def _trainable(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tenso
     if not names:
         raise ValueError("model has no parameter with requires_grad=True: nothing to differentiate")
     for what, t in (("inputs", inputs), ("targets", targets)):
-        # per-sample gradients here are of each sample's loss through the model, its batch given
-        reached = loss_parameters(t, (), model) if t.grad_fn is not None else []
+        # per-sample gradients here are of each sample's loss through the model, its batch given:
+        # neither may be a trainable parameter itself or reach one through its graph
+        reached = loss_parameters(t, (), model) if t.grad_fn is not None else [n for n, p in trainable if p is t]
         if reached:
-            raise ValueError(f"{what} carry an autograd graph reaching model parameter(s) {reached[:3]} (computed "
-                             f"from the model, e.g. an embedding): per-sample gradients through them are not "
+            how = "carry an autograd graph reaching" if t.grad_fn is not None else "are"
+            raise ValueError(f"{what} {how} model parameter(s) {reached[:3]} (computed from the model, e.g. an "
+                             f"embedding, or the parameter itself): per-sample gradients through them are not "
                              f"computed; pass {what}.detach(), or compute them inside the model's forward")
     hooked = [n for n, p in trainable if p._backward_hooks]
     if hooked:

@@ -285,6 +285,7 @@ def _store_usual(storage: Path) -> None:
                         encoding="utf8")
 
 
+@pytest.mark.paced
 def test_an_unchanged_kernel_timed_on_a_slowed_core_is_not_failed(pytester: pytest.Pytester,
                                                                   slowed_host) -> None:
     """Its first pairs, all slowed, miss the floor; timed again at the usual pace they read 4x."""
@@ -296,6 +297,7 @@ def test_an_unchanged_kernel_timed_on_a_slowed_core_is_not_failed(pytester: pyte
     assert row["usual_pace_ns"] == USUAL and row["near_speedup"] == pytest.approx(4.0, rel=0.25)
 
 
+@pytest.mark.paced
 def test_a_slower_kernel_timed_on_a_slowed_core_still_fails(pytester: pytest.Pytester, slowed_host) -> None:
     result, row = slowed_host(pytester, 0.004)
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
@@ -303,6 +305,7 @@ def test_a_slower_kernel_timed_on_a_slowed_core_still_fails(pytester: pytest.Pyt
                                  "timed at the usual pace read [12].*x*"])
 
 
+@pytest.mark.paced
 def test_a_baseline_saved_on_a_slowed_core_stands_at_its_usual_pace_pairs(pytester: pytest.Pytester,
                                                                           slowed_host) -> None:
     """Saved while the core ran slowed for some pairs: a later run is held to the usual pairs'
@@ -315,6 +318,7 @@ def test_a_baseline_saved_on_a_slowed_core_stands_at_its_usual_pace_pairs(pytest
     assert stored["perfgate"]["speedups"][0]["near_speedup"] == saved["near_speedup"]
 
 
+@pytest.mark.paced
 def test_a_row_saved_with_every_pair_on_a_slowed_core_is_timed_again_at_the_usual_pace(
         pytester: pytest.Pytester, slowed_host) -> None:
     """No miss to time again (the kernel reads 4x at either pace), but no pair at the usual pace
