@@ -8,12 +8,15 @@ it ran on before and after. With SHIFT_KIB > 0 the worker holds a spacer of rand
 SHIFT_KIB KiB, in 64-byte steps, untouched) over each block and frees it after, so every block's
 outputs and temporaries land at another place of the heap. Prints each worker's median block, each
 copy's, and each vCPU's, and the share of the blocks' log-time variance that lies between workers.
+With ASLR 0 the workers start with address-space randomization off (``personality(ADDR_NO_RANDOMIZE)``,
+inherited by the spawned processes, as ``setarch -R`` runs a command): each lays out its libraries,
+heap and stack at the same addresses.
 
 heap: one such process, its inputs fixed; with SPACERS=1 a spacer of random size is allocated (and
 kept) before every other block, so the heap serves the call's outputs and temporaries elsewhere.
 Prints each block's median.
 
-usage: python -m evidence.process_offsets workers BLOCKS [SPACER_MIB [SHIFT_KIB]]
+usage: python -m evidence.process_offsets workers BLOCKS [SPACER_MIB [SHIFT_KIB [ASLR: 1 or 0]]]
        python -m evidence.process_offsets heap BLOCKS [SPACERS: 0 or 1]
 """
 
@@ -26,6 +29,7 @@ import statistics
 import sys
 
 SHAPE = (8, 8, 512, 64)  # perf_tests/test_rope.py's smoke size
+ADDR_NO_RANDOMIZE = 0x0040000  # linux/personality.h
 
 
 def _vcpu() -> int:
@@ -91,7 +95,11 @@ def _between(rows: list[tuple[int, int, int | None, float]]) -> str:
             f"(sd {100 * component ** 0.5:.1f}% between, {100 * within ** 0.5:.1f}% within), F test p={p:.2g}")
 
 
-def workers(blocks: int, spacer_mib: int, shift_kib: int = 0) -> None:
+def workers(blocks: int, spacer_mib: int, shift_kib: int = 0, aslr: bool = True) -> None:
+    if not aslr:  # the spawned workers' address spaces laid out alike (Linux; inherited across exec)
+        import ctypes
+
+        ctypes.CDLL(None).personality(ADDR_NO_RANDOMIZE)
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for _ in range(4):
@@ -115,8 +123,8 @@ def workers(blocks: int, spacer_mib: int, shift_kib: int = 0) -> None:
         return f"{1e3 * statistics.median(got):.3f} ({len(got)})" if got else "-"
 
     shift = f", a spacer of 0-{shift_kib} KiB over each block" if shift_kib else ""
-    print(f"{blocks} blocks, 4 workers, spacer {spacer_mib} MiB x copy{shift}, vCPUs {os.cpu_count()}; "
-          "ms (blocks)")
+    print(f"{blocks} blocks, 4 workers, spacer {spacer_mib} MiB x copy{shift}, ASLR {'on' if aslr else 'off'}, "
+          f"vCPUs {os.cpu_count()}; ms (blocks)")
     for w in range(4):
         copies = ", ".join(f"{k}: {ms(w, copy=k)}" for k in range(3))
         vcpus = ", ".join(f"{c}: {ms(w, vcpu=c)}" for c in range(os.cpu_count()))
@@ -141,4 +149,5 @@ if __name__ == "__main__":
     mode, count = sys.argv[1], int(sys.argv[2])
     extra = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     shift = int(sys.argv[4]) if len(sys.argv) > 4 else 0
-    workers(count, extra, shift) if mode == "workers" else heap(count, bool(extra))
+    aslr = sys.argv[5] != "0" if len(sys.argv) > 5 else True
+    workers(count, extra, shift, aslr) if mode == "workers" else heap(count, bool(extra))
