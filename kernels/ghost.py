@@ -14,6 +14,11 @@ import torch
 from torch import Tensor, nn
 
 
+def qualified(layer: str, param: str) -> str:
+    """A layer's parameter by its ``named_parameters`` name: ``layer.param``, or ``param`` for the root."""
+    return f"{layer}.{param}" if layer else param
+
+
 def _one_row(a: Tensor, g: Tensor, weight: bool, bias: bool) -> Tensor:
     """Gram (B, B) of one Linear layer's trainable parameters with one row a sample (a (B, 1, in),
     g (B, 1, out)): g_i(W) = b_i a_i^T and g_i(bias) = b_i, so the weight's term
@@ -119,11 +124,10 @@ class GhostTerms:
         out = {n: t.sum(0) for n, t in self.grads.items()}
         with torch.autocast(self.zero.device.type, enabled=False):
             for mname, m in self.plan.linear.items():
-                prefix = f"{mname}." if mname else ""
                 a, g = self.terms.get(mname, (None, None))
                 for n, p in m.named_parameters(recurse=False):
                     if p.requires_grad:
-                        out[prefix + n] = (torch.zeros_like(p) if a is None else
+                        out[qualified(mname, n)] = (torch.zeros_like(p) if a is None else
                                            g.flatten(0, 1).T @ a.flatten(0, 1) if n == "weight" else g.sum((0, 1)))
         return out
 
@@ -133,11 +137,11 @@ class GhostTerms:
         total = self.zero.expand(self.batch)
         with torch.autocast(self.zero.device.type, enabled=False):
             for mname, (a, g) in self.terms.items():
-                m, prefix = self.plan.linear[mname], f"{mname}." if mname else ""
+                m = self.plan.linear[mname]
                 if m.weight.requires_grad:
-                    total = total + ((g @ vector[prefix + "weight"]) * a).sum((1, 2))
+                    total = total + ((g @ vector[qualified(mname, "weight")]) * a).sum((1, 2))
                 if m.bias is not None and m.bias.requires_grad:
-                    total = total + g.sum(1) @ vector[prefix + "bias"]
+                    total = total + g.sum(1) @ vector[qualified(mname, "bias")]
             for name, t in self.grads.items():
                 total = total + t.reshape(self.batch, -1) @ vector[name].reshape(-1)
         return total

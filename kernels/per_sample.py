@@ -31,7 +31,7 @@ from torch.func import grad, vmap
 
 from kernels import checks, hugepages, nontemporal
 from kernels._stateless import functional_call
-from kernels.ghost import GhostTerms
+from kernels.ghost import GhostTerms, qualified
 from kernels.ghost import Plan as _Plan
 from kernels.layer_capture import (
     BARE_LOSSES,
@@ -147,7 +147,7 @@ def _plan(model: nn.Module, names: list[str], randomness: str) -> _Plan:
         own = own_parameters(m)  # a child module's parameters are not the identity's
         if any(p.requires_grad for _, p in own) and all(counts[id(p)] == 1 for _, p in own):  # tied: vmap
             linear[mname] = m
-            covered.update(f"{mname}.{n}" if mname else n for n, _ in own)
+            covered.update(qualified(mname, n) for n, _ in own)
     return _Plan(names, linear, [n for n in names if n not in covered])
 
 
@@ -296,10 +296,9 @@ def _may_overflow(terms: dict[str, tuple[Tensor, Tensor]], found: dict[str, tupl
         top = torch.finfo(a.dtype).max
         big_a, big_g = (max(map(abs, found.get(f"the captured {k} of layer {m!r}", (0.0, 0.0))))
                         for k in ("inputs", "output gradients"))
-        prefix = f"{m}." if m else ""
         for n, bound in (("weight", a.shape[1] * big_a * big_g), ("bias", a.shape[1] * big_g)):
-            if prefix + n in result and bound > top:
-                risky[f"the per-sample gradient of {prefix + n!r}"] = result[prefix + n]
+            if qualified(m, n) in result and bound > top:
+                risky[f"the per-sample gradient of {qualified(m, n)!r}"] = result[qualified(m, n)]
     return risky
 
 
@@ -317,7 +316,7 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
                                   if plan.linear[n].weight.requires_grad and a.shape[1] == 1))
     given: dict[str, tuple[Tensor, Tensor, Tensor]] = {}  # by layer: one-row products into out=, written together
     for mname, (a, g) in terms.items():
-        prefix = f"{mname}." if mname else ""
+        weight, bias = qualified(mname, "weight"), qualified(mname, "bias")
         m = plan.linear[mname]
         if m.weight.requires_grad:
             # One row per sample (T = 1): the outer product g_i a_i^T as a broadcast multiply, one
@@ -325,34 +324,33 @@ def _from_terms(plan: _Plan, terms: dict[str, tuple[Tensor, Tensor]], batch: int
             # (B, out, T) @ (B, T, in) by bmm (measured in docs/kernels/per_sample.md).
             # A fresh result in huge pages: writing it faults 2 MiB at a time (kernels.hugepages),
             # the way its calls' times chose for this kind of write (T rows by bmm, or one row).
-            w, site = into.get(prefix + "weight"), f"per_sample_grads T={a.shape[1]}"
+            w, site = into.get(weight), f"per_sample_grads T={a.shape[1]}"
             if w is not None and a.shape[1] == 1:
                 given[mname] = (g.transpose(1, 2), a, w)
             else:
                 with (contextlib.nullcontext(w) if w is not None
                       else hugepages.fresh((batch, *m.weight.shape), like=a, site=site)) as w:
                     if a.shape[1] == 1:
-                        out[prefix + "weight"] = nontemporal.outer(g.transpose(1, 2), a, w, stream=stream)
+                        out[weight] = nontemporal.outer(g.transpose(1, 2), a, w, stream=stream)
                     else:
-                        out[prefix + "weight"] = torch.bmm(g.transpose(1, 2), a, out=w)
+                        out[weight] = torch.bmm(g.transpose(1, 2), a, out=w)
         if m.bias is not None and m.bias.requires_grad:
             # one row: g_i itself, copied (a sum over one row is a slower copy)
-            b, one = into.get(prefix + "bias"), g[:, 0] if g.shape[1] == 1 else None
+            b, one = into.get(bias), g[:, 0] if g.shape[1] == 1 else None
             if one is not None:
-                out[prefix + "bias"] = b.copy_(one) if b is not None else one.clone()
+                out[bias] = b.copy_(one) if b is not None else one.clone()
             else:
-                out[prefix + "bias"] = torch.sum(g, dim=1, out=b) if b is not None else g.sum(dim=1)
+                out[bias] = torch.sum(g, dim=1, out=b) if b is not None else g.sum(dim=1)
     written, reads = nontemporal.outer_all(list(given.values()), stream=stream)
-    out.update((f"{mname}.weight" if mname else "weight", w) for mname, w in zip(given, written, strict=True))
+    out.update((qualified(mname, "weight"), w) for mname, w in zip(given, written, strict=True))
     read = {} if reads is None else {mname: (big_a, big_g) for (mname, (_, _, w)), (big_g, big_a)
                                      in zip(given.items(), reads, strict=True) if w.numel()}
     for mname, m in plan.linear.items():  # layers never called get zero gradients
         if mname not in terms:
-            prefix = f"{mname}." if mname else ""
             for n, p in m.named_parameters(recurse=False):
                 if p.requires_grad:
-                    z = into.get(prefix + n)
-                    out[prefix + n] = z.zero_() if z is not None else p.new_zeros((batch, *p.shape))
+                    z = into.get(qualified(mname, n))
+                    out[qualified(mname, n)] = z.zero_() if z is not None else p.new_zeros((batch, *p.shape))
     return out, read
 
 
