@@ -5,8 +5,9 @@ workers run) each build the rope rotation's smoke inputs 3 times (the A/B's copi
 of touched memory before copy k (0: none), so the copies land apart. The parent asks a worker at
 random for a block of 10 calls on a copy at random, one block at a time; the worker reads the vCPU
 it ran on before and after. With SHIFT_KIB > 0 the worker holds a spacer of random size (0 to
-SHIFT_KIB KiB, in 64-byte steps, untouched) over each block and frees it after, so every block's
-outputs and temporaries land at another place of the heap. Prints each worker's median block, each
+SHIFT_KIB KiB, in 64-byte steps, untouched: perfgate's ``timing.HeapShift``, whose default is 16384)
+over each block and frees it after, so every block's outputs and temporaries land at another place
+of the heap. Prints each worker's median block, each
 copy's, and each vCPU's, and the share of the blocks' log-time variance that lies between workers.
 With ASLR 0 the workers start with address-space randomization off (``personality(ADDR_NO_RANDOMIZE)``,
 inherited by the spawned processes, as ``setarch -R`` runs a command): each lays out its libraries,
@@ -52,11 +53,14 @@ def _setup():
     return torch, lambda x, grad: torch.autograd.grad(rope(x), x, grad)[0]
 
 
-def _block(call, x, grad, warm: int = 0) -> float:
-    """The median seconds of 10 back-to-back calls, by perfgate's CPU timer."""
-    from perfgate.timing import timer_for
+def _block(call, x, grad, warm: int = 0, shift_kib: int = 0) -> float:
+    """The median seconds of 10 back-to-back calls, by perfgate's CPU timer; with ``shift_kib``, a
+    ``HeapShift`` of 0 to that many KiB held over the block (as --perf-against's workers hold one)."""
+    from perfgate.timing import HeapShift, timer_for
 
-    return statistics.median(timer_for("cpu").block((lambda: call(x, grad), None), 10, warm=warm))
+    timer = timer_for("cpu")
+    timer.shift = HeapShift(most=shift_kib << 10) if shift_kib else None
+    return statistics.median(timer.block((lambda: call(x, grad), None), 10, warm=warm))
 
 
 def _worker(conn, spacer_mib: int, shift_kib: int) -> None:
@@ -70,13 +74,9 @@ def _worker(conn, spacer_mib: int, shift_kib: int) -> None:
     for x, grad in copies:
         call(x, grad)
     conn.send("ready")
-    rng = random.Random(os.getpid())
     while (copy := conn.recv()) is not None:
-        # the block's spacer: its outputs and temporaries land past it (held only over the block)
-        spacer = torch.empty(rng.randrange(shift_kib * 16) * 64, dtype=torch.uint8) if shift_kib else None
         before = _vcpu()
-        conn.send((_block(call, *copies[copy]), before, _vcpu()))
-        del spacer
+        conn.send((_block(call, *copies[copy], shift_kib=shift_kib), before, _vcpu()))
 
 
 def _between(rows: list[tuple[int, int, int | None, float]]) -> str:

@@ -1657,3 +1657,47 @@ def test_too_few_pairs_stay_unbounded_whatever_the_units() -> None:
     rev, this = [1.0, 1.1, 0.9, 1.3, 1.3], [1.0, 1.0, 1.0, 1.3, 1.3]
     _, low, high = clustered_interval(rev, this, [0, 0, 0, 1, 1], [0, 0, 0, 1, 1])
     assert (low, high) == (0.0, math.inf)
+
+
+WORKER_HEAP = """
+import ctypes, json, shutil, sys
+from perfgate.abworker import Hello, Worker
+
+worker = Worker(Hello(side="this", root=sys.argv[1], library=(), device="cpu", size="smoke", threads=None,
+                      malloc=sys.argv[2], scratch=sys.argv[1]))
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+def call():  # a call's 1 MiB temporary: where the heap puts it
+    p = libc.malloc(1 << 20)
+    libc.free(p)
+    return p
+
+shifted = [worker.timer.rounds((call, None), 3)[1] for _ in range(30)]
+shift, worker.timer.shift = worker.timer.shift, None
+unshifted = [worker.timer.rounds((call, None), 3)[1] for _ in range(30)]
+shutil.rmtree(worker.tmp)
+print(json.dumps({"malloc": worker.malloc, "shift": shift is not None,
+                  "shifted": len(set(shifted)), "unshifted": len(set(unshifted))}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap (the cache malloc mode)")
+def test_a_workers_blocks_land_at_another_place_of_the_heap_each(tmp_path: Path) -> None:
+    """Under the cache malloc mode a worker's timer holds a spacer of random size over each block
+    (timing.HeapShift), so a call's buffers land at another place of the heap each block, not where
+    the worker's heap happened to put them for its whole life; without it they land at one place.
+    Under glibc's default mode (large blocks mmap-ed anew) there is no spacer."""
+    def run(malloc: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", WORKER_HEAP, str(tmp_path), malloc],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    cache = run("cache")
+    assert cache["malloc"] == "cache" and cache["shift"]
+    assert cache["unshifted"] == 1  # the same place block after block: the lasting layout
+    assert cache["shifted"] >= 20  # of 30 blocks, each at its own place
+    default = run("default")
+    assert default["malloc"] == "default" and not default["shift"]

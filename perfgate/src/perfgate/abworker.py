@@ -170,7 +170,10 @@ class Worker:
         self.torch_set = False  # torch's settings are applied once a row's module has imported torch
         if hello.device.startswith("cuda"):
             self._torch()
+        # each block at another place of the heap: where a worker's heap happened to put a row's
+        # buffers would hold all its blocks off the other workers' (timing.HeapShift)
         self.timer = timer_for(hello.device, l2_flush=hello.l2_flush, disable_gc=hello.disable_gc,
+                               shift_heap=self.malloc == "cache",
                                **({"host_timer": hello.host_timer} if hello.host_timer is not None else {}))
         self.host = HostLoad(hello.threads or 1)
         self.tmp = Path(tempfile.mkdtemp(prefix="perfgate-worker-", dir=hello.scratch))

@@ -12,12 +12,14 @@ pulls speedups toward 1 (the design and its reasons: docs/perfgate.md, "Timing o
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import gc
 import math
 import mmap
 import os
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -153,16 +155,53 @@ def l2_flusher(device: str) -> Callable[[], Any]:
 Timed = tuple[Callable[..., Any], Callable[[], Any] | None]  # (callable, its per-call setup or None)
 
 
+class HeapShift:
+    """A spacer of random size (0 to ``most`` bytes, in ``step``s) taken from the C heap and held
+    over each block (``Timer.rounds``), so the block's outputs and temporaries land past it: at
+    another place of the heap each block. Under the ``cache`` malloc mode a process serves a call's
+    buffers from the same place of its heap call after call, and where that place falls can hold
+    all of a process's blocks 30-40% off another process's running the same code: a lasting offset
+    that no number of its own blocks averages away. Shifted, every block samples the layouts, and
+    the offset becomes the blocks' noise, which the pairs average (docs/perfgate.md, "Units")."""
+
+    def __init__(self, most: int = 16 << 20, step: int = 64, seed: int | None = None) -> None:
+        self.most, self.step = most, step
+        self.rng = random.Random(seed)
+        libc = ctypes.CDLL("libc.so.6")
+        self.malloc, self.free = libc.malloc, libc.free
+        self.malloc.restype, self.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        self.free.restype, self.free.argtypes = None, [ctypes.c_void_p]
+
+    @staticmethod
+    def open() -> HeapShift | None:
+        """A shift on glibc (the cache malloc mode's allocator); None where there is no libc.so.6."""
+        try:
+            return HeapShift()
+        except (OSError, AttributeError):
+            return None
+
+    @contextlib.contextmanager
+    def held(self) -> Any:
+        """The spacer, held while the ``with`` body runs (its memory untouched: no page is faulted)."""
+        spacer = self.malloc(self.step + self.rng.randrange(0, self.most, self.step))
+        try:
+            yield spacer
+        finally:
+            self.free(spacer)  # free(NULL), where malloc refused, does nothing
+
+
 @dataclass
 class Timer:
     """Times calls of one device with ``clock``. ``flush`` (CUDA's L2 flush) runs before each call;
     ``overhead_s`` is what it adds to a call's wall time, outside the reading (budgets count it).
-    ``disable_gc``: Python's garbage collector is off during a block (--benchmark-disable-gc)."""
+    ``disable_gc``: Python's garbage collector is off during a block (--benchmark-disable-gc).
+    ``shift``: a ``HeapShift`` held over each block, warming calls included."""
 
     clock: Clock
     flush: Callable[[], Any] | None = None
     overhead_s: float = 0.0
     disable_gc: bool = False
+    shift: HeapShift | None = None
 
     def cost(self, seconds: float) -> float:
         """Wall seconds of a call that reads ``seconds``: what a block of it takes."""
@@ -186,17 +225,18 @@ class Timer:
         if self.disable_gc:
             gc.disable()
         try:
-            for i in range(warm + calls):
-                if i == warm and warmed is not None:
-                    warmed()
-                args = () if setup is None else (setup(),)
-                if self.flush is not None:
-                    self.flush()
-                start = self.clock.mark()
-                out = fn(*args)
-                end = self.clock.mark()
-                if i >= warm:
-                    marks.append((start, end))
+            with self.shift.held() if self.shift is not None else contextlib.nullcontext():
+                for i in range(warm + calls):
+                    if i == warm and warmed is not None:
+                        warmed()
+                    args = () if setup is None else (setup(),)
+                    if self.flush is not None:
+                        self.flush()
+                    start = self.clock.mark()
+                    out = fn(*args)
+                    end = self.clock.mark()
+                    if i >= warm:
+                        marks.append((start, end))
         finally:
             if collecting:
                 gc.enable()
@@ -205,11 +245,12 @@ class Timer:
 
 
 def timer_for(device: str, *, l2_flush: bool = False, host_timer: Callable[[], float] = time.perf_counter,
-              disable_gc: bool = False) -> Timer:
+              disable_gc: bool = False, shift_heap: bool = False) -> Timer:
     """The session's timer: CUDA events on a CUDA device (with the L2 flush when asked, its cost
-    measured once), else ``host_timer`` (pytest-benchmark's ``--benchmark-timer``)."""
+    measured once), else ``host_timer`` (pytest-benchmark's ``--benchmark-timer``), with a
+    ``HeapShift`` over each block where ``shift_heap`` (for the ``cache`` malloc mode)."""
     if not device.startswith("cuda"):
-        return Timer(HostClock(host_timer), disable_gc=disable_gc)
+        return Timer(HostClock(host_timer), disable_gc=disable_gc, shift=HeapShift.open() if shift_heap else None)
     clock = CudaEventClock(device)
     if not l2_flush:
         return Timer(clock, disable_gc=disable_gc)
