@@ -4,8 +4,8 @@ workers: 4 worker processes (1 torch thread, glibc malloc in perfgate's ``cache`
 workers run) each build the rope rotation's smoke inputs 3 times (the A/B's copies), SPACER MiB x k
 of touched memory before copy k (0: none), so the copies land apart. The parent asks a worker at
 random for a block of 10 calls on a copy at random, one block at a time; the worker reads the vCPU
-it ran on before and after. With SHIFT_KIB > 0 the worker holds a spacer of random size (0 to
-SHIFT_KIB KiB, in 64-byte steps, untouched: perfgate's ``timing.HeapShift``, whose default is 16384)
+it ran on before and after. With SHIFT_KIB > 0 the worker holds a spacer of random size (64 bytes to
+SHIFT_KIB KiB, in 64-byte steps: perfgate's ``timing.HeapShift``, whose default is 16384)
 over each block and frees it after, so every block's outputs and temporaries land at another place
 of the heap. Prints each worker's median block, each
 copy's, and each vCPU's, and the share of the blocks' log-time variance that lies between workers.

@@ -156,15 +156,18 @@ Timed = tuple[Callable[..., Any], Callable[[], Any] | None]  # (callable, its pe
 
 
 class HeapShift:
-    """A spacer of random size (0 to ``most`` bytes, in ``step``s) taken from the C heap and held
-    over each block (``Timer.rounds``), so the block's outputs and temporaries land past it: at
+    """A spacer of random size (``step`` to ``most`` bytes, in ``step``s) taken from the C heap and
+    held over each block (``Timer.rounds``), so the block's outputs and temporaries land past it: at
     another place of the heap each block. Under the ``cache`` malloc mode a process serves a call's
     buffers from the same place of its heap call after call, and where that place falls can hold
     all of a process's blocks 30-40% off another process's running the same code: a lasting offset
     that no number of its own blocks averages away. Shifted, every block samples the layouts, and
-    the offset becomes the blocks' noise, which the pairs average (docs/perfgate.md, "Units")."""
+    the offset becomes the blocks' noise, which the pairs average (docs/perfgate.md, "Units"). The
+    spacer is the calling thread's: glibc gives other threads (an OpenMP team's) arenas of their own."""
 
     def __init__(self, most: int = 16 << 20, step: int = 64, seed: int | None = None) -> None:
+        if not (step >= 1 and most >= step):
+            raise ValueError(f"HeapShift needs step >= 1 and most >= step bytes, got step={step}, most={most}")
         self.most, self.step = most, step
         self.rng = random.Random(seed)
         libc = ctypes.CDLL("libc.so.6")
@@ -181,9 +184,12 @@ class HeapShift:
             return None
 
     @contextlib.contextmanager
-    def held(self) -> Any:
-        """The spacer, held while the ``with`` body runs (its memory untouched: no page is faulted)."""
-        spacer = self.malloc(self.step + self.rng.randrange(0, self.most, self.step))
+    def held(self, nbytes: int | None = None) -> Any:
+        """A spacer of ``nbytes`` (None: of random size), held while the ``with`` body runs; the
+        program never writes it (malloc writes its own headers)."""
+        if nbytes is None:
+            nbytes = self.step + self.rng.randrange(0, self.most, self.step)
+        spacer = self.malloc(nbytes)
         try:
             yield spacer
         finally:
