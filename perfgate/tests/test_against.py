@@ -1703,3 +1703,45 @@ def test_a_workers_blocks_land_at_another_place_of_the_heap_each(tmp_path: Path)
     assert cache["shifted"] >= 20  # of 30 blocks, each at its own place
     default = run("default")
     assert default["malloc"] == "default" and not default["shift"]
+
+
+def test_a_worker_adds_copies_only_while_the_hosts_memory_holds_them(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """Every copy of every worker is alive at once: a worker adds a copy only while one more as large
+    as its last fits beside a first copy for each worker still to build and MEMORY_RESERVE (at 4 workers
+    a side a 24 GB host ran out of memory building adamw_bandwidth's 0.8 GB copies, 3 a worker). Its
+    first copy is always built; unread memory limits nothing."""
+    import types
+
+    from perfgate import abworker, timing
+
+    gib, reserve = 1 << 30, abworker.MEMORY_RESERVE
+    assert abworker.copy_fits(gib, 3, 2 * gib, available=7 * gib + reserve)
+    assert not abworker.copy_fits(gib, 3, 2 * gib, available=7 * gib + reserve - 1)
+    module = tmp_path / "rowmod.py"
+    module.write_text("def test_row():\n    pass\n")
+    host = {"rss": gib, "available": 4 * gib + reserve}
+
+    def build_one(*args: object) -> tuple[object, dict]:  # a copy holds 1 GiB of the host's memory
+        host["rss"] += gib
+        host["available"] -= gib
+        return object(), {"first_s": 0.0, "warm_s": 0.0}
+
+    monkeypatch.setattr(timing, "_proc_status_bytes", lambda key: host["rss"])
+    monkeypatch.setattr(timing, "available_memory", lambda: host["available"])
+    worker = types.SimpleNamespace(rows={}, _build_one=build_one)
+
+    def build(others: int) -> dict:
+        return abworker.Worker.build(worker, "row", "rowmod", str(module), "test_row", {}, "k", "optimized",
+                                     builds=3, build_s=math.inf, others=others)
+
+    # 2 workers to build after this one, each to grow by a first copy's 1 GiB: one more copy needs
+    # 3 GiB beside the reserve; 3 GiB are left after the first copy, 2 after the second
+    assert build(others=2) == {"first_s": 0.0, "warm_s": 0.0, "builds": 2, "copy_bytes": gib}
+    assert len(worker.rows["row"]) == 2
+    host["available"] = 4 * gib + reserve
+    assert build(others=0)["builds"] == 3  # the last worker to build: room for all three
+    host["available"] = 0
+    assert build(others=0)["builds"] == 1  # no room: the first copy only, as a worker must time one
+    monkeypatch.setattr(timing, "available_memory", lambda: None)
+    assert build(others=7)["builds"] == 3  # unread: as before

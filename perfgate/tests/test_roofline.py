@@ -888,6 +888,7 @@ def test_the_stream_arrays_are_twice_the_last_level_cache(monkeypatch: pytest.Mo
     host needs has its stream rates measured again (its GEMM peaks kept), one measured over large
     enough arrays not."""
     import perfgate.roofline as roofline
+    import perfgate.timing as timing
 
     read = {"cache size": "307200 KB"}  # /proc/cpuinfo's first processor, as the Xeon 207's
     monkeypatch.setattr(roofline, "_cpuinfo_first", lambda: read)
@@ -898,7 +899,7 @@ def test_the_stream_arrays_are_twice_the_last_level_cache(monkeypatch: pytest.Mo
         assert roofline.last_level_cache() == size, field
     roofline.last_level_cache.cache_clear()
     monkeypatch.setitem(read, "cache size", "307200 KB")
-    monkeypatch.setattr(roofline, "MEMINFO", tmp_path / "meminfo")
+    monkeypatch.setattr(timing, "MEMINFO", tmp_path / "meminfo")
     assert roofline.stream_bytes("cpu") == 600 << 20 and roofline.stream_bytes("cuda") == 128 << 20  # no meminfo
     (tmp_path / "meminfo").write_text("MemTotal: 25000000 kB\nMemAvailable:    1536000 kB\n")
     assert roofline.stream_bytes("cpu") == 250 << 20  # a sixth of 1.5 GB, whole MiB

@@ -229,16 +229,19 @@ class Comparer:
 
     def build(self, row: ABRow, request: dict[str, Any], copies: dict[tuple[str, int], int] | None = None) -> bool:
         """Rebuild ``row`` on every worker, up to COPIES copies each while they build within
-        COPIES_S, or exactly ``copies[(side, worker index)]`` (default 1) when given; False (and
-        ``row.reason``) when a side cannot."""
+        COPIES_S, or ``copies[(side, worker index)]`` (default 1) when given, in either case while
+        the host's memory holds a first copy for each worker after it (``abworker.copy_fits``); False
+        (and ``row.reason``) when a side cannot."""
         warm: dict[str, list[float]] = {"rev": [], "this": []}
         self.copies, self.built_s = {}, 0.0  # this row's: a worker lost on an earlier row builds none
-        for worker in list(self.pool.workers):
+        workers = list(self.pool.workers)
+        for k, worker in enumerate(workers):
             builds, build_s = ((COPIES, COPIES_S) if copies is None
                                else (copies.get((worker.side, worker.index), 1), math.inf))
             t0 = time.perf_counter()
             try:
-                reply = self.pool.ask(worker, "build", 600.0, builds=builds, build_s=build_s, **request)
+                reply = self.pool.ask(worker, "build", 600.0, builds=builds, build_s=build_s,
+                                      others=len(workers) - k - 1, **request)
             except WorkerGone as exc:
                 reply = {"ok": False, "reason": str(exc)}
             self.built_s = max(self.built_s, time.perf_counter() - t0)

@@ -156,6 +156,22 @@ class Hello:
     disable_gc: bool = False
 
 
+MEMORY_RESERVE = 2 << 30  # bytes of the host's memory a worker's extra copies leave free, beyond the others' first
+
+
+def copy_fits(size: int, others: int, first: int, available: int | None = None) -> bool:
+    """One more copy of ``size`` bytes fits in the host's memory (``timing.available_memory``, read
+    now unless given): beside it, ``first`` bytes for each of the ``others`` workers still to build
+    (what this worker grew by for its first copy, the row's module and one-time costs included),
+    and MEMORY_RESERVE left. Every copy of every worker is alive at once (docs/perfgate.md, "Units"),
+    so workers making their copies with no thought for the others' outgrew a 24 GB host at 4 a side.
+    True where the memory is not read."""
+    from .timing import available_memory
+
+    available = available_memory() if available is None else available
+    return available is None or available >= size + others * first + MEMORY_RESERVE
+
+
 class Worker:
     """A worker's state: its settings, timer and the rows it has built."""
 
@@ -199,23 +215,32 @@ class Worker:
         self.torch_set = True
 
     def build(self, row: str, module: str, path: str, function: str, params: dict[str, Any],
-              kernel: str, impl: str, builds: int = 1, build_s: float = 0.0) -> dict[str, Any]:
+              kernel: str, impl: str, builds: int = 1, build_s: float = 0.0, others: int = 0) -> dict[str, Any]:
         """Rebuild ``row``'s timed callable (its inputs, model, buffers) up to ``builds`` times, each
         kept: the blocks then pick one at random, so an allocation's layout varies within the
         process as it does between processes. Another copy is made while the copies after the
         first, and one more as long as the last, fit in ``build_s`` (the first pays the row's
-        one-time costs). Reports the first copy's first and warm call, and how many were made."""
-        load_module(module, Path(path))  # the test module's first import is no copy's cost
-        start = time.perf_counter()
-        made = [self._build_one(module, path, function, params, kernel, impl)]
-        took, spent = time.perf_counter() - start, 0.0
-        while len(made) < builds and spent + took <= build_s:
-            start = time.perf_counter()
+        one-time costs), and one more as large as the last fits in the host's memory beside a copy
+        for each of the ``others`` workers that build after this one (``copy_fits``). Reports the
+        first copy's first and warm call, how many were made and what the last one took."""
+        from .timing import _proc_status_bytes
+
+        self.rows.pop(row, None)  # a rebuild's copies replace the row's: the old ones are not counted in
+        loaded = _proc_status_bytes("VmRSS")
+        load_module(module, Path(path))  # the test module's first import is no copy's cost in time
+        made, took, spent, size, first = [], 0.0, 0.0, 0, 0
+        while not made or (len(made) < builds and spent + took <= build_s and copy_fits(size, others, first)):
+            start, before = time.perf_counter(), _proc_status_bytes("VmRSS")
             made.append(self._build_one(module, path, function, params, kernel, impl))
+            after = _proc_status_bytes("VmRSS")
+            # what the copy holds, its first calls' temporaries included (resident under the cache mode),
+            # and for the first the module's import too: what a worker yet to build grows by
+            size = max(0, after - before) if before is not None and after is not None else 0
+            first = first or (max(0, after - loaded) if loaded is not None and after is not None else 0)
             took = time.perf_counter() - start
-            spent += took
+            spent += took if len(made) > 1 else 0.0
         self.rows[row] = [timed for timed, _ in made]
-        return {**made[0][1], "builds": len(made)}
+        return {**made[0][1], "builds": len(made), "copy_bytes": size}
 
     def _build_one(self, module: str, path: str, function: str, params: dict[str, Any], kernel: str,
                    impl: str) -> tuple[Any, dict[str, Any]]:

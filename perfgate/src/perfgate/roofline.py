@@ -27,7 +27,7 @@ from typing import Any
 
 from .fingerprint import _cpuinfo_first
 from .stats import PARTNER_IDLE_NS, fixed_width, roofline_cell
-from .timing import timer_for
+from .timing import available_memory, timer_for
 
 LIMITS_FILE = "limits.json"  # in the fingerprint's storage folder, beside its sizes' baselines
 LIMITS_VERSION = 1
@@ -46,7 +46,6 @@ SESSIONS = ("round_trip_sessions_ns", "pace_sessions_ns")
 # bytes of an array of the stream passes at the least (2**25 float32): beyond most CPUs' last-level caches
 STREAM_BYTES = 128 << 20
 STREAM_RATES = ("stream_gbps", "scale_gbps", "copy_gbps", "triad_gbps", "fill_gbps")  # measured together
-MEMINFO = Path("/proc/meminfo")
 
 
 @dataclass(frozen=True)
@@ -845,17 +844,6 @@ def last_level_cache() -> int:
     return 0
 
 
-def _available_memory() -> int | None:
-    """Bytes of memory Linux says a new allocation can take (``MemAvailable``); None where unread."""
-    try:
-        for line in MEMINFO.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def stream_bytes(device: str) -> int:
     """Bytes of an array of the stream passes: STREAM_BYTES, or on a CPU twice its last-level cache
     (``last_level_cache``) where that is larger (a VM guest may report its host socket's whole L3,
@@ -864,7 +852,7 @@ def stream_bytes(device: str) -> int:
     if device != "cpu":
         return STREAM_BYTES
     nbytes = max(STREAM_BYTES, 2 * last_level_cache())
-    available = _available_memory()
+    available = available_memory()
     if available is not None:
         nbytes = max(STREAM_BYTES, min(nbytes, available // 6))
     return nbytes >> 20 << 20

@@ -265,6 +265,21 @@ def timer_for(device: str, *, l2_flush: bool = False, host_timer: Callable[[], f
     return Timer(clock, flush, overhead, disable_gc)
 
 
+MEMINFO = "/proc/meminfo"  # its MemAvailable: available_memory
+
+
+def available_memory() -> int | None:
+    """Bytes of memory Linux says a new allocation can take (``MemAvailable``); None where unread."""
+    try:
+        with open(MEMINFO, encoding="utf8") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _proc_status_bytes(key: str) -> int | None:
     try:
         with open("/proc/self/status", encoding="utf8") as fh:
