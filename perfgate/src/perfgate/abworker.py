@@ -226,6 +226,7 @@ class Worker:
         from .timing import _proc_status_bytes
 
         self.rows.pop(row, None)  # a rebuild's copies replace the row's: the old ones are not counted in
+        # VmRSS counts the libraries every process shares too: it errs towards fewer copies
         loaded = _proc_status_bytes("VmRSS")
         load_module(module, Path(path))  # the test module's first import is no copy's cost in time
         made, took, spent, size, first = [], 0.0, 0.0, 0, 0
