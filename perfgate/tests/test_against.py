@@ -1727,7 +1727,7 @@ def test_a_worker_adds_copies_only_while_the_hosts_memory_holds_them(monkeypatch
         host["available"] -= gib
         return object(), {"first_s": 0.0, "warm_s": 0.0}
 
-    monkeypatch.setattr(timing, "_proc_status_bytes", lambda key: host["rss"])
+    monkeypatch.setattr(timing, "proc_status_bytes", lambda key: host["rss"])
     monkeypatch.setattr(timing, "available_memory", lambda: host["available"])
     worker = types.SimpleNamespace(rows={}, _build_one=build_one)
 
@@ -1737,7 +1737,7 @@ def test_a_worker_adds_copies_only_while_the_hosts_memory_holds_them(monkeypatch
 
     # 2 workers to build after this one, each to grow by a first copy's 1 GiB: one more copy needs
     # 3 GiB beside the reserve; 3 GiB are left after the first copy, 2 after the second
-    assert build(others=2) == {"first_s": 0.0, "warm_s": 0.0, "builds": 2, "copy_bytes": gib}
+    assert build(others=2) == {"first_s": 0.0, "warm_s": 0.0, "builds": 2}
     assert len(worker.rows["row"]) == 2
     host["available"] = 4 * gib + reserve
     assert build(others=0)["builds"] == 3  # the last worker to build: room for all three

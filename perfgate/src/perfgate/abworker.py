@@ -9,7 +9,6 @@ worker over a ``multiprocessing`` pipe: ``build`` a row, time a ``block`` of it,
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import inspect
 import os
@@ -172,6 +171,11 @@ def copy_fits(size: int, others: int, first: int, available: int | None = None) 
     return available is None or available >= size + others * first + MEMORY_RESERVE
 
 
+def _grown(before: int | None, after: int | None) -> int:
+    """Bytes a reading grew by (VmRSS before and after); 0 where either is unread."""
+    return max(0, after - before) if before is not None and after is not None else 0
+
+
 class Worker:
     """A worker's state: its settings, timer and the rows it has built."""
 
@@ -222,26 +226,27 @@ class Worker:
         first, and one more as long as the last, fit in ``build_s`` (the first pays the row's
         one-time costs), and one more as large as the last fits in the host's memory beside a copy
         for each of the ``others`` workers that build after this one (``copy_fits``). Reports the
-        first copy's first and warm call, how many were made and what the last one took."""
-        from .timing import _proc_status_bytes
+        first copy's first and warm call, and how many were made."""
+        from .timing import proc_status_bytes
 
         self.rows.pop(row, None)  # a rebuild's copies replace the row's: the old ones are not counted in
         # VmRSS counts the libraries every process shares too: it errs towards fewer copies
-        loaded = _proc_status_bytes("VmRSS")
+        loaded = proc_status_bytes("VmRSS")
         load_module(module, Path(path))  # the test module's first import is no copy's cost in time
         made, took, spent, size, first = [], 0.0, 0.0, 0, 0
         while not made or (len(made) < builds and spent + took <= build_s and copy_fits(size, others, first)):
-            start, before = time.perf_counter(), _proc_status_bytes("VmRSS")
+            start, before = time.perf_counter(), proc_status_bytes("VmRSS")
             made.append(self._build_one(module, path, function, params, kernel, impl))
-            after = _proc_status_bytes("VmRSS")
+            after = proc_status_bytes("VmRSS")
             # what the copy holds, its first calls' temporaries included (resident under the cache mode),
             # and for the first the module's import too: what a worker yet to build grows by
-            size = max(0, after - before) if before is not None and after is not None else 0
-            first = first or (max(0, after - loaded) if loaded is not None and after is not None else 0)
+            size = _grown(before, after)
+            if len(made) == 1:
+                first = _grown(loaded, after)
             took = time.perf_counter() - start
             spent += took if len(made) > 1 else 0.0
         self.rows[row] = [timed for timed, _ in made]
-        return {**made[0][1], "builds": len(made), "copy_bytes": size}
+        return {**made[0][1], "builds": len(made)}
 
     def _build_one(self, module: str, path: str, function: str, params: dict[str, Any], kernel: str,
                    impl: str) -> tuple[Any, dict[str, Any]]:
@@ -263,13 +268,12 @@ class Worker:
         # the first call runs past the largest spacer a block holds (timing.HeapShift), so the heap has
         # grown about as far as a block's buffers can land and its pages are resident: a call too long for a
         # warming call is then not timed faulting them; the warm call runs past one of random size, as blocks do
-        shift = self.timer.shift
         t0 = time.perf_counter()
-        with shift.held(shift.most) if shift is not None else contextlib.nullcontext():
+        with self.timer.shifted(largest=True):
             once()
         first = time.perf_counter() - t0
         t1 = time.perf_counter()
-        with shift.held() if shift is not None else contextlib.nullcontext():
+        with self.timer.shifted():
             once()
         warm = self.timer.cost(time.perf_counter() - t1)
         for _ in range(max(0, call.warmup_rounds - 2)):

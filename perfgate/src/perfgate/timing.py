@@ -165,11 +165,11 @@ class HeapShift:
     the offset becomes the blocks' noise, which the pairs average (docs/perfgate.md, "Units"). The
     spacer is the calling thread's: glibc gives other threads (an OpenMP team's) arenas of their own."""
 
-    def __init__(self, most: int = 16 << 20, step: int = 64, seed: int | None = None) -> None:
+    def __init__(self, most: int = 16 << 20, step: int = 64) -> None:
         if not (step >= 1 and most >= step):
             raise ValueError(f"HeapShift needs step >= 1 and most >= step bytes, got step={step}, most={most}")
         self.most, self.step = most, step
-        self.rng = random.Random(seed)
+        self.rng = random.Random()
         libc = ctypes.CDLL("libc.so.6")
         self.malloc, self.free = libc.malloc, libc.free
         self.malloc.restype, self.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
@@ -209,6 +209,13 @@ class Timer:
     disable_gc: bool = False
     shift: HeapShift | None = None
 
+    def shifted(self, largest: bool = False) -> contextlib.AbstractContextManager:
+        """``shift``'s spacer held over a ``with`` body (of random size, or its ``largest``); nothing
+        where the timer has no shift."""
+        if self.shift is None:
+            return contextlib.nullcontext()
+        return self.shift.held(self.shift.most if largest else None)
+
     def cost(self, seconds: float) -> float:
         """Wall seconds of a call that reads ``seconds``: what a block of it takes."""
         return seconds + self.overhead_s
@@ -231,7 +238,7 @@ class Timer:
         if self.disable_gc:
             gc.disable()
         try:
-            with self.shift.held() if self.shift is not None else contextlib.nullcontext():
+            with self.shifted():
                 for i in range(warm + calls):
                     if i == warm and warmed is not None:
                         warmed()
@@ -280,7 +287,8 @@ def available_memory() -> int | None:
     return None
 
 
-def _proc_status_bytes(key: str) -> int | None:
+def proc_status_bytes(key: str) -> int | None:
+    """Bytes of this process's ``key`` line in /proc/self/status (VmRSS, VmHWM); None where unread."""
     try:
         with open("/proc/self/status", encoding="utf8") as fh:
             for line in fh:
@@ -339,14 +347,14 @@ def peak_memory(fn: Callable[[], Any], device: str) -> int | None:
         synced(fn, device)()
         return int(torch.cuda.max_memory_allocated(device) - before)
     _release_free_heap()
-    before = _proc_status_bytes("VmRSS")
+    before = proc_status_bytes("VmRSS")
     try:
         with open("/proc/self/clear_refs", "w", encoding="utf8") as fh:
             fh.write("5")
     except OSError:
         return None
     fn()
-    after = _proc_status_bytes("VmHWM")
+    after = proc_status_bytes("VmHWM")
     if before is None or after is None:
         return None
     return max(0, after - before)
