@@ -4,7 +4,7 @@ the reference's) signature, so a perf test times it as one more ``impl`` of its 
 Each optional library is imported when its row runs: a missing one skips that row with the
 reason and the install command (``need``), never the whole file. So is a helper of the library
 under test that an older revision lacks (``--perf-against REV``: that row is not comparable, not
-every row of every file).
+every row of the files importing this module).
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ COMPILED_VMAP = "peer: torch.compile(vmap)"
 
 def compiled_vmap_grads(model: nn.Module, loss_fn: Callable, x: Tensor, y: Tensor) -> dict[str, Tensor]:
     """``workloads.common.vmap_grads`` through ``torch.compile`` (compiled once per process)."""
-    # imported when the row runs: every row module imports this one, and a revision that
-    # --perf-against times may predate the helper (its rows would all be "not comparable")
+    # imported when the row runs: 9 of the 13 row modules import this one, and a revision that
+    # --perf-against times may predate the helper (their rows would all be "not comparable")
     from workloads.common import vmap_grads
 
     return compiled(vmap_grads)(model, loss_fn, x, y)
